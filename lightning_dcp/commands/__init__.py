@@ -1,0 +1,1 @@
+"""Subcommands of the ``lightning-dcp`` CLI (see :mod:`lightning_dcp.cli`)."""

@@ -1,0 +1,13 @@
+"""Pure-Python planning core: plan schema, cost models, policies, simulator, length distributions.
+
+Nothing here imports torch or torch.distributed.
+"""
+
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.plan import PLAN_SCHEMA, Plan, PlanError, StepPlan, WorkItem, validate_plan, validate_step
+from lightning_dcp.planning.profile import PROFILE_SCHEMA, ProfileError, load_profile, save_profile, validate_profile
+
+__all__ = [
+    "CostModel", "ItemCost", "PLAN_SCHEMA", "Plan", "PlanError", "StepPlan", "WorkItem", "validate_plan",
+    "validate_step", "PROFILE_SCHEMA", "ProfileError", "load_profile", "save_profile", "validate_profile",
+]

@@ -1,0 +1,125 @@
+"""The cost-model interface every planner policy and the simulator use.
+
+Two implementations answer it: :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`
+(model + hardware description, no measurement) and
+:class:`~lightning_dcp.planning.profiled.ProfiledCostModel` (fitted to a dual-layer profile).
+
+Units: seconds, bytes, tokens. "Per device" means per rank of the SP group running the item.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class ItemCost:
+    """Time of one micro-batch on its SP group, split the way the ICC metric needs it.
+
+    ``total`` is what the simulator charges; ``ideal`` is the same samples' compute at peak
+    efficiency on one device, with no recomputation and no communication.
+    """
+
+    compute: float
+    """Forward + backward compute of all layers at the achieved efficiency (seconds)."""
+    recompute: float
+    """Extra forward compute of the recomputed layers (seconds)."""
+    comm: float
+    """Ulysses all-to-all time, forward + backward + recomputed forward (seconds)."""
+    overhead: float
+    """Per-micro-batch constant: embedding, head, loss, launch latency (seconds)."""
+    ideal: float
+    """Compute of these samples at peak efficiency, divided by the SP size (seconds)."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.comm + self.overhead
+
+
+class CostModel(abc.ABC):
+    """Time and memory of any micro-batch for any SP size and recompute count.
+
+    Subclasses set ``num_layers``, ``memory_limit`` (usable bytes per device), ``num_heads``
+    (SP sizes must divide it) and ``gpus_per_node``.
+    """
+
+    num_layers: int
+    memory_limit: float
+    num_heads: int
+    gpus_per_node: int = 8
+
+    @abc.abstractmethod
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+        """Cost of one packed micro-batch of ``lengths`` on an SP group of size ``sp``."""
+
+    @abc.abstractmethod
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        """Peak bytes per device of that micro-batch, model states included."""
+
+    @abc.abstractmethod
+    def step_overhead(self, world_size: int) -> float:
+        """Per-step constant: gradient all-reduce over ``world_size`` ranks + optimizer step (seconds)."""
+
+    @abc.abstractmethod
+    def signature(self) -> dict:
+        """JSON-able description (model, hardware or profile key) for reports and caches."""
+
+    # Derived answers; subclasses may override with closed forms.
+
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        return self.item_cost(lengths, sp, recompute).total
+
+    def sp_sizes(self, world_size: int) -> list[int]:
+        """SP sizes usable on ``world_size`` ranks: powers of two dividing the heads."""
+        out, p = [], 1
+        while p <= world_size:
+            if self.num_heads % p == 0:
+                out.append(p)
+            p *= 2
+        return out
+
+    def fits(self, lengths: Sequence[int], sp: int, recompute: int) -> bool:
+        return self.item_memory(lengths, sp, recompute) <= self.memory_limit
+
+    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
+        """Fewest recomputed layers that fit in memory, or ``None`` if even full recompute does not.
+
+        Memory falls linearly in the recompute count (paper eq. 6), so this is a closed form
+        in subclasses; the default bisects.
+        """
+        if not self.fits(lengths, sp, self.num_layers):
+            return None
+        lo, hi = 0, self.num_layers
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.fits(lengths, sp, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def max_length(self, sp: int, recompute: int | None = None) -> int:
+        """Longest single sequence an SP group of ``sp`` holds with ``recompute`` layers (default all)."""
+        r = self.num_layers if recompute is None else recompute
+        if not self.fits([sp], sp, r):
+            return 0
+        lo, hi = sp, sp
+        while self.fits([hi * 2], sp, r):
+            hi *= 2
+            if hi > 1 << 40:
+                return hi
+        hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits([mid], sp, r):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def ideal_time(self, lengths: Sequence[int]) -> float:
+        """Compute-only time of these samples on one device: the ideal bound's numerator."""
+        return sum(self.item_cost([n], 1, 0).ideal for n in lengths)

@@ -1,0 +1,244 @@
+"""The step plan: what the planner promises and the runtime executes.
+
+The JSON form is the contract ``lightning-dcp/plan/v1`` of DESIGN.md. Tools outside the
+package read it, so the fields written here never change meaning; new fields may be added.
+
+Pure Python: no torch, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+PLAN_SCHEMA = "lightning-dcp/plan/v1"
+
+
+class PlanError(ValueError):
+    """A plan (or its JSON form) breaks the v1 contract."""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One micro-batch, run together by ``ranks`` as one sequence-parallel (Ulysses) group.
+
+    Args:
+        ranks: the global ranks of the SP group, an aligned power-of-two block
+            (``len(ranks)`` is the SP size).
+        samples: dataset indices packed into this micro-batch, in packing order.
+        lengths: sequence length in tokens of each sample, same order as ``samples``.
+        recompute: how many of the model's repeated layers run with activation checkpointing.
+    """
+
+    ranks: tuple[int, ...]
+    samples: tuple[int, ...]
+    lengths: tuple[int, ...]
+    recompute: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "samples", tuple(int(s) for s in self.samples))
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        object.__setattr__(self, "recompute", int(self.recompute))
+
+    @property
+    def sp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": list(self.ranks),
+            "samples": list(self.samples),
+            "lengths": list(self.lengths),
+            "recompute": self.recompute,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "WorkItem":
+        missing = [k for k in ("ranks", "samples", "lengths", "recompute") if k not in data]
+        if missing:
+            raise PlanError(f"work item {dict(data)!r} lacks the field(s) {missing}; v1 items need ranks, samples, lengths, recompute")
+        return cls(tuple(data["ranks"]), tuple(data["samples"]), tuple(data["lengths"]), data["recompute"])
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step: the micro-batches of every rank, in execution order."""
+
+    items: tuple[WorkItem, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items", tuple(self.items))
+
+    def items_for_rank(self, rank: int) -> list[WorkItem]:
+        """The items ``rank`` executes, in order."""
+        return [item for item in self.items if rank in item.ranks]
+
+    @property
+    def samples(self) -> list[int]:
+        return [s for item in self.items for s in item.samples]
+
+    @property
+    def tokens(self) -> int:
+        return sum(item.tokens for item in self.items)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"items": [item.to_dict() for item in self.items]}
+        out.update({k: v for k, v in self.extra.items() if k != "items"})
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepPlan":
+        if "items" not in data or not isinstance(data["items"], list):
+            raise PlanError(f"a step needs a list 'items'; got keys {sorted(data)}")
+        extra = {k: v for k, v in data.items() if k != "items"}
+        return cls(tuple(WorkItem.from_dict(i) for i in data["items"]), extra)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A sequence of optimizer steps covering a set of samples (``lightning-dcp/plan/v1``)."""
+
+    policy: str
+    world_size: int
+    steps: tuple[StepPlan, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))
+
+    def __iter__(self) -> Iterator[StepPlan]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def samples(self) -> list[int]:
+        return [s for step in self.steps for s in step.samples]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": PLAN_SCHEMA,
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "steps": [s.to_dict() for s in self.steps],
+        }
+        for k, v in self.extra.items():
+            out.setdefault(k, v)
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan is a JSON object; got {type(data).__name__}")
+        if data.get("schema") != PLAN_SCHEMA:
+            raise PlanError(f"plan schema is {data.get('schema')!r}; this package reads {PLAN_SCHEMA!r}")
+        for key in ("policy", "world_size", "steps"):
+            if key not in data:
+                raise PlanError(f"plan lacks the field {key!r}")
+        extra = {k: v for k, v in data.items() if k not in ("schema", "policy", "world_size", "steps")}
+        return cls(str(data["policy"]), int(data["world_size"]), tuple(StepPlan.from_dict(s) for s in data["steps"]), extra)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan is not valid JSON: {err}") from err
+        return cls.from_dict(data)
+
+
+def is_aligned_block(ranks: Sequence[int]) -> bool:
+    """True when ``ranks`` is ``[k*p, k*p+1, ..., k*p+p-1]`` with ``p`` a power of two."""
+    p = len(ranks)
+    if p == 0 or p & (p - 1):
+        return False
+    start = ranks[0]
+    return start % p == 0 and list(ranks) == list(range(start, start + p))
+
+
+def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> None:
+    """Raise :class:`PlanError` when ``step`` breaks the contract.
+
+    Checks: ranks are aligned power-of-two blocks inside the world; samples and lengths pair
+    up with positive lengths; recompute in ``[0, num_layers]``; with a cost model, no item over
+    its memory limit; and the item order lets every rank finish (no wait cycle).
+    """
+    for idx, item in enumerate(step.items):
+        if not is_aligned_block(item.ranks):
+            raise PlanError(f"item {idx} has ranks {list(item.ranks)}: SP groups must be aligned power-of-two blocks")
+        if item.ranks[-1] >= world_size:
+            raise PlanError(f"item {idx} names rank {item.ranks[-1]} but the world has {world_size} ranks")
+        if not item.samples or len(item.samples) != len(item.lengths):
+            raise PlanError(f"item {idx} has {len(item.samples)} samples and {len(item.lengths)} lengths; both must match and be non-empty")
+        if min(item.lengths) <= 0:
+            raise PlanError(f"item {idx} has a non-positive length {min(item.lengths)}")
+        if item.recompute < 0 or (cost_model is not None and item.recompute > cost_model.num_layers):
+            raise PlanError(f"item {idx} recomputes {item.recompute} layers; allowed is 0..{getattr(cost_model, 'num_layers', '?')}")
+        if cost_model is not None:
+            need = cost_model.item_memory(item.lengths, item.sp_size, item.recompute)
+            if need > cost_model.memory_limit:
+                raise PlanError(
+                    f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, recompute {item.recompute}) "
+                    f"needs {need / 2**30:.2f} GiB per device; the limit is {cost_model.memory_limit / 2**30:.2f} GiB"
+                )
+    check_deadlock_free(step, world_size)
+
+
+def check_deadlock_free(step: StepPlan, world_size: int) -> None:
+    """Run the step symbolically: an item starts once it is at the head of all its ranks' queues."""
+    queues: list[list[int]] = [[] for _ in range(world_size)]
+    for idx, item in enumerate(step.items):
+        for r in item.ranks:
+            queues[r].append(idx)
+    heads = [0] * world_size
+    remaining = len(step.items)
+    progressed = True
+    while remaining and progressed:
+        progressed = False
+        for idx, item in enumerate(step.items):
+            if all(heads[r] < len(queues[r]) and queues[r][heads[r]] == idx for r in item.ranks):
+                for r in item.ranks:
+                    heads[r] += 1
+                remaining -= 1
+                progressed = True
+    if remaining:
+        stuck = [r for r in range(world_size) if heads[r] < len(queues[r])]
+        raise PlanError(f"the item order makes ranks {stuck} wait on each other in a cycle")
+
+
+def validate_plan(plan: Plan, lengths: Sequence[int] | Mapping[int, int] | None = None, cost_model: Any = None,
+                  samples: Iterable[int] | None = None) -> None:
+    """Raise :class:`PlanError` unless ``plan`` is valid, and (given ``samples``) covers each exactly once.
+
+    ``lengths`` maps a sample index to its length (a list indexed by sample, or a mapping);
+    when given, every item's lengths must match it.
+    """
+    if plan.world_size <= 0:
+        raise PlanError(f"world_size must be positive, got {plan.world_size}")
+    seen: dict[int, int] = {}
+    for s_idx, step in enumerate(plan.steps):
+        validate_step(step, plan.world_size, cost_model)
+        for item in step.items:
+            for sample, length in zip(item.samples, item.lengths):
+                if sample in seen:
+                    raise PlanError(f"sample {sample} appears twice (steps {seen[sample]} and {s_idx})")
+                seen[sample] = s_idx
+                if lengths is not None and lengths[sample] != length:
+                    raise PlanError(f"sample {sample} has length {lengths[sample]} but the plan says {length}")
+    if samples is not None:
+        expected = set(int(s) for s in samples)
+        missing = sorted(expected - set(seen))
+        extra = sorted(set(seen) - expected)
+        if missing or extra:
+            raise PlanError(f"plan misses samples {missing[:10]} and adds samples {extra[:10]}")
