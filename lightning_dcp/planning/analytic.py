@@ -1,0 +1,425 @@
+"""Analytic cost model: time and memory of a micro-batch from a model shape and a hardware description.
+
+Used when no measured profile exists (planning ahead of a run, the simulator, the CLI). Every
+term is a closed form, linear in three sums over the micro-batch: its token count, its attention
+work (``sum l_i^2`` for 1d models) and a constant, so the planner's inner loop costs a handful of
+multiplications. See :class:`AnalyticCostModel` for the terms and the assumptions.
+
+Pure Python: no torch, no numpy needed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Sequence
+
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.hardware import GiB, HardwareSpec
+from lightning_dcp.planning.models import ModelSpec
+
+# FlashAttention's backward recomputes the score matrix: 5 matmuls against the forward's 2, so the
+# backward kernel does 2.5x the forward FLOPs (Dao 2023, FlashAttention-2 §3.1/§4).
+ATTN_BWD_RATIO = 2.5
+# Fixed per-device workspace beyond the hardware reserve: cuBLAS/cuDNN workspaces, rotary/mask
+# caches, the embedding output, small buffers (estimate).
+WORKSPACE_BYTES = 1 * GiB
+# Kernels outside the repeated layers per micro-batch (embedding, final norm, head, loss; forward
+# and backward), charged at the hardware's per-block launch overhead.
+HEAD_LAUNCHES = 6
+# Optimizer step bytes moved per parameter of the local shard (memory-bound Adam): read+write fp32
+# master (8), m (8), v (8), read the bf16 grad and write/read its fp32 copy (2+4+4), write the
+# bf16 parameter (2) = 36 bytes.
+OPTIMIZER_BYTES_PER_PARAM = 36.0
+# Gradient buckets: DeepSpeed/DDP reduce in ~500 MB buckets; each bucket is one collective (or a
+# reduce-scatter + all-gather pair under ZeRO) and pays the collective latency.
+GRAD_BUCKET_BYTES = 5e8
+
+
+def _positive_int(value, what: str) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        v = 0
+    if v < 1 or isinstance(value, bool):
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return v
+
+
+def default_activation_factor(model: ModelSpec, dtype_bytes: int = 2) -> float:
+    """Bytes stashed for backward per token per attention+MLP block, divided by ``hidden_size``.
+
+    Counted tensor by tensor for a pre-norm block with flash attention (no ``s^2`` score matrix is
+    kept, only the output and a per-head log-sum-exp), no dropout, the block's input excluded
+    (the layer input is counted separately, kept even when checkpointed, paper eq. 6):
+
+    * attention half: norm output (h), q, k, v (3h), attention output (h), residual sum (h),
+      second norm output (h) = 7h elements;
+    * MLP: SwiGLU (1d) keeps gate, up, silu(gate), silu(gate)*up = 4 x ffn; GELU (2d) keeps
+      fc1 output and gelu output = 2 x ffn.
+
+    For the Transformer-1D (h=3072, ffn=8192, bf16) that is 2*(7 + 4*8192/3072) = 35.3 bytes per
+    hidden unit, next to the 34 of Korthikanti et al. 2022 (their 4h GELU MLP with dropout masks,
+    flash attention removing the 5as term).
+    """
+    mlp = 4 if model.kind == "1d" else 2
+    return dtype_bytes * (7 + mlp * model.ffn_hidden_size / model.hidden_size)
+
+
+class AnalyticCostModel(CostModel):
+    """Closed-form time and memory of a DCP micro-batch: Ulysses SP, ZeRO data parallel, flash attention.
+
+    Time of one micro-batch with ``T`` tokens, per-rank tokens ``t = T / sp``, attention work ``W``
+    (``sum l_i^2`` over the packed samples for 1d; see :meth:`attention_work` for 2d) on an SP group
+    of ``sp`` ranks with ``r`` recomputed layers::
+
+        item = L * (fwd + bwd) + r * fwd + (2 L + r) * a2a + head
+
+    per repeated layer (every term per rank):
+
+    * GEMMs: ``2 * layer_params * t`` FLOPs forward, twice that backward, at efficiency
+      ``gemm_max_efficiency * t / (t + gemm_half_tokens)`` -- which makes GEMM time exactly
+      ``2 * layer_params * (t + half) / (peak * max_eff)``: small per-rank batches pay a constant.
+    * attention: ``4 h W / sp`` FLOPs forward (halved for a causal mask), 2.5x that backward, at
+      ``attn_max_efficiency`` (Ulysses gives each rank ``heads/sp`` heads of the full sequence).
+    * element-wise (norms, activations, residuals, rotary): memory-bound, each stashed activation
+      written once and read once forward (``2 * activation bytes``), twice that backward, at
+      ``hbm_bandwidth``.
+    * launch latency: ``kernel_launch_overhead`` per block forward, twice backward.
+    * Ulysses all-to-all (``a2a``): ``4`` per block forward (q, k, v in; output back), each of
+      ``t * h * dtype_bytes`` bytes of which ``(sp-1)/sp`` leaves the rank, at ``a2a_bw_intra``
+      when ``sp <= gpus_per_node`` else ``a2a_bw_inter``, plus a collective latency each; the
+      backward does the same, every recomputed layer repeats its forward's. Zero for ``sp == 1``.
+      Not overlapped with compute (DeepSpeed Ulysses does not overlap them).
+    * recompute: one extra forward (compute and its all-to-alls) per recomputed layer.
+    * head: for 1d the vocabulary GEMM (``2 t h V`` forward, 3x with backward) and the loss's
+      element-wise passes over ``t x V`` logits; for 2d the patch embedding and output
+      projection; plus ``HEAD_LAUNCHES`` kernel launches.
+
+    Memory per rank::
+
+        M = states + workspace + t * (L * inp + (L - r) * act + max(act, head_act))
+
+    * ``states`` (mixed-precision Adam): ``dtype_bytes`` params and grads replicated, fp32 master
+      weights and Adam m, v (4+4+4 bytes/param) sharded over ``world_size`` under ZeRO-1; ZeRO-2 also
+      shards the grads; ZeRO-0 shards nothing. The fp32 gradient partition DeepSpeed builds exists
+      only inside the optimizer step, when activations are freed, so it is not in the peak.
+    * ``inp = h * dtype_bytes``: each layer's input, kept whether checkpointed or not (paper eq. 6).
+    * ``act = activation_factor * h * blocks_per_layer``: stashed activations of an un-checkpointed
+      layer (see :func:`default_activation_factor`).
+    * transient: the larger of one layer's activations rematerialized/gradients in flight during
+      backward, and (1d) the logits: ``V * (dtype_bytes + 4)`` per token (bf16 logits and the fp32
+      log-softmax of the loss).
+    * ``workspace``: ``WORKSPACE_BYTES``.
+
+    Everything is linear in ``T`` and ``W`` and in ``r``, which gives the closed forms of
+    :meth:`min_recompute` and :meth:`max_length`.
+
+    Args:
+        model: the model shape.
+        hardware: the accelerator.
+        world_size: ranks sharing the ZeRO-sharded states (all ranks: SP groups are data-parallel
+            replicas of one model).
+        memory_limit: bytes per device the planner may use; default ``hardware.usable_memory_bytes``.
+        dtype_bytes: bytes per parameter/activation element of the compute dtype (2 for bf16).
+        zero_stage: 0, 1 or 2.
+        activation_factor: override :func:`default_activation_factor` (bytes per token per block
+            divided by ``hidden_size``).
+    """
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, world_size: int, *,
+                 memory_limit: float | None = None, dtype_bytes: int = 2, zero_stage: int = 1,
+                 activation_factor: float | None = None) -> None:
+        world_size = _positive_int(world_size, "world_size")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r} (ZeRO-3 re-gathers parameters per "
+                             "layer and is not modelled; use a measured profile)")
+        if dtype_bytes not in (1, 2, 4):
+            raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
+        if model.kind not in ("1d", "2d"):
+            raise ValueError(f"model {model.name!r} has kind {model.kind!r}; the analytic model knows '1d' and '2d'")
+        if model.kind == "2d" and model.spatial_tokens <= 0:
+            raise ValueError(f"2d model {model.name!r} needs spatial_tokens > 0 to split a length into frames")
+        self.model = model
+        self.hardware = hardware
+        self.world_size = world_size
+        self.dtype_bytes = dtype_bytes
+        self.zero_stage = zero_stage
+        self.num_layers = model.num_layers
+        self.num_heads = model.num_heads
+        self.gpus_per_node = hardware.gpus_per_node
+        self.memory_limit = float(hardware.usable_memory_bytes if memory_limit is None else memory_limit)
+        if not self.memory_limit > 0:
+            raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
+        self.activation_factor = (default_activation_factor(model, dtype_bytes) if activation_factor is None
+                                  else float(activation_factor))
+        if not self.activation_factor > 0:
+            raise ValueError(f"activation_factor must be positive, got {activation_factor!r}")
+
+        hw, h, L = hardware, model.hidden_size, model.num_layers
+        blocks = model.blocks_per_layer
+        peak = hw.peak_flops
+        self._causal = model.causal
+        self._is_1d = model.kind == "1d"
+        self._spatial = float(model.spatial_tokens)
+
+        # --- per-layer, per-rank time coefficients (sp-independent parts) ---
+        layer_params = model.layer_params()
+        self._gemm_s_per_token = 2.0 * layer_params / (peak * hw.gemm_max_efficiency)  # fwd, per rank-token
+        self._gemm_half = float(hw.gemm_half_tokens)
+        attn_flops_per_work = 4.0 * h * (0.5 if model.causal else 1.0)  # forward, all blocks share W
+        self._attn_flops_per_work = attn_flops_per_work
+        self._attn_s_per_work = attn_flops_per_work / (peak * hw.attn_max_efficiency)
+        self.act_bytes_per_token = self.activation_factor * h * blocks       # per layer, per rank-token
+        self.input_bytes_per_token = float(h * dtype_bytes)                  # per layer, per rank-token
+        self._elem_s_per_token = 2.0 * self.act_bytes_per_token / hw.hbm_bandwidth  # forward
+        self._launch = hw.kernel_launch_overhead * blocks                   # forward, per layer
+        self._a2a_per_layer = 4 * blocks                                     # forward all-to-alls
+        self._a2a_bytes_per_token = float(h * dtype_bytes)
+
+        # --- head / embedding, per micro-batch ---
+        if self._is_1d:
+            head_params = h * model.vocab_size
+            self.head_bytes_per_token = float(model.vocab_size * (dtype_bytes + 4))
+            # logits written (fwd), read by the loss, gradient written: 3 passes over dtype+fp32 bytes
+            head_elem = 3.0 * self.head_bytes_per_token / hw.hbm_bandwidth
+        else:
+            head_params = 2 * h * model.in_channels
+            self.head_bytes_per_token = 0.0
+            head_elem = 0.0
+        self._head_params = head_params
+        head_gemm = 3.0 * 2.0 * head_params / (peak * hw.gemm_max_efficiency)
+        self._head_s_per_token = head_gemm + head_elem
+        self._head_const = head_gemm * self._gemm_half + HEAD_LAUNCHES * hw.kernel_launch_overhead
+
+        # --- ideal: model FLOPs (fwd + 2x bwd) at max efficiency, no recompute, no comm ---
+        self._ideal_s_per_token = 3.0 * 2.0 * (L * layer_params + head_params) / (peak * hw.gemm_max_efficiency)
+        self._ideal_s_per_work = L * 3.0 * self._attn_s_per_work
+
+        # --- memory ---
+        P = model.params()
+        self.param_count = P
+        db = dtype_bytes
+        master = 4.0 if dtype_bytes < 4 else 0.0
+        sharded_opt = (master + 8.0) * P  # fp32 master + Adam m, v
+        if zero_stage == 0:
+            states = db * P + db * P + sharded_opt
+        elif zero_stage == 1:
+            states = db * P + db * P + sharded_opt / world_size
+        else:
+            states = db * P + (db * P + sharded_opt) / world_size
+        self.state_bytes = states
+        self.workspace_bytes = float(WORKSPACE_BYTES)
+        self._mem_base = states + self.workspace_bytes
+        self._transient_per_token = max(self.act_bytes_per_token, self.head_bytes_per_token)
+        # per rank-token bytes with r = 0; each recomputed layer removes act_bytes_per_token
+        self._mem_per_token_r0 = L * (self.input_bytes_per_token + self.act_bytes_per_token) + self._transient_per_token
+
+        self._coef: dict[int, tuple] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def attention_work(self, length: int) -> float:
+        """Attention work of one sample: ``l^2`` for 1d; for 2d spatial + temporal attention.
+
+        2d approximation: a sample of ``l`` tokens is ``frames = max(1, l / spatial_tokens)`` frames
+        of ``l / frames`` tokens (continuous, not rounded). Spatial attention within each frame costs
+        ``frames * (l/frames)^2 = l^2 / frames``; temporal attention across frames at each spatial
+        position costs ``(l/frames) * frames^2 = l * frames``. Sum: ``l^2/frames + l*frames``.
+        """
+        if self._is_1d:
+            return float(length) * length
+        fr = length / self._spatial
+        if fr < 1.0:
+            fr = 1.0
+        return length * length / fr + length * fr
+
+    def _sums(self, lengths: Sequence[int]) -> tuple[int, float]:
+        tokens = 0
+        work = 0.0
+        if self._is_1d:
+            for n in lengths:
+                tokens += n
+                work += n * n
+        else:
+            s = self._spatial
+            for n in lengths:
+                tokens += n
+                fr = n / s
+                if fr < 1.0:
+                    fr = 1.0
+                work += n * n / fr + n * fr
+        return tokens, work
+
+    def _coefficients(self, sp: int) -> tuple:
+        """Per-sp coefficients of time = (wA + r wR) W + (tA + r tR) T + (cA + r cR); cached."""
+        c = self._coef.get(sp)
+        if c is not None:
+            return c
+        sp = _positive_int(sp, "sp")
+        if self.num_heads % sp:
+            raise ValueError(f"sp={sp} does not divide num_heads={self.num_heads} of model {self.model.name!r}; "
+                             f"usable SP sizes: {[p for p in (1, 2, 4, 8, 16, 32, 64, 128) if self.num_heads % p == 0]}")
+        hw, L = self.hardware, self.num_layers
+        inv = 1.0 / sp
+        g, half, la = self._gemm_s_per_token, self._gemm_half, self._launch
+        # forward compute per layer: fW*W + fT*T + fC
+        fW = self._attn_s_per_work * inv
+        fT = (g + self._elem_s_per_token) * inv
+        fC = g * half + la
+        bW = ATTN_BWD_RATIO * fW
+        bT = 2.0 * fT
+        bC = 2.0 * fC
+        # all-to-all per layer forward: aT*T + aC
+        if sp == 1:
+            aT = aC = 0.0
+        else:
+            intra = sp <= hw.gpus_per_node
+            bw = hw.a2a_bw_intra if intra else hw.a2a_bw_inter
+            lat = hw.collective_latency if intra else hw.collective_latency_inter
+            n = self._a2a_per_layer
+            aT = n * self._a2a_bytes_per_token * (sp - 1) / sp / bw * inv
+            aC = n * lat
+        oT = self._head_s_per_token * inv
+        oC = self._head_const
+        c = (
+            fW, fT, fC, bW, bT, bC, aT, aC, oT, oC,
+            # item-time coefficients, r = 0 and per recomputed layer
+            L * (fW + bW), L * (fT + bT + 2 * aT) + oT, L * (fC + bC + 2 * aC) + oC,
+            fW, fT + aT, fC + aC,
+            # memory per global token: base + T * (m0 - r * m1)
+            self._mem_per_token_r0 * inv, self.act_bytes_per_token * inv,
+            # ideal
+            self._ideal_s_per_work * inv, self._ideal_s_per_token * inv,
+        )
+        self._coef[sp] = c
+        return c
+
+    # ------------------------------------------------------------------ fast paths
+
+    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int) -> float:
+        """Item time from precomputed sums: ``tokens`` = sum of lengths, ``sq_sum`` = sum of
+        :meth:`attention_work` over the samples (``sum l^2`` for 1d models), ``n`` samples.
+
+        Same value as ``item_time(lengths, sp, recompute)``; costs six multiplications.
+        """
+        c = self._coef.get(sp) or self._coefficients(sp)
+        r = recompute
+        return (c[10] + r * c[13]) * sq_sum + (c[11] + r * c[14]) * tokens + c[12] + r * c[15]
+
+    def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
+        """Peak bytes per device of a micro-batch of ``tokens`` total tokens (memory depends on nothing else)."""
+        c = self._coef.get(sp) or self._coefficients(sp)
+        return self._mem_base + tokens * (c[16] - recompute * c[17])
+
+    def min_recompute_tokens(self, tokens: int, sp: int) -> int | None:
+        """:meth:`min_recompute` for a micro-batch of ``tokens`` total tokens."""
+        c = self._coef.get(sp) or self._coefficients(sp)
+        L, limit = self.num_layers, self.memory_limit
+        if self._mem_base + tokens * (c[16] - L * c[17]) > limit:
+            return None
+        if tokens <= 0:
+            return 0
+        # base + T*(m0 - r m1) <= limit  <=>  r >= (base + T m0 - limit) / (T m1)
+        r = math.ceil((self._mem_base + tokens * c[16] - limit) / (tokens * c[17]))
+        r = min(max(r, 0), L)
+        # guard against rounding at the boundary so the answer equals the bisection's
+        while r > 0 and self._mem_base + tokens * (c[16] - (r - 1) * c[17]) <= limit:
+            r -= 1
+        while r < L and self._mem_base + tokens * (c[16] - r * c[17]) > limit:
+            r += 1
+        return r
+
+    # ------------------------------------------------------------------ CostModel
+
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        tokens, work = self._sums(lengths)
+        return self.item_time_sum(tokens, work, len(lengths), sp, recompute)
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        return self.item_memory_tokens(sum(lengths), sp, recompute)
+
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+        if not 0 <= recompute <= self.num_layers:
+            raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
+        c = self._coefficients(sp)
+        T, W = self._sums(lengths)
+        L, r = self.num_layers, recompute
+        fW, fT, fC, bW, bT, bC, aT, aC, oT, oC = c[:10]
+        fwd = fW * W + fT * T + fC
+        bwd = bW * W + bT * T + bC
+        a2a = aT * T + aC
+        return ItemCost(
+            compute=L * (fwd + bwd),
+            recompute=r * fwd,
+            comm=(2 * L + r) * a2a,
+            overhead=oT * T + oC,
+            ideal=c[18] * W + c[19] * T,
+        )
+
+    def step_overhead(self, world_size: int) -> float:
+        """Gradient reduction over ``world_size`` ranks plus the optimizer step.
+
+        Reduction: ring all-reduce of the ``dtype_bytes`` gradients, ``2 (W-1)/W * bytes / busbw``
+        (ZeRO-1/2 do a reduce-scatter of gradients and an all-gather of updated parameters: the same
+        volume), inter-node bus bandwidth when ``W > gpus_per_node``, plus one collective latency per
+        500 MB bucket. Optimizer: memory-bound Adam over the local shard,
+        ``OPTIMIZER_BYTES_PER_PARAM * params / W / hbm_bandwidth`` (unsharded for ZeRO-0).
+        """
+        hw, W = self.hardware, _positive_int(world_size, "world_size")
+        grad_bytes = self.param_count * self.dtype_bytes
+        comm = 0.0
+        if W > 1:
+            intra = W <= hw.gpus_per_node
+            bw = hw.allreduce_bw_intra if intra else hw.allreduce_bw_inter
+            lat = hw.collective_latency if intra else hw.collective_latency_inter
+            buckets = math.ceil(grad_bytes / GRAD_BUCKET_BYTES)
+            comm = 2.0 * (W - 1) / W * grad_bytes / bw + (2 if self.zero_stage else 1) * buckets * lat
+        shard = self.param_count / (W if self.zero_stage else 1)
+        return comm + OPTIMIZER_BYTES_PER_PARAM * shard / hw.hbm_bandwidth
+
+    def signature(self) -> dict:
+        return {
+            "source": "analytic",
+            "model": self.model.to_dict(),
+            "hardware": self.hardware.to_dict(),
+            "world_size": self.world_size,
+            "memory_limit": self.memory_limit,
+            "dtype_bytes": self.dtype_bytes,
+            "zero_stage": self.zero_stage,
+            "activation_factor": self.activation_factor,
+        }
+
+    # ------------------------------------------------------------------ closed forms
+
+    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
+        """Fewest recomputed layers that fit (closed form of eq. 6), ``None`` if full recompute does not."""
+        return self.min_recompute_tokens(sum(lengths), sp)
+
+    def max_length(self, sp: int, recompute: int | None = None) -> int:
+        """Longest single sequence that fits on ``sp`` ranks with ``recompute`` layers (default all); 0 if none."""
+        r = self.num_layers if recompute is None else recompute
+        c = self._coefficients(sp)
+        per_token = c[16] - r * c[17]
+        room = self.memory_limit - self._mem_base
+        if room < 0:
+            return 0
+        n = int(room / per_token)
+        while n > 0 and self.item_memory_tokens(n, sp, r) > self.memory_limit:
+            n -= 1
+        while self.item_memory_tokens(n + 1, sp, r) <= self.memory_limit:
+            n += 1
+        return n if n >= sp else 0
+
+    # ------------------------------------------------------------------ reporting helpers
+
+    def model_flops(self, lengths: Sequence[int]) -> float:
+        """Model FLOPs of one training pass over ``lengths`` (forward + 2x backward, causal attention halved)."""
+        T, W = self._sums(lengths)
+        L = self.num_layers
+        fwd = L * (2.0 * self.model.layer_params() * T + self._attn_flops_per_work * W) + 2.0 * self._head_params * T
+        return 3.0 * fwd
+
+    def mfu(self, lengths: Sequence[int], sp: int = 1, recompute: int = 0) -> float:
+        """Model FLOPs utilization of one micro-batch: model FLOPs / (time * sp * peak)."""
+        return self.model_flops(lengths) / (self.item_time(lengths, sp, recompute) * sp * self.hardware.peak_flops)

@@ -1,0 +1,323 @@
+"""Cost model fitted to a measured dual-layer profile (schema ``lightning-dcp/profile/v1``).
+
+Per SP size present in the profile, the per-layer forward and backward times are fitted as
+``t = a * sum(l^2) + b * tokens + c`` (the Hydraulis latency model, App. B.2, on packed
+micro-batches), and the per-layer activation and input bytes as ``k * tokens + m``; all
+coefficients non-negative. Item time and memory then follow the DCP paper's eqs. 4-6.
+
+Pure Python + numpy: no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from lightning_dcp.planning.analytic import _positive_int
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
+
+# All-reduce bus bandwidth assumed when a profile made on one device must predict the gradient
+# reduction of a larger world (it measured none): 45 GB/s, the inter-node figure of the h100
+# entry in hardware.py (estimate).
+FALLBACK_ALLREDUCE_BW = 45e9
+
+# Column subsets tried by the non-negative fit, most preferred first (used to break ties between
+# equally good fits, e.g. a single measured entry, which every one-term model matches exactly).
+_SUBSETS_3 = ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (0,), (2,))
+_SUBSETS_2 = ((0, 1), (0,), (1,))
+
+
+def nonneg_fit(X: np.ndarray, y: np.ndarray, *, relative: bool = True,
+               subsets: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+    """Least-squares ``X @ coef ~= y`` with ``coef >= 0``, for a handful of columns.
+
+    Exact non-negative least squares by enumeration: the NNLS optimum is the unconstrained
+    least-squares solution on some subset of columns, so every subset whose design matrix has full
+    column rank is solved and the feasible (non-negative) one with the smallest residual wins;
+    ties (e.g. underdetermined grids, where several subsets fit exactly) go to the earlier subset
+    in ``subsets``. With ``relative``, rows are weighted by ``1/y`` so short and long measurements
+    count alike. Columns are scaled to unit norm before solving (``l^2`` and ``1`` differ by ~1e10).
+    Returns zeros if ``y`` is all zero.
+    """
+    X = np.asarray(X, dtype=float)
+    y = np.asarray(y, dtype=float)
+    ncol = X.shape[1]
+    if subsets is None:
+        subsets = _SUBSETS_3 if ncol == 3 else [s for k in range(ncol, 0, -1) for s in itertools.combinations(range(ncol), k)]
+    if not np.any(y > 0):
+        return np.zeros(ncol)
+    if relative:
+        w = 1.0 / np.maximum(y, np.mean(y) * 1e-3)
+        Xw, yw = X * w[:, None], y * w
+    else:
+        Xw, yw = X, y
+    norms = np.linalg.norm(Xw, axis=0)
+    norms[norms == 0] = 1.0
+    Xs = Xw / norms
+    scale = float(yw @ yw) or 1.0
+    best: tuple[float, int, np.ndarray] | None = None
+    for rank_order, cols in enumerate(subsets):
+        cols = list(cols)
+        A = Xs[:, cols]
+        if np.linalg.matrix_rank(A, tol=1e-10 * max(A.shape)) < len(cols):
+            continue
+        sol, *_ = np.linalg.lstsq(A, yw, rcond=None)
+        if np.any(sol < -1e-12 * np.max(np.abs(sol), initial=1.0)):
+            continue
+        sol = np.maximum(sol, 0.0)
+        res = yw - A @ sol
+        sse = float(res @ res)
+        if best is None or sse < best[0] - 1e-9 * scale:
+            full = np.zeros(ncol)
+            full[cols] = sol
+            best = (sse, rank_order, full)
+    if best is None:  # every column is zero: nothing to explain the data with
+        raise ProfileError("profile fit failed: no non-negative model explains the measurements")
+    return best[2] / norms
+
+
+class ProfiledCostModel(CostModel):
+    """Cost model fitted to a measured dual-layer profile.
+
+    Per SP size ``p`` in the profile, from its entries (micro-batch ``b`` of length ``l``: ``b*l``
+    tokens and ``sum l^2 = b*l^2``), non-negative least squares (rows weighted by ``1/t`` so every
+    length counts) of::
+
+        t_f, t_b = a * sum(l^2) + b * tokens + c        # one layer, per rank, all-to-alls included
+        act, inp = k * tokens + m                       # bytes per layer, per rank
+
+    Small grids work: with fewer distinct points than terms the fit drops terms (a single entry
+    gives a time proportional to tokens). Then for a micro-batch on ``p`` ranks with ``r``
+    recomputed layers (paper eqs. 4-6)::
+
+        time   = L * (t_f + t_b) + r * t_f + constant.time_s
+        memory = constant.memory_bytes + L * inp + (L - r) * act + act     # + one layer's transient
+
+    Communication is inside the measured layer times, so :class:`ItemCost` reports ``comm = 0``
+    and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
+    divided by ``p`` (if sp=1 was not measured: the smallest measured ``p0``'s, times ``p0``).
+    Only measured SP sizes are usable: :meth:`sp_sizes` returns those and item methods raise for others.
+
+    Args:
+        profile: a v1 profile dict (see :mod:`lightning_dcp.planning.profile`).
+        memory_limit: bytes per device the planner may use; default ``device.memory_limit_bytes``.
+    """
+
+    def __init__(self, profile: dict, *, memory_limit: float | None = None) -> None:
+        data = validate_profile(profile)
+        self.profile = data
+        model, device, const = data["model"], data["device"], data["constant"]
+        self.num_layers = int(model["num_layers"])
+        self.num_heads = int(model["num_heads"])
+        gpn = device.get("gpus_per_node", 8)
+        if not isinstance(gpn, int) or gpn < 1:
+            raise ProfileError(f"device.gpus_per_node must be a positive integer, got {gpn!r}")
+        self.gpus_per_node = gpn
+        self.memory_limit = float(device["memory_limit_bytes"] if memory_limit is None else memory_limit)
+        if not self.memory_limit > 0:
+            raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
+        self.constant_time = float(const["time_s"])
+        self.constant_memory = float(const["memory_bytes"])
+        self.optimizer_s = float(const["optimizer_s"])
+        self.allreduce_s = float(const["allreduce_s"])
+        pb = const.get("param_bytes")
+        self.param_bytes = float(pb) if isinstance(pb, (int, float)) and not isinstance(pb, bool) and pb > 0 else None
+        ws = data["key"].get("world_size") if isinstance(data["key"], dict) else None
+        self.profile_world_size = ws if isinstance(ws, int) and ws >= 1 else None
+
+        by_sp: dict[int, list[dict]] = {}
+        for e in data["entries"]:
+            by_sp.setdefault(int(e["sp"]), []).append(e)
+        bad = [p for p in by_sp if self.num_heads % p]
+        if bad:
+            raise ProfileError(f"profile entries use sp={sorted(bad)}, which do not divide num_heads={self.num_heads}; "
+                               "re-profile with SP sizes that divide the head count")
+        self.fits_by_sp: dict[int, dict[str, tuple[float, ...]]] = {}
+        for p, entries in sorted(by_sp.items()):
+            sq = np.array([e["micro_batch"] * float(e["seq_len"]) ** 2 for e in entries])
+            tok = np.array([float(e["micro_batch"] * e["seq_len"]) for e in entries])
+            X3 = np.stack([sq, tok, np.ones_like(tok)], axis=1)
+            X2 = X3[:, 1:]
+            f = np.array([float(e["forward_s"]) for e in entries])
+            b = np.array([float(e["backward_s"]) for e in entries])
+            if not np.any(f > 0) or not np.any(b > 0):
+                raise ProfileError(f"profile entries for sp={p} have all-zero forward_s or backward_s: nothing was timed; "
+                                   "re-run the profiler (on CUDA, timings need torch.cuda.synchronize)")
+            act = np.array([float(e["activation_bytes"]) for e in entries])
+            inp = np.array([float(e["input_bytes"]) for e in entries])
+            fit = {
+                "forward": tuple(float(v) for v in nonneg_fit(X3, f)),
+                "backward": tuple(float(v) for v in nonneg_fit(X3, b)),
+                "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
+                "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
+            }
+            self.fits_by_sp[p] = fit
+        self.measured_sp = tuple(sorted(self.fits_by_sp))
+        p0 = self.measured_sp[0]
+        f0, b0 = self.fits_by_sp[p0]["forward"], self.fits_by_sp[p0]["backward"]
+        L = self.num_layers
+        # ideal per sample on one device: L*(t_f + t_b) of the smallest measured SP size, times p0
+        self._ideal = tuple(L * (f0[i] + b0[i]) * p0 for i in range(3))
+        self._coef: dict[int, tuple] = {}
+        for p, fit in self.fits_by_sp.items():
+            fa, fb, fc = fit["forward"]
+            ba, bb, bc = fit["backward"]
+            ka, ma = fit["activation"]
+            ki, mi = fit["input"]
+            self._coef[p] = (
+                fa, fb, fc, ba, bb, bc,
+                # item time: (A0 + r A1) sq + (B0 + r B1) T + (C0 + r C1)
+                L * (fa + ba), L * (fb + bb), L * (fc + bc) + self.constant_time, fa, fb, fc,
+                # memory: base0 + T*m0 - r*(ma + T*ka)   with the transient layer counted
+                self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka, ma, ka,
+                # ideal / p
+                self._ideal[0] / p, self._ideal[1] / p, self._ideal[2] / p,
+            )
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, memory_limit: float | None = None) -> "ProfiledCostModel":
+        """Load, validate and fit a profile file; :class:`ProfileError` names the file on problems."""
+        data = load_profile(path)
+        try:
+            return cls(data, memory_limit=memory_limit)
+        except ProfileError as err:
+            raise ProfileError(f"profile file {path}: {err}") from None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _c(self, sp: int) -> tuple:
+        c = self._coef.get(sp)
+        if c is None:
+            raise ValueError(f"sp={sp!r} was not measured in this profile; measured SP sizes: {list(self.measured_sp)} "
+                             "(re-profile with that size, or plan with sp_sizes())")
+        return c
+
+    @staticmethod
+    def attention_work(length: int) -> float:
+        """Attention work the fit uses for one sample: ``l^2``."""
+        return float(length) * length
+
+    # ------------------------------------------------------------------ fast paths (same API as AnalyticCostModel)
+
+    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int) -> float:
+        """Item time from ``tokens = sum(l)`` and ``sq_sum = sum(l^2)`` of the ``n`` samples."""
+        c = self._c(sp)
+        r = recompute
+        return (c[6] + r * c[9]) * sq_sum + (c[7] + r * c[10]) * tokens + c[8] + r * c[11]
+
+    def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
+        """Peak bytes per device of a micro-batch of ``tokens`` total tokens."""
+        c = self._c(sp)
+        return c[12] + tokens * c[13] - recompute * (c[14] + tokens * c[15])
+
+    def min_recompute_tokens(self, tokens: int, sp: int) -> int | None:
+        """:meth:`min_recompute` for a micro-batch of ``tokens`` total tokens."""
+        c = self._c(sp)
+        L, limit = self.num_layers, self.memory_limit
+        mem = lambda r: c[12] + tokens * c[13] - r * (c[14] + tokens * c[15])  # noqa: E731
+        if mem(L) > limit:
+            return None
+        per_layer = c[14] + tokens * c[15]
+        if per_layer <= 0:
+            return 0
+        r = min(max(math.ceil((mem(0) - limit) / per_layer), 0), L)
+        while r > 0 and mem(r - 1) <= limit:
+            r -= 1
+        while r < L and mem(r) > limit:
+            r += 1
+        return r
+
+    # ------------------------------------------------------------------ CostModel
+
+    def sp_sizes(self, world_size: int) -> list[int]:
+        """Measured SP sizes that are powers of two dividing the heads and at most ``world_size``."""
+        return [p for p in super().sp_sizes(world_size) if p in self._coef]
+
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        tokens = 0
+        sq = 0
+        for n in lengths:
+            tokens += n
+            sq += n * n
+        return self.item_time_sum(tokens, sq, len(lengths), sp, recompute)
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        return self.item_memory_tokens(sum(lengths), sp, recompute)
+
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+        if not 0 <= recompute <= self.num_layers:
+            raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
+        c = self._c(sp)
+        T = sum(lengths)
+        W = sum(n * n for n in lengths)
+        fwd = c[0] * W + c[1] * T + c[2]
+        bwd = c[3] * W + c[4] * T + c[5]
+        return ItemCost(
+            compute=self.num_layers * (fwd + bwd),
+            recompute=recompute * fwd,
+            comm=0.0,
+            overhead=self.constant_time,
+            ideal=c[16] * W + c[17] * T + c[18],
+        )
+
+    def step_overhead(self, world_size: int) -> float:
+        """Measured ``allreduce_s + optimizer_s``, rescaled when ``world_size`` differs from the profile's.
+
+        Ring reduction volume scales with ``(W-1)/W``; a profile made on one device (no all-reduce
+        measured) uses ``2 (W-1)/W * param_bytes / FALLBACK_ALLREDUCE_BW`` when ``param_bytes`` is
+        recorded. The optimizer time is kept as measured.
+        """
+        W, W0 = _positive_int(world_size, "world_size"), self.profile_world_size
+        if W == 1:
+            comm = 0.0
+        elif W0 is None or W0 == W:
+            comm = self.allreduce_s
+        elif W0 > 1:
+            comm = self.allreduce_s * ((W - 1) / W) / ((W0 - 1) / W0)
+        elif self.param_bytes is not None:
+            comm = 2.0 * (W - 1) / W * self.param_bytes / FALLBACK_ALLREDUCE_BW
+        else:
+            comm = self.allreduce_s
+        return comm + self.optimizer_s
+
+    def signature(self) -> dict:
+        return {
+            "source": "profile",
+            "key": dict(self.profile.get("key", {})),
+            "model": dict(self.profile["model"]),
+            "memory_limit": self.memory_limit,
+            "measured_sp": list(self.measured_sp),
+        }
+
+    # ------------------------------------------------------------------ closed forms
+
+    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
+        """Fewest recomputed layers that fit (closed form of eq. 6), ``None`` if full recompute does not."""
+        return self.min_recompute_tokens(sum(lengths), sp)
+
+    def max_length(self, sp: int, recompute: int | None = None) -> int:
+        """Longest single sequence that fits on ``sp`` ranks with ``recompute`` layers (default all); 0 if none."""
+        r = self.num_layers if recompute is None else recompute
+        c = self._c(sp)
+        base = c[12] - r * c[14]
+        per_token = c[13] - r * c[15]
+        limit = self.memory_limit
+        if base + sp * per_token > limit:
+            return 0
+        if per_token <= 0:
+            return 1 << 40  # memory does not grow with length: the base class's cap
+        n = int((limit - base) / per_token)
+        while n > 0 and self.item_memory_tokens(n, sp, r) > limit:
+            n -= 1
+        while self.item_memory_tokens(n + 1, sp, r) <= limit:
+            n += 1
+        return n if n >= sp else 0
+
+    def fit_summary(self) -> dict[int, dict[str, Any]]:
+        """The fitted coefficients per SP size: ``forward``/``backward`` ``(a, b, c)``, ``activation``/``input`` ``(k, m)``."""
+        return {p: dict(fit) for p, fit in self.fits_by_sp.items()}

@@ -1,0 +1,396 @@
+"""Cost models: hardware registry, analytic physics and calibration, profiled fits, closed forms."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dcp.planning.analytic import AnalyticCostModel, default_activation_factor
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.hardware import HARDWARE, HardwareSpec, get_hardware
+from lightning_dcp.planning.models import get_model
+from lightning_dcp.planning.profile import PROFILE_SCHEMA, ProfileError, save_profile
+from lightning_dcp.planning.profiled import ProfiledCostModel, nonneg_fit
+
+L1D = 42
+CM = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 8)
+CM2D = AnalyticCostModel(get_model("transformer-2d"), get_hardware("h100"), 8)
+SPS = CM.sp_sizes(64)  # [1, 2, 4, 8, 16]: 48 heads
+
+lengths_st = st.lists(st.integers(1, 600_000), min_size=1, max_size=6)
+sp_st = st.sampled_from(SPS)
+r_st = st.integers(0, L1D)
+
+
+# ------------------------------------------------------------------ hardware
+
+
+def test_hardware_registry():
+    assert {"h100", "h200", "a100"} <= set(HARDWARE)
+    h100 = get_hardware("h100")
+    assert h100.peak_flops == pytest.approx(989.4e12)
+    assert h100.usable_memory_bytes < h100.memory_bytes
+    assert get_hardware("h200").hbm_bandwidth == 4.8e12
+    assert get_hardware("a100").peak_flops == 312e12
+    assert get_hardware("h200-80gb").usable_memory_bytes < 80e9
+    with pytest.raises(ValueError, match="a100, h100, h200"):
+        get_hardware("tpu")
+
+
+def test_hardware_validation():
+    base = get_hardware("h100").to_dict()
+    with pytest.raises(ValueError, match="gemm_max_efficiency"):
+        HardwareSpec(**{**base, "gemm_max_efficiency": 1.5})
+    with pytest.raises(ValueError, match="usable_memory_bytes"):
+        HardwareSpec(**{**base, "usable_memory_bytes": base["memory_bytes"] * 2})
+    with pytest.raises(ValueError, match="peak_flops"):
+        HardwareSpec(**{**base, "peak_flops": 0})
+
+
+# ------------------------------------------------------------------ analytic: physics
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, st.integers(1, 50_000), sp_st, r_st)
+def test_time_increases_with_length(lengths, extra, sp, r):
+    longer = lengths[:-1] + [lengths[-1] + extra]
+    assert CM.item_time(longer, sp, r) > CM.item_time(lengths, sp, r)
+    assert CM2D.item_time([n * 2 for n in lengths], min(sp, 16), min(r, 28)) > CM2D.item_time(lengths, min(sp, 16), min(r, 28))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, sp_st, st.integers(0, L1D - 1))
+def test_recompute_costs_time_and_saves_memory(lengths, sp, r):
+    assert CM.item_time(lengths, sp, r + 1) > CM.item_time(lengths, sp, r)
+    assert CM.item_memory(lengths, sp, r + 1) < CM.item_memory(lengths, sp, r)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, r_st)
+def test_memory_falls_and_comm_rises_with_sp(lengths, r):
+    """Per-rank memory falls with sp; communication grows: in GPU-seconds (sp x time) and as a share of the item.
+
+    (Per-rank all-to-all *time* inside a node falls with sp: each rank sends t(sp-1)/sp of
+    t = T/sp tokens -- the Ulysses property -- while the group's total volume T(sp-1)/sp grows.)
+    """
+    mems = [CM.item_memory(lengths, sp, r) for sp in SPS]
+    costs = [CM.item_cost(lengths, sp, r) for sp in SPS]
+    assert all(a > b for a, b in zip(mems, mems[1:]))
+    assert costs[0].comm == 0.0
+    gpu_comm = [sp * c.comm for sp, c in zip(SPS, costs)]
+    share = [c.comm / c.total for c in costs]
+    assert all(a < b for a, b in zip(gpu_comm, gpu_comm[1:]))
+    assert all(a < b for a, b in zip(share, share[1:]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(65_536, 1_000_000), r_st)
+def test_long_sequences_run_faster_with_more_sp(n, r):
+    times = [CM.item_time([n], sp, r) for sp in SPS]
+    assert all(a > b for a, b in zip(times, times[1:]))
+
+
+def test_short_sequences_pay_for_sp():
+    """Fig. 5: for a 4k sequence, SP costs more GPU time than it saves, and comm dominates more."""
+    t1 = CM.item_time([4096], 1, L1D)
+    for sp in SPS[1:]:
+        assert sp * CM.item_time([4096], sp, L1D) > 1.2 * t1
+    # crossing nodes makes a short sequence slower in wall time too
+    assert CM.item_time([4096], 16, L1D) > CM.item_time([4096], 8, L1D)
+
+    def share(n, sp):
+        c = CM.item_cost([n], sp, L1D)
+        return c.comm / c.total
+
+    for sp in SPS[1:]:
+        assert share(4096, sp) > 2 * share(262_144, sp)
+    assert share(4096, 16) > 0.25
+
+
+def test_item_cost_parts_and_fast_paths_agree():
+    for lengths in ([8192], [1000, 3000, 50_000], [300_000]):
+        T, W = sum(lengths), sum(n * n for n in lengths)
+        for sp in SPS:
+            for r in (0, 7, L1D):
+                c = CM.item_cost(lengths, sp, r)
+                t = CM.item_time(lengths, sp, r)
+                assert c.total == pytest.approx(t, rel=1e-12)
+                assert CM.item_time_sum(T, W, len(lengths), sp, r) == pytest.approx(t, rel=1e-12)
+                assert CM.item_memory_tokens(T, sp, r) == CM.item_memory(lengths, sp, r)
+                assert 0 < c.ideal < c.compute
+                assert c.recompute == pytest.approx(r * CM.item_cost(lengths, sp, 1).recompute, rel=1e-12)
+                assert c.comm == pytest.approx((2 * L1D + r) / (2 * L1D) * CM.item_cost(lengths, sp, 0).comm, rel=1e-12)
+                assert c.ideal == pytest.approx(CM.item_cost(lengths, 1, 0).ideal / sp)
+    # ideal_time is the sum over samples of their one-device ideal
+    assert CM.ideal_time([4096, 8192]) == pytest.approx(
+        CM.item_cost([4096], 1, 0).ideal + CM.item_cost([8192], 1, 0).ideal)
+    # 2d: sums over attention_work
+    ls = [500, 5000, 100_000]
+    W2 = sum(CM2D.attention_work(n) for n in ls)
+    assert CM2D.item_time_sum(sum(ls), W2, 3, 4, 3) == pytest.approx(CM2D.item_time(ls, 4, 3), rel=1e-12)
+
+
+def test_2d_attention_work():
+    s = get_model("transformer-2d").spatial_tokens
+    assert CM2D.attention_work(s // 2) == pytest.approx((s // 2) ** 2 + s // 2)  # one frame
+    n = 10 * s  # 10 frames of s tokens: spatial 10*s^2, temporal s*10^2
+    assert CM2D.attention_work(n) == pytest.approx(10 * s * s + s * 100)
+    works = [CM2D.attention_work(n) for n in range(1, 300_000, 997)]
+    assert all(a < b for a, b in zip(works, works[1:]))
+    # far cheaper than full 1d attention over a long video
+    assert CM2D.attention_work(200_000) < 0.01 * 200_000**2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 400_000), min_size=1, max_size=4), sp_st)
+def test_min_recompute_closed_form_matches_bisection(lengths, sp):
+    assert CM.min_recompute(lengths, sp) == CostModel.min_recompute(CM, lengths, sp)
+
+
+def test_max_length_closed_form_matches_bisection_and_grows_with_sp():
+    for cm in (CM, CM2D):
+        prev = 0
+        for sp in cm.sp_sizes(64):
+            for r in (0, cm.num_layers // 2, None):
+                assert cm.max_length(sp, r) == CostModel.max_length(cm, sp, r)
+            m = cm.max_length(sp)
+            assert m > prev
+            prev = m
+            assert cm.fits([m], sp, cm.num_layers) and not cm.fits([m + 1], sp, cm.num_layers)
+    tiny = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 1, memory_limit=10e9)
+    assert tiny.max_length(1) == 0 == CostModel.max_length(tiny, 1)  # states alone exceed the limit
+    assert tiny.min_recompute([10], 1) is None
+
+
+def test_calibration_transformer_1d_h100():
+    # full recompute on one 80 GB H100 holds 64k-128k tokens
+    assert 64 * 1024 <= CM.max_length(1) <= 128 * 1024
+    # the longest "long" sequences (up to 512k) need sp 8
+    assert CM.max_length(4) < 512 * 1024 <= CM.max_length(8)
+    # a 1d layer at 8k tokens in bf16 on one H100: 50-60 % MFU
+    assert 0.50 <= CM.mfu([8192]) <= 0.60
+    assert 0.45 <= CM.mfu([32768]) <= 0.60
+    # dropping full recompute at 8k saves ~20-25 % (paper Fig. 10)
+    saving = 1 - CM.item_time([8192], 1, 0) / CM.item_time([8192], 1, L1D)
+    assert 0.20 <= saving <= 0.25
+    # ... and 8k fits without any recompute on one device
+    assert CM.min_recompute([8192], 1) == 0
+    assert default_activation_factor(get_model("transformer-1d")) == pytest.approx(2 * (7 + 4 * 8192 / 3072))
+
+
+def test_memory_model_terms():
+    P = get_model("transformer-1d").params()
+    W = 8
+    assert CM.state_bytes == pytest.approx(2 * P + 2 * P + 12 * P / W)
+    z0 = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), W, zero_stage=0)
+    z2 = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), W, zero_stage=2)
+    assert z0.state_bytes > CM.state_bytes > z2.state_bytes
+    # linear in tokens, paper eq. 6: each recomputed layer frees one layer of stashed activations
+    d = CM.item_memory([10_000], 1, 0) - CM.item_memory([10_000], 1, 1)
+    assert d == pytest.approx(10_000 * CM.act_bytes_per_token)
+    big = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), W, activation_factor=70.0)
+    assert big.item_memory([10_000], 1, 0) > CM.item_memory([10_000], 1, 0)
+    lim = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h200"), W, memory_limit=80e9)
+    assert lim.memory_limit == 80e9
+
+
+def test_step_overhead():
+    so = [CM.step_overhead(w) for w in (1, 2, 8, 16, 64)]
+    P = get_model("transformer-1d").params()
+    assert so[0] == pytest.approx(36 * P / 3.35e12)  # one device: only the (unsharded) Adam step
+    assert so[1] < so[0]  # ZeRO halves the optimizer step; NVLink reduction costs less than that
+    assert so[3] > 3 * so[2]  # leaving the node: IB instead of NVLink
+    assert so[4] > so[3] * 0.9
+    grad = get_model("transformer-1d").params() * 2
+    assert CM.step_overhead(16) == pytest.approx(2 * 15 / 16 * grad / 45e9, rel=0.05)
+    with pytest.raises(ValueError, match="world_size"):
+        CM.step_overhead(0)
+
+
+def test_analytic_errors_and_signature():
+    with pytest.raises(ValueError, match=r"sp=5 does not divide num_heads=48"):
+        CM.item_time([1000], 5, 0)
+    with pytest.raises(ValueError, match="recompute must be in"):
+        CM.item_cost([1000], 1, 43)
+    with pytest.raises(ValueError, match="zero_stage"):
+        AnalyticCostModel(get_model("tiny-1d"), get_hardware("h100"), 2, zero_stage=3)
+    with pytest.raises(ValueError, match="world_size"):
+        AnalyticCostModel(get_model("tiny-1d"), get_hardware("h100"), 0)
+    sig = CM.signature()
+    assert sig["source"] == "analytic" and sig["world_size"] == 8 and sig["model"]["name"] == "transformer-1d"
+    json.dumps(sig)
+    assert CM.sp_sizes(8) == [1, 2, 4, 8]
+
+
+def test_numpy_integers_accepted():
+    import numpy as np
+
+    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), np.int64(8))
+    lengths = [np.int64(4096), np.int64(70_000)]
+    assert cm.item_time(lengths, np.int64(4), np.int64(3)) == CM.item_time([4096, 70_000], 4, 3)
+    assert cm.item_memory(lengths, np.int64(2), 1) == CM.item_memory([4096, 70_000], 2, 1)
+    assert cm.step_overhead(np.int64(16)) == CM.step_overhead(16)
+    assert PM.item_time(lengths, np.int64(2), 1) == PM.item_time([4096, 70_000], 2, 1)
+
+
+def test_fast_paths_are_cheap():
+    import time
+
+    t0 = time.perf_counter()
+    for i in range(20_000):
+        CM.item_time_sum(4096 + i, 1e8, 2, 8, 10)
+        CM.item_memory_tokens(4096 + i, 8, 10)
+    assert time.perf_counter() - t0 < 1.0  # ~1 us each; generous for a loaded CI machine
+
+
+# ------------------------------------------------------------------ profiled
+
+# a synthetic "truth" per sp: per-layer times and bytes linear in (sum l^2, tokens, 1)
+TRUTH = {
+    1: dict(f=(2e-12, 3e-7, 1e-4), b=(5e-12, 6e-7, 2e-4), act=(1e5, 1e6), inp=(6e3, 0.0)),
+    2: dict(f=(1e-12, 1.6e-7, 1.5e-4), b=(2.5e-12, 3.2e-7, 2.5e-4), act=(5e4, 1e6), inp=(3e3, 0.0)),
+    4: dict(f=(5e-13, 9e-8, 2.5e-4), b=(1.25e-12, 1.8e-7, 3e-4), act=(2.5e4, 1e6), inp=(1.5e3, 0.0)),
+}
+GRID = [(1024, 4), (2048, 2), (4096, 1), (4096, 2), (8192, 1), (16384, 1)]
+
+
+def make_profile(grid=GRID, truth=TRUTH, **const) -> dict:
+    entries = []
+    for sp, t in truth.items():
+        for seq_len, mb in grid:
+            sq, tok = mb * seq_len**2, mb * seq_len
+
+            def lin3(c):
+                return c[0] * sq + c[1] * tok + c[2]
+
+            entries.append({"seq_len": seq_len, "micro_batch": mb, "sp": sp, "forward_s": lin3(t["f"]),
+                            "backward_s": lin3(t["b"]), "activation_bytes": t["act"][0] * tok + t["act"][1],
+                            "input_bytes": t["inp"][0] * tok + t["inp"][1], "peak_bytes": None})
+    constant = {"time_s": 0.004, "optimizer_s": 0.02, "allreduce_s": 0.05, "memory_bytes": 3e10, "param_bytes": 1e10}
+    constant.update(const)
+    return {
+        "schema": PROFILE_SCHEMA,
+        "key": {"model_signature": "synthetic", "device": "test", "dtype": "bfloat16", "world_size": 8,
+                "package_version": "0.1.0"},
+        "model": {"num_layers": 42, "num_heads": 48, "hidden_size": 3072},
+        "device": {"memory_limit_bytes": 80e9, "gpus_per_node": 8},
+        "constant": constant,
+        "entries": entries,
+        "meta": {},
+    }
+
+
+PM = ProfiledCostModel(make_profile())
+
+
+def test_profiled_fit_recovers_coefficients():
+    for sp, t in TRUTH.items():
+        fit = PM.fit_summary()[sp]
+        for key, name in (("forward", "f"), ("backward", "b"), ("activation", "act"), ("input", "inp")):
+            for got, want in zip(fit[key], t[name]):
+                assert got == pytest.approx(want, rel=0.01, abs=1e-9 * max(t[name]))
+
+
+def test_profiled_item_formulas():
+    L = 42
+    lengths = [3000, 5000]
+    sq, tok = sum(n * n for n in lengths), sum(lengths)
+    for sp, t in TRUTH.items():
+        tf = t["f"][0] * sq + t["f"][1] * tok + t["f"][2]
+        tb = t["b"][0] * sq + t["b"][1] * tok + t["b"][2]
+        for r in (0, 5, L):
+            assert PM.item_time(lengths, sp, r) == pytest.approx(L * (tf + tb) + r * tf + 0.004, rel=1e-6)
+            assert PM.item_time_sum(tok, sq, 2, sp, r) == pytest.approx(PM.item_time(lengths, sp, r), rel=1e-12)
+            c = PM.item_cost(lengths, sp, r)
+            assert c.total == pytest.approx(PM.item_time(lengths, sp, r), rel=1e-12)
+            assert c.comm == 0.0
+            act = t["act"][0] * tok + t["act"][1]
+            inp = t["inp"][0] * tok + t["inp"][1]
+            want = 3e10 + L * inp + (L - r) * act + act
+            assert PM.item_memory(lengths, sp, r) == pytest.approx(want, rel=1e-6)
+        # ideal: sp=1 compute, no recompute, divided by sp
+        assert PM.item_cost(lengths, sp, 0).ideal == pytest.approx(PM.item_cost(lengths, 1, 0).compute / sp, rel=1e-9)
+    assert PM.step_overhead(8) == pytest.approx(0.07)
+    assert PM.step_overhead(1) == pytest.approx(0.02)
+    assert PM.step_overhead(64) == pytest.approx(0.05 * (63 / 64) / (7 / 8) + 0.02)
+
+
+def test_profiled_sp_sizes_and_closed_forms():
+    assert PM.sp_sizes(64) == [1, 2, 4]
+    assert PM.sp_sizes(2) == [1, 2]
+    with pytest.raises(ValueError, match=r"sp=8 was not measured.*\[1, 2, 4\]"):
+        PM.item_time([100], 8, 0)
+    for sp in (1, 2, 4):
+        for r in (0, 21, None):
+            assert PM.max_length(sp, r) == CostModel.max_length(PM, sp, r)
+        for n in (1000, 20_000, 100_000, 300_000, 900_000):
+            assert PM.min_recompute([n], sp) == CostModel.min_recompute(PM, [n], sp)
+    assert PM.max_length(1) < PM.max_length(2) < PM.max_length(4)
+
+
+def test_profiled_small_grids():
+    # a single measured entry still gives a usable model: time proportional to tokens
+    one = ProfiledCostModel(make_profile(grid=[(4096, 1)], truth={1: TRUTH[1]}))
+    assert one.sp_sizes(8) == [1]
+    t = one.item_time([4096], 1, 0)
+    assert t == pytest.approx(42 * (TRUTH[1]["f"][0] * 4096**2 + TRUTH[1]["f"][1] * 4096 + TRUTH[1]["f"][2]
+                                    + TRUTH[1]["b"][0] * 4096**2 + TRUTH[1]["b"][1] * 4096 + TRUTH[1]["b"][2]) + 0.004)
+    assert one.item_time([8192], 1, 0) > t
+    # two points with collinear columns (same length, two batch sizes)
+    two = ProfiledCostModel(make_profile(grid=[(4096, 1), (4096, 2)], truth={2: TRUTH[2]}))
+    assert two.item_time([4096, 4096], 2, 0) == pytest.approx(
+        ProfiledCostModel(make_profile(truth={2: TRUTH[2]})).item_time([4096, 4096], 2, 0), rel=1e-6)
+    # without sp=1, ideal comes from the smallest measured size scaled up
+    assert two.item_cost([4096], 2, 0).ideal == pytest.approx(two.item_cost([4096], 2, 0).compute, rel=1e-9)
+
+
+def test_nonneg_fit_clamps():
+    import numpy as np
+
+    # data that an unconstrained fit would explain with a negative intercept
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    y = np.array([0.5, 1.6, 2.7, 3.8])
+    X = np.stack([x * x, x, np.ones_like(x)], axis=1)
+    coef = nonneg_fit(X, y, relative=False)
+    assert (coef >= 0).all()
+    assert np.linalg.lstsq(X, y, rcond=None)[0][2] < 0  # the unconstrained fit would go negative
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda p: p.update(schema="other/v9"), "schema"),
+        (lambda p: p.update(entries=[]), "no entries"),
+        (lambda p: p["entries"][0].update(forward_s=-1.0), "non-negative"),
+        (lambda p: p["entries"][0].pop("input_bytes"), "input_bytes"),
+        (lambda p: p["model"].update(num_layers=0), "num_layers"),
+        (lambda p: [e.update(sp=5) for e in p["entries"]], r"sp=\[5\].*num_heads=48"),
+        (lambda p: [e.update(forward_s=0.0) for e in p["entries"]], "all-zero"),
+        (lambda p: p["device"].update(gpus_per_node=0), "gpus_per_node"),
+    ],
+)
+def test_bad_profiles(mutate, match):
+    p = make_profile()
+    mutate(p)
+    with pytest.raises(ProfileError, match=match):
+        ProfiledCostModel(p)
+
+
+def test_profile_files(tmp_path):
+    path = save_profile(make_profile(), tmp_path / "p.json")
+    m = ProfiledCostModel.from_file(path)
+    assert m.item_time([5000], 2, 3) == pytest.approx(PM.item_time([5000], 2, 3))
+    json.dumps(m.signature())
+    with pytest.raises(ProfileError, match="does not exist"):
+        ProfiledCostModel.from_file(tmp_path / "missing.json")
+    bad = make_profile()
+    for e in bad["entries"]:
+        e["sp"] = 5
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=r"bad\.json.*sp=\[5\]"):
+        ProfiledCostModel.from_file(tmp_path / "bad.json")
+    assert not math.isnan(m.max_length(1))
