@@ -11,3 +11,10 @@ __all__ = [
     "CostModel", "ItemCost", "PLAN_SCHEMA", "Plan", "PlanError", "StepPlan", "WorkItem", "validate_plan",
     "validate_step", "PROFILE_SCHEMA", "ProfileError", "load_profile", "save_profile", "validate_profile",
 ]
+
+# Planner, policies, simulator (issue #2).
+from lightning_dcp.planning.errors import PlanningError  # noqa: E402
+from lightning_dcp.planning.planner import POLICIES, Planner, default_global_batch_tokens, plan  # noqa: E402
+from lightning_dcp.planning.simulator import SimulationResult, simulate  # noqa: E402
+
+__all__ += ["PlanningError", "POLICIES", "Planner", "default_global_batch_tokens", "plan", "SimulationResult", "simulate"]

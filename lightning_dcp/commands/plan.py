@@ -1,0 +1,139 @@
+"""``lightning-dcp plan``: write the step plan for a list of sample lengths.
+
+Example::
+
+    lightning-dcp plan --lengths lengths.json --world-size 32 --model transformer-1d \\
+        --hardware h100 --policy dcp --out plan.json
+
+``lengths.json`` is a JSON list of positive integers (sample ``i`` has length ``lengths[i]``);
+the plan (schema ``lightning-dcp/plan/v1``) covers every sample, in as many steps as the policy
+needs; ``--global-batch-tokens`` sets the step size. ``--profile FILE`` plans with a measured
+profile instead of the analytic model. Bad input exits with code 2 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning_dcp.cli import CLIError
+
+HELP = "plan the steps (SP groups, micro-batches, recompute) for a list of sample lengths"
+
+
+def add_cost_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``plan`` and ``simulate``: how to build the cost model, and the seed."""
+    parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
+    parser.add_argument("--model", default="transformer-1d", help="model name (default transformer-1d)")
+    parser.add_argument("--hardware", default="h100", help="hardware name for the analytic cost model (default h100)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
+    parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
+    parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
+    parser.add_argument("--global-batch-tokens", type=int, default=None,
+                        help="tokens per global batch = optimizer step (default: 65536 per GPU, at least 4x the longest sample)")
+
+
+def build_cost_model(args: argparse.Namespace) -> Any:
+    """The cost model the arguments name; :class:`CLIError` for unknown names or a bad profile."""
+    if not isinstance(args.world_size, int) or args.world_size <= 0:
+        raise CLIError(f"--world-size must be a positive integer, got {args.world_size}")
+    limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
+    if limit is not None and limit <= 0:
+        raise CLIError(f"--memory-limit-gib must be positive, got {args.memory_limit_gib}")
+    if args.profile is not None:
+        from lightning_dcp.planning.profile import ProfileError
+        from lightning_dcp.planning.profiled import ProfiledCostModel
+        try:
+            return ProfiledCostModel.from_file(args.profile, memory_limit=limit)
+        except (OSError, ProfileError, ValueError) as err:
+            raise CLIError(f"cannot use profile {args.profile}: {err}") from None
+    from lightning_dcp.planning.analytic import AnalyticCostModel
+    from lightning_dcp.planning.hardware import get_hardware
+    from lightning_dcp.planning.models import get_model
+    try:
+        model = get_model(args.model)
+        hardware = get_hardware(args.hardware)
+        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
+def check_policy(name: str) -> None:
+    from lightning_dcp.planning.planner import POLICIES
+    if name not in POLICIES:
+        raise CLIError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+
+
+def read_lengths(path: Path) -> list[int]:
+    """A JSON list of positive integers; :class:`CLIError` naming the problem otherwise."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise CLIError(f"cannot read lengths file {path}: {err.strerror or err}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CLIError(f"lengths file {path} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
+                       f"it must be a JSON list of positive integers, e.g. [2048, 4096]") from None
+    if not isinstance(data, list):
+        raise CLIError(f"lengths file {path} holds a JSON {type(data).__name__}; it must be a JSON list of positive integers, "
+                       f"e.g. [2048, 4096]")
+    if not data:
+        raise CLIError(f"lengths file {path} is an empty list; give at least one sample length")
+    for i, n in enumerate(data):
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or (isinstance(n, float) and not n.is_integer()):
+            raise CLIError(f"lengths file {path}: sample {i} has length {n!r}; lengths must be positive integers (tokens)")
+        if n <= 0:
+            raise CLIError(f"lengths file {path}: sample {i} has length {n}; lengths must be positive integers (tokens)")
+    return [int(n) for n in data]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a failure leaves nothing behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", type=Path, required=True, help="JSON list of sample lengths (tokens); sample i = index i")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the plan JSON")
+    parser.add_argument("--policy", default="dcp", help="dcp (default), dcp-inter, dcp-intra, bucket, packed or static")
+    add_cost_model_arguments(parser)
+    parser.add_argument("--indent", type=int, default=None, help="pretty-print the JSON with this indent")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.plan import validate_plan
+    from lightning_dcp.planning.planner import Planner
+
+    check_policy(args.policy)
+    if args.global_batch_tokens is not None and args.global_batch_tokens <= 0:
+        raise CLIError(f"--global-batch-tokens must be positive, got {args.global_batch_tokens}")
+    lengths = read_lengths(args.lengths)
+    cost_model = build_cost_model(args)
+    try:
+        planner = Planner(args.world_size, cost_model, args.policy, seed=args.seed, dataset_lengths=lengths)
+        plan = planner.plan(lengths, global_batch_tokens=args.global_batch_tokens)
+    except PlanningError as err:
+        raise CLIError(str(err)) from None
+    validate_plan(plan, lengths, cost_model, samples=range(len(lengths)))
+    write_atomic(args.out, plan.to_json(indent=args.indent) + "\n")
+    tokens = sum(lengths)
+    print(f"wrote {args.out}: policy {args.policy}, {len(lengths)} samples, {tokens} tokens, "
+          f"{len(plan.steps)} steps on {args.world_size} GPUs")
+    return 0

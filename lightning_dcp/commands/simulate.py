@@ -1,0 +1,193 @@
+"""``lightning-dcp simulate``: compare the planning policies on a simulated cluster.
+
+Example::
+
+    lightning-dcp simulate --world-size 32 --dataset short --model transformer-1d --hardware h100
+
+Draws a dataset from the named length distribution (``--dataset``; or a JSON list with
+``--lengths``), takes ``--num-steps`` global batches of ``--global-batch-tokens`` tokens from it
+(the same samples for every policy), plans them with each policy (every planner is given the
+dataset's lengths once, for candidate layouts and bucket tuning) and simulates the plans on the
+cost model. One row per policy: tokens/s, speedup over bucket, imbalance %, % of the ideal
+bound, planner milliseconds per step (``time.perf_counter`` around ``Planner.plan``, divided by
+the plan's steps). ``--plot out.png`` draws step 0 of every policy as a per-rank Gantt chart,
+side by side; ``--json`` / ``--csv`` write the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_dcp.cli import CLIError
+from lightning_dcp.commands.plan import add_cost_model_arguments, build_cost_model, check_policy, read_lengths, write_atomic
+
+HELP = "simulate every planning policy on a length distribution and compare throughput and balance"
+
+DATASET_SIZE = 50000
+"""Samples drawn to stand for the whole dataset (candidate layouts, bucket tuning)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help="length distribution: short, balanced, long, video or code")
+    src.add_argument("--lengths", type=Path, help="JSON list of sample lengths to use as the dataset instead")
+    add_cost_model_arguments(parser)
+    parser.add_argument("--num-steps", type=int, default=20, help="global batches to simulate (default 20)")
+    parser.add_argument("--policies", default="bucket,packed,static,dcp-inter,dcp-intra,dcp",
+                        help="comma-separated policies (default: all; bucket first is the speedup baseline)")
+    parser.add_argument("--plot", type=Path, default=None, help="write a per-rank Gantt chart of step 0 of each policy (PNG)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
+    parser.add_argument("--csv", type=Path, default=None, help="write the rows as CSV")
+
+
+def draw_run(lengths_pool: list[int], target_tokens: int) -> list[int]:
+    """The prefix of ``lengths_pool`` holding ``target_tokens`` tokens (the whole pool if fewer)."""
+    acc = 0
+    for i, n in enumerate(lengths_pool):
+        acc += n
+        if acc >= target_tokens:
+            return lengths_pool[: i + 1]
+    return list(lengths_pool)
+
+
+def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
+            global_batch_tokens: int, seed: int = 0, timeline: bool = False) -> list[dict[str, Any]]:
+    """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result)."""
+    from lightning_dcp.planning.planner import Planner
+    from lightning_dcp.planning.simulator import simulate
+
+    rows = []
+    for name in policies:
+        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset)
+        t0 = time.perf_counter()
+        plan = planner.plan(run_lengths, global_batch_tokens=global_batch_tokens)
+        elapsed = time.perf_counter() - t0
+        sim = simulate(plan, cost_model, timeline=timeline)
+        rows.append({
+            "policy": name, "steps": len(plan.steps), "tokens": sim.tokens, "total_time_s": sim.total_time,
+            "tokens_per_s": sim.tokens_per_s, "imbalance": sim.imbalance, "fraction_of_ideal": sim.fraction_of_ideal,
+            "planner_ms_per_step": 1e3 * elapsed / max(len(plan.steps), 1), **{f"icc_{k}": v for k, v in sim.icc.items()},
+            "_plan": plan, "_sim": sim,
+        })
+    base = next((r["tokens_per_s"] for r in rows if r["policy"] == "bucket"), rows[0]["tokens_per_s"] if rows else 1.0)
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base if base > 0 else math.nan
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["policy", "steps", "tokens/s", "speedup", "imbalance %", "% of ideal", "planner ms/step"]
+    body = [[r["policy"], str(r["steps"]), f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['imbalance']:.1f}",
+             f"{100 * r['fraction_of_ideal']:.1f}", f"{r['planner_ms_per_step']:.2f}"] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for b in body:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
+    return "\n".join(lines)
+
+
+def public(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+
+
+def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Step 0 of each policy as a per-rank Gantt chart (ranks on y, seconds on x), side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(rows)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 5), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, r in zip(axes[0], rows):
+        sim, plan = r["_sim"], r["_plan"]
+        W = plan.world_size
+        if sim.timeline:
+            step = plan.steps[0]
+            max_log = max(1, (W - 1).bit_length())
+            for rank, start, end, idx, kind in sim.timeline[0]:
+                if kind == "allreduce":
+                    color = "0.6"
+                else:
+                    p = step.items[idx].sp_size
+                    color = cmap(min(p.bit_length() - 1, max_log) / max_log)
+                ax.broken_barh([(start, end - start)], (rank - 0.45, 0.9), facecolors=color, edgecolor="white", linewidth=0.4)
+            ax.set_xlim(0, max(sim.step_times[0], 1e-9) * 1.02)
+        ax.set_ylim(-0.5, W - 0.5)
+        ax.invert_yaxis()
+        ax.set_title(f"{r['policy']}\nstep 0: {sim.step_times[0]:.2f} s, idle {100 * sim.step_imbalance[0]:.0f}%", fontsize=9)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("rank")
+    fig.suptitle(title + "  (colour: SP size, light to dark = larger; grey: all-reduce)", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.planner import default_global_batch_tokens
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise CLIError("--policies is empty; name at least one policy")
+    for p in policies:
+        check_policy(p)
+    if args.num_steps <= 0:
+        raise CLIError(f"--num-steps must be positive, got {args.num_steps}")
+    if args.global_batch_tokens is not None and args.global_batch_tokens <= 0:
+        raise CLIError(f"--global-batch-tokens must be positive, got {args.global_batch_tokens}")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise CLIError(f"--plot writes a PNG; give a path ending in .png, got {args.plot}")
+    cost_model = build_cost_model(args)
+    if args.dataset is not None:
+        from lightning_dcp.planning.distributions import get_distribution
+        try:
+            dist = get_distribution(args.dataset)
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+        dataset = dist.sample(DATASET_SIZE, args.seed)
+        gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset)
+        mean = sum(dataset) / len(dataset)
+        pool = dist.sample(int(args.num_steps * gbt / mean * 1.5) + 100, args.seed + 1)
+        source = args.dataset
+    else:
+        dataset = read_lengths(args.lengths)
+        gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset)
+        pool = dataset
+        source = str(args.lengths)
+    run_lengths = draw_run(pool, args.num_steps * gbt)
+    try:
+        rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
+                       seed=args.seed, timeline=args.plot is not None)
+    except PlanningError as err:
+        raise CLIError(str(err)) from None
+    print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {args.num_steps} global batches of "
+          f"{gbt:,} tokens, {args.world_size} GPUs, model {args.model if args.profile is None else args.profile}")
+    print(format_table(rows))
+    if args.json is not None:
+        write_atomic(args.json, json.dumps({"source": source, "world_size": args.world_size, "global_batch_tokens": gbt,
+                                             "samples": len(run_lengths), "rows": public(rows)}, indent=2) + "\n")
+    if args.csv is not None:
+        out = io.StringIO()
+        pub = public(rows)
+        writer = csv.DictWriter(out, fieldnames=list(pub[0]))
+        writer.writeheader()
+        writer.writerows(pub)
+        write_atomic(args.csv, out.getvalue())
+    if args.plot is not None:
+        plot_gantt(rows, args.plot, f"{source}, {args.world_size} GPUs")
+        print(f"wrote {args.plot}")
+    return 0

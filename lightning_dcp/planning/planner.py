@@ -1,0 +1,242 @@
+"""The planner: from sample lengths to a :class:`~lightning_dcp.planning.plan.Plan`.
+
+:class:`Planner` checks the input, builds the chosen policy once (with the dataset's lengths,
+for DCP's candidate layouts and bucket tuning) and plans global batches:
+
+- :meth:`Planner.plan_batch` — one global batch (a set of samples whose gradients form one
+  optimizer step under plain data parallelism) to the steps the policy needs: exactly one for
+  ``dcp``, ``dcp-inter``, ``dcp-intra``, ``packed`` and ``static``
+  (``one_step_per_batch``); ``bucket`` needs several, as Open-Sora's bucket sampler does.
+- :meth:`Planner.plan` — a whole list of lengths (sample ``i`` has length ``lengths[i]``),
+  cut in order into global batches of ``global_batch_tokens`` tokens (or
+  ``global_batch_size`` samples). ``bucket`` plans the whole list at once (its sampler deals
+  bucket micro-batches over the epoch; cutting it into batches would only add partial ones).
+
+Every policy puts every sample in exactly one item, keeps every item within the memory limit,
+lists items in an order no two ranks can deadlock on (each step's groups are disjoint), and is
+deterministic in (input, seed, step). World sizes that are not a power of two are planned over
+their aligned power-of-two blocks (W=6: ranks 0-3 and 4-5; no SP group crosses a block).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.layouts import world_blocks
+from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
+from lightning_dcp.planning.policies.base import Policy
+from lightning_dcp.planning.policies.bucket import BucketPolicy
+from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
+from lightning_dcp.planning.policies.packed import PackedPolicy
+from lightning_dcp.planning.policies.static import StaticPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    "dcp": DCPPolicy,
+    "dcp-inter": DCPInterPolicy,
+    "dcp-intra": DCPIntraPolicy,
+    "bucket": BucketPolicy,
+    "packed": PackedPolicy,
+    "static": StaticPolicy,
+}
+"""Policy name -> class. ``dcp`` is the default; the others are ablations and baselines."""
+
+DEFAULT_TOKENS_PER_GPU = 65536
+"""Default global batch: this many tokens per GPU (at least 4 times the longest sample's share)."""
+
+
+def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None = None) -> int:
+    """Default step size in tokens: ``world_size * 65536``, raised when samples are long.
+
+    Enough that each GPU gets several samples' worth of work (Hydraulis uses about 3k tokens per
+    GPU for a pipelined 32B model; a 5B model under pure data+sequence parallelism wants more
+    per GPU to amortize the gradient all-reduce), and at least 4 times the longest sample, so a
+    step is not one sample's worth of work.
+    """
+    tokens = world_size * DEFAULT_TOKENS_PER_GPU
+    if lengths:
+        tokens = max(tokens, 4 * max(lengths))
+    return int(tokens)
+
+
+def _mem(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes:g} bytes"
+
+
+def _check_lengths(lengths: Sequence[Any], what: str = "lengths") -> list[int]:
+    try:
+        seq = list(lengths)
+    except TypeError:
+        raise PlanningError(f"{what} must be a list of positive integers, got {type(lengths).__name__}") from None
+    if not seq:
+        raise PlanningError(f"{what} is empty; give at least one sample length")
+    if all(type(n) is int and n > 0 for n in seq):  # the common case, fast
+        return seq
+    out = []
+    for i, n in enumerate(seq):
+        if isinstance(n, bool) or not isinstance(n, numbers.Real) or (isinstance(n, float) and not n.is_integer()):
+            raise PlanningError(f"sample {i} has length {n!r}; lengths must be positive integers (tokens)")
+        if n <= 0:
+            raise PlanningError(f"sample {i} has length {n}; lengths must be positive integers (tokens)")
+        out.append(int(n))
+    return out
+
+
+class Planner:
+    """Plans global batches for ``world_size`` ranks with ``cost_model`` under ``policy``.
+
+    Args:
+        world_size: number of ranks (any positive integer; non-powers of two are planned over
+            their aligned power-of-two blocks).
+        cost_model: time and memory of micro-batches (analytic or profiled).
+        policy: one of :data:`POLICIES` (default ``"dcp"``).
+        seed: plans are a deterministic function of (inputs, seed, step).
+        dataset_lengths: the whole dataset's lengths, used once: DCP proposes its candidate
+            layouts from them, the fixed-SP baselines size their SP group for the longest,
+            bucket tunes its batch sizes on them. Without it each batch is planned on its own.
+        **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
+            ``target=`` for bucket, ``g_max=`` for dcp-inter.
+
+    Raises:
+        PlanningError: unknown policy or options, bad world size, or a dataset sample that
+            fits no setting.
+    """
+
+    def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
+                 dataset_lengths: Sequence[int] | None = None, **policy_options: Any):
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
+            raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
+        if policy not in POLICIES:
+            raise PlanningError(f"unknown policy {policy!r}; known policies: {', '.join(POLICIES)}")
+        self.world_size = int(world_size)
+        self.cost_model = cost_model
+        self.policy_name = policy
+        self.seed = int(seed)
+        self.blocks = world_blocks(self.world_size)
+        self.max_sp = self.blocks[0][1]
+        self.view = CostView(cost_model, self.max_sp)
+        if self.view.longest_fitting() <= 0:
+            raise PlanningError(
+                f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks, "
+                f"limit {_mem(cost_model.memory_limit)} per device): use more ranks or more memory per device"
+            )
+        ds = None
+        if dataset_lengths is not None:
+            ds = _check_lengths(dataset_lengths, "dataset_lengths")
+            self._check_fit(range(len(ds)), ds)
+        self.dataset_lengths = ds
+        try:
+            self.policy: Policy = POLICIES[policy](self.world_size, self.view, seed=self.seed, dataset_lengths=ds, **policy_options)
+        except TypeError as err:
+            raise PlanningError(str(err)) from None
+
+    @property
+    def one_step_per_batch(self) -> bool:
+        """True when :meth:`plan_batch` always returns exactly one step (every policy but bucket)."""
+        return self.policy.one_step_per_batch
+
+    def longest_fitting(self) -> int:
+        """Longest sample (tokens) any setting on this world size and memory holds."""
+        return self.view.longest_fitting()
+
+    def _check_fit(self, samples: Sequence[int], lengths: Sequence[int]) -> None:
+        limit = self.view.longest_fitting()
+        for s, n in zip(samples, lengths):
+            if n > limit:
+                blocks = ", ".join(f"[{a}-{a + b - 1}]" if b > 1 else f"[{a}]" for a, b in self.blocks)
+                raise PlanningError(
+                    f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
+                    f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks, every layer recomputed, "
+                    f"{_mem(self.cost_model.memory_limit)} per device) is {limit} tokens: drop or split the "
+                    f"sample, or use more ranks / more memory per device"
+                )
+
+    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> Plan:
+        """Plan one global batch: ``samples`` (dataset indices) with their ``lengths``.
+
+        Deterministic in (samples, lengths, seed, step). Raises :class:`PlanningError` on bad
+        input (mismatched or empty lists, non-positive lengths, duplicate samples, a sample
+        too long for any setting).
+        """
+        lengths = _check_lengths(lengths)
+        samples = [int(s) for s in samples]
+        if len(samples) != len(lengths):
+            raise PlanningError(f"{len(samples)} samples but {len(lengths)} lengths; give one length per sample")
+        if len(set(samples)) != len(samples):
+            dup = sorted({s for s in samples if samples.count(s) > 1})[:5]
+            raise PlanningError(f"samples {dup} appear more than once in the batch; each sample goes in exactly once")
+        self._check_fit(samples, lengths)
+        steps = self.policy.plan_batch(samples, lengths, step)
+        if not self.view.exact_memory:
+            steps = [self._verify_memory(s) for s in steps]
+        return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
+
+    def _verify_memory(self, step: StepPlan) -> StepPlan:
+        """Cost models without a token-only memory fast path: re-check every item exactly."""
+        cm = self.cost_model
+        items = []
+        for item in step.items:
+            if not cm.fits(item.lengths, item.sp_size, item.recompute):
+                r = cm.min_recompute(item.lengths, item.sp_size)
+                if r is None:
+                    raise PlanningError(
+                        f"the {self.policy_name} policy built a micro-batch (lengths {list(item.lengths)}, SP {item.sp_size}) "
+                        f"that the cost model says fits no recompute setting; the cost model's max_length and item_memory disagree"
+                    )
+                item = WorkItem(item.ranks, item.samples, item.lengths, r)
+            items.append(item)
+        return StepPlan(tuple(items), step.extra)
+
+    def batches(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
+                global_batch_size: int | None = None) -> list[list[int]]:
+        """Sample indices of each global batch: ``lengths`` cut in order.
+
+        A batch closes once it holds ``global_batch_tokens`` tokens (or ``global_batch_size``
+        samples); default tokens: :func:`default_global_batch_tokens`.
+        """
+        if global_batch_size is not None:
+            if global_batch_size <= 0:
+                raise PlanningError(f"global batch size must be positive, got {global_batch_size}")
+            return [list(range(i, min(i + global_batch_size, len(lengths)))) for i in range(0, len(lengths), global_batch_size)]
+        tokens = global_batch_tokens or default_global_batch_tokens(self.world_size, self.dataset_lengths or lengths)
+        if tokens <= 0:
+            raise PlanningError(f"global batch tokens must be positive, got {tokens}")
+        out, cur, acc = [], [], 0
+        for i, n in enumerate(lengths):
+            cur.append(i)
+            acc += n
+            if acc >= tokens:
+                out.append(cur)
+                cur, acc = [], 0
+        if cur:
+            out.append(cur)
+        return out
+
+    def plan(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
+             global_batch_size: int | None = None) -> Plan:
+        """Plan every sample of ``lengths`` (sample ``i`` has length ``lengths[i]``).
+
+        The list is cut in order into global batches (see :meth:`batches`); batch ``k`` is
+        planned as step ``k`` (seeding). ``bucket`` plans the whole list as one set.
+        """
+        lengths = _check_lengths(lengths)
+        self._check_fit(range(len(lengths)), lengths)
+        if not self.one_step_per_batch:
+            batches = [list(range(len(lengths)))]
+        else:
+            batches = self.batches(lengths, global_batch_tokens=global_batch_tokens, global_batch_size=global_batch_size)
+        steps: list[StepPlan] = []
+        for k, idx in enumerate(batches):
+            steps.extend(self.plan_batch(idx, [lengths[i] for i in idx], step=k).steps)
+        return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
+
+
+def plan(lengths: Sequence[int], world_size: int, cost_model: CostModel, policy: str = "dcp", seed: int = 0,
+         *, global_batch_tokens: int | None = None, global_batch_size: int | None = None, **policy_options: Any) -> Plan:
+    """Plan all of ``lengths`` in one call: ``Planner(..., dataset_lengths=lengths).plan(lengths)``."""
+    planner = Planner(world_size, cost_model, policy, seed=seed, dataset_lengths=lengths, **policy_options)
+    return planner.plan(lengths, global_batch_tokens=global_batch_tokens, global_batch_size=global_batch_size)

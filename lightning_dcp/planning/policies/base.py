@@ -1,0 +1,127 @@
+"""What every planning policy is: a deterministic function from one global batch to step plans.
+
+A policy is built once per (world size, cost model, seed, dataset lengths, options) and then
+asked :meth:`Policy.plan_batch` for each global batch. It returns one :class:`StepPlan` per
+optimizer step the batch needs (one for every policy but ``bucket``). Inputs are already
+checked by :class:`~lightning_dcp.planning.planner.Planner` (positive lengths that fit some
+setting), so policies only plan.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from lightning_dcp.planning.layouts import place
+from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.policies.costs import CostView
+
+
+class Policy(abc.ABC):
+    """Base of the policies; subclasses set ``name`` and implement :meth:`plan_batch`."""
+
+    name: str = ""
+    one_step_per_batch: bool = True
+
+    def __init__(self, world_size: int, view: CostView, *, seed: int = 0,
+                 dataset_lengths: Sequence[int] | None = None, **options: Any):
+        unknown = set(options) - set(self.option_names())
+        if unknown:
+            raise TypeError(f"policy {self.name!r} has no option(s) {sorted(unknown)}; "
+                            f"its options are {sorted(self.option_names()) or 'none'}")
+        self.world_size = world_size
+        self.view = view
+        self.seed = int(seed)
+        self.dataset_lengths = None if dataset_lengths is None else [int(n) for n in dataset_lengths]
+        self.options = options
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return ()
+
+    def rng(self, step: int, salt: int = 0) -> np.random.Generator:
+        """Generator seeded by (seed, step, salt): identical input and seed give identical plans."""
+        return np.random.default_rng([self.seed & 0xFFFFFFFF, step & 0xFFFFFFFF, salt, 0x5EED])
+
+    @abc.abstractmethod
+    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        """Step plans covering ``samples`` (dataset indices) with ``lengths``, each exactly once."""
+
+
+class FixedSPPolicy(Policy):
+    """Baselines with one SP size and one recompute count for the whole run.
+
+    The SP size is the smallest usable one that holds the longest sample (of the dataset when
+    given, else of the batch) at full recompute — what a user of a static system must pick.
+    The recompute count is the fewest layers that fit that longest sample (a careful user does
+    not checkpoint more than needed), overridable with ``sp=`` / ``recompute=``.
+    """
+
+    def __init__(self, world_size: int, view: CostView, **kw: Any):
+        super().__init__(world_size, view, **kw)
+        self._fixed: tuple[int, int] | None = None
+        if self.dataset_lengths or "sp" in self.options:
+            self._fixed = self._choose(self.dataset_lengths or [1])
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return ("sp", "recompute")
+
+    def _choose(self, lengths: Sequence[int]) -> tuple[int, int]:
+        longest = max(lengths)
+        sp = self.options.get("sp") or self.view.min_sp(longest)
+        if sp is None or sp not in self.view.sp_sizes:
+            raise ValueError(f"no usable SP size for length {longest}; usable: {self.view.sp_sizes}")
+        rec = self.options.get("recompute")
+        if rec is None:
+            rec = self.view.min_recompute(longest, sp)
+            if rec is None:
+                raise ValueError(f"SP {sp} cannot hold length {longest}")
+        return int(sp), int(rec)
+
+    def fixed(self, lengths: Sequence[int]) -> tuple[int, int]:
+        """(sp, recompute) for a batch: the fixed setting, widened if this batch has a longer sample."""
+        if self._fixed is None:
+            return self._choose(lengths)
+        sp, rec = self._fixed
+        longest = max(lengths)
+        if self.view.capacities(sp)[rec] < longest:
+            need = self.view.min_recompute(longest, sp)
+            if need is not None:
+                return sp, need
+            return self._choose(lengths)
+        return sp, rec
+
+    def groups(self, sp: int) -> list[tuple[int, ...]]:
+        """All SP groups of size ``sp`` the world's blocks hold (data-parallel replicas)."""
+        count = 0
+        while place([sp] * (count + 1), self.world_size) is not None:
+            count += 1
+        return place([sp] * count, self.world_size) or []
+
+
+def interleave_items(per_group: list[list[WorkItem]]) -> list[WorkItem]:
+    """Items of disjoint groups listed round by round (group 0's first, group 1's first, ...).
+
+    Groups are disjoint, so any order is deadlock-free; round-robin keeps each rank's items in
+    its own order and reads naturally as "accumulation step k".
+    """
+    out: list[WorkItem] = []
+    depth = max((len(g) for g in per_group), default=0)
+    for k in range(depth):
+        for g in per_group:
+            if k < len(g):
+                out.append(g[k])
+    return out
+
+
+def log_buckets(lengths: Sequence[int], per_octave: int = 2) -> dict[int, list[int]]:
+    """Indices grouped into length buckets with ``per_octave`` buckets per doubling."""
+    out: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        key = int(math.floor(math.log2(max(n, 1)) * per_octave + 1e-9))
+        out.setdefault(key, []).append(i)
+    return out

@@ -1,0 +1,178 @@
+"""Planner-side view of a cost model: cached capacities and fast item times.
+
+Every policy asks the same three questions many times per step: how many tokens fit on an SP
+group of size ``sp`` with ``r`` recomputed layers, the fewest recomputed layers that fit a
+micro-batch, and the time of a packed micro-batch. :class:`CostView` answers them from tables
+built once per (cost model, world size), and uses the cost model's fast paths when it has them:
+
+- ``item_time_sum(tokens, sq_sum, n, sp, recompute)`` — time from the token sum, the sum of
+  squared lengths and the sample count (falls back to ``item_time(lengths, ...)``);
+- ``item_memory_tokens(tokens, sp, recompute)`` — memory from the token count alone (falls back
+  to ``max_length``, i.e. a packed micro-batch is charged like one sequence of the same tokens,
+  and the planner verifies every item with ``item_memory`` at the end).
+
+Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Sequence
+
+import numpy as np
+
+from lightning_dcp.planning.cost_model import CostModel
+
+
+class CostView:
+    """Cached capacities and times of ``cost_model`` for the SP sizes a world allows.
+
+    Args:
+        cost_model: any :class:`CostModel`.
+        max_sp: the largest SP group the world's aligned power-of-two blocks allow.
+    """
+
+    def __init__(self, cost_model: CostModel, max_sp: int):
+        self.cm = cost_model
+        self.num_layers = int(cost_model.num_layers)
+        self.sp_sizes = [p for p in cost_model.sp_sizes(max_sp) if p <= max_sp]
+        if not self.sp_sizes:
+            self.sp_sizes = [1]
+        self._time_fast = getattr(cost_model, "item_time_sum", None)
+        self._mem_fast = getattr(cost_model, "item_memory_tokens", None)
+        work = getattr(cost_model, "attention_work", None)
+        self.work = work if callable(work) else (lambda n: float(n) * n)
+        """Attention work of one sample (``l**2`` for 1d; the model's own measure for 2d)."""
+        self.exact_memory = callable(self._mem_fast)
+        self._cap: dict[int, list[int]] = {}
+        self._est: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    # -- capacity ------------------------------------------------------------------------
+    def capacities(self, sp: int) -> list[int]:
+        """``caps[r]``: most tokens one micro-batch on ``sp`` ranks holds with ``r`` recomputed layers."""
+        caps = self._cap.get(sp)
+        if caps is None:
+            caps = [self._max_tokens(sp, r) for r in range(self.num_layers + 1)]
+            for r in range(1, len(caps)):  # more recompute never holds less
+                caps[r] = max(caps[r], caps[r - 1])
+            self._cap[sp] = caps
+        return caps
+
+    def _max_tokens(self, sp: int, r: int) -> int:
+        if not callable(self._mem_fast):
+            return int(self.cm.max_length(sp, r))
+        limit = self.cm.memory_limit
+        mem = self._mem_fast
+        if mem(sp, sp, r) > limit:
+            return 0
+        lo, hi = sp, sp * 2
+        while mem(hi, sp, r) <= limit:
+            lo, hi = hi, hi * 2
+            if hi > 1 << 42:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mem(mid, sp, r) <= limit:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def max_len(self, sp: int) -> int:
+        """Longest micro-batch (tokens) ``sp`` ranks hold at full recompute."""
+        return self.capacities(sp)[-1]
+
+    def min_recompute(self, tokens: int, sp: int) -> int | None:
+        """Fewest recomputed layers for a micro-batch of ``tokens`` on ``sp`` ranks; None if none fits."""
+        caps = self.capacities(sp)
+        if tokens > caps[-1]:
+            return None
+        return bisect.bisect_left(caps, tokens)
+
+    def min_sp(self, length: int) -> int | None:
+        """Smallest usable SP size that holds a sample of ``length`` tokens, or None."""
+        for p in self.sp_sizes:
+            if self.max_len(p) >= length:
+                return p
+        return None
+
+    def longest_fitting(self) -> int:
+        return self.max_len(self.sp_sizes[-1])
+
+    # -- time ----------------------------------------------------------------------------
+    def time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        """Time of one packed micro-batch."""
+        if self._time_fast is not None:
+            w = self.work
+            return self._time_fast(sum(lengths), float(sum(w(n) for n in lengths)), len(lengths), sp, recompute)
+        return self.cm.item_time(lengths, sp, recompute)
+
+    def time_uniform(self, length: float, count: float, sp: int, recompute: int) -> float:
+        """Time of a micro-batch of ``count`` samples of ``length`` tokens (count may be fractional)."""
+        if self._time_fast is not None:
+            return self._time_fast(length * count, self.work(length) * count, count, sp, recompute)
+        k = max(1, int(round(count)))
+        return self.cm.item_time([int(length)] * k, sp, recompute) * (count / k)
+
+    # -- amortized per-sample estimates used for dispatch ---------------------------------
+    def pack_target(self, sp: int, recompute_free: bool = False) -> int:
+        """Token budget of a well-packed micro-batch on ``sp`` ranks.
+
+        The budget with the lowest time per token among the recompute thresholds
+        ``caps[r]`` (reference samples of 2048 tokens or the budget, whichever is smaller);
+        ``recompute_free`` forces ``r = 0``.
+        """
+        key = ("target", sp, recompute_free)
+        got = self._est.get(key)
+        if got is not None:
+            return got  # type: ignore[return-value]
+        caps = self.capacities(sp)
+        best, best_t = caps[0], math.inf
+        options = range(0, 1) if recompute_free else range(len(caps))
+        for r in options:
+            T = caps[r]
+            if T <= 0 or (r > 0 and T == caps[r - 1]):
+                continue
+            ell = min(T, 2048)
+            per_tok = self.time_uniform(ell, T / ell, sp, r) / T
+            if per_tok < best_t * (1 - 1e-9):
+                best, best_t = T, per_tok
+        best = max(best, 1)
+        self._est[key] = best  # type: ignore[assignment]
+        return best
+
+    def estimator(self, sp: int, full_recompute: bool = False):
+        """Per-sample amortized time on ``sp`` ranks as a vectorized function of the lengths.
+
+        A sample of length ``l`` is charged its share ``l / P`` of a micro-batch of ``P =
+        max(l, pack_target)`` tokens made of length-``l`` samples, with the recompute that
+        micro-batch needs (all layers when ``full_recompute``). Tabulated on a log grid once,
+        then ``np.interp``; lengths over the SP group's capacity get ``inf``.
+        """
+        key = ("est", sp, full_recompute)
+        table = self._est.get(key)
+        if table is None:
+            cap = self.max_len(sp)
+            target = self.pack_target(sp)
+            grid = np.unique(np.round(np.geomspace(1, max(cap, 2), 96)).astype(np.int64))
+            grid = grid[grid <= cap] if cap >= 1 else grid[:0]
+            vals = []
+            for ell in grid.tolist():
+                P = max(ell, target)
+                r = self.num_layers if full_recompute else self.min_recompute(P, sp)
+                if r is None:
+                    P, r = ell, self.min_recompute(ell, sp)
+                vals.append(self.time_uniform(ell, P / ell, sp, r) * ell / P)
+            table = (np.log(grid.astype(np.float64)) if len(grid) else np.zeros(0), np.array(vals, dtype=np.float64), cap)
+            self._est[key] = table  # type: ignore[assignment]
+        logx, vals, cap = table  # type: ignore[misc]
+
+        def est(lengths: np.ndarray) -> np.ndarray:
+            if len(logx) == 0:
+                return np.full(len(lengths), np.inf)
+            out = np.interp(np.log(np.maximum(lengths, 1).astype(np.float64)), logx, vals)
+            out[lengths > cap] = np.inf
+            return out
+
+        return est

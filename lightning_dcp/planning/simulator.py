@@ -1,0 +1,141 @@
+"""Executes a plan on a cost model, rank by rank, and reports what the run would cost.
+
+Semantics (one step at a time): each rank runs its items in list order; an item starts when
+*all* its ranks are free (finished their previous items) and lasts ``cost_model.item_cost(...)
+.total`` on each of them. The step's compute ends when the last rank finishes; then every rank
+joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world_size)``.
+
+Reported (all exact definitions):
+
+- ``step_times[s]`` = ``compute_span[s] + step_overhead``; ``total_time`` = their sum.
+- ``tokens_per_s`` = tokens of all items / ``total_time``.
+- ``imbalance`` = idle rank-time / available rank-time over the compute spans of all steps:
+  ``sum_s sum_r (span_s - busy_{s,r}) / (W * sum_s span_s)`` — the mean fraction of time a rank
+  idles (the DCP paper's imbalance ratio), weighted by step duration; ``step_imbalance[s]`` is
+  the same for one step. A rank's busy time is the sum of its items' durations; waiting for
+  its group's other ranks counts as idle.
+- ``icc`` (the blog's Imbalance x Communication x Computation factors, stated as fractions so
+  they compose; the blog's own ratios are their inverses):
+  ``idle_fraction`` (= imbalance), ``comm_fraction`` (all-to-all rank-time / busy rank-time),
+  ``compute_efficiency`` (ideal compute / compute actually spent: layers, recompute and per
+  micro-batch overhead, all in rank-time), ``allreduce_fraction`` (step overheads /
+  ``total_time``), and ``recompute_fraction`` (recompute rank-time / busy rank-time).
+- ``ideal_time`` = sum over samples of ``item_cost([l], 1, 0).ideal`` / W: perfect balance, no
+  communication, no recomputation, no all-reduce, peak achievable efficiency;
+  ``fraction_of_ideal = ideal_time / total_time``.
+- ``timeline[s]``: ``(rank, start, end, item_index, kind)`` with ``kind`` ``"item"`` for
+  micro-batches and ``"allreduce"`` for the step end, times relative to the step start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.plan import Plan, PlanError, check_deadlock_free
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` measured (see the module docstring for the exact definitions)."""
+
+    world_size: int
+    step_times: list[float]
+    compute_spans: list[float]
+    step_imbalance: list[float]
+    total_time: float
+    tokens: int
+    tokens_per_s: float
+    imbalance: float
+    icc: dict[str, float]
+    ideal_time: float
+    fraction_of_ideal: float
+    busy: list[list[float]] = field(default_factory=list)
+    """``busy[s][r]``: seconds rank ``r`` computed in step ``s``."""
+    timeline: list[list[tuple[int, float, float, int, str]]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar figures, JSON-able."""
+        return {
+            "steps": len(self.step_times), "total_time": self.total_time, "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s, "imbalance": self.imbalance, "ideal_time": self.ideal_time,
+            "fraction_of_ideal": self.fraction_of_ideal, **{f"icc_{k}": v for k, v in self.icc.items()},
+        }
+
+
+def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True) -> SimulationResult:
+    """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first."""
+    W = plan.world_size
+    overhead = cost_model.step_overhead(W) if plan.steps else 0.0
+    step_times, spans, step_imb, busy_all, lines = [], [], [], [], []
+    tokens = 0
+    comm = rec = comp = ideal_spent = busy_total = 0.0
+    ideal_compute = 0.0
+    idle_total = 0.0
+    cache: dict[tuple, Any] = {}
+    for s_idx, step in enumerate(plan.steps):
+        if check:
+            try:
+                check_deadlock_free(step, W)
+            except PlanError as err:
+                raise PlanError(f"step {s_idx}: {err}") from None
+        free = [0.0] * W
+        busy = [0.0] * W
+        line: list[tuple[int, float, float, int, str]] = []
+        for i, item in enumerate(step.items):
+            key = (item.lengths, item.sp_size, item.recompute)
+            cost = cache.get(key)
+            if cost is None:
+                cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute)
+                cache[key] = cost
+            t = cost.total
+            start = max(free[r] for r in item.ranks)
+            end = start + t
+            for r in item.ranks:
+                free[r] = end
+                busy[r] += t
+                if timeline:
+                    line.append((r, start, end, i, "item"))
+            p = item.sp_size
+            comm += cost.comm * p
+            rec += cost.recompute * p
+            comp += (cost.compute + cost.overhead) * p
+            ideal_spent += cost.ideal * p
+            tokens += item.tokens
+        span = max(free) if W else 0.0
+        idle = sum(span - b for b in busy)
+        idle_total += idle
+        busy_total += sum(busy)
+        spans.append(span)
+        step_imb.append(idle / (W * span) if span > 0 else 0.0)
+        step_times.append(span + overhead)
+        busy_all.append(busy)
+        if timeline:
+            line.extend((r, span, span + overhead, -1, "allreduce") for r in range(W))
+            lines.append(line)
+    for step in plan.steps:
+        for item in step.items:
+            for n in item.lengths:
+                k = (n,)
+                c = cache.get(("ideal", n))
+                if c is None:
+                    c = cost_model.item_cost([n], 1, 0).ideal
+                    cache[("ideal", n)] = c
+                ideal_compute += c
+    total = sum(step_times)
+    span_total = sum(spans)
+    ideal_time = ideal_compute / W if W else 0.0
+    icc = {
+        "idle_fraction": idle_total / (W * span_total) if span_total > 0 else 0.0,
+        "comm_fraction": comm / busy_total if busy_total > 0 else 0.0,
+        "compute_efficiency": ideal_compute / (comp + rec) if comp + rec > 0 else 1.0,
+        "recompute_fraction": rec / busy_total if busy_total > 0 else 0.0,
+        "allreduce_fraction": overhead * len(step_times) / total if total > 0 else 0.0,
+    }
+    return SimulationResult(
+        world_size=W, step_times=step_times, compute_spans=spans, step_imbalance=step_imb, total_time=total,
+        tokens=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, imbalance=icc["idle_fraction"], icc=icc,
+        ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,
+        timeline=lines if timeline else [],
+    )

@@ -1,0 +1,114 @@
+"""CLI: ``lightning-dcp plan`` / ``simulate`` happy paths and errors (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lightning_dcp.cli as cli
+from lightning_dcp.planning.plan import Plan, validate_plan
+
+
+@pytest.fixture(autouse=True)
+def only_planning_commands(monkeypatch):
+    # the CLI imports every command module; keep these tests independent of the others
+    monkeypatch.setattr(cli, "COMMANDS", {k: v for k, v in cli.COMMANDS.items() if k in ("plan", "simulate")})
+
+
+def write(tmp_path, data, name="lengths.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def run_plan(tmp_path, lengths_file, *extra):
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--lengths", str(lengths_file), "--out", str(out), *extra])
+    return code, out
+
+
+def test_plan_writes_valid_plan(tmp_path, capsys):
+    lengths = [2048, 4096, 1024, 30000, 150000, 8000] * 10
+    code, out = run_plan(tmp_path, write(tmp_path, lengths), "--world-size", "8", "--policy", "dcp",
+                         "--global-batch-tokens", "400000")
+    assert code == 0
+    plan = Plan.from_json(out.read_text())
+    validate_plan(plan, lengths, samples=range(len(lengths)))
+    assert plan.policy == "dcp" and plan.world_size == 8
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("[]", "empty"),
+    ("[1, 0, 3]", "sample 1 has length 0"),
+    ("[5, -2]", "sample 1 has length -2"),
+    ("[1.5]", "positive integers"),
+    ('{"a": 1}', "JSON list"),
+    ("[1, 2", "not valid JSON"),
+    ("[1, \"x\"]", "sample 1"),
+])
+def test_bad_lengths_file(tmp_path, capsys, content, needle):
+    code, out = run_plan(tmp_path, write(tmp_path, content), "--world-size", "8")
+    assert code == 2 and not out.exists()
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_lengths_file(tmp_path, capsys):
+    code, out = run_plan(tmp_path, tmp_path / "nope.json", "--world-size", "8")
+    assert code == 2 and not out.exists() and "cannot read" in capsys.readouterr().err
+
+
+def test_sample_too_long(tmp_path, capsys):
+    code, out = run_plan(tmp_path, write(tmp_path, [1000, 5_000_000]), "--world-size", "8")
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "sample 1" in err and "5000000" in err and "longest that fits" in err
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--model", "gpt-17", "unknown model"),
+    ("--hardware", "tpu9", "unknown hardware"),
+    ("--policy", "fastest", "unknown policy"),
+    ("--world-size", "0", "positive"),
+    ("--global-batch-tokens", "-5", "positive"),
+])
+def test_unknown_names(tmp_path, capsys, flag, value, needle):
+    args = ["--world-size", "8", flag, value] if flag != "--world-size" else [flag, value]
+    code, out = run_plan(tmp_path, write(tmp_path, [100, 200]), *args)
+    assert code == 2 and not out.exists() and needle in capsys.readouterr().err
+
+
+def test_bad_profile(tmp_path, capsys):
+    prof = write(tmp_path, "{}", "profile.json")
+    code, out = run_plan(tmp_path, write(tmp_path, [100]), "--world-size", "8", "--profile", str(prof))
+    assert code == 2 and not out.exists() and "profile" in capsys.readouterr().err
+
+
+def test_non_power_of_two_world(tmp_path):
+    code, out = run_plan(tmp_path, write(tmp_path, [1000, 2000, 120000, 300] * 4), "--world-size", "6")
+    assert code == 0
+    plan = Plan.from_json(out.read_text())
+    ranks = {r for s in plan.steps for i in s.items for r in i.ranks}
+    assert ranks <= set(range(6))
+
+
+def test_simulate_table_json_csv_plot(tmp_path, capsys):
+    js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "g.png"
+    code = cli.main(["simulate", "--world-size", "8", "--dataset", "short", "--num-steps", "2",
+                     "--global-batch-tokens", "2000000", "--policies", "bucket,static,dcp",
+                     "--json", str(js), "--csv", str(cs), "--plot", str(png)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "dcp" in out
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["bucket", "static", "dcp"] and rows[0]["speedup"] == 1.0
+    assert cs.read_text().startswith("policy,") and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_errors(tmp_path, capsys):
+    js = tmp_path / "r.json"
+    assert cli.main(["simulate", "--world-size", "4", "--dataset", "nope", "--json", str(js)]) == 2
+    assert "unknown distribution" in capsys.readouterr().err and not js.exists()
+    assert cli.main(["simulate", "--world-size", "4", "--dataset", "short", "--policies", "x", "--json", str(js)]) == 2
+    assert not js.exists()

@@ -1,0 +1,165 @@
+"""Planner properties for every policy: each sample once, memory limit, deadlock-free, deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _fakes import FakeCostModel, SlowPathCostModel
+from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.layouts import allocate, place, world_blocks
+from lightning_dcp.planning.plan import Plan, check_deadlock_free, is_aligned_block, validate_plan
+from lightning_dcp.planning.planner import POLICIES, Planner, plan
+
+CM = FakeCostModel()
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def lengths_strategy(max_len: int = 30000):
+    short = st.integers(1, 3000)
+    long = st.integers(3000, max_len)
+    return st.lists(st.one_of(short, short, short, long), min_size=1, max_size=60)
+
+
+def check(p: Plan, lengths, cm=CM) -> None:
+    validate_plan(p, lengths, cm, samples=range(len(lengths)))  # once each, memory, aligned, deadlock
+    for step in p.steps:
+        check_deadlock_free(step, p.world_size)
+        for item in step.items:
+            assert is_aligned_block(item.ranks)
+            assert cm.item_memory(item.lengths, item.sp_size, item.recompute) <= cm.memory_limit
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@SETTINGS
+@given(lengths=lengths_strategy(), world=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), seed=st.integers(0, 3))
+def test_policy_properties(policy, lengths, world, seed):
+    limit = Planner(world, CM).longest_fitting()
+    lengths = [min(n, limit) for n in lengths]
+    p1 = plan(lengths, world, CM, policy, seed=seed, global_batch_tokens=world * 8000)
+    check(p1, lengths)
+    if POLICIES[policy].one_step_per_batch:
+        assert len(p1.steps) == len(Planner(world, CM, policy).batches(lengths, global_batch_tokens=world * 8000))
+    p2 = plan(lengths, world, CM, policy, seed=seed, global_batch_tokens=world * 8000)
+    assert p1.to_json() == p2.to_json()  # deterministic
+    back = Plan.from_json(p1.to_json())
+    assert back == p1 and back.to_dict() == p1.to_dict()  # JSON round trip
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_plan_batch_samples_are_dataset_indices(policy):
+    planner = Planner(4, CM, policy, seed=1, dataset_lengths=[100, 2000, 30000, 500] * 5)
+    samples = [40, 7, 93, 12, 5, 66]
+    lengths = [100, 2000, 30000, 500, 700, 9000]
+    p = planner.plan_batch(samples, lengths, step=3)
+    validate_plan(p, dict(zip(samples, lengths)), CM, samples=samples)
+    assert planner.one_step_per_batch == (policy != "bucket")
+    if planner.one_step_per_batch:
+        assert len(p.steps) == 1
+    assert planner.plan_batch(samples, lengths, step=3).to_json() == p.to_json()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_slow_path_cost_model(policy):
+    cm = SlowPathCostModel()
+    lengths = [50, 900, 3000, 12000, 200, 40000, 1000, 8] * 3
+    check(plan(lengths, 8, cm, policy, global_batch_tokens=30000), lengths, cm)
+
+
+def test_dcp_uses_heterogeneous_groups_and_less_recompute():
+    lengths = [40000] + [1000] * 400
+    p = plan(lengths, 16, CM, "dcp", global_batch_tokens=10**9)
+    sizes = {item.sp_size for item in p.steps[0].items}
+    assert len(sizes) > 1
+    short = [it for it in p.steps[0].items if max(it.lengths) == 1000]
+    assert all(it.recompute < CM.num_layers for it in short)
+
+
+def test_bucket_needs_several_steps():
+    planner = Planner(4, CM, "bucket", dataset_lengths=[500] * 200)
+    assert not planner.one_step_per_batch
+    p = planner.plan([500] * 200)
+    assert len(p.steps) > 1
+    assert all(len(step.items) <= 4 for step in p.steps)
+
+
+def test_default_and_explicit_batching():
+    planner = Planner(2, CM, "dcp")
+    lengths = [1000] * 50
+    assert [len(b) for b in planner.batches(lengths, global_batch_tokens=10000)] == [10] * 5
+    assert [len(b) for b in planner.batches(lengths, global_batch_size=20)] == [20, 20, 10]
+    assert len(planner.plan(lengths, global_batch_size=20).steps) == 3
+
+
+# ---------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("bad", [[], [0], [5, -3], [1.5], ["7"], [True]])
+def test_bad_lengths(bad):
+    with pytest.raises(PlanningError):
+        plan(bad, 4, CM)
+
+
+def test_sample_too_long_names_sample_length_and_limit():
+    planner = Planner(4, CM)
+    limit = planner.longest_fitting()
+    with pytest.raises(PlanningError) as err:
+        planner.plan([10, 20, limit + 1])
+    msg = str(err.value)
+    assert "sample 2" in msg and str(limit + 1) in msg and str(limit) in msg
+    with pytest.raises(PlanningError, match="sample 9"):
+        planner.plan_batch([4, 9], [10, limit + 5])
+
+
+def test_unknown_policy_and_option():
+    with pytest.raises(PlanningError, match="known policies"):
+        Planner(4, CM, "fastest")
+    with pytest.raises(PlanningError, match="no option"):
+        Planner(4, CM, "dcp", warp_speed=True)
+    with pytest.raises(PlanningError):
+        Planner(0, CM)
+
+
+def test_batch_input_errors():
+    planner = Planner(4, CM)
+    with pytest.raises(PlanningError, match="more than once"):
+        planner.plan_batch([1, 1], [10, 10])
+    with pytest.raises(PlanningError, match="2 samples but 1 lengths"):
+        planner.plan_batch([1, 2], [10])
+
+
+# ---------------------------------------------------------------- layouts
+
+def test_world_blocks_non_power_of_two():
+    assert world_blocks(6) == [(0, 4), (4, 2)]
+    assert world_blocks(13) == [(0, 8), (8, 4), (12, 1)]
+    assert place([4, 2], 6) == [(0, 1, 2, 3), (4, 5)]
+    assert place([4, 4], 6) is None
+    p = plan([30000, 50, 60], 6, CM, "dcp")  # needs SP > 2: must use the 4-block
+    check(p, [30000, 50, 60])
+    assert p.steps[0].items[0].ranks == (0, 1, 2, 3)
+
+
+@given(world=st.integers(1, 64), data=st.data())
+@SETTINGS
+def test_allocate_fills_world_with_aligned_groups(world, data):
+    sizes = [p for p in (1, 2, 4, 8, 16, 32) if p <= world_blocks(world)[0][1]]
+    work = {p: data.draw(st.floats(0, 10)) for p in sizes}
+    must = data.draw(st.sampled_from(sizes))
+    lay = allocate(work, world, sizes, must)
+    groups = place(lay, world)
+    assert groups is not None and sum(lay) == world and max(lay) >= must
+    assert all(is_aligned_block(g) for g in groups)
+    assert sorted(r for g in groups for r in g) == list(range(world))
+
+
+def test_plan_json_file_round_trip(tmp_path):
+    lengths = [100, 5000, 20000, 700]
+    p = plan(lengths, 4, CM)
+    path = tmp_path / "plan.json"
+    path.write_text(p.to_json())
+    back = Plan.from_json(path.read_text())
+    assert back == p
+    assert json.loads(path.read_text())["schema"] == "lightning-dcp/plan/v1"
