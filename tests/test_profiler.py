@@ -1,0 +1,221 @@
+"""Dual-layer profiler: grid, measurement, accuracy against the full model, the callback and its
+cache, the CLI, and SP-2 profiling on two processes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from lightning_dcp import profiler as prof_mod
+from lightning_dcp.data import SyntheticTokenDataset, SyntheticVideoDataset, plain_collate
+from lightning_dcp.models.module import DCPTransformerModule
+from lightning_dcp.planning.profile import validate_profile
+from lightning_dcp.planning.profiled import ProfiledCostModel
+from lightning_dcp.profile_cache import ProfileCacheWarning, model_signature
+from lightning_dcp.profiler import DCPProfiler, build_grid, profile_module, select_lengths
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------- grid
+
+def test_select_lengths_takes_quantiles_that_exist():
+    data = [5, 1, 9, 3, 3, 7, 100]
+    picks = select_lengths(data, 4)
+    assert picks[0] == 1 and picks[-1] == 100 and set(picks) <= set(data)
+    assert select_lengths([8, 8, 8], 4) == [8]
+    with pytest.raises(ValueError, match="empty"):
+        select_lengths([], 4)
+
+
+def test_grid_puts_required_points_first_and_drops_empty_shards():
+    grid = build_grid([4, 16, 64, 256], [1, 2], [1, 2, 8])
+    required = [p for p in grid.points if p.required]
+    assert grid.points[: len(required)] == required
+    for sp in (1, 2):  # smallest + largest length at b=1 and smallest at b=2 for every SP size
+        assert {(p.seq_len, p.micro_batch) for p in required if p.sp == sp} == {(4, 1), (256, 1), (4, 2)}
+    assert all(p.seq_len * p.micro_batch >= p.sp for p in grid.points)
+    assert (4, 1, 8) not in {(p.seq_len, p.micro_batch, p.sp) for p in grid.points}
+
+
+# --------------------------------------------------------------------------------- profile_module
+
+def test_profile_module_writes_a_loadable_profile_and_leaves_the_module_alone():
+    torch.manual_seed(0)
+    module = DCPTransformerModule("tiny-1d")
+    module.eval()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    rng = torch.get_rng_state()
+    profile = profile_module(module, SyntheticTokenDataset(num_samples=64), optimizer=module.configure_optimizers(),
+                             time_budget_s=None)
+    validate_profile(profile)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not module.training and all(p.grad is None for p in module.parameters())
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert profile["model"] == {"num_layers": 4, "num_heads": 4, "hidden_size": 64}
+    assert profile["meta"]["grid"] == len(profile["entries"]) == 8  # 4 lengths x micro-batch {1, 2} x SP 1
+    c = profile["constant"]
+    assert c["optimizer_s"] > 0 and c["allreduce_s"] == 0 and c["memory_bytes"] >= 4 * c["param_bytes"]
+    for e in profile["entries"]:
+        assert e["input_bytes"] == e["micro_batch"] * e["seq_len"] * 64 * 4  # x: tokens x hidden x fp32
+        assert e["activation_bytes"] > 5 * e["input_bytes"] and e["forward_s"] > 0 and e["recompute_s"] >= 0
+    cm = ProfiledCostModel(profile)
+    assert cm.item_time([300], 1, 4) > cm.item_time([300], 1, 0) > cm.item_time([30], 1, 0)
+
+
+def test_time_budget_keeps_only_required_points_and_explicit_lengths_snap_to_data():
+    module = DCPTransformerModule("tiny-2d")
+    data = SyntheticVideoDataset(num_samples=16)
+    profile = profile_module(module, data, time_budget_s=0.0, lengths=[1, 10_000])
+    assert profile["meta"]["grid"] == 3 and profile["meta"]["skipped"] == 1  # (max length, b=2) was optional
+    lengths = {e["seq_len"] for e in profile["entries"]}
+    assert lengths == {min(data.lengths), max(data.lengths)}  # nearest lengths the data has
+    profile = profile_module(module, data, time_budget_s=0.0)
+    assert profile["meta"]["grid"] == 3 and profile["meta"]["skipped"] == 5
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("profile_accuracy", ROOT / "benchmarks" / "profile_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_predictions_match_the_full_model():
+    """Issue #4's proof, small: held-out items, full model fwd+bwd vs the fitted profile.
+
+    Activation bytes are deterministic: asserted within the 10 % target. Times are asserted within
+    a loose 50 % (shared CI cores); ``benchmarks/profile_accuracy.py`` reports the real errors.
+    """
+    bench = _load_benchmark()
+    res = bench.run(num_layers=4, hidden=128, repeats=3, held_out=([100], [64, 64, 64], [30, 250]))
+    for row in res["rows"]:
+        if row["kind"] == "bytes":
+            assert abs(row["err"]) <= 0.10, row
+        else:
+            assert abs(row["err_full"]) <= 0.50, row
+
+
+# ------------------------------------------------------------------------------------ the callback
+
+def _fit(cache_dir, precision="32-true", **profiler_kwargs):
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    module = DCPTransformerModule("tiny-1d")
+    data = SyntheticTokenDataset(num_samples=16)
+    profiler = DCPProfiler(cache_dir=str(cache_dir), lengths=[16, 64], micro_batch_sizes=[1], **profiler_kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, precision=precision, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[profiler])
+    trainer.fit(module, DataLoader(data, batch_size=2, collate_fn=plain_collate))
+    return profiler
+
+
+def test_callback_profiles_then_hits_the_cache(tmp_path, monkeypatch):
+    first = _fit(tmp_path)
+    assert first.cache_status == "miss" and Path(first.cache_file).exists()
+    assert isinstance(first.cost_model, ProfiledCostModel) and first.profile["meta"]["grid"] == 2
+
+    def boom(*a, **k):
+        raise AssertionError("a cache hit must not measure")
+
+    monkeypatch.setattr(prof_mod, "profile_module", boom)
+    second = _fit(tmp_path)
+    assert second.cache_status == "hit" and second.profile == first.profile
+
+
+def test_callback_misses_on_another_key_and_replaces_a_corrupt_file(tmp_path):
+    first = _fit(tmp_path)
+    other = _fit(tmp_path, precision="bf16-mixed")  # dtype is part of the key
+    assert other.cache_status == "miss" and other.cache_file != first.cache_file
+    assert other.profile["key"]["dtype"] == "bf16-mixed"
+    Path(first.cache_file).write_text("garbage{")
+    with pytest.warns(ProfileCacheWarning, match="corrupt"):
+        again = _fit(tmp_path)
+    assert again.cache_status == "corrupt"
+    validate_profile(json.loads(Path(first.cache_file).read_text()))  # replaced by a valid profile
+
+
+def test_callback_disabled_does_nothing(tmp_path):
+    profiler = _fit(tmp_path, enabled=False)
+    assert profiler.cache_status == "disabled" and profiler.profile is None and not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------- the CLI
+
+def _cli(argv):
+    from lightning_dcp.commands import profile as cmd
+
+    parser = argparse.ArgumentParser()
+    cmd.add_arguments(parser)
+    return cmd.run(parser.parse_args(argv))
+
+
+def test_cli_writes_a_per_layer_profile_of_the_full_model(tmp_path):
+    out = tmp_path / "cpu.json"
+    assert _cli(["--model", "tiny-1d", "--layers", "2", "--lengths", "16,48", "--out", str(out)]) == 0
+    cm = ProfiledCostModel.from_file(out)
+    data = json.loads(out.read_text())
+    full = DCPTransformerModule("tiny-1d")
+    assert cm.num_layers == 4 and data["meta"]["profiled_layers"] == 2  # the profile is per layer
+    assert data["key"]["model_signature"] == model_signature(full)
+    assert data["constant"]["param_bytes"] == sum(p.numel() * 4 for p in full.parameters())
+    assert sorted({e["seq_len"] for e in data["entries"]}) == [16, 48]
+
+
+def test_cli_user_errors():
+    from lightning_dcp.cli import CLIError
+
+    with pytest.raises(CLIError, match="unknown model"):
+        _cli(["--model", "nope", "--out", "x.json"])
+    with pytest.raises(CLIError, match="--layers must be >= 2"):
+        _cli(["--model", "tiny-1d", "--layers", "1", "--out", "x.json"])
+    with pytest.raises(CLIError, match="--lengths"):
+        _cli(["--model", "tiny-1d", "--lengths", "8,x", "--out", "x.json"])
+    if not torch.cuda.is_available():
+        with pytest.raises(CLIError, match="CUDA is not available"):
+            _cli(["--model", "tiny-1d", "--device", "cuda", "--out", "x.json"])
+
+
+# ------------------------------------------------------------------------------------ two processes
+
+def _profile_sp2(rank, world_size):
+    torch.manual_seed(0)
+    module = DCPTransformerModule("tiny-1d")
+    seen = []
+    from lightning_dcp.context import active_context
+
+    module.model.layers.register_forward_pre_hook(lambda m, a: seen.append(active_context().size))
+    profile = profile_module(module, SyntheticTokenDataset(num_samples=32), lengths=[16, 64], micro_batch_sizes=[1, 2])
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, profile)
+    assert everyone[0] == everyone[1], "ranks ended with different profiles"
+    assert {e["sp"] for e in profile["entries"]} == {1, 2}
+    assert 2 in seen  # the capture ran under the SP-2 context (real group)
+    sp1 = {(e["seq_len"], e["micro_batch"]): e for e in profile["entries"] if e["sp"] == 1}
+    for e in profile["entries"]:
+        if e["sp"] == 2:  # each rank holds half the tokens
+            assert e["input_bytes"] == sp1[e["seq_len"], e["micro_batch"]]["input_bytes"] // 2
+    ProfiledCostModel(profile).item_time([64], 2, 0)
+
+
+def test_two_ranks_profile_sp2_on_real_groups_and_agree():
+    from _dist import run_distributed
+
+    run_distributed(_profile_sp2, 2, timeout=240)  # generous: CI cores are shared
