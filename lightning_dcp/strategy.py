@@ -1,0 +1,698 @@
+"""DCPStrategy: Data-Centric Parallel training as a Lightning strategy.
+
+How it hooks into Lightning (automatic optimization is kept; the user's module runs unchanged):
+
+- ``setup_environment``: after DDP's process-group setup, create the SP groups of every aligned
+  power-of-two block (:class:`~lightning_dcp.groups.SPGroups`), once, in the same order on
+  every rank.
+- ``setup``: no DDP wrapper (``configure_ddp`` only broadcasts rank 0's weights); checks the
+  SP sizes against the model's attention heads; optional ZeRO-1
+  (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+- ``process_dataloader`` (train only): replaces the train DataLoader with a
+  :class:`~lightning_dcp.sampler.DCPDataLoader` whose :class:`~lightning_dcp.sampler.DCPBatchSampler`
+  yields one item per optimizer step: this rank's packed micro-batches. Validation, test and
+  predict loaders keep Lightning's distributed sampling (SP size 1).
+- ``training_step`` (called by Lightning's closure once per optimizer step): for each of this
+  rank's work items, in plan order, activate the item's SP group and recompute count
+  (:func:`~lightning_dcp.context.sp_context`), shard the packed micro-batch, call the user's
+  ``training_step(micro_batch, batch_idx)``, weight its loss and run backward through the
+  precision plugin. Then one all-gather of a few numbers per rank (metrics, exact global loss,
+  which parameters got gradients), and the gradients are copied into flat buckets. It returns
+  the exact global loss, detached.
+- Lightning's closure then zeroes gradients (nothing to zero: they are parked in the buckets)
+  and calls ``backward`` on the returned loss, which this strategy skips.
+- ``optimizer_step`` wraps the closure: right after it, the buckets are SUM all-reduced over the
+  world (one collective per bucket) and become the parameters' ``.grad``. Only then does the
+  precision plugin call ``on_before_optimizer_step`` and clip gradients, and the optimizer step.
+
+Why the SUM is exact: each rank's loss is pre-weighted so that the world sum of all ranks'
+weighted losses is the global loss of plain data-parallel training on the step's global batch
+(see :mod:`lightning_dcp.sharding`), and the Ulysses all-to-all's backward routes gradients
+between the ranks of an SP group, so the world sum of local gradients is the global gradient.
+
+Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
+world-wide ones above, the same number on every rank whatever its item count (a rank with no
+item in a step still joins them). ``self.log(..., sync_dist=True)`` inside the user's
+``training_step`` would be a world collective inside the loop: while the loop runs,
+:meth:`DCPStrategy.reduce` returns the local value (warning once); epoch-level syncing still
+happens at epoch end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_dcp.context import LOSS_MASK, SPContext, sp_context
+from lightning_dcp.groups import SPGroups, largest_power_of_two
+from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.plan import WorkItem
+from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_lengths
+from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, shard_batch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DCPStrategy", "DefaultCostModel", "find_num_heads"]
+
+_DDP_INIT_ARGS = {
+    "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "ddp_comm_state",
+    "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period", "process_group_backend", "timeout", "start_method",
+}
+
+
+class DefaultCostModel(CostModel):
+    """Fallback cost model when neither ``cost_model=`` nor a profiler supplied one.
+
+    Time of a micro-batch: ``sum(l^2) * 1e-9 + sum(l) * 1e-6`` (attention + linear work,
+    arbitrary units) split over the SP size, plus ``1e-4`` per micro-batch and ``1e-5 * l / sp``
+    of communication per SP rank when ``sp > 1``. Memory (arbitrary units): ``tokens / sp *
+    (1 + num_layers - recompute)`` against a limit that holds ``max_tokens`` tokens on one rank
+    without recomputation, so samples up to ``max_tokens`` (the strategy uses 4x the longest
+    sample) run at SP size 1 and ranks are balanced by gradient accumulation (DCP-inter only).
+    Measure the model (``DCPProfiler``) or pass a cost model to get SP and recompute choices.
+    """
+
+    def __init__(self, num_layers: int = 0, num_heads: int = 1, max_tokens: int = 1 << 16) -> None:
+        self.num_layers = int(num_layers)
+        self.num_heads = max(1, int(num_heads))
+        self.max_tokens = int(max_tokens)
+        self.memory_limit = float(self.max_tokens * (1 + self.num_layers))
+
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+        lin = sum(lengths) * 1e-6
+        sq = sum(n * n for n in lengths) * 1e-9
+        per_layer = (lin + sq) / max(1, self.num_layers or 1)
+        comm = 1e-5 * sum(lengths) / sp if sp > 1 else 0.0
+        return ItemCost(compute=(lin + sq) / sp, recompute=per_layer * recompute / sp, comm=comm, overhead=1e-4,
+                        ideal=(lin + sq) / sp)
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        return sum(lengths) / sp * (1 + self.num_layers - recompute)
+
+    def step_overhead(self, world_size: int) -> float:
+        return 1e-3
+
+    def signature(self) -> dict:
+        return {"kind": "default", "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "max_tokens": self.max_tokens}
+
+
+def find_num_heads(module: torch.nn.Module) -> int | None:
+    """The attention head count SP sizes must divide: ``dcp_num_heads`` or ``num_heads`` on the
+    module or (first found) on a submodule or its ``spec``; ``None`` when nothing says."""
+    for attr in ("dcp_num_heads", "num_heads"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    spec = getattr(module, "spec", None)
+    if isinstance(getattr(spec, "num_heads", None), int):
+        return spec.num_heads
+    for sub in module.modules():
+        if sub is module:
+            continue
+        for attr in ("dcp_num_heads", "num_heads"):
+            value = getattr(sub, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _count_recompute_layers(module: torch.nn.Module) -> int:
+    try:
+        from lightning_dcp.recompute import find_recompute_layers
+
+        return max((len(r) for r in find_recompute_layers(module)), default=0)
+    except ImportError:  # pragma: no cover
+        return 0
+
+
+class _GradBuckets:
+    """Flat gradient buckets for one SUM all-reduce per bucket.
+
+    ``park`` copies the parameters' gradients into the buckets (zeros where a rank has none)
+    and drops ``.grad``; ``reduce`` all-reduces and hands each parameter a view of its slice
+    (``None`` when no rank produced a gradient for it, like single-process training).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], cap_bytes: int) -> None:
+        self.params = params
+        self.slots: list[tuple[int, int, int]] = []  # (bucket, offset, numel) per param
+        self.buffers: list[Tensor] = []
+        sizes: list[int] = []
+        keys: list[tuple[torch.dtype, torch.device]] = []
+        for p in params:
+            key = (p.dtype, p.device)
+            n = p.numel()
+            b = next((i for i in range(len(keys)) if keys[i] == key and sizes[i] * p.element_size() + n * p.element_size() <= cap_bytes), None)
+            if b is None:
+                keys.append(key)
+                sizes.append(0)
+                b = len(keys) - 1
+            self.slots.append((b, sizes[b], n))
+            sizes[b] += n
+        self.buffers = [torch.zeros(n, dtype=k[0], device=k[1]) for n, k in zip(sizes, keys)]
+        self.has_grad = torch.zeros(len(params), dtype=torch.float64)
+
+    def park(self) -> None:
+        for i, (p, (b, off, n)) in enumerate(zip(self.params, self.slots)):
+            dst = self.buffers[b][off:off + n]
+            g = p.grad
+            if g is None:
+                dst.zero_()
+                self.has_grad[i] = 0.0
+            else:
+                if g.data_ptr() != dst.data_ptr():
+                    dst.copy_(g.reshape(-1))
+                self.has_grad[i] = 1.0
+                p.grad = None
+
+    def reduce(self, world_has_grad: Tensor | None, group: Any = None, world: int = 1) -> None:
+        if world > 1:
+            handles = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True) for buf in self.buffers]
+            for h in handles:
+                h.wait()
+        has = world_has_grad if world_has_grad is not None else self.has_grad
+        for i, (p, (b, off, n)) in enumerate(zip(self.params, self.slots)):
+            p.grad = self.buffers[b][off:off + n].view_as(p) if has[i] > 0 else None
+
+
+class DCPStrategy(DDPStrategy):
+    """Data-Centric Parallel: per step, the data chooses SP groups, micro-batches per rank and recomputation.
+
+    Gradients equal those of plain data-parallel training on the same global batch (fp32, up
+    to summation order). Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`
+    (launchers, cluster environments, rank setup) without the DDP wrapper.
+
+    Args:
+        policy: planner policy name for :class:`lightning_dcp.planning.planner.Planner`
+            (``"dcp"``, ``"bucket"``, ``"packed"``, ``"static"``...); ignored with ``planner=``.
+        cost_model: a :class:`~lightning_dcp.planning.cost_model.CostModel`; else the one a
+            profiler gives through :meth:`set_cost_model`; else :class:`DefaultCostModel` (warned).
+        planner: any object with ``plan_batch(samples, lengths, step=0)`` and
+            ``one_step_per_batch``; overrides ``policy`` / ``cost_model``.
+        profile: add ``lightning_dcp.profiler.DCPProfiler`` to the trainer's callbacks (measures
+            the model at fit start). ``None``: only when no cost model or planner is given and
+            the profiler is importable.
+        global_batch_size: samples per optimizer step, over all ranks. Default: the train
+            DataLoader's ``batch_size`` times the world size (what DDP would train on).
+        global_batch_tokens: alternatively, a token budget per step.
+        loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
+            ``"sample"`` (mean over samples of each sample's token mean); see
+            :mod:`lightning_dcp.sharding` for what ``training_step`` must return.
+        zero1: shard optimizer state over the world (``ZeroRedundancyOptimizer``).
+        seed: data-order seed (the epoch is added each epoch); the same on every rank.
+        plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
+        max_sp_size: largest SP size (a power of two) to create groups for; default the largest
+            power of two that fits the world and divides the model's head count.
+        lengths: sample lengths (a list, or a callable taking the dataset) when the dataset
+            has no ``lengths`` attribute.
+        shuffle, drop_last: data order per epoch, and whether to drop the last partial batch.
+        planner_options: extra keyword arguments for the ``Planner``.
+        log_metrics: log ``dcp/*`` step metrics through the LightningModule's logger.
+        bucket_cap_mb: size of a gradient all-reduce bucket.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
+            (``start_method``, ``process_group_backend``, ``timeout``, ``cluster_environment``...).
+    """
+
+    strategy_name = "dcp"
+
+    def __init__(
+        self,
+        *,
+        policy: str = "dcp",
+        cost_model: CostModel | None = None,
+        planner: Any = None,
+        profile: bool | None = None,
+        global_batch_size: int | None = None,
+        global_batch_tokens: int | None = None,
+        loss_reduction: str = "token",
+        zero1: bool = False,
+        seed: int = 0,
+        plan_ahead: bool = True,
+        max_sp_size: int | None = None,
+        lengths: Sequence[int] | Callable[[Any], Sequence[int]] | None = None,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        planner_options: Mapping[str, Any] | None = None,
+        log_metrics: bool = True,
+        bucket_cap_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        unsupported = sorted(set(kwargs) - _DDP_INIT_ARGS)
+        if unsupported:
+            rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {unsupported}")
+            kwargs = {k: v for k, v in kwargs.items() if k in _DDP_INIT_ARGS}
+        super().__init__(**kwargs)
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if max_sp_size is not None and (max_sp_size < 1 or max_sp_size & (max_sp_size - 1)):
+            raise ValueError(f"max_sp_size must be a power of two >= 1, got {max_sp_size}")
+        if global_batch_size is not None and global_batch_tokens is not None:
+            raise ValueError(f"give global_batch_size ({global_batch_size}) or global_batch_tokens "
+                             f"({global_batch_tokens}), not both")
+        self.policy = policy
+        self._cost_model = cost_model
+        self._planner = planner
+        self.profile = profile
+        self.global_batch_size = global_batch_size
+        self.global_batch_tokens = global_batch_tokens
+        self.loss_reduction = loss_reduction
+        self.zero1 = zero1
+        self.seed = seed
+        self.plan_ahead = plan_ahead
+        self.max_sp_size = max_sp_size
+        self._lengths = lengths
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.planner_options = dict(planner_options or {})
+        self.log_metrics = log_metrics
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.sp_groups: SPGroups | None = None
+        self.num_heads: int | None = None
+        self.batch_sampler: DCPBatchSampler | None = None
+        self.last_step_metrics: StepMetrics | None = None
+        self.last_step_plan: dict | None = None
+        self.metrics_tracker = StepMetricsTracker()
+        self._buckets: _GradBuckets | None = None
+        self._grads_parked = False
+        self._world_has_grad: Tensor | None = None
+        self._in_micro_loop = False
+        self._warned_sync = False
+        self._warned_default_cost = False
+        self._last_step_start: float | None = None
+        self._tracker_epoch: int | None = None
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"dcp"`` (popen launcher, for scripts/CLIs) and ``"dcp_spawn"``."""
+        for name, start_method in (("dcp", "popen"), ("dcp_spawn", "spawn")):
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=f"Data-Centric Parallel strategy (start_method={start_method!r})",
+                                       start_method=start_method)
+
+    # ------------------------------------------------------------------ environment and setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        self.num_heads = find_num_heads(module) if module is not None else None
+        self._resolve_max_sp()
+        create = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.max_sp_size, create=create)
+
+    def _resolve_max_sp(self, world_size: int | None = None) -> None:
+        world_size = self.world_size if world_size is None else world_size
+        world_cap = largest_power_of_two(world_size)
+        heads = self.num_heads
+        if self.max_sp_size is not None:
+            if heads is not None:
+                p = 2
+                while p <= self.max_sp_size:
+                    if heads % p:
+                        raise ValueError(
+                            f"max_sp_size={self.max_sp_size} allows SP size {p}, which does not divide the model's "
+                            f"{heads} attention heads; use max_sp_size <= {self._largest_dividing(heads)} or a head "
+                            f"count divisible by {self.max_sp_size}")
+                    p *= 2
+            if self.max_sp_size > world_cap:
+                rank_zero_warn(f"max_sp_size={self.max_sp_size} exceeds the world ({world_size} ranks); "
+                               f"using {world_cap}")
+            self.max_sp_size = min(self.max_sp_size, world_cap)
+        else:
+            self.max_sp_size = min(world_cap, self._largest_dividing(heads)) if heads else world_cap
+
+    @staticmethod
+    def _largest_dividing(heads: int | None) -> int:
+        if not heads:
+            return 1 << 30
+        return heads & -heads  # largest power of two dividing heads
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not module.automatic_optimization:
+                raise ValueError(
+                    "DCPStrategy runs the micro-batch accumulation loop itself and needs automatic optimization; "
+                    f"{type(module).__name__}.automatic_optimization is False. Let training_step return the loss "
+                    "(the strategy does backward, gradient reduction and the optimizer step)")
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with DCPStrategy: the "
+                    "strategy accumulates per rank as the plan says; set accumulate_grad_batches=1 and make the "
+                    "global batch larger instead (DCPStrategy(global_batch_size=...))")
+            self._maybe_add_profiler(trainer)
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.zero1 and self.world_size > 1:
+            self._wrap_zero1()
+
+    def _maybe_add_profiler(self, trainer: Any) -> None:
+        want = self.profile
+        if want is False:
+            return
+        try:
+            from lightning_dcp.profiler import DCPProfiler  # type: ignore[attr-defined]
+        except ImportError:
+            if want:
+                raise ValueError("DCPStrategy(profile=True) needs lightning_dcp.profiler.DCPProfiler, which is not "
+                                 "available in this installation; pass cost_model= or profile=False")
+            return
+        if want is None and (self._cost_model is not None or self._planner is not None):
+            return
+        if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
+            trainer.callbacks.append(DCPProfiler())
+
+    def _wrap_zero1(self) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        new = []
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroRedundancyOptimizer):
+                new.append(opt)
+                continue
+            groups = [dict(g) for g in opt.param_groups]
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **opt.defaults)
+            for cfg in self.lr_scheduler_configs:
+                if getattr(cfg.scheduler, "optimizer", None) is opt:
+                    cfg.scheduler.optimizer = zero
+            new.append(zero)
+        self.optimizers = new
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: broadcast rank 0's parameters and buffers instead."""
+        if self.world_size > 1 and dist.is_initialized():
+            from lightning.pytorch.overrides.distributed import _sync_module_states
+
+            _sync_module_states(self.model)
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
+        self._cost_model = cost_model
+        if self.batch_sampler is not None and self._planner is None:
+            rank_zero_warn("set_cost_model after the train dataloader was built: the new cost model applies from "
+                           "the next time the dataloader is built (next fit or reload)")
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        return self._cost_model
+
+    # ------------------------------------------------------------------ data
+    def _make_planner(self, lengths: list[int]) -> Any:
+        if self._planner is not None:
+            return self._planner
+        cost_model = self._cost_model
+        if cost_model is None:
+            module = self.lightning_module
+            cost_model = DefaultCostModel(_count_recompute_layers(module), self.num_heads or 1, 4 * max(lengths))
+            if not self._warned_default_cost:
+                self._warned_default_cost = True
+                rank_zero_warn("DCPStrategy has no cost model (pass cost_model=, or add lightning_dcp's DCPProfiler); "
+                               "using DefaultCostModel: SP size 1 for every sample, ranks balanced by gradient "
+                               "accumulation only")
+            self._cost_model = cost_model
+        from lightning_dcp.planning.planner import Planner  # B's planner
+
+        opts = dict(self.planner_options)
+        if "max_sp_size" in _planner_params(Planner):
+            opts.setdefault("max_sp_size", self.max_sp_size)
+        elif self.max_sp_size < largest_power_of_two(self.world_size):
+            cost_model = _CappedCostModel(cost_model, self.max_sp_size)
+        return Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        if isinstance(dataloader, DCPDataLoader):
+            return dataloader
+        dataset = dataloader.dataset
+        if not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
+                             f"{type(dataset).__name__}")
+        lengths = resolve_lengths(dataset, self._lengths)
+        gbs, gbt = self.global_batch_size, self.global_batch_tokens
+        if gbs is None and gbt is None:
+            per_rank = dataloader.batch_size or 1
+            gbs = per_rank * self.world_size
+        planner = self._make_planner(lengths)
+        self.batch_sampler = DCPBatchSampler(
+            lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,
+            rank=self.global_rank, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+            plan_ahead=self.plan_ahead, cost_model=self._cost_model if self._planner is None else None,
+            max_sp_size=self.max_sp_size,
+        )
+        if len(self.batch_sampler) == 0:
+            raise ValueError(f"the train dataset ({len(lengths)} samples) gives no full global batch of "
+                             f"{gbs if gbs is not None else str(gbt) + ' tokens'}; lower the global batch or set drop_last=False")
+        kwargs: dict[str, Any] = {}
+        if dataloader.num_workers > 0:
+            kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
+                          multiprocessing_context=dataloader.multiprocessing_context)
+        return DCPDataLoader(dataset, self.batch_sampler, num_workers=dataloader.num_workers,
+                             pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
+                             worker_init_fn=dataloader.worker_init_fn, **kwargs)
+
+    # ------------------------------------------------------------------ the step
+    def _grad_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+    def _validate_step(self, meta: Mapping[str, Any]) -> None:
+        if int(meta.get("world_size", self.world_size)) != self.world_size:
+            raise RuntimeError(f"the step was planned for {meta['world_size']} ranks but the world has {self.world_size}")
+        assert self.sp_groups is not None
+        for idx, item in enumerate(meta["plan"]["items"]):
+            ranks = item["ranks"]
+            sp = len(ranks)
+            if self.num_heads is not None and self.num_heads % sp:
+                raise ValueError(f"step {meta['step']} of epoch {meta['epoch']}: item {idx} (samples {item['samples']}) "
+                                 f"uses SP size {sp}, which does not divide the model's {self.num_heads} attention "
+                                 f"heads; cap the planner at max_sp_size={self._largest_dividing(self.num_heads)}")
+            if not self.sp_groups.has(ranks):
+                raise ValueError(f"step {meta['step']} of epoch {meta['epoch']}: item {idx} runs on ranks {ranks}, "
+                                 f"which is not an SP group of this world ({self.sp_groups}); fix the plan or max_sp_size")
+
+    def training_step(self, batch: Any = None, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+        """Run this rank's micro-batches of one optimizer step (see the module docstring)."""
+        if not (isinstance(batch, Mapping) and "items" in batch and "meta" in batch):
+            raise TypeError("DCPStrategy.training_step expects the batches of its own train dataloader "
+                            f"({{'items', 'meta'}}); got {type(batch).__name__}. Did a custom train dataloader bypass "
+                            "process_dataloader (e.g. a CombinedLoader of several loaders)?")
+        meta, items = batch["meta"], batch["items"]
+        self._validate_step(meta)
+        module = self.lightning_module
+        now = time.perf_counter()
+        step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
+        self._last_step_start = now
+        if self._buckets is None:
+            self._buckets = _GradBuckets(self._grad_params(), self.bucket_cap_bytes)
+        for p in self._buckets.params:
+            p.grad = None
+        t0 = time.perf_counter()
+        local_loss = torch.zeros((), dtype=torch.float64)
+        local_tokens = 0
+        self._in_micro_loop = True
+        try:
+            for mb, it in zip(items, meta["items"]):
+                contribution, tokens = self._run_item(module, mb, it, meta, batch_idx)
+                local_loss += contribution
+                local_tokens += tokens
+        finally:
+            self._in_micro_loop = False
+        self._buckets.park()
+        busy = time.perf_counter() - t0
+
+        stats = torch.cat([
+            torch.tensor([busy, float(local_loss), float(local_tokens), float(len(items))], dtype=torch.float64),
+            self._buckets.has_grad,
+        ])
+        gathered = self._all_gather(stats)
+        self._world_has_grad = gathered[:, 4:].sum(0)
+        self._grads_parked = True
+        if self.batch_sampler is not None:
+            self.batch_sampler.mark_consumed(meta["epoch"], meta["step"])
+        self._record_metrics(gathered[:, :4], meta, step_s)
+        return torch.tensor(float(gathered[:, 1].sum()), dtype=torch.float32, device=self.root_device)
+
+    def _run_item(self, module: Any, mb: dict, it: Mapping[str, Any], meta: Mapping[str, Any], batch_idx: int) -> tuple[Tensor, int]:
+        ranks, sp_rank = it["ranks"], it["sp_rank"]
+        sp = len(ranks)
+        group = self.sp_groups.group_for(ranks) if sp > 1 else None
+        add_token_weights(mb, it["lengths"], self.loss_reduction, meta["global_tokens"], meta["global_samples"])
+        shard_fn = getattr(module, "dcp_shard_batch", None)
+        local = shard_fn(mb, sp_rank, sp) if callable(shard_fn) else shard_batch(mb, sp_rank, sp)
+        item = WorkItem(tuple(ranks), tuple(it["samples"]), tuple(it["lengths"]), it["recompute"])
+        ctx = SPContext(group=group, size=sp, rank=sp_rank, recompute=int(it["recompute"]), item=item)
+        results = module.trainer._results if module.trainer is not None else None
+        if results is not None:
+            results.batch, results.batch_size = local, len(it["samples"])
+        local_tokens = int(local[LOSS_MASK].sum()) if LOSS_MASK in local else 0
+        with sp_context(ctx):
+            with self.precision_plugin.train_step_context():
+                out = module.training_step(local, batch_idx)
+            loss = self._weighted_loss(out, local, it, meta, local_tokens)
+            self._micro_backward(loss)
+        value = loss.detach().double().cpu()
+        if not torch.isfinite(value) and local_tokens == 0:
+            value = torch.zeros((), dtype=torch.float64)
+        return value, local_tokens
+
+    def _weighted_loss(self, out: Any, batch: Mapping[str, Any], it: Mapping[str, Any], meta: Mapping[str, Any],
+                       local_tokens: int) -> Tensor:
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise TypeError(f"{type(self.lightning_module).__name__}.training_step must return a scalar loss tensor (or a "
+                            f"dict with 'loss') under DCPStrategy; got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+        if is_weighted(loss):
+            return loss
+        if self.loss_reduction == "token":
+            if local_tokens == 0:
+                return loss * 0.0
+            return loss * (local_tokens / meta["global_tokens"])
+        if len(it["samples"]) == 1:
+            if local_tokens == 0:
+                return loss * 0.0
+            return loss * (local_tokens / (it["lengths"][0] * meta["global_samples"]))
+        raise ValueError(
+            f"loss_reduction='sample' with a micro-batch packing {len(it['samples'])} samples {it['samples']}: a plain "
+            "mean cannot be re-weighted per sample; return lightning_dcp.weighted_loss(token_loss, batch) from "
+            "training_step (token_loss = per-token loss with reduction='none')")
+
+    def _micro_backward(self, loss: Tensor) -> None:
+        optimizer = self.optimizers[0] if self.optimizers else None
+        super().backward(loss, optimizer)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Skipped for the loss a DCP ``training_step`` returned (backward already ran per micro-batch)."""
+        if self._grads_parked:
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Reduce the parked gradients right after the closure, before clipping and the step."""
+
+        def dcp_closure() -> Any:
+            result = closure()
+            self.reduce_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
+
+    def reduce_gradients(self) -> None:
+        """SUM all-reduce the parked gradients over the world and restore them as ``.grad`` (once per step)."""
+        if not self._grads_parked or self._buckets is None:
+            return
+        self._grads_parked = False
+        self._buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1)
+
+    def _all_gather(self, t: Tensor) -> Tensor:
+        if self.world_size == 1 or not dist.is_initialized():
+            return t.unsqueeze(0)
+        device = self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = t.to(device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return torch.stack(out).cpu()
+
+    def _record_metrics(self, gathered: Tensor, meta: Mapping[str, Any], step_s: float) -> None:
+        m = step_metrics(gathered, epoch=meta["epoch"], step=meta["step"], step_s=step_s, plan=meta["plan"],
+                         global_tokens=meta["global_tokens"])
+        self.last_step_metrics = m
+        self.last_step_plan = meta["plan"]
+        if self._tracker_epoch != m.epoch:
+            self.metrics_tracker.reset()
+            self._tracker_epoch = m.epoch
+        self.metrics_tracker.update(m)
+        module = self.lightning_module
+        if self.log_metrics and module is not None and module._trainer is not None:
+            has_logger = bool(module.trainer.loggers)
+            for key, value in m.as_log_dict().items():
+                if has_logger or key == "dcp/imbalance":
+                    module.log(key, value, on_step=True, on_epoch=False, prog_bar=key == "dcp/imbalance",
+                               logger=has_logger, batch_size=1, sync_dist=False)
+
+    # ------------------------------------------------------------------ collectives from user code
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a
+        world collective would hang; return the local value (on-step sync is deferred, epoch-end sync still happens)."""
+        if self._in_micro_loop:
+            if not self._warned_sync:
+                self._warned_sync = True
+                rank_zero_warn("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run "
+                               "different numbers of micro-batches, so on-step values are not synced (each rank logs "
+                               "its own); epoch-level values are still synced at epoch end")
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._in_micro_loop:
+            raise RuntimeError("a world barrier inside training_step under DCPStrategy would hang (ranks run different "
+                               "numbers of micro-batches); move it to a hook outside training_step")
+        super().barrier(*args, **kwargs)
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if self._in_micro_loop:
+            raise RuntimeError("self.all_gather inside training_step under DCPStrategy would hang (ranks run different "
+                               "numbers of micro-batches); gather in on_train_batch_end or an epoch-end hook instead")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._in_micro_loop:
+            raise RuntimeError("reduce_boolean_decision inside training_step under DCPStrategy would hang; call it "
+                               "outside training_step")
+        return super().reduce_boolean_decision(decision, all=all)
+
+    def teardown(self) -> None:
+        if self.batch_sampler is not None:
+            self.batch_sampler.shutdown()
+        self._buckets = None
+        super().teardown()
+
+
+class _CappedCostModel(CostModel):
+    """Delegates to ``inner`` but offers no SP size above ``max_sp`` (the groups that exist)."""
+
+    def __init__(self, inner: CostModel, max_sp: int) -> None:
+        self._inner, self._max_sp = inner, max_sp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_inner"], name)
+
+    def sp_sizes(self, world_size: int) -> list[int]:
+        return [s for s in self._inner.sp_sizes(world_size) if s <= self._max_sp]
+
+    def item_cost(self, lengths, sp, recompute):  # type: ignore[no-untyped-def]
+        return self._inner.item_cost(lengths, sp, recompute)
+
+    def item_memory(self, lengths, sp, recompute):  # type: ignore[no-untyped-def]
+        return self._inner.item_memory(lengths, sp, recompute)
+
+    def step_overhead(self, world_size):  # type: ignore[no-untyped-def]
+        return self._inner.step_overhead(world_size)
+
+    def signature(self) -> dict:
+        return {**self._inner.signature(), "max_sp_size": self._max_sp}
+
+
+def _planner_params(cls: Any) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):  # pragma: no cover
+        return set()

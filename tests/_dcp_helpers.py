@@ -1,0 +1,174 @@
+"""Shared pieces of the DCPStrategy tests: a tiny Ulysses LM, planners with handcrafted plans, a
+grad/weight dump callback, a single-process reference, and a Trainer runner.
+
+Everything here is module-level so it pickles into spawned processes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from lightning_dcp.data import SyntheticTokenDataset, pack_samples
+from lightning_dcp.models.transformer1d import Transformer1D
+from lightning_dcp.planning.models import ModelSpec
+from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.sharding import weighted_loss
+
+SPEC = ModelSpec("test-1d", "1d", 3, 16, 4, True, 32, vocab_size=32)
+
+
+class TinyLM(pl.LightningModule):
+    """An unchanged-style LightningModule: training_step returns the mean CE over its tokens."""
+
+    def __init__(self, lr: float = 0.05, reduction: str = "token", optimizer: str = "sgd", log_sync: bool = False,
+                 init_seed: int = 0) -> None:
+        super().__init__()
+        self.lr, self.reduction, self.optimizer_name, self.log_sync = lr, reduction, optimizer, log_sync
+        torch.manual_seed(init_seed)
+        self.model = Transformer1D(SPEC)
+
+    def setup(self, stage: str) -> None:
+        torch.set_num_threads(1)  # the test machines have few cores shared by several processes
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch)
+        if self.reduction == "sample":
+            tl = F.cross_entropy(logits.float(), batch["labels"], reduction="none", ignore_index=-100)
+            return weighted_loss(tl, batch)
+        loss = F.cross_entropy(logits.float(), batch["labels"], ignore_index=-100)
+        if self.log_sync:
+            self.log("train_loss", torch.nan_to_num(loss), sync_dist=True, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(make_dataset(), batch_size=4)
+
+
+def make_dataset(n: int = 48, seed: int = 3, min_len: int = 2, max_len: int = 40) -> SyntheticTokenDataset:
+    rng = random.Random(seed)
+    lengths = [rng.randint(min_len, max_len) for _ in range(n)]
+    return SyntheticTokenDataset(lengths, vocab_size=SPEC.vocab_size, seed=seed)
+
+
+def _blocks(world: int, size: int) -> list[tuple[int, ...]]:
+    return [tuple(range(s, s + size)) for s in range(0, world - size + 1, size)]
+
+
+class RandomPlanner:
+    """Random but deterministic plans mixing SP sizes, packing, accumulation counts and recompute.
+
+    Step 0 (and every step when ``force_mix``) starts with one item on the largest SP size and
+    one on SP 2 (when the world allows), so one step mixes SP 1/2/4; the remaining samples go
+    to random aligned blocks of random sizes, 1-3 samples per item, recompute 0..3. Some steps
+    leave ranks without any item (``idle_prob``).
+    """
+
+    one_step_per_batch = True
+
+    def __init__(self, world_size: int, seed: int = 0, max_sp: int = 4, idle_prob: float = 0.3, force_mix: bool = False):
+        self.world_size, self.seed, self.max_sp, self.idle_prob, self.force_mix = world_size, seed, max_sp, idle_prob, force_mix
+
+    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        rng = random.Random(self.seed * 7919 + step)
+        pairs = list(zip(samples, lengths))
+        rng.shuffle(pairs)
+        sizes = [s for s in (1, 2, 4, 8) if s <= min(self.world_size, self.max_sp)]
+        # ranks allowed this step: sometimes only the first half -> idle ranks
+        usable = self.world_size
+        if self.world_size > 1 and rng.random() < self.idle_prob:
+            usable = self.world_size // 2
+        items: list[WorkItem] = []
+        forced = []
+        if step == 0 or self.force_mix:
+            forced = [s for s in (max(sizes), 2) if 1 < s <= max(sizes)]
+            forced = list(dict.fromkeys(forced))
+        while pairs:
+            if forced:
+                sp = forced.pop(0)
+                blocks = _blocks(self.world_size, sp)
+            else:
+                sp = rng.choice([s for s in sizes if s <= max(1, usable)])
+                blocks = _blocks(usable, sp) or _blocks(self.world_size, sp)
+            ranks = rng.choice(blocks)
+            k = min(len(pairs), rng.randint(1, 3))
+            chunk, pairs = pairs[:k], pairs[k:]
+            items.append(WorkItem(ranks, tuple(s for s, _ in chunk), tuple(n for _, n in chunk), rng.randint(0, 3)))
+        return [StepPlan(tuple(items))]
+
+
+class Dump(pl.Callback):
+    """Writes, per rank, grads at the first optimizer step, weights after ``weights_at`` steps,
+    the step plans (rank 0) and the step metrics, to ``out_dir``."""
+
+    def __init__(self, out_dir: str, weights_at: Sequence[int] = (20,)) -> None:
+        self.out_dir, self.weights_at = out_dir, tuple(weights_at)
+        self.plans: list[dict] = []
+        self.metrics: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == 0:
+            grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in pl_module.named_parameters()}
+            torch.save(grads, os.path.join(self.out_dir, f"grads0_rank{trainer.global_rank}.pt"))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        self.plans.append(batch["meta"]["plan"])
+        m = getattr(strategy, "last_step_metrics", None)
+        if m is not None:
+            self.metrics.append(m.to_dict())
+        if trainer.global_step in self.weights_at:
+            sd = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            torch.save(sd, os.path.join(self.out_dir, f"weights{trainer.global_step}_rank{trainer.global_rank}.pt"))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save({"plans": self.plans, "metrics": self.metrics, "losses": getattr(self, "losses", None)},
+                   os.path.join(self.out_dir, f"log_rank{trainer.global_rank}.pt"))
+
+
+def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any = None, reduction: str = "token",
+                  optimizer: str = "sgd") -> tuple[dict, dict]:
+    """Single process, every sample alone at SP 1: grads of step 0 and weights after ``steps`` steps."""
+    dataset = dataset if dataset is not None else make_dataset()
+    module = TinyLM(lr=lr, reduction=reduction, optimizer=optimizer)
+    opt = module.configure_optimizers()
+    grads0 = None
+    for k in range(steps):
+        samples = [(s, n) for it in plans[k]["items"] for s, n in zip(it["samples"], it["lengths"])]
+        total = sum(n for _, n in samples)
+        opt.zero_grad(set_to_none=True)
+        for s, n in samples:
+            batch = pack_samples([dataset[s]])
+            logits = module.model(batch)
+            tl = F.cross_entropy(logits.float(), batch["labels"], reduction="none", ignore_index=-100)
+            if reduction == "token":
+                loss = tl.sum() / total
+            else:
+                loss = tl.mean() / len(samples)
+            loss.backward()
+        if k == 0:
+            grads0 = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+        opt.step()
+    return grads0, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def make_trainer(devices: int, strategy: Any, callbacks: list, max_steps: int, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, callbacks=callbacks,
+        logger=False, enable_checkpointing=kw.pop("enable_checkpointing", False), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, **kw,
+    )

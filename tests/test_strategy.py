@@ -1,0 +1,111 @@
+"""DCPStrategy pieces that need no processes: groups, sharding, weights, errors, metrics, buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dcp_helpers import TinyLM
+from lightning_dcp.context import LOSS_MASK, TOKEN_WEIGHT
+from lightning_dcp.data import pack_samples
+from lightning_dcp.groups import SPGroups, aligned_blocks
+from lightning_dcp.metrics import step_metrics
+from lightning_dcp.sharding import add_token_weights, is_weighted, shard_batch, weighted_loss
+from lightning_dcp.strategy import DCPStrategy, _GradBuckets, find_num_heads
+
+
+def _packed(lengths, sp):
+    samples = [{"input_ids": torch.arange(n), "labels": torch.arange(n)} for n in lengths]
+    return pack_samples(samples, pad_to_multiple=sp)
+
+
+def test_aligned_blocks_and_non_power_of_two_world():
+    assert aligned_blocks(4) == [(0, 1), (2, 3), (0, 1, 2, 3)]
+    assert aligned_blocks(6) == [(0, 1), (2, 3), (4, 5), (0, 1, 2, 3)]
+    assert aligned_blocks(8, max_sp_size=2) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    g = SPGroups(6, rank=5, create=False)
+    assert g.sizes == [1, 2, 4] and g.has((4, 5)) and not g.has((4, 5, 6, 7))
+    with pytest.raises(ValueError, match=r"no SP group for ranks \[2, 3, 4, 5\]"):
+        g.group_for((2, 3, 4, 5))
+
+
+def test_shard_keeps_whole_sequence_keys_and_splits_tokens():
+    b = _packed([5, 2], 4)
+    shards = [shard_batch(b, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([s["input_ids"] for s in shards]), b["input_ids"])
+    assert all(torch.equal(s["cu_seqlens"], b["cu_seqlens"]) for s in shards)
+    with pytest.raises(ValueError, match="not a multiple of the SP size 3"):
+        shard_batch(b, 0, 3)
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_token_weights_sum_to_one_over_the_global_batch(reduction):
+    items = [[5, 2], [7], [1, 1, 3]]
+    gt, gs = sum(map(sum, items)), sum(map(len, items))
+    total = 0.0
+    for lengths in items:
+        b = add_token_weights(_packed(lengths, 4), lengths, reduction, gt, gs)
+        assert float(b[TOKEN_WEIGHT][~b[LOSS_MASK]].abs().sum()) == 0.0
+        total += float(sum(weighted_loss(torch.ones(s[TOKEN_WEIGHT].shape[0]), s) for s in (shard_batch(b, r, 4) for r in range(4))))
+    assert abs(total - 1.0) < 1e-6
+
+
+def test_weighted_loss_marks_and_falls_back_outside_dcp():
+    b = add_token_weights(_packed([3], 1), [3], "token", 6, 2)
+    assert is_weighted(weighted_loss(torch.ones(3), b))
+    plain = _packed([3], 1)
+    out = weighted_loss(torch.full((3,), 2.0), plain)
+    assert not is_weighted(out) and float(out) == 2.0
+
+
+def test_heads_check_names_both_values():
+    s = DCPStrategy(max_sp_size=8)
+    s.num_heads = 4
+    with pytest.raises(ValueError, match=r"max_sp_size=8 allows SP size 8, which does not divide the model's 4 attention heads"):
+        s._resolve_max_sp(world_size=8)
+    assert find_num_heads(TinyLM()) == 4
+
+
+def test_default_max_sp_follows_heads_and_world():
+    s = DCPStrategy()
+    s.num_heads = 2
+    s._resolve_max_sp(world_size=8)
+    assert s.max_sp_size == 2
+
+
+def test_constructor_errors_and_ddp_wrapper_args():
+    with pytest.raises(ValueError, match="loss_reduction"):
+        DCPStrategy(loss_reduction="mean")
+    with pytest.raises(ValueError, match="not both"):
+        DCPStrategy(global_batch_size=4, global_batch_tokens=100)
+    with pytest.warns(UserWarning, match="find_unused_parameters"):
+        DCPStrategy(find_unused_parameters=True)
+
+
+def test_registry():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    DCPStrategy.register_strategies(StrategyRegistry)
+    assert "dcp" in StrategyRegistry and "dcp_spawn" in StrategyRegistry
+    assert isinstance(StrategyRegistry.get("dcp_spawn"), DCPStrategy)
+
+
+def test_step_metrics_imbalance():
+    g = torch.tensor([[1.0, 0.5, 100, 2], [0.5, 0.25, 50, 1]], dtype=torch.float64)
+    plan = {"items": [{"ranks": [0], "samples": [0], "lengths": [100], "recompute": 1},
+                      {"ranks": [0, 1], "samples": [1], "lengths": [100], "recompute": 0}]}
+    m = step_metrics(g, epoch=0, step=3, step_s=2.0, plan=plan, global_tokens=200)
+    assert m.idle_s == [0.0, 0.5] and abs(m.imbalance - 0.25) < 1e-12
+    assert m.tokens_per_s == 100.0 and m.sp_sizes == [1, 2] and m.loss == 0.75
+    assert m.as_log_dict()["dcp/microbatches_max"] == 2.0
+
+
+def test_grad_buckets_park_and_restore():
+    ps = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(torch.randn(5))]
+    b = _GradBuckets(ps, cap_bytes=24)
+    assert len(b.buffers) == 3
+    ps[0].grad, ps[1].grad = torch.ones(3), torch.full((2, 2), 2.0)
+    b.park()
+    assert all(p.grad is None for p in ps) and b.has_grad.tolist() == [1, 1, 0]
+    b.reduce(None)
+    assert torch.equal(ps[1].grad, torch.full((2, 2), 2.0)) and ps[2].grad is None
