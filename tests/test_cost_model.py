@@ -121,11 +121,12 @@ def test_item_cost_parts_and_fast_paths_agree():
                 assert c.total == pytest.approx(t, rel=1e-12)
                 assert CM.item_time_sum(T, W, len(lengths), sp, r) == pytest.approx(t, rel=1e-12)
                 assert CM.item_memory_tokens(T, sp, r) == CM.item_memory(lengths, sp, r)
-                assert 0 < c.ideal < c.compute
+                assert 0 < c.ideal < c.compute + c.overhead  # head per-token work is in overhead
                 assert c.recompute == pytest.approx(r * CM.item_cost(lengths, sp, 1).recompute, rel=1e-12)
                 assert c.comm == pytest.approx((2 * L1D + r) / (2 * L1D) * CM.item_cost(lengths, sp, 0).comm, rel=1e-12)
                 assert c.ideal == pytest.approx(CM.item_cost(lengths, 1, 0).ideal / sp)
     # ideal_time is the sum over samples of their one-device ideal
+    assert CM.item_cost([4096, 8192], 1, 0).ideal == pytest.approx(CM.ideal_time([4096, 8192]), rel=1e-12)
     assert CM.ideal_time([4096, 8192]) == pytest.approx(
         CM.item_cost([4096], 1, 0).ideal + CM.item_cost([8192], 1, 0).ideal)
     # 2d: sums over attention_work
@@ -312,8 +313,10 @@ def test_profiled_item_formulas():
             inp = t["inp"][0] * tok + t["inp"][1]
             want = 3e10 + L * inp + (L - r) * act + act
             assert PM.item_memory(lengths, sp, r) == pytest.approx(want, rel=1e-6)
-        # ideal: sp=1 compute, no recompute, divided by sp
-        assert PM.item_cost(lengths, sp, 0).ideal == pytest.approx(PM.item_cost(lengths, 1, 0).compute / sp, rel=1e-9)
+        # ideal: sp=1 fitted compute without the fit's per-micro-batch constant, no recompute, / sp
+        t1 = TRUTH[1]
+        const1 = L * (t1["f"][2] + t1["b"][2])
+        assert PM.item_cost(lengths, sp, 0).ideal == pytest.approx((PM.item_cost(lengths, 1, 0).compute - const1) / sp, rel=1e-6)
     assert PM.step_overhead(8) == pytest.approx(0.07)
     assert PM.step_overhead(1) == pytest.approx(0.02)
     assert PM.step_overhead(64) == pytest.approx(0.05 * (63 / 64) / (7 / 8) + 0.02)
@@ -345,7 +348,8 @@ def test_profiled_small_grids():
     assert two.item_time([4096, 4096], 2, 0) == pytest.approx(
         ProfiledCostModel(make_profile(truth={2: TRUTH[2]})).item_time([4096, 4096], 2, 0), rel=1e-6)
     # without sp=1, ideal comes from the smallest measured size scaled up
-    assert two.item_cost([4096], 2, 0).ideal == pytest.approx(two.item_cost([4096], 2, 0).compute, rel=1e-9)
+    c2 = 42 * (TRUTH[2]["f"][2] + TRUTH[2]["b"][2])
+    assert two.item_cost([4096], 2, 0).ideal == pytest.approx(two.item_cost([4096], 2, 0).compute - c2, rel=1e-6)
 
 
 def test_nonneg_fit_clamps():
@@ -394,3 +398,24 @@ def test_profile_files(tmp_path):
     with pytest.raises(ProfileError, match=r"bad\.json.*sp=\[5\]"):
         ProfiledCostModel.from_file(tmp_path / "bad.json")
     assert not math.isnan(m.max_length(1))
+
+
+def test_analytic_ideal_is_best_rate_compute_without_comm_recompute_or_constants():
+    """ItemCost.ideal = GEMMs at max efficiency (no small-GEMM penalty) + attention + element-wise
+    passes + head per-token work, no all-to-all, recompute, launch/head constant or all-reduce, / sp."""
+    hw, m = CM.hardware, CM.model
+    for lengths in ([4096], [1000, 3000, 50_000]):
+        T, W = sum(lengths), sum(n * n for n in lengths)
+        head = CM._head_s_per_token * T
+        assert m.causal
+        want = m.num_layers * (3 * 2 * m.layer_params() * T / (hw.peak_flops * hw.gemm_max_efficiency)
+                               + (1 + 2.5) * 4 * m.hidden_size * 0.5 * W / (hw.peak_flops * hw.attn_max_efficiency)
+                               + 3 * 2 * CM.act_bytes_per_token * T / hw.hbm_bandwidth) + head
+        for sp in SPS:
+            c = CM.item_cost(lengths, sp, 0)
+            assert c.ideal == pytest.approx(want / sp, rel=1e-9)
+            # the item's own compute differs from the ideal only by the per-micro-batch constants
+            # (small-GEMM penalty, launches) and the head constant
+            const = CM.item_cost(lengths, sp, 0).total - c.comm - c.ideal
+            assert const == pytest.approx(CM.item_cost([1], sp, 0).total - CM.item_cost([1], sp, 0).comm
+                                          - CM.item_cost([1], sp, 0).ideal, rel=1e-6)

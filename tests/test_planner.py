@@ -1,4 +1,4 @@
-"""Planner properties for every policy: each sample once, memory limit, deadlock-free, deterministic."""
+"""Planner properties for every policy: each sample once, memory limit, aligned in-range groups, deterministic."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from _fakes import FakeCostModel, SlowPathCostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import allocate, place, world_blocks
-from lightning_dcp.planning.plan import Plan, check_deadlock_free, is_aligned_block, validate_plan
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, is_aligned_block, validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner, plan
 
 CM = FakeCostModel()
@@ -25,9 +25,8 @@ def lengths_strategy(max_len: int = 30000):
 
 
 def check(p: Plan, lengths, cm=CM) -> None:
-    validate_plan(p, lengths, cm, samples=range(len(lengths)))  # once each, memory, aligned, deadlock
+    validate_plan(p, lengths, cm, samples=range(len(lengths)))  # once each, memory, aligned, in range
     for step in p.steps:
-        check_deadlock_free(step, p.world_size)
         for item in step.items:
             assert is_aligned_block(item.ranks)
             assert cm.item_memory(item.lengths, item.sp_size, item.recompute) <= cm.memory_limit
@@ -163,3 +162,25 @@ def test_plan_json_file_round_trip(tmp_path):
     back = Plan.from_json(path.read_text())
     assert back == p
     assert json.loads(path.read_text())["schema"] == "lightning-dcp/plan/v1"
+
+
+def test_validate_rejects_what_can_go_wrong():
+    """The checks that can fail: unaligned or out-of-range groups, duplicate or missing samples,
+    lengths that disagree, recompute out of range, an item over the memory limit."""
+    ok = StepPlan((WorkItem((0, 1), (0,), (100,), 0), WorkItem((2,), (1,), (50,), 0)))
+    validate_plan(Plan("x", 4, (ok,)), [100, 50], CM, samples=[0, 1])
+    bad = {
+        "aligned power-of-two": StepPlan((WorkItem((1, 2), (0,), (100,), 0),)),
+        "aligned power-of-two ": StepPlan((WorkItem((0, 1, 2), (0,), (100,), 0),)),
+        "world has 4 ranks": StepPlan((WorkItem((4, 5), (0,), (100,), 0),)),
+        "appears twice": StepPlan((WorkItem((0,), (0,), (100,), 0), WorkItem((1,), (0,), (100,), 0))),
+        "recomputes": StepPlan((WorkItem((0,), (0,), (100,), CM.num_layers + 1),)),
+        "needs": StepPlan((WorkItem((0,), (0,), (10**9,), 0),)),
+    }
+    for msg, step in bad.items():
+        with pytest.raises(PlanError, match=msg.strip()):
+            validate_plan(Plan("x", 4, (step,)), None, CM)
+    with pytest.raises(PlanError, match="has length"):
+        validate_plan(Plan("x", 4, (ok,)), [100, 51], CM)
+    with pytest.raises(PlanError, match="misses samples"):
+        validate_plan(Plan("x", 4, (ok,)), [100, 50, 7], CM, samples=[0, 1, 2])

@@ -35,7 +35,8 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
-                        help="tokens per global batch = optimizer step (default: 65536 per GPU, at least 4x the longest sample)")
+                        help="tokens per global batch = optimizer step (default: at least 65536 per GPU and 4x the longest sample, "
+                             "and enough that mean per-GPU work covers the longest sample's best-case time)")
 
 
 def build_cost_model(args: argparse.Namespace) -> Any:

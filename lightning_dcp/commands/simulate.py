@@ -159,13 +159,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise CLIError(str(err)) from None
         dataset = dist.sample(DATASET_SIZE, args.seed)
-        gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset)
+        gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset, cost_model)
         mean = sum(dataset) / len(dataset)
         pool = dist.sample(int(args.num_steps * gbt / mean * 1.5) + 100, args.seed + 1)
         source = args.dataset
     else:
         dataset = read_lengths(args.lengths)
-        gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset)
+        gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset, cost_model)
         pool = dataset
         source = str(args.lengths)
     run_lengths = draw_run(pool, args.num_steps * gbt)

@@ -115,6 +115,17 @@ class AnalyticCostModel(CostModel):
     Everything is linear in ``T`` and ``W`` and in ``r``, which gives the closed forms of
     :meth:`min_recompute` and :meth:`max_length`.
 
+    Ideal (``ItemCost.ideal``, the simulator's "perfect balance, no communication, no
+    recomputation" bound): all of the samples' forward + backward compute at the model's best
+    achievable rates -- GEMMs at ``gemm_max_efficiency`` with no small-GEMM penalty (the
+    ``gemm_half_tokens`` constant is left out), attention at ``attn_max_efficiency`` (backward
+    ``ATTN_BWD_RATIO`` x forward), the memory-bound element-wise passes at ``hbm_bandwidth`` and
+    the head's per-token GEMM and loss passes -- with no all-to-all, no recomputation, no
+    per-micro-batch constant (launch latency, head constant), no all-reduce, divided by ``sp``.
+    It is linear in ``T`` and ``W`` only, so the ideal of a set of samples does not depend on how
+    they are packed: ``ideal = L (fW + bW) W + (L (fT + bT) + oT) T`` with the per-rank
+    coefficients above at ``sp``.
+
     Args:
         model: the model shape.
         hardware: the accelerator.
@@ -192,9 +203,14 @@ class AnalyticCostModel(CostModel):
         self._head_s_per_token = head_gemm + head_elem
         self._head_const = head_gemm * self._gemm_half + HEAD_LAUNCHES * hw.kernel_launch_overhead
 
-        # --- ideal: model FLOPs (fwd + 2x bwd) at max efficiency, no recompute, no comm ---
-        self._ideal_s_per_token = 3.0 * 2.0 * (L * layer_params + head_params) / (peak * hw.gemm_max_efficiency)
-        self._ideal_s_per_work = L * 3.0 * self._attn_s_per_work
+        # --- ideal (the simulator's bound; see the class docstring): per sample, on one device ---
+        # every layer's forward + backward GEMMs at gemm_max_efficiency with no small-GEMM penalty,
+        # attention (forward + ATTN_BWD_RATIO x forward) at attn_max_efficiency, element-wise
+        # passes at hbm_bandwidth, and the head's per-token GEMM + loss passes; no all-to-all, no
+        # recompute, no launch/per-micro-batch constant, no all-reduce. Divided by sp below.
+        self._ideal_s_per_token = (L * 3.0 * (self._gemm_s_per_token + self._elem_s_per_token)
+                                   + self._head_s_per_token)
+        self._ideal_s_per_work = L * (1.0 + ATTN_BWD_RATIO) * self._attn_s_per_work
 
         # --- memory ---
         P = model.params()

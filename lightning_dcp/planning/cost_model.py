@@ -20,7 +20,14 @@ class ItemCost:
     """Time of one micro-batch on its SP group, split the way the ICC metric needs it.
 
     ``total`` is what the simulator charges; ``ideal`` is the same samples' compute at peak
-    efficiency on one device, with no recomputation and no communication.
+    efficiency on one device, with no recomputation and no communication. Precisely: all of the
+    samples' forward + backward compute at the model's best achievable rates (for the analytic
+    model: GEMMs at maximum efficiency without the small-GEMM penalty, attention at maximum
+    efficiency, the memory-bound element-wise passes, the head's per-token work; for a profiled
+    model: the sp=1 fit's per-token and attention terms), with no communication, no
+    recomputation, no per-micro-batch constant and no all-reduce, divided by the SP size. It is
+    additive over samples (no constant term), so the ideal of a packed micro-batch is the sum of
+    its samples' ideals / sp.
     """
 
     compute: float
@@ -32,7 +39,7 @@ class ItemCost:
     overhead: float
     """Per-micro-batch constant: embedding, head, loss, launch latency (seconds)."""
     ideal: float
-    """Compute of these samples at peak efficiency, divided by the SP size (seconds)."""
+    """Compute of these samples at the best achievable rates, no comm/recompute/constants, divided by the SP size (seconds)."""
 
     @property
     def total(self) -> float:

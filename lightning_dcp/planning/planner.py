@@ -13,7 +13,9 @@ for DCP's candidate layouts and bucket tuning) and plans global batches:
   bucket micro-batches over the epoch; cutting it into batches would only add partial ones).
 
 Every policy puts every sample in exactly one item, keeps every item within the memory limit,
-lists items in an order no two ranks can deadlock on (each step's groups are disjoint), and is
+lists items in one global order (v1: each rank runs its items in that order, so the order is a
+valid schedule by construction; dcp's groups may nest, a large group's ranks splitting into
+smaller groups after its own micro-batches), and is
 deterministic in (input, seed, step). World sizes that are not a power of two are planned over
 their aligned power-of-two blocks (W=6: ranks 0-3 and 4-5; no SP group crosses a block).
 """
@@ -46,20 +48,62 @@ POLICIES: dict[str, type[Policy]] = {
 """Policy name -> class. ``dcp`` is the default; the others are ablations and baselines."""
 
 DEFAULT_TOKENS_PER_GPU = 65536
-"""Default global batch: this many tokens per GPU (at least 4 times the longest sample's share)."""
+"""Floor of the default global batch: this many tokens per GPU (amortizes the gradient all-reduce)."""
+
+DEFAULT_WORK_MULTIPLE = 1.0
+"""Default global batch: each step's mean per-GPU work is at least this many times the best-case
+time of the dataset's longest sample (see :func:`default_global_batch_tokens`)."""
 
 
-def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None = None) -> int:
-    """Default step size in tokens: ``world_size * 65536``, raised when samples are long.
+def longest_sample_time(world_size: int, cost_model: CostModel, longest: int) -> tuple[float, int]:
+    """Best-case time of one sample of ``longest`` tokens on this world: ``(seconds, sp)``.
 
-    Enough that each GPU gets several samples' worth of work (Hydraulis uses about 3k tokens per
-    GPU for a pipelined 32B model; a 5B model under pure data+sequence parallelism wants more
-    per GPU to amortize the gradient all-reduce), and at least 4 times the longest sample, so a
-    step is not one sample's worth of work.
+    The fastest SP size (aligned power-of-two block of the world, dividing the heads) with the
+    fewest recomputed layers that fit; ``(inf, 0)`` if none holds it.
+    """
+    max_sp = world_blocks(world_size)[0][1]
+    best = (math.inf, 0)
+    for p in cost_model.sp_sizes(max_sp):
+        r = cost_model.min_recompute([longest], p)
+        if r is None:
+            continue
+        t = cost_model.item_time([longest], p, r)
+        if t < best[0]:
+            best = (t, p)
+    return best
+
+
+def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None = None,
+                                cost_model: CostModel | None = None, *,
+                                work_multiple: float = DEFAULT_WORK_MULTIPLE) -> int:
+    """Default step size in tokens, the same for every one-step policy.
+
+    ``world_size * 65536`` (enough per GPU to amortize the gradient all-reduce of a 5B model),
+    at least 4 times the longest sample, and -- given the dataset's ``lengths`` and a
+    ``cost_model`` -- large enough that each step's mean per-GPU work is ``work_multiple`` times
+    the best-case time of the dataset's longest sample (on the largest SP group the world and
+    the heads allow). Below that, a step that draws the longest sample lasts as long as that
+    one sample while the other ranks run out of work: no dispatch can balance it, since SP is
+    capped by the head count (48 heads: SP <= 16). Mean per-GPU work is counted at the ideal
+    rate (:meth:`CostModel.ideal_time` per token of the dataset), which errs towards larger
+    batches. The bound is skipped when that SP group is the whole world (the longest sample then
+    occupies every rank and unbalances nothing). The per-GPU figure does not depend on the world
+    size, so the step in tokens grows linearly with it -- as a practitioner keeps per-GPU work
+    fixed when scaling out. Pass ``global_batch_tokens`` to choose otherwise.
     """
     tokens = world_size * DEFAULT_TOKENS_PER_GPU
     if lengths:
-        tokens = max(tokens, 4 * max(lengths))
+        longest = max(lengths)
+        tokens = max(tokens, 4 * longest)
+        if cost_model is not None and work_multiple > 0:
+            t_best, p = longest_sample_time(world_size, cost_model, longest)
+            if math.isfinite(t_best) and p < world_size:
+                sample = list(lengths)
+                if len(sample) > 20000:
+                    sample = sample[:: len(sample) // 20000 + 1]
+                per_token = cost_model.ideal_time(sample) / max(sum(sample), 1)
+                if per_token > 0:
+                    tokens = max(tokens, int(math.ceil(world_size * work_multiple * t_best / per_token)))
     return int(tokens)
 
 
@@ -202,7 +246,8 @@ class Planner:
             if global_batch_size <= 0:
                 raise PlanningError(f"global batch size must be positive, got {global_batch_size}")
             return [list(range(i, min(i + global_batch_size, len(lengths)))) for i in range(0, len(lengths), global_batch_size)]
-        tokens = global_batch_tokens or default_global_batch_tokens(self.world_size, self.dataset_lengths or lengths)
+        tokens = global_batch_tokens or default_global_batch_tokens(self.world_size, self.dataset_lengths or lengths,
+                                                                    self.cost_model)
         if tokens <= 0:
             raise PlanningError(f"global batch tokens must be positive, got {tokens}")
         out, cur, acc = [], [], 0

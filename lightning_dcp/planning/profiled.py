@@ -100,7 +100,8 @@ class ProfiledCostModel(CostModel):
 
     Communication is inside the measured layer times, so :class:`ItemCost` reports ``comm = 0``
     and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
-    divided by ``p`` (if sp=1 was not measured: the smallest measured ``p0``'s, times ``p0``).
+    without the fit's constant term (a per-micro-batch constant), divided by ``p`` (if sp=1 was not
+    measured: the smallest measured ``p0``'s, times ``p0``); no recompute, no constant time.
     Only measured SP sizes are usable: :meth:`sp_sizes` returns those and item methods raise for others.
 
     Args:
@@ -161,8 +162,9 @@ class ProfiledCostModel(CostModel):
         p0 = self.measured_sp[0]
         f0, b0 = self.fits_by_sp[p0]["forward"], self.fits_by_sp[p0]["backward"]
         L = self.num_layers
-        # ideal per sample on one device: L*(t_f + t_b) of the smallest measured SP size, times p0
-        self._ideal = tuple(L * (f0[i] + b0[i]) * p0 for i in range(3))
+        # ideal on one device: L*(t_f + t_b) of the smallest measured SP size, times p0, without
+        # the fit's constant term (a per-micro-batch constant, not the samples' compute)
+        self._ideal = (L * (f0[0] + b0[0]) * p0, L * (f0[1] + b0[1]) * p0, 0.0)
         self._coef: dict[int, tuple] = {}
         for p, fit in self.fits_by_sp.items():
             fa, fb, fc = fit["forward"]

@@ -20,9 +20,14 @@ Reported (all exact definitions):
   ``compute_efficiency`` (ideal compute / compute actually spent: layers, recompute and per
   micro-batch overhead, all in rank-time), ``allreduce_fraction`` (step overheads /
   ``total_time``), and ``recompute_fraction`` (recompute rank-time / busy rank-time).
-- ``ideal_time`` = sum over samples of ``item_cost([l], 1, 0).ideal`` / W: perfect balance, no
-  communication, no recomputation, no all-reduce, peak achievable efficiency;
-  ``fraction_of_ideal = ideal_time / total_time``.
+- ``ideal_time`` = sum over samples of ``item_cost([l], 1, 0).ideal`` / W: the issue's bound,
+  "perfect balance, no communication, no recomputation": all of the samples' forward + backward
+  compute at the model's best achievable rates (GEMMs at maximum efficiency without the
+  small-GEMM penalty, attention at maximum efficiency, the element-wise passes, the head's
+  per-token work), with no all-to-all, no recomputation, no per-micro-batch constant and no
+  all-reduce, spread evenly over the W ranks (see ``ItemCost.ideal``);
+  ``fraction_of_ideal = ideal_time / total_time``. Memory can make it unreachable: samples that
+  only fit with recomputation pay it in every plan.
 - ``timeline[s]``: ``(rank, start, end, item_index, kind)`` with ``kind`` ``"item"`` for
   micro-batches and ``"allreduce"`` for the step end, times relative to the step start.
 """

@@ -106,50 +106,119 @@ class DCPPolicy(Policy):
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
         L = np.asarray(lengths, dtype=np.int64)
         E, G = self._costs(L)
-        minidx = np.searchsorted(self.maxlens, L, side="left")
-        must_k = int(minidx.max())
-        must = self.classes[must_k]
-        pref = np.argmin(G, axis=0)
-        cols = np.arange(len(L))
-        # A sample longer (in time) than the mean rank load cannot be balanced on its preferred
-        # SP size: promote it to the smallest SP size on which it takes at most that long.
-        mean_load = float(G[pref, cols].sum()) / self.world_size
-        over = np.nonzero(E[pref, cols] > mean_load)[0]
-        for i in over.tolist():
-            ok = np.nonzero(E[:, i] <= mean_load)[0]
-            k = int(ok[0]) if len(ok) else int(np.argmin(E[:, i]))
-            pref[i] = max(int(pref[i]), k)
-        must_k = max(must_k, int(pref.max()))
-        must = self.classes[must_k]
-        w = np.bincount(pref, weights=G[pref, cols], minlength=len(self.classes))
-        work = {p: float(w[k]) for k, p in enumerate(self.classes)}
-        cands: list[Layout] = [allocate(work, self.world_size, self.classes, must)]
-        for lay in self.candidates.get(must, []):
-            if lay not in cands:
-                cands.append(lay)
         rng = self.rng(step, 2)
-        best = None
-        for lay in cands:
-            members, loads, span = lpt_dispatch(E, lay, self.classes, L.astype(np.float64), self.trials, rng)
-            if best is None or span < best[3] * (1 - 1e-9):
-                best = (lay, members, loads, span)
-        layout, members, _, span = best  # type: ignore[misc]
-        groups = place(layout, self.world_size)
-        assert groups is not None
-        packed = [self._pack(members[g], len(groups[g]), L, E) for g in range(len(groups))]
-        if self.refine_rounds:
-            packed = self._refine(packed, groups, L, E)
-        per_group = []
-        for g, packs in enumerate(packed):
-            per_group.append([
-                WorkItem(groups[g], tuple(samples[i] for i in idx), tuple(int(L[i]) for i in idx), rec)
-                for idx, rec, _ in packs
-            ])
-        extra = {"layout": list(layout), "estimated_time": max((sum(t for *_, t in pk) for pk in packed), default=0.0)}
+        ids = np.arange(len(L))
+        blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(int(L[i]) for i in idx), rec)
+                      for ranks, idx, rec in blk] for blk in blocks]
+        extra = {"layout": list(layout), "estimated_time": span}
         return [StepPlan(tuple(interleave_items(per_group)), extra)]
 
+    # -- one block of ranks (the world, or a group's ranks after its own items) -------------
+    def _schedule(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, size: int, offset: int,
+                  kmax: int, rng: np.random.Generator, top: bool = False):
+        """Plan samples ``ids`` on ranks ``offset .. offset+size-1`` using SP classes ``<= kmax``.
+
+        Returns ``(per-group item lists, estimated span, layout)``; an item is ``(ranks, sample
+        indices, recompute)``. A group of ``P`` ranks runs its *own* samples (those cheapest on
+        ``P`` ranks) as ``P``-rank micro-batches first, then its *fill* samples (those that prefer
+        a smaller SP size) on a nested plan of the same ``P`` ranks with SP sizes ``< P``: a
+        long sample gets the large group it needs and the group's ranks are not left idle or
+        spent on short samples at a large, communication-heavy SP size afterwards.
+        """
+        classes = self.classes[: kmax + 1]
+        Es, Gs = E[: kmax + 1][:, ids], G[: kmax + 1][:, ids]
+        n = len(ids)
+        cols = np.arange(n)
+        minidx = np.searchsorted(self.maxlens[: kmax + 1], L[ids], side="left")
+        pref = np.argmin(Gs, axis=0)
+        # A sample longer (in time) than the mean rank load cannot be balanced on its preferred
+        # SP size: promote it to the smallest SP size on which it takes at most that long.
+        mean_load = float(Gs[pref, cols].sum()) / size
+        over = np.nonzero(Es[pref, cols] > mean_load)[0]
+        for i in over.tolist():
+            ok = np.nonzero(Es[:, i] <= mean_load)[0]
+            k = int(ok[0]) if len(ok) else int(np.argmin(Es[:, i]))
+            pref[i] = max(int(pref[i]), k)
+        must_k = max(int(minidx.max()), int(pref.max()))
+        must = classes[must_k]
+        gp = Gs[pref, cols]
+        w = np.bincount(pref, weights=gp, minlength=len(classes))
+        work = {p: float(w[k]) for k, p in enumerate(classes)}
+        # dispatch cost: a sample on a group of class k either runs on all its ranks, or (when it
+        # prefers a smaller SP size) as fill, costing its GPU-seconds spread over the group
+        C = Es.copy()
+        F = np.zeros_like(Es)  # a fill sample still lasts its own time on its sub-block
+        ep = Es[pref, cols]
+        for k in range(1, len(classes)):
+            fill = pref < k
+            if fill.any():
+                spread = gp[fill] / classes[k]
+                use = spread < Es[k, fill]
+                C[k, fill] = np.where(use, spread, Es[k, fill])
+                F[k, fill] = np.where(use, ep[fill], 0.0)
+        cands: list[Layout] = []
+        for bias in (0.0, 0.35, -0.35):  # the rounded layout and its neighbours (Hydraulis §7)
+            lay = allocate(work, size, classes, must, bias=bias)
+            if lay not in cands:
+                cands.append(lay)
+        if top:
+            for lay in self.candidates.get(must, []):
+                if lay not in cands:
+                    cands.append(lay)
+        key = L[ids].astype(np.float64)
+        result = None
+        # two modes, each with its best layout by dispatch estimate: nested (groups may run fill
+        # samples on sub-blocks) and flat (every sample on all ranks of its group); the one with
+        # the lower exact span wins
+        # (only the top level nests; a nested sub-plan is flat and unrefined, which keeps the
+        # planner's time linear in the samples)
+        for nested in ((True, False) if top else (False,)):
+            cost, floor = (C, F) if nested else (Es, None)
+            best = None
+            for lay in cands:
+                members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor)
+                if best is None or span < best[3] * (1 - 1e-9):
+                    best = (lay, members, loads, span)
+            layout, members, _, _ = best  # type: ignore[misc]
+            groups = place(layout, size)
+            assert groups is not None
+            groups = [tuple(r + offset for r in g) for g in groups]
+            ctx = (ids, L, E, G, Es, C if nested else Es, pref, rng)
+            plans = [self._group(list(members[g]), groups[g], ctx) for g in range(len(groups))]
+            span = max((t for _, t in plans), default=0.0)
+            if result is None or span < result[1] * (1 - 1e-9):
+                result = (plans, span, layout, groups, members, ctx)
+            if not np.any(F):  # nothing can be a fill: the flat plan is the same
+                break
+        plans, span, layout, groups, members, ctx = result  # type: ignore[misc]
+        if self.refine_rounds and top:  # refine the winner only
+            plans = self._refine(plans, groups, members, ctx)
+            span = max((t for _, t in plans), default=0.0)
+        return [items for items, _ in plans], span, layout
+
+    def _group(self, mem: list[int], ranks: tuple[int, ...], ctx) -> tuple[list, float]:
+        """Items and estimated time of one group running the (local) samples ``mem``."""
+        ids, L, E, G, Es, C, pref, rng = ctx
+        if not mem:
+            return [], 0.0
+        P = len(ranks)
+        k = self.classes.index(P)
+        own = [j for j in mem if Es[k, j] <= C[k, j]] if k > 0 else list(mem)
+        fill = [j for j in mem if Es[k, j] > C[k, j]] if k > 0 else []
+        items, t = [], 0.0
+        if own:
+            for idx, rec, ti in self._pack([int(ids[j]) for j in own], P, L, E):
+                items.append((ranks, idx, rec))
+                t += ti
+        if fill:
+            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng)
+            items.extend(interleave_items(sub))
+            t += span
+        return items, t
+
     def _pack(self, idx: list[int], sp: int, L: np.ndarray, E: np.ndarray) -> list[tuple[list[int], int, float]]:
-        """Micro-batches ``(sample indices, recompute, time)`` of one group."""
+        """Micro-batches ``(sample indices, recompute, time)`` of ``sp`` ranks running samples ``idx``."""
         if not idx:
             return []
         k = self.classes.index(sp)
@@ -163,44 +232,47 @@ class DCPPolicy(Policy):
             out.append(([idx[j] for j in pack], rec, self.view.time(pl, sp, rec)))
         return out
 
-    def _refine(self, packed, groups, L: np.ndarray, E: np.ndarray):
+    def _refine(self, plans, groups, members, ctx):
         """Move samples off the slowest group while that lowers the makespan (exact times)."""
-        times = [sum(t for *_, t in pk) for pk in packed]
+        ids, L, E, G, Es, C, pref, rng = ctx
+        members = [list(m) for m in members]
+        times = [t for _, t in plans]
         sizes = [len(g) for g in groups]
+        kidx = [self.classes.index(p) for p in sizes]
         tried: set[tuple[int, int]] = set()
         for _ in range(self.refine_rounds):
             slow = max(range(len(times)), key=times.__getitem__)
             span = times[slow]
-            cand = sorted((i for idx, _, _ in packed[slow] for i in idx), key=lambda i: int(L[i]))
+            cand = sorted(members[slow], key=lambda j: int(L[ids[j]]))
             moved = False
-            for i in cand[:4]:
-                if (slow, i) in tried:
+            for j in cand[:4]:
+                if (slow, j) in tried:
                     continue
-                tried.add((slow, i))
+                tried.add((slow, j))
                 best = None
                 for g in range(len(groups)):
-                    if g == slow or not np.isfinite(E[self.classes.index(sizes[g]), i]):
+                    c = C[kidx[g], j]
+                    if g == slow or not np.isfinite(c):
                         continue
-                    gain_est = times[g] + E[self.classes.index(sizes[g]), i]
-                    if gain_est < span and (best is None or gain_est < best[0]):
-                        best = (gain_est, g)
+                    est = times[g] + c
+                    if est < span and (best is None or est < best[0]):
+                        best = (est, g)
                 if best is None:
                     continue
                 g = best[1]
-                src = [j for idx, _, _ in packed[slow] for j in idx if j != i]
-                dst = [j for idx, _, _ in packed[g] for j in idx] + [i]
-                new_src = self._pack(src, sizes[slow], L, E)
-                new_dst = self._pack(dst, sizes[g], L, E)
-                t_src = sum(t for *_, t in new_src)
-                t_dst = sum(t for *_, t in new_dst)
-                if max(t_src, t_dst) < span * (1 - 1e-9):
-                    packed[slow], packed[g] = new_src, new_dst
-                    times[slow], times[g] = t_src, t_dst
+                src = [x for x in members[slow] if x != j]
+                dst = members[g] + [j]
+                new_src = self._group(src, groups[slow], ctx)
+                new_dst = self._group(dst, groups[g], ctx)
+                if max(new_src[1], new_dst[1]) < span * (1 - 1e-9):
+                    plans[slow], plans[g] = new_src, new_dst
+                    times[slow], times[g] = new_src[1], new_dst[1]
+                    members[slow], members[g] = src, dst
                     moved = True
                     break
             if not moved:
                 break
-        return packed
+        return plans
 
 
 class AlgorithmOnePolicy(Policy):

@@ -17,7 +17,8 @@ import numpy as np
 
 
 def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int], order_key: np.ndarray,
-                 trials: int = 1, rng: np.random.Generator | None = None) -> tuple[list[list[int]], list[float], float]:
+                 trials: int = 1, rng: np.random.Generator | None = None,
+                 floor: np.ndarray | None = None) -> tuple[list[list[int]], list[float], float]:
     """Assign units to the groups of ``layout``.
 
     Args:
@@ -28,6 +29,10 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         order_key: units are dispatched in decreasing ``order_key`` (e.g. length).
         trials: 1 + number of perturbed retries.
         rng: seeded generator for the retries.
+        floor: optional ``floor[k, i]``: the group cannot finish before this once it holds unit
+            ``i`` (a unit that a group runs on a sub-block of its ranks costs the group its
+            spread-out share ``cost``, but still lasts its own time on the sub-block). A group's
+            estimated finish is ``max(sum of its costs, largest floor)``.
 
     Returns:
         ``(members, loads, makespan)``: unit indices per group, estimated busy time per group,
@@ -42,6 +47,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
     rows = [row_of[p] for p in present]
     sub = cost[rows]  # classes present x units
     colsT = sub.T.tolist()  # units x classes as Python floats: fast scalar access
+    floorT = floor[rows].T.tolist() if floor is not None else None
     inf = float("inf")
     best = None
     for t in range(max(1, trials)):
@@ -52,18 +58,31 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         heaps = [[(0.0, g) for g in by_class[p]] for p in present]
         members: list[list[int]] = [[] for _ in layout]
         loads = [0.0] * len(layout)
+        spread = [0.0] * len(layout)
+        flo = [0.0] * len(layout)
         ok = True
         kr = range(len(present))
         for i in order.tolist():
             c = colsT[i]
             bk, bval = -1, inf
-            for k in kr:
-                ck = c[k]
-                if ck == inf:
-                    continue
-                v = heaps[k][0][0] + ck
-                if v < bval:
-                    bk, bval = k, v
+            if floorT is None:
+                for k in kr:
+                    ck = c[k]
+                    if ck == inf:
+                        continue
+                    v = heaps[k][0][0] + ck
+                    if v < bval:
+                        bk, bval = k, v
+            else:
+                f = floorT[i]
+                for k in kr:
+                    ck = c[k]
+                    if ck == inf:
+                        continue
+                    g0 = heaps[k][0][1]
+                    v = max(spread[g0] + ck, flo[g0], f[k])
+                    if v < bval:
+                        bk, bval = k, v
             if bk < 0:
                 ok = False
                 break
@@ -71,6 +90,10 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             heapq.heappush(heaps[bk], (bval, g))
             members[g].append(i)
             loads[g] = bval
+            if floorT is not None:
+                spread[g] += c[bk]
+                if floorT[i][bk] > flo[g]:
+                    flo[g] = floorT[i][bk]
         if not ok:
             continue
         span = max(loads) if loads else 0.0
