@@ -1,0 +1,113 @@
+"""Run a test function on N spawned CPU processes joined by a gloo process group.
+
+Usage (the function must be defined at module level so it pickles)::
+
+    from _dist import run_distributed
+
+    def _check(rank, world_size, scale):
+        t = torch.ones(1) * rank
+        dist.all_reduce(t)
+        assert t.item() == scale * sum(range(world_size))
+
+    def test_all_reduce():
+        run_distributed(_check, 2, 1.0)
+
+Each process calls ``dist.init_process_group("gloo")`` on a free TCP port of 127.0.0.1, runs
+``fn(rank, world_size, *args)``, then destroys the group. An exception or failed assert in any
+process is re-raised in the pytest process (with the child's traceback in the message); a
+process that hangs (e.g. a collective with a missing peer) makes the call fail after ``timeout``
+seconds instead of blocking the test run forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["find_free_port", "run_distributed"]
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, timeout: float) -> None:
+    faulthandler.enable()  # a child killed by a signal (SIGABRT, SIGSEGV) prints its Python stack
+    # One thread per process: the tests share few cores, and oversubscription makes them crawl.
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    # Success: leave without interpreter finalisation. Once deepspeed.comm has been initialised
+    # (any test using seq_all_to_all), a few percent of processes abort *after* all work is done
+    # with "terminate called without an active exception" from a C++ static destructor (no Python
+    # frame on the stack), which would fail a passing test. Failures never get here: the
+    # exception propagates to torch.multiprocessing, which reports it to the parent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; re-raise failures.
+
+    Args:
+        fn: a module-level (picklable) function; it runs after ``dist.init_process_group("gloo")``.
+        world_size: number of processes.
+        *args: picklable arguments passed to ``fn`` after ``rank, world_size``.
+        timeout: seconds before the processes are killed and :class:`TimeoutError` is raised.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: ``fn`` raised in some process (message
+            holds that process's traceback).
+        torch.multiprocessing.ProcessExitedException: a process died without a Python exception.
+        TimeoutError: the processes did not all finish within ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed needs world_size >= 1, got {world_size}.")
+    port = find_free_port()
+    ctx = mp.start_processes(
+        _worker,
+        args=(fn, world_size, port, args, timeout),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"run_distributed({getattr(fn, '__name__', fn)!r}, world_size={world_size}) did not finish "
+                    f"within {timeout:.0f} s; a collective probably waits on a rank that never calls it."
+                )
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
