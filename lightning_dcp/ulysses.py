@@ -53,7 +53,25 @@ def ensure_deepspeed_comm() -> None:
             "seq_all_to_all needs torch.distributed initialised (the DCP strategy does it at setup); "
             "call torch.distributed.init_process_group(...) first, or run with SP size 1."
         )
-    ds_comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+        return
+    # On the CPU accelerator DeepSpeed's TorchBackend JIT-builds and initialises its shared-memory
+    # all-reduce op (ShareMemCommBuilder, for CPU inference). Ulysses needs only the all-to-all, and
+    # that op costs ~30 s of compilation on first use and was seen to abort processes at exit
+    # ("terminate called without an active exception"), so it is not built here.
+    import importlib
+
+    # ``import deepspeed.comm.torch as m`` binds the torch package (deepspeed.comm re-exports it).
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    build_shm_op = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+    finally:
+        ds_torch.build_shm_op = build_shm_op
 
 
 def _group_size(group: Any) -> int:
