@@ -462,8 +462,19 @@ def _capture(module: nn.Module, layers: nn.Module, batch: Any, step_fn: Callable
 
 
 def _measure_point(layers: nn.Module, args: tuple, kwargs: dict, device: torch.device,
-                   autocast: Callable[[], ContextManager], exclude: set[int]) -> dict[str, float]:
+                   autocast: Callable[[], ContextManager], exclude: set[int], group: Any = None) -> dict[str, float]:
     timer = _Timer(device)
+
+    def more(times: list[float]) -> bool:
+        # Whether to time another repeat. With an SP group the layer runs all-to-alls, so every
+        # rank of the group must repeat equally often: the ranks agree (any rank wanting more wins).
+        want = len(times) < _MAX_REPEATS and (len(times) < _MIN_REPEATS or sum(times) < _MIN_MEASURED_S)
+        if group is None:
+            return want
+        flag = torch.tensor([1.0 if want else 0.0], device=device if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
     layer0 = layers[0]
     layer1 = layers[1] if len(layers) > 1 else layers[0]
     x0 = args[0]
@@ -491,7 +502,7 @@ def _measure_point(layers: nn.Module, args: tuple, kwargs: dict, device: torch.d
     torch.autograd.backward(y, grad)
     del x, y
     fw, bw = [], []
-    while len(fw) < _MAX_REPEATS and (len(fw) < _MIN_REPEATS or sum(fw) + sum(bw) < _MIN_MEASURED_S):
+    while more([f + b for f, b in zip(fw, bw)]):
         (x, y), tf = timer(lambda: fwd(layer1))
         _, tb = timer(lambda: torch.autograd.backward(y, grad))
         del x, y
@@ -510,7 +521,7 @@ def _measure_point(layers: nn.Module, args: tuple, kwargs: dict, device: torch.d
         torch.autograd.backward(y, grad)
 
     ckpt_step()  # warm-up
-    while len(ck) < _MAX_REPEATS and (len(ck) < _MIN_REPEATS or sum(ck) < _MIN_MEASURED_S):
+    while more(ck):
         ck.append(timer(ckpt_step)[1])
     for p in layers.parameters():
         p.grad = None
@@ -738,7 +749,7 @@ def profile_module(
             batch = _to_device(_shard_batch(module, batch, p, sp_rank), device)
             with sp_context(SPContext(group=group, size=p, rank=sp_rank, recompute=0)):
                 args, kwargs = _capture(module, layers, batch, step_fn, autocast)
-                m = _measure_point(layers, args, kwargs, device, autocast, exclude)
+                m = _measure_point(layers, args, kwargs, device, autocast, exclude, group)
             del args, kwargs
             elapsed = time.perf_counter() - t_start
             fwd, bwd, rec, act, inp, peak, elapsed = _allreduce_max(
@@ -951,7 +962,8 @@ class DCPProfiler(_Callback):
         self.profile = profile
         from lightning_dcp.planning.profiled import ProfiledCostModel
 
-        self.cost_model = ProfiledCostModel(profile)
+        # An explicit limit is a planning budget, not a measurement: it applies to cached profiles too.
+        self.cost_model = ProfiledCostModel(profile, memory_limit=self.memory_limit_bytes)
         set_cost_model = getattr(strategy, "set_cost_model", None)
         if callable(set_cost_model):
             set_cost_model(self.cost_model)

@@ -254,12 +254,15 @@ class DCPBatchSampler:
         return steps
 
     def _epoch_plan(self, epoch: int) -> list[StepPlan]:
-        """All steps of ``epoch`` (planners that may return several steps per batch)."""
+        """All steps of ``epoch`` (planners that may return several steps per batch, e.g. bucket).
+
+        Such a planner gets the whole epoch's samples at once, as Open-Sora's bucket sampler works
+        over an epoch: its step count then depends only on the epoch's lengths, which are the same
+        every epoch, so ``len()`` stays what Lightning measured in the first epoch.
+        """
         if epoch not in self._epoch_steps:
-            steps: list[StepPlan] = []
-            for i, batch in enumerate(self.global_batches(epoch)):
-                steps.extend(self._plan_batch(epoch, i, batch))
-            self._epoch_steps = {epoch: steps}
+            samples = [i for batch in self.global_batches(epoch) for i in batch]
+            self._epoch_steps = {epoch: self._plan_batch(epoch, 0, samples)}
         return self._epoch_steps[epoch]
 
     def num_steps(self, epoch: int | None = None) -> int:

@@ -359,18 +359,12 @@ class DCPStrategy(DDPStrategy):
             self._wrap_zero1()
 
     def _maybe_add_profiler(self, trainer: Any) -> None:
-        want = self.profile
-        if want is False:
+        """Append a :class:`~lightning_dcp.profiler.DCPProfiler` unless the trainer has one, ``profile=False``,
+        or (``profile=None``) a cost model or planner was given."""
+        if self.profile is False or (self.profile is None and (self._cost_model is not None or self._planner is not None)):
             return
-        try:
-            from lightning_dcp.profiler import DCPProfiler  # type: ignore[attr-defined]
-        except ImportError:
-            if want:
-                raise ValueError("DCPStrategy(profile=True) needs lightning_dcp.profiler.DCPProfiler, which is not "
-                                 "available in this installation; pass cost_model= or profile=False")
-            return
-        if want is None and (self._cost_model is not None or self._planner is not None):
-            return
+        from lightning_dcp.profiler import DCPProfiler
+
         if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
             trainer.callbacks.append(DCPProfiler())
 

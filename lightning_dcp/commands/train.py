@@ -23,8 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="longest synthetic sample in tokens (default 1024)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
-    parser.add_argument("--profile", action="store_true", help="measure the model at fit start (DCPProfiler) "
-                        "instead of the default cost model")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the dual-layer profile at fit start and plan with the default cost model")
+    parser.add_argument("--memory-limit-mib", type=float, default=None,
+                        help="per-device memory the planner may use (default: the device's on GPU; 10 MiB on CPU, "
+                             "a tight budget so that the tiny model's long samples need SP groups or recompute)")
     parser.add_argument("--no-progress-bar", action="store_true")
     parser.add_argument("--quiet-plans", action="store_true", help="do not print every step's plan")
 
@@ -76,10 +79,16 @@ def run(args: argparse.Namespace) -> int:
                                profile=args.profile)
     except ValueError as err:
         raise CLIError(str(err)) from None
+    callbacks = [_plan_printer(args.quiet_plans)]
+    if args.profile:
+        from lightning_dcp.profiler import DCPProfiler
+
+        limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (None if cuda else 10.0)
+        callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20))
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=devices, strategy=strategy, max_steps=args.steps,
         precision=args.precision, logger=False, enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=not args.no_progress_bar, callbacks=[_plan_printer(args.quiet_plans)],
+        enable_progress_bar=not args.no_progress_bar, callbacks=callbacks,
         num_sanity_val_steps=0, limit_val_batches=0,
     )
     loader = DataLoader(dataset, batch_size=1, collate_fn=plain_collate)
