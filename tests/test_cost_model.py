@@ -419,3 +419,49 @@ def test_analytic_ideal_is_best_rate_compute_without_comm_recompute_or_constants
             const = CM.item_cost(lengths, sp, 0).total - c.comm - c.ideal
             assert const == pytest.approx(CM.item_cost([1], sp, 0).total - CM.item_cost([1], sp, 0).comm
                                           - CM.item_cost([1], sp, 0).ideal, rel=1e-6)
+
+
+def test_profiled_optional_fields_recompute_and_per_token_constants():
+    """recompute_s replaces t_f per recomputed layer; time/activation per local token are added."""
+    L = 42
+    prof = make_profile(time_per_token_s=2e-8, activation_bytes_per_token=6e4)
+    rc = {sp: (3e-12, 4e-7, 3e-4) for sp in TRUTH}  # measured recompute: dearer than the forward
+    for e in prof["entries"]:
+        sq, tok = e["micro_batch"] * e["seq_len"] ** 2, e["micro_batch"] * e["seq_len"]
+        c = rc[e["sp"]]
+        e["recompute_s"] = c[0] * sq + c[1] * tok + c[2]
+    pm = ProfiledCostModel(prof)
+    base = PM
+    lengths = [3000, 5000]
+    sq, tok = sum(n * n for n in lengths), sum(lengths)
+    for sp, t in TRUTH.items():
+        tf = t["f"][0] * sq + t["f"][1] * tok + t["f"][2]
+        trc = rc[sp][0] * sq + rc[sp][1] * tok + rc[sp][2]
+        for r in (0, 7, L):
+            want = base.item_time(lengths, sp, 0) + r * trc + 2e-8 * tok / sp
+            assert pm.item_time(lengths, sp, r) == pytest.approx(want, rel=1e-6)
+            assert pm.item_time_sum(tok, sq, 2, sp, r) == pytest.approx(want, rel=1e-9)
+            c = pm.item_cost(lengths, sp, r)
+            assert c.total == pytest.approx(want, rel=1e-9)
+            assert c.recompute == pytest.approx(r * trc, rel=1e-6)
+            assert pm.item_memory(lengths, sp, r) == pytest.approx(base.item_memory(lengths, sp, r) + 6e4 * tok / sp, rel=1e-9)
+        assert tf < trc
+    # closed forms stay consistent with the new terms
+    for sp in (1, 2, 4):
+        n = pm.max_length(sp)
+        assert pm.fits([n], sp, L) and not pm.fits([n + 1], sp, L)
+        assert n < PM.max_length(sp)
+    # partial recompute_s (one entry lacks it): that SP size falls back to t_f
+    prof2 = make_profile()
+    prof2["entries"][0]["recompute_s"] = 1.0
+    pm2 = ProfiledCostModel(prof2)
+    assert pm2.item_time(lengths, 1, 5) == pytest.approx(PM.item_time(lengths, 1, 5), rel=1e-9)
+    # validation: negative optional values are rejected, null is accepted
+    bad = make_profile(time_per_token_s=-1.0)
+    with pytest.raises(ProfileError, match="time_per_token_s"):
+        ProfiledCostModel(bad)
+    bad = make_profile()
+    bad["entries"][0]["recompute_s"] = -0.1
+    with pytest.raises(ProfileError, match="recompute_s"):
+        ProfiledCostModel(bad)
+    ProfiledCostModel(make_profile(activation_bytes_per_token=None))

@@ -184,3 +184,45 @@ def test_validate_rejects_what_can_go_wrong():
         validate_plan(Plan("x", 4, (ok,)), [100, 51], CM)
     with pytest.raises(PlanError, match="misses samples"):
         validate_plan(Plan("x", 4, (ok,)), [100, 50, 7], CM, samples=[0, 1, 2])
+
+
+# ---------------------------------------------------------------- max_sp_size
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_max_sp_size_caps_every_policy(policy):
+    cap_planner = Planner(16, CM, policy, max_sp_size=2)
+    limit = cap_planner.longest_fitting()
+    assert limit <= Planner(16, CM).longest_fitting()
+    lengths = [min(n, limit) for n in [40000, 30000, 1000, 200, 5000, 12000] * 4]
+    p = Planner(16, CM, policy, max_sp_size=2, dataset_lengths=lengths).plan(lengths, global_batch_tokens=60000)
+    check(p, lengths)
+    assert max(it.sp_size for s in p.steps for it in s.items) <= 2
+
+
+def test_max_sp_size_errors_name_sample_length_and_limit():
+    with pytest.raises(PlanningError, match="max_sp_size"):
+        Planner(8, CM, max_sp_size=0)
+    full = Planner(8, CM).longest_fitting()
+    capped = Planner(8, CM, max_sp_size=1)
+    limit = capped.longest_fitting()
+    assert limit < full
+    with pytest.raises(PlanningError) as err:
+        capped.plan_batch([3, 7], [10, limit + 1])
+    msg = str(err.value)
+    assert "sample 7" in msg and str(limit + 1) in msg and str(limit) in msg and "max_sp_size=1" in msg
+    with pytest.raises(PlanningError, match="max_sp_size"):
+        Planner(8, CM, "dcp", max_sp_size=1, dataset_lengths=[limit + 1])
+
+
+# ---------------------------------------------------------------- DCP-paper ablations
+
+def test_dcp_inter_recomputes_everything_intra_less():
+    lengths = [40000] + [1000] * 300 + [6000] * 20
+    inter = plan(lengths, 8, CM, "dcp-inter", global_batch_tokens=10**9)
+    intra = plan(lengths, 8, CM, "dcp-intra", global_batch_tokens=10**9)
+    for p in (inter, intra):
+        assert len(p.steps) == 1
+        check(p, lengths)
+    assert all(it.recompute == CM.num_layers for it in inter.steps[0].items)
+    short = [it for it in intra.steps[0].items if max(it.lengths) == 1000]
+    assert short and all(it.recompute < CM.num_layers for it in short)

@@ -55,13 +55,16 @@ DEFAULT_WORK_MULTIPLE = 1.0
 time of the dataset's longest sample (see :func:`default_global_batch_tokens`)."""
 
 
-def longest_sample_time(world_size: int, cost_model: CostModel, longest: int) -> tuple[float, int]:
+def longest_sample_time(world_size: int, cost_model: CostModel, longest: int,
+                        max_sp_size: int | None = None) -> tuple[float, int]:
     """Best-case time of one sample of ``longest`` tokens on this world: ``(seconds, sp)``.
 
     The fastest SP size (aligned power-of-two block of the world, dividing the heads) with the
     fewest recomputed layers that fit; ``(inf, 0)`` if none holds it.
     """
     max_sp = world_blocks(world_size)[0][1]
+    if max_sp_size is not None:
+        max_sp = min(max_sp, int(max_sp_size))
     best = (math.inf, 0)
     for p in cost_model.sp_sizes(max_sp):
         r = cost_model.min_recompute([longest], p)
@@ -75,14 +78,14 @@ def longest_sample_time(world_size: int, cost_model: CostModel, longest: int) ->
 
 def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None = None,
                                 cost_model: CostModel | None = None, *,
-                                work_multiple: float = DEFAULT_WORK_MULTIPLE) -> int:
+                                work_multiple: float = DEFAULT_WORK_MULTIPLE, max_sp_size: int | None = None) -> int:
     """Default step size in tokens, the same for every one-step policy.
 
     ``world_size * 65536`` (enough per GPU to amortize the gradient all-reduce of a 5B model),
     at least 4 times the longest sample, and -- given the dataset's ``lengths`` and a
     ``cost_model`` -- large enough that each step's mean per-GPU work is ``work_multiple`` times
     the best-case time of the dataset's longest sample (on the largest SP group the world and
-    the heads allow). Below that, a step that draws the longest sample lasts as long as that
+    the heads allow, at most ``max_sp_size``). Below that, a step that draws the longest sample lasts as long as that
     one sample while the other ranks run out of work: no dispatch can balance it, since SP is
     capped by the head count (48 heads: SP <= 16). Mean per-GPU work is counted at the ideal
     rate (:meth:`CostModel.ideal_time` per token of the dataset), which errs towards larger
@@ -96,7 +99,7 @@ def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None =
         longest = max(lengths)
         tokens = max(tokens, 4 * longest)
         if cost_model is not None and work_multiple > 0:
-            t_best, p = longest_sample_time(world_size, cost_model, longest)
+            t_best, p = longest_sample_time(world_size, cost_model, longest, max_sp_size)
             if math.isfinite(t_best) and p < world_size:
                 sample = list(lengths)
                 if len(sample) > 20000:
@@ -142,6 +145,8 @@ class Planner:
         dataset_lengths: the whole dataset's lengths, used once: DCP proposes its candidate
             layouts from them, the fixed-SP baselines size their SP group for the longest,
             bucket tunes its batch sizes on them. Without it each batch is planned on its own.
+        max_sp_size: the largest SP group any policy may use (default: the largest aligned
+            power-of-two block of the world); e.g. 8 keeps every SP group inside one node.
         **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
             ``target=`` for bucket, ``g_max=`` for dcp-inter.
 
@@ -151,7 +156,7 @@ class Planner:
     """
 
     def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
-                 dataset_lengths: Sequence[int] | None = None, **policy_options: Any):
+                 dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None, **policy_options: Any):
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if policy not in POLICIES:
@@ -162,11 +167,19 @@ class Planner:
         self.seed = int(seed)
         self.blocks = world_blocks(self.world_size)
         self.max_sp = self.blocks[0][1]
+        self.max_sp_size = None
+        if max_sp_size is not None:
+            if isinstance(max_sp_size, bool) or not isinstance(max_sp_size, numbers.Integral) or max_sp_size <= 0:
+                raise PlanningError(f"max_sp_size must be a positive integer (ranks), got {max_sp_size!r}")
+            self.max_sp_size = int(max_sp_size)
+            self.max_sp = min(self.max_sp, self.max_sp_size)
         self.view = CostView(cost_model, self.max_sp)
+        self.max_sp = max(self.view.sp_sizes)
         if self.view.longest_fitting() <= 0:
             raise PlanningError(
-                f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks, "
-                f"limit {_mem(cost_model.memory_limit)} per device): use more ranks or more memory per device"
+                f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks"
+                f"{self._cap_note()}, limit {_mem(cost_model.memory_limit)} per device): use more ranks or more memory "
+                f"per device{', or raise max_sp_size' if self.max_sp_size else ''}"
             )
         ds = None
         if dataset_lengths is not None:
@@ -187,6 +200,9 @@ class Planner:
         """Longest sample (tokens) any setting on this world size and memory holds."""
         return self.view.longest_fitting()
 
+    def _cap_note(self) -> str:
+        return f", capped by max_sp_size={self.max_sp_size}" if self.max_sp_size is not None else ""
+
     def _check_fit(self, samples: Sequence[int], lengths: Sequence[int]) -> None:
         limit = self.view.longest_fitting()
         for s, n in zip(samples, lengths):
@@ -194,9 +210,10 @@ class Planner:
                 blocks = ", ".join(f"[{a}-{a + b - 1}]" if b > 1 else f"[{a}]" for a, b in self.blocks)
                 raise PlanningError(
                     f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
-                    f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks, every layer recomputed, "
-                    f"{_mem(self.cost_model.memory_limit)} per device) is {limit} tokens: drop or split the "
-                    f"sample, or use more ranks / more memory per device"
+                    f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
+                    f"layer recomputed, {_mem(self.cost_model.memory_limit)} per device) is {limit} tokens: drop or split "
+                    f"the sample, or use more ranks / more memory per device"
+                    f"{' / a larger max_sp_size' if self.max_sp_size is not None else ''}"
                 )
 
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> Plan:
@@ -247,7 +264,7 @@ class Planner:
                 raise PlanningError(f"global batch size must be positive, got {global_batch_size}")
             return [list(range(i, min(i + global_batch_size, len(lengths)))) for i in range(0, len(lengths), global_batch_size)]
         tokens = global_batch_tokens or default_global_batch_tokens(self.world_size, self.dataset_lengths or lengths,
-                                                                    self.cost_model)
+                                                                    self.cost_model, max_sp_size=self.max_sp_size)
         if tokens <= 0:
             raise PlanningError(f"global batch tokens must be positive, got {tokens}")
         out, cur, acc = [], [], 0

@@ -14,7 +14,10 @@ Written by :class:`lightning_dcp.DCPProfiler` (or ``lightning-dcp profile``), re
         "optimizer_s": 0.02,        # optimizer step, once per step
         "allreduce_s": 0.05,        # gradient all-reduce over world_size, once per step (0 if world 1)
         "memory_bytes": 3.1e10,     # model states + buffers, per device (M_C of eq. 6)
-        "param_bytes": 1.0e10       # gradient bytes reduced per step
+        "param_bytes": 1.0e10,      # gradient bytes reduced per step
+        "time_per_token_s": 2e-8,   # optional: embedding + head + loss time per local token (fwd+bwd)
+        "activation_bytes_per_token": 6.0e4  # optional: bytes saved for backward outside the
+                                    #   repeated layers, per local token
       },
       "entries": [                  # one per (seq_len, micro_batch, sp) measured
         {"seq_len": 4096, "micro_batch": 2, "sp": 1,
@@ -22,6 +25,8 @@ Written by :class:`lightning_dcp.DCPProfiler` (or ``lightning-dcp profile``), re
          "backward_s": 0.0062,      # one layer backward, per rank
          "activation_bytes": 1.2e9, # bytes saved for backward by one un-checkpointed layer, per rank
          "input_bytes": 5.0e7,      # bytes of one layer's input, per rank (kept when checkpointed)
+         "recompute_s": 0.0034,     # optional: extra time of one checkpointed layer vs forward_s +
+                                    #   backward_s, per rank (its recomputed forward + machinery)
          "peak_bytes": null}        # peak allocated during the two layers (CUDA only), optional
       ],
       "meta": {"created": "2026-11-22T10:00:00Z", "profiling_s": 12.5, "grid": 24, "host": "..."}
@@ -30,6 +35,12 @@ Written by :class:`lightning_dcp.DCPProfiler` (or ``lightning-dcp profile``), re
 An entry with ``micro_batch`` b and ``seq_len`` l is a packed micro-batch of b samples of length
 l: ``b*l`` tokens and ``b*l**2`` attention work. Times are per layer and per rank. A profile is
 made for one world size; the fit generalizes across lengths, not across SP sizes it lacks.
+
+Optional fields (absent, or ``null``, in older profiles; non-negative numbers when present):
+``entries[].recompute_s`` -- the cost model charges it per recomputed layer instead of
+``forward_s`` when every entry of an SP size has it; ``constant.time_per_token_s`` and
+``constant.activation_bytes_per_token`` -- added per local token (``tokens / sp``) to every
+micro-batch's time and memory.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ PROFILE_SCHEMA = "lightning-dcp/profile/v1"
 
 _ENTRY_FIELDS = ("seq_len", "micro_batch", "sp", "forward_s", "backward_s", "activation_bytes", "input_bytes")
 _CONSTANT_FIELDS = ("time_s", "optimizer_s", "allreduce_s", "memory_bytes")
+_OPTIONAL_CONSTANT_FIELDS = ("time_per_token_s", "activation_bytes_per_token", "param_bytes")
 
 
 class ProfileError(ValueError):
@@ -87,6 +99,11 @@ def validate_profile(data: Any) -> dict:
                 raise ProfileError(f"entries[{i}].{f} must be a positive integer, got {e[f]!r}")
         for f in ("forward_s", "backward_s", "activation_bytes", "input_bytes"):
             _positive_number(e[f], f"entries[{i}].{f}")
+        if e.get("recompute_s") is not None:
+            _positive_number(e["recompute_s"], f"entries[{i}].recompute_s")
+    for f in _OPTIONAL_CONSTANT_FIELDS:
+        if data["constant"].get(f) is not None:
+            _positive_number(data["constant"][f], f"constant.{f}")
     return dict(data)
 
 

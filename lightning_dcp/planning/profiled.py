@@ -95,8 +95,14 @@ class ProfiledCostModel(CostModel):
     gives a time proportional to tokens). Then for a micro-batch on ``p`` ranks with ``r``
     recomputed layers (paper eqs. 4-6)::
 
-        time   = L * (t_f + t_b) + r * t_f + constant.time_s
+        time   = L * (t_f + t_b) + r * t_rc + constant.time_s + constant.time_per_token_s * tokens / p
         memory = constant.memory_bytes + L * inp + (L - r) * act + act     # + one layer's transient
+                 + constant.activation_bytes_per_token * tokens / p
+
+    ``t_rc`` is the fit of the entries' optional ``recompute_s`` (measured extra time of one
+    checkpointed layer) when every entry of that SP size has it, else ``t_f`` (paper eq. 5). The
+    optional ``constant.time_per_token_s`` / ``constant.activation_bytes_per_token`` (embedding,
+    head, loss per local token) count as 0 when absent.
 
     Communication is inside the measured layer times, so :class:`ItemCost` reports ``comm = 0``
     and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
@@ -124,6 +130,9 @@ class ProfiledCostModel(CostModel):
             raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
         self.constant_time = float(const["time_s"])
         self.constant_memory = float(const["memory_bytes"])
+        # optional (profiler >= the recompute/per-token fields): per local token, outside the layers
+        self.time_per_token = float(const.get("time_per_token_s") or 0.0)
+        self.memory_per_token = float(const.get("activation_bytes_per_token") or 0.0)
         self.optimizer_s = float(const["optimizer_s"])
         self.allreduce_s = float(const["allreduce_s"])
         pb = const.get("param_bytes")
@@ -153,6 +162,9 @@ class ProfiledCostModel(CostModel):
             inp = np.array([float(e["input_bytes"]) for e in entries])
             fit = {
                 "forward": tuple(float(v) for v in nonneg_fit(X3, f)),
+                # measured extra time of one checkpointed layer when every entry has it, else t_f (eq. 5)
+                "recompute": (tuple(float(v) for v in nonneg_fit(X3, np.array([float(e["recompute_s"]) for e in entries])))
+                              if all(e.get("recompute_s") is not None for e in entries) else None),
                 "backward": tuple(float(v) for v in nonneg_fit(X3, b)),
                 "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
                 "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
@@ -164,19 +176,21 @@ class ProfiledCostModel(CostModel):
         L = self.num_layers
         # ideal on one device: L*(t_f + t_b) of the smallest measured SP size, times p0, without
         # the fit's constant term (a per-micro-batch constant, not the samples' compute)
-        self._ideal = (L * (f0[0] + b0[0]) * p0, L * (f0[1] + b0[1]) * p0, 0.0)
+        # (plus the per-token time outside the layers, when the profile has it)
+        self._ideal = (L * (f0[0] + b0[0]) * p0, L * (f0[1] + b0[1]) * p0 + self.time_per_token, 0.0)
         self._coef: dict[int, tuple] = {}
         for p, fit in self.fits_by_sp.items():
             fa, fb, fc = fit["forward"]
             ba, bb, bc = fit["backward"]
+            ra, rb, rc = fit["recompute"] or fit["forward"]
             ka, ma = fit["activation"]
             ki, mi = fit["input"]
             self._coef[p] = (
                 fa, fb, fc, ba, bb, bc,
                 # item time: (A0 + r A1) sq + (B0 + r B1) T + (C0 + r C1)
-                L * (fa + ba), L * (fb + bb), L * (fc + bc) + self.constant_time, fa, fb, fc,
+                L * (fa + ba), L * (fb + bb) + self.time_per_token / p, L * (fc + bc) + self.constant_time, ra, rb, rc,
                 # memory: base0 + T*m0 - r*(ma + T*ka)   with the transient layer counted
-                self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka, ma, ka,
+                self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka + self.memory_per_token / p, ma, ka,
                 # ideal / p
                 self._ideal[0] / p, self._ideal[1] / p, self._ideal[2] / p,
             )
@@ -259,11 +273,12 @@ class ProfiledCostModel(CostModel):
         W = sum(n * n for n in lengths)
         fwd = c[0] * W + c[1] * T + c[2]
         bwd = c[3] * W + c[4] * T + c[5]
+        rec = c[9] * W + c[10] * T + c[11]
         return ItemCost(
             compute=self.num_layers * (fwd + bwd),
-            recompute=recompute * fwd,
+            recompute=recompute * rec,
             comm=0.0,
-            overhead=self.constant_time,
+            overhead=self.constant_time + self.time_per_token * T / sp,
             ideal=c[16] * W + c[17] * T + c[18],
         )
 

@@ -47,6 +47,7 @@ class CostView:
         self.exact_memory = callable(self._mem_fast)
         self._cap: dict[int, list[int]] = {}
         self._est: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._vector_ok: bool | None = None
 
     # -- capacity ------------------------------------------------------------------------
     def capacities(self, sp: int) -> list[int]:
@@ -107,6 +108,38 @@ class CostView:
             w = self.work
             return self._time_fast(sum(lengths), float(sum(w(n) for n in lengths)), len(lengths), sp, recompute)
         return self.cm.item_time(lengths, sp, recompute)
+
+    def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray) -> np.ndarray:
+        """Times of many packed micro-batches on ``sp`` ranks from their sums (arrays, one entry each).
+
+        ``tokens``: token sums, ``sq``: attention-work sums (:attr:`work`), ``n``: sample counts,
+        ``recompute``: recomputed layers. One vectorized call of the cost model's
+        ``item_time_sum`` when it accepts arrays (the analytic and profiled models do), else a loop.
+        """
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if self._time_fast is not None and self._vector_ok is not False:
+            try:
+                out = np.asarray(self._time_fast(tokens, np.asarray(sq, dtype=np.float64), np.asarray(n),
+                                                 sp, np.asarray(recompute, dtype=np.float64)), dtype=np.float64)
+                if out.shape == tokens.shape:
+                    self._vector_ok = True
+                    return out
+            except (TypeError, ValueError):
+                pass
+            self._vector_ok = False
+        if self._time_fast is not None:
+            return np.array([self._time_fast(float(t), float(q), int(k), sp, int(r))
+                             for t, q, k, r in zip(tokens.tolist(), np.asarray(sq).tolist(), np.asarray(n).tolist(),
+                                                   np.asarray(recompute).tolist())], dtype=np.float64)
+        raise TypeError("time_many needs a cost model with item_time_sum; use time() per micro-batch")
+
+    def min_recompute_many(self, tokens: np.ndarray, sp: int) -> np.ndarray:
+        """:meth:`min_recompute` of many micro-batches; ``-1`` where none fits."""
+        caps = np.asarray(self.capacities(sp), dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        r = np.searchsorted(caps, tokens, side="left")
+        r[tokens > caps[-1]] = -1
+        return r
 
     def time_uniform(self, length: float, count: float, sp: int, recompute: int) -> float:
         """Time of a micro-batch of ``count`` samples of ``length`` tokens (count may be fractional)."""

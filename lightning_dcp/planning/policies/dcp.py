@@ -21,15 +21,15 @@
 5. *Refinement.* With exact item times, samples move from the slowest group to the group that
    finishes them earliest while that lowers the step's makespan (a few rounds).
 
-``dcp-inter`` / ``dcp-intra`` follow the DCP paper: samples are bucketed by length (2 per
-octave); for every bucket Algorithm 1 picks the micro-batch size ``b`` and SP size ``p`` of
-highest throughput ``b*s / (p*T)`` under the memory limit — with all layers recomputed for
-``dcp-inter`` (§3.3), with the fewest recomputed layers that fit for ``dcp-intra`` (§3.4, which
-the paper runs on top of DCP-inter). Micro-batches then go, longest first, to the
-least-loaded group of their SP size; ranks per SP size follow the work, and each group's
-accumulation count ``g`` is bounded by ``[g_min, g_max]`` through the number of groups of each
-size (Appendix C, with a fixed global batch: ``g <= g_max`` asks for at least
-``ceil(M_p / g_max)`` groups, ``g >= g_min`` for at most ``floor(M_p / g_min)``).
+``dcp-inter`` / ``dcp-intra`` follow the DCP paper (see :class:`AlgorithmOnePolicy`): samples
+are bucketed by length (2 per octave); for every bucket Algorithm 1 picks the micro-batch size
+``b`` and SP size ``p`` of highest per-GPU throughput ``b*s / (p*T)`` under the memory limit --
+with all layers recomputed for ``dcp-inter`` (§3.3, as the static configuration would), with the
+fewest recomputed layers that fit for ``dcp-intra`` (§3.4, Alg. 1). Ranks are split into groups
+of the chosen SP sizes in proportion to their work, micro-batches go longest first to the group
+where they finish earliest (each group's accumulation count ``g_i`` balances eq. 3), and the
+accumulation counts are scaled up (smaller micro-batches, App. C's ``G_min``) while that lowers
+the makespan. Both run the whole global batch in one step.
 """
 
 from __future__ import annotations
@@ -157,11 +157,30 @@ class DCPPolicy(Policy):
                 use = spread < Es[k, fill]
                 C[k, fill] = np.where(use, spread, Es[k, fill])
                 F[k, fill] = np.where(use, ep[fill], 0.0)
+        # samples over half the mean rank load cannot share a group without making it the
+        # slowest: each class gets at least one group per such sample it prefers (as far as the
+        # block holds them), so many equally long samples do not queue up on too few large groups
+        big = ep > 0.5 * mean_load
+        min_groups = None
+        if big.any():
+            nbig = np.bincount(pref[big], minlength=len(classes))
+            min_groups, used = {}, 0
+            for k in range(len(classes) - 1, 0, -1):
+                if nbig[k] > 1:
+                    c = int(min(nbig[k], (size - used) // classes[k]))
+                    if c > 1:
+                        min_groups[classes[k]] = c
+                        used += c * classes[k]
+            min_groups = min_groups or None
         cands: list[Layout] = []
         for bias in (0.0, 0.35, -0.35):  # the rounded layout and its neighbours (Hydraulis §7)
             lay = allocate(work, size, classes, must, bias=bias)
             if lay not in cands:
                 cands.append(lay)
+            if min_groups:
+                lay = allocate(work, size, classes, must, min_groups=min_groups, bias=bias)
+                if lay not in cands:
+                    cands.append(lay)
         if top:
             for lay in self.candidates.get(must, []):
                 if lay not in cands:
@@ -173,6 +192,9 @@ class DCPPolicy(Policy):
         # the lower exact span wins
         # (only the top level nests; a nested sub-plan is flat and unrefined, which keeps the
         # planner's time linear in the samples)
+        # early exit: a dispatch estimate within 1% of the lower bound (mean rank load at the
+        # preferred sizes, or the longest sample's best time) cannot be beaten by much
+        bound = max(mean_load, float(np.min(Es, axis=0).max()) if n else 0.0) * 1.01
         for nested in ((True, False) if top else (False,)):
             cost, floor = (C, F) if nested else (Es, None)
             best = None
@@ -180,6 +202,8 @@ class DCPPolicy(Policy):
                 members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor)
                 if best is None or span < best[3] * (1 - 1e-9):
                     best = (lay, members, loads, span)
+                if span <= bound:
+                    break
             layout, members, _, _ = best  # type: ignore[misc]
             groups = place(layout, size)
             assert groups is not None
@@ -189,7 +213,7 @@ class DCPPolicy(Policy):
             span = max((t for _, t in plans), default=0.0)
             if result is None or span < result[1] * (1 - 1e-9):
                 result = (plans, span, layout, groups, members, ctx)
-            if not np.any(F):  # nothing can be a fill: the flat plan is the same
+            if not np.any(F) or span <= bound:  # nothing can be a fill (the flat plan is the same), or close enough
                 break
         plans, span, layout, groups, members, ctx = result  # type: ignore[misc]
         if self.refine_rounds and top:  # refine the winner only
@@ -276,10 +300,32 @@ class DCPPolicy(Policy):
 
 
 class AlgorithmOnePolicy(Policy):
-    """DCP-paper policies: per-bucket (b, p, r) by Algorithm 1, balance by accumulation.
+    """DCP-paper policies: per-bucket (b, p, r) by Algorithm 1, balance by accumulation counts.
 
-    Options: ``per_octave`` (bucket width, default 2), ``g_min`` (default 1), ``g_max``
-    (default None: unbounded).
+    Per global batch (every sample exactly once, one optimizer step):
+
+    1. *Buckets.* Samples are grouped by length (``per_octave`` buckets per doubling, default 2):
+       the paper's "batches of similar sequence lengths".
+    2. *Algorithm 1 per bucket.* For every SP size ``p`` and micro-batch size ``b`` (powers of
+       two up to the memory limit, and the limit itself) the recompute count ``r`` is all
+       layers (``dcp-inter``, §3.3: the static configuration's full checkpointing) or the
+       fewest that fit (``dcp-intra``, §3.4, Alg. 1: ``T - (L - r) t_f``); the ``(b, p)`` of
+       highest per-GPU throughput ``b s / (p T)`` wins. The bucket is cut into micro-batches of
+       ``b`` samples (longest first), each run on a group of ``p`` ranks.
+    3. *Groups and accumulation counts* (eq. 3, App. C). Ranks are split into groups of the SP
+       sizes the buckets chose, proportionally to each size's GPU-seconds (the rounded split and
+       its neighbours are candidates); micro-batches are dealt longest first to the group where
+       they finish earliest (a group's accumulation count ``g_i`` is how many it gets), which
+       minimizes ``max_j g_j T_j``, i.e. eq. 3's idle time. A micro-batch may run on a group of
+       another chosen SP size when that finishes it earlier and it fits in memory there (with
+       the recompute that size needs), so rounding the split into whole groups leaves no rank
+       idle. The candidate layout with the lowest makespan wins.
+    4. *G_min* (App. C): if every group accumulates fewer than ``g_min`` micro-batches
+       (default 4), the accumulation counts are scaled up by ``ceil(g_min / g)``: with the
+       global batch fixed, every bucket's micro-batch size is divided by that factor (at least
+       one sample), and step 3 is redone. *G_max* (optional ``g_max``): the layout keeps at
+       least ``ceil(M_p / g_max)`` groups of each SP size ``p`` that has ``M_p``
+       micro-batches, so no group needs more than ``g_max`` accumulation steps on its own size.
     """
 
     name = "dcp-intra"
@@ -292,7 +338,7 @@ class AlgorithmOnePolicy(Policy):
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
         self.per_octave = int(self.options.get("per_octave", 2))
-        self.g_min = int(self.options.get("g_min", 1))
+        self.g_min = int(self.options.get("g_min", 4))
         self.g_max = self.options.get("g_max")
         self._cache: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -326,12 +372,10 @@ class AlgorithmOnePolicy(Policy):
         self._cache[key] = (best[1], best[2])
         return best[1], best[2]
 
-    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
-        units: list[tuple[list[int], int]] = []  # (sample indices, sp)
-        for key, idx in sorted(log_buckets(lengths, self.per_octave).items()):
-            lens = [lengths[i] for i in idx]
-            b, p = self.algorithm_one(max(lens), float(np.mean(lens)))
-            idx = sorted(idx, key=lambda i: (-lengths[i], i))
+    def _units(self, buckets, lengths, scale: int) -> list[tuple[list[int], int]]:
+        units: list[tuple[list[int], int]] = []  # (sample indices, preferred sp)
+        for idx, b, p in buckets:
+            b = max(1, -(-b // scale))
             cap = self.view.max_len(p)
             cur: list[int] = []
             tok = 0
@@ -343,42 +387,183 @@ class AlgorithmOnePolicy(Policy):
                 tok += lengths[i]
             if cur:
                 units.append((cur, p))
-        # SP sizes present; drop the smallest ones into larger groups until the layout fits.
-        present = sorted({p for _, p in units}, reverse=True)
-        while len(present) > 1 and place(present, self.world_size) is None:
-            present.pop()
-        units = [(u, p if p in present else min(q for q in present if q >= p)) for u, p in units]
-        times = []
-        for u, p in units:
-            tok = sum(lengths[i] for i in u)
-            r = self._rec(tok, p)
-            times.append((r, self.view.time([lengths[i] for i in u], p, r)))
-        counts = {p: sum(1 for _, q in units if q == p) for p in present}
-        work = {p: 0.0 for p in present}
-        for (u, p), (_, t) in zip(units, times):
-            work[p] += t * p
-        min_groups = {p: 1 for p in present}
-        max_groups = {p: max(1, counts[p] // max(self.g_min, 1)) for p in present}
+        return units
+
+    def _dispatch(self, units, lengths):
+        """``(per-group item lists, estimated span, layout)`` for these micro-batches.
+
+        An item is ``(ranks, unit index, recompute)``.
+        """
+        classes = list(self.view.sp_sizes)
+        n = len(units)
+        w = self.view.work
+        tokens = np.array([sum(lengths[i] for i in u) for u, _ in units], dtype=np.int64)
+        sq = np.array([sum(w(lengths[i]) for i in u) for u, _ in units], dtype=np.float64)
+        cnt = np.array([len(u) for u, _ in units], dtype=np.int64)
+        pref = np.array([classes.index(p) for _, p in units], dtype=np.int64)
+        cost = np.full((len(classes), n), np.inf)
+        recs = np.zeros((len(classes), n), dtype=np.int64)
+        L = self.view.num_layers
+        for k, q in enumerate(classes):
+            if self.full_recompute:
+                r = np.where(tokens <= self.view.max_len(q), L, -1)
+            else:
+                r = self.view.min_recompute_many(tokens, q)
+            ok = r >= 0
+            if not ok.any():
+                continue
+            recs[k, ok] = r[ok]
+            if self.view._time_fast is not None:
+                cost[k, ok] = self.view.time_many(tokens[ok], sq[ok], cnt[ok], q, r[ok])
+            else:
+                for j in np.nonzero(ok)[0].tolist():
+                    cost[k, j] = self.view.time([lengths[i] for i in units[j][0]], q, int(r[j]))
+        ctx = (cost, recs, pref)
+        return self._solve(np.arange(n), self.world_size, 0, len(classes) - 1, ctx)
+
+    def _solve(self, ids: np.ndarray, size: int, offset: int, kmax: int, ctx):
+        """Micro-batches ``ids`` on ranks ``offset .. offset+size-1`` with SP sizes ``<= classes[kmax]``.
+
+        Groups of the chosen SP sizes; when they do not all fit side by side (a micro-batch
+        needs a group as large as the block), a large group runs its own micro-batches first
+        and then, split into smaller groups, the micro-batches that chose smaller SP sizes
+        (groups change size between accumulation steps, as DCP switches the SP size per batch).
+        """
+        cost_all, recs, pref_all = ctx
+        classes = list(self.view.sp_sizes)[: kmax + 1]
+        cs = cost_all[: kmax + 1][:, ids]
+        n = len(ids)
+        cols = np.arange(n)
+        pref = np.minimum(pref_all[ids], kmax)
+        bad = ~np.isfinite(cs[pref, cols])
+        if bad.any():  # its size is not allowed here: the smallest that holds it
+            pref[bad] = np.argmax(np.isfinite(cs[:, bad]), axis=0)
+        parr = np.array(classes, dtype=np.float64)
+        # a micro-batch longer than the mean rank load cannot be balanced by accumulation on its
+        # own SP size (the step would last as long as it): it moves to the smallest SP size on
+        # which it takes at most that long (the fastest one if none)
+        mean_load = float((cs[pref, cols] * parr[pref]).sum()) / size
+        for j in np.nonzero(cs[pref, cols] > mean_load)[0].tolist():
+            ok = np.nonzero(cs[:, j] <= mean_load)[0]
+            pref[j] = max(int(pref[j]), int(ok[0]) if len(ok) else int(np.argmin(cs[:, j])))
+        gp = cs[pref, cols] * parr[pref]
+        wk = np.bincount(pref, weights=gp, minlength=len(classes))
+        present = sorted({classes[k] for k in pref.tolist()})
+        work = {p: float(wk[classes.index(p)]) for p in present}
+        must = max(present)
+        # a micro-batch may run on a larger group than it chose: on all its ranks, or as a fill
+        # (after the group's own micro-batches, on a sub-group of the size it chose), costing
+        # the group its GPU-seconds spread over the ranks but lasting at least its own time
+        C = cs.copy()
+        F = np.zeros_like(cs)
+        ep = cs[pref, cols]
+        for k in range(1, len(classes)):
+            fill = pref < k
+            if fill.any():
+                spread = gp[fill] / classes[k]
+                use = spread < cs[k, fill]
+                C[k, fill] = np.where(use, spread, cs[k, fill])
+                F[k, fill] = np.where(use, ep[fill], 0.0)
+        min_groups = None
         if self.g_max:
-            for p in present:
-                min_groups[p] = min(max(1, math.ceil(counts[p] / int(self.g_max))), max_groups[p])
-        layout = allocate(work, self.world_size, present, present[0], min_groups=min_groups, max_groups=max_groups)
-        layout = tuple(p for p in layout if p in present) or (present[0],)
-        cost = np.full((len(present), len(units)), np.inf)
-        row = {p: k for k, p in enumerate(sorted(present))}
-        for j, ((u, p), (_, t)) in enumerate(zip(units, times)):
-            cost[row[p], j] = t
-        key = np.array([t for _, t in times])
-        members, _, _ = lpt_dispatch(cost, layout, sorted(present), key)
-        groups = place(layout, self.world_size)
-        assert groups is not None
-        per_group = []
+            counts = np.bincount(pref, minlength=len(classes))
+            min_groups = {p: max(1, math.ceil(int(counts[classes.index(p)]) / int(self.g_max))) for p in present}
+        # candidates: the rounded split of the ranks over the chosen sizes and its neighbours;
+        # and the same with the largest size one step up (its group runs the others as fills)
+        cands: list[Layout] = []
+        musts = [must] + [q for q in classes if q > must][:1]
+        for m in musts:
+            sizes = sorted(set(present) | {m})
+            for bias in (0.0, 0.35, -0.35):
+                try:
+                    lay = allocate(work, size, sizes, m, min_groups=min_groups, bias=bias)
+                except ValueError:
+                    continue
+                lay = tuple(p for p in lay if p in sizes)
+                if lay and lay not in cands and place(lay, size) is not None:
+                    cands.append(lay)
+        if not cands:
+            cands.append((must,) * (size // must))
+        key = cs[pref, cols]
+        flat_ok = place(sorted(present, reverse=True), size) is not None
+        result = None
+        # two modes, each with its best layout by the dispatch estimate: flat (every micro-batch
+        # on all ranks of its group) and with fills; the lower realized span wins
+        for mode_fill in ((False, True) if flat_ok else (True,)):
+            cost, floor = (C, F) if mode_fill else (cs, None)
+            best = None
+            for lay in cands:
+                if not mode_fill and any(p not in present for p in lay):
+                    continue
+                try:
+                    members, _, span = lpt_dispatch(cost, lay, classes, key, floor=floor)
+                except ValueError:
+                    continue
+                if best is None or span < best[2] * (1 - 1e-9):
+                    best = (lay, members, span)
+            if best is None:
+                continue
+            got = self._realize(best[0], best[1], ids, cs, F if mode_fill else None, size, offset, ctx)
+            if result is None or got[1] < result[1] * (1 - 1e-9):
+                result = got
+        assert result is not None
+        return result
+
+    def _realize(self, layout, members, ids, cs, F, size, offset, ctx):
+        cost_all, recs, pref_all = ctx
+        classes = list(self.view.sp_sizes)
+        groups = [tuple(r + offset for r in g) for g in (place(layout, size) or [])]
+        blocks, span = [], 0.0
         for g, mem in enumerate(members):
-            per_group.append([
-                WorkItem(groups[g], tuple(samples[i] for i in units[j][0]), tuple(lengths[i] for i in units[j][0]), times[j][0])
-                for j in mem
-            ])
-        return [StepPlan(tuple(interleave_items(per_group)), {"layout": list(layout)})]
+            P = len(groups[g])
+            k = classes.index(P)
+            own = [j for j in mem if F is None or F[k, j] == 0.0]
+            fill = [j for j in mem if F is not None and F[k, j] > 0.0]
+            items = [(groups[g], int(ids[j]), int(recs[k, ids[j]])) for j in own]
+            t = float(sum(cs[k, j] for j in own))
+            if fill:
+                sub, sub_span, _ = self._solve(ids[fill], P, groups[g][0], k - 1, ctx)
+                items.extend(interleave_items(sub))
+                t += sub_span
+            blocks.append(items)
+            span = max(span, t)
+        return blocks, span, layout
+
+    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        buckets = []
+        for _, idx in sorted(log_buckets(lengths, self.per_octave).items()):
+            lens = [lengths[i] for i in idx]
+            b, p = self.algorithm_one(max(lens), float(np.mean(lens)))
+            buckets.append((sorted(idx, key=lambda i: (-lengths[i], i)), b, p))
+        scale = 1
+        units = self._units(buckets, lengths, scale)
+        best = (self._dispatch(units, lengths), units, scale)
+        g = max((len(m) for m in best[0][0]), default=0)
+        if self.g_min > 1 and 0 < g < self.g_min:  # App. C: scale every accumulation count up
+            scale = -(-self.g_min // g)
+            units = self._units(buckets, lengths, scale)
+            best = (self._dispatch(units, lengths), units, scale)
+        # eq. 3 search over the accumulation counts: with the global batch fixed, more
+        # accumulation steps mean smaller micro-batches; keep doubling them while the makespan
+        # improved within the last two doublings
+        b_top = max(b for _, b, _ in buckets)
+        misses, last = 0, len(best[1])
+        while scale < b_top and misses < 2:
+            scale *= 2
+            units = self._units(buckets, lengths, scale)
+            if len(units) <= last:
+                continue
+            last = len(units)
+            got = self._dispatch(units, lengths)
+            if got[1] < best[0][1] * (1 - 1e-3):
+                best, misses = (got, units, scale), 0
+            else:
+                misses += 1
+        (blocks, span, layout), units, scale = best
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in units[j][0]), tuple(lengths[i] for i in units[j][0]), rec)
+                      for ranks, j, rec in blk] for blk in blocks]
+        extra = {"layout": list(layout), "estimated_time": float(span), "accumulation_scale": scale}
+        return [StepPlan(tuple(interleave_items(per_group)), extra)]
 
 
 class DCPIntraPolicy(AlgorithmOnePolicy):
