@@ -38,7 +38,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -239,12 +238,9 @@ def machine_info(args: argparse.Namespace | None = None) -> dict[str, Any]:
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import lightning
+    import lightning
 
-        info["lightning"] = lightning.__version__
-    except Exception:  # pragma: no cover
-        pass
+    info["lightning"] = lightning.__version__
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:

@@ -19,7 +19,7 @@ without any distributed sync: every rank holds the same gathered values).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 

@@ -80,6 +80,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_dcp.context import SPContext, sp_context
@@ -824,13 +825,7 @@ def profile_module(
 # the callback
 # ---------------------------------------------------------------------------------------------
 
-try:  # the callback is a Lightning Callback; the measuring core above works without Lightning too
-    from lightning.pytorch.callbacks import Callback as _Callback
-except ImportError:  # pragma: no cover
-    _Callback = object  # type: ignore[misc,assignment]
-
-
-class DCPProfiler(_Callback):
+class DCPProfiler(Callback):
     """Profile (or load the cached profile) at fit start and hand the cost model to the strategy.
 
     At ``on_fit_start`` (after ``strategy.setup``, before the dataloaders and the DCP sampler

@@ -26,15 +26,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 
 __all__ = ["DCPBatchSampler", "DCPDataLoader", "StepDataset", "collate_step", "resolve_lengths"]
-
-try:  # B's planner error; fall back to ValueError so this module imports on its own.
-    from lightning_dcp.planning.errors import PlanningError
-except ImportError:  # pragma: no cover
-    class PlanningError(ValueError):  # type: ignore[no-redef]
-        pass
 
 
 LENGTHS_HELP = (

@@ -40,11 +40,9 @@ happens at epoch end.
 
 from __future__ import annotations
 
-import logging
-import math
+import inspect
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,10 +57,10 @@ from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.plan import WorkItem
+from lightning_dcp.planning.planner import Planner
+from lightning_dcp.recompute import find_recompute_layers
 from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_lengths
 from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, shard_batch
-
-log = logging.getLogger(__name__)
 
 __all__ = ["DCPStrategy", "DefaultCostModel", "find_num_heads"]
 
@@ -130,12 +128,7 @@ def find_num_heads(module: torch.nn.Module) -> int | None:
 
 
 def _count_recompute_layers(module: torch.nn.Module) -> int:
-    try:
-        from lightning_dcp.recompute import find_recompute_layers
-
-        return max((len(r) for r in find_recompute_layers(module)), default=0)
-    except ImportError:  # pragma: no cover
-        return 0
+    return max((len(r) for r in find_recompute_layers(module)), default=0)
 
 
 class _GradBuckets:
@@ -377,7 +370,11 @@ class DCPStrategy(DDPStrategy):
                 new.append(opt)
                 continue
             groups = [dict(g) for g in opt.param_groups]
-            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **opt.defaults)
+            # ``defaults`` can hold keys the constructor does not take (torch's AdamW records
+            # ``decoupled_weight_decay``); the param groups keep every per-group value anyway.
+            accepted = inspect.signature(type(opt).__init__).parameters
+            defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
             for cfg in self.lr_scheduler_configs:
                 if getattr(cfg.scheduler, "optimizer", None) is opt:
                     cfg.scheduler.optimizer = zero
@@ -419,13 +416,8 @@ class DCPStrategy(DDPStrategy):
                                "using DefaultCostModel: SP size 1 for every sample, ranks balanced by gradient "
                                "accumulation only")
             self._cost_model = cost_model
-        from lightning_dcp.planning.planner import Planner  # B's planner
-
         opts = dict(self.planner_options)
-        if "max_sp_size" in _planner_params(Planner):
-            opts.setdefault("max_sp_size", self.max_sp_size)
-        elif self.max_sp_size < largest_power_of_two(self.world_size):
-            cost_model = _CappedCostModel(cost_model, self.max_sp_size)
+        opts.setdefault("max_sp_size", self.max_sp_size)
         return Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -447,8 +439,7 @@ class DCPStrategy(DDPStrategy):
         self.batch_sampler = DCPBatchSampler(
             lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,
             rank=self.global_rank, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
-            plan_ahead=self.plan_ahead, cost_model=self._cost_model if self._planner is None else None,
-            max_sp_size=self.max_sp_size,
+            plan_ahead=self.plan_ahead,
         )
         if len(self.batch_sampler) == 0:
             raise ValueError(f"the train dataset ({len(lengths)} samples) gives no full global batch of "
@@ -497,7 +488,7 @@ class DCPStrategy(DDPStrategy):
         for p in self._buckets.params:
             p.grad = None
         t0 = time.perf_counter()
-        local_loss = torch.zeros((), dtype=torch.float64)
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.root_device)  # summed on device: no sync per item
         local_tokens = 0
         self._in_micro_loop = True
         try:
@@ -508,10 +499,11 @@ class DCPStrategy(DDPStrategy):
         finally:
             self._in_micro_loop = False
         self._buckets.park()
+        local_loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
         busy = time.perf_counter() - t0
 
         stats = torch.cat([
-            torch.tensor([busy, float(local_loss), float(local_tokens), float(len(items))], dtype=torch.float64),
+            torch.tensor([busy, local_loss, float(local_tokens), float(len(items))], dtype=torch.float64),
             self._buckets.has_grad,
         ])
         gathered = self._all_gather(stats)
@@ -540,9 +532,9 @@ class DCPStrategy(DDPStrategy):
                 out = module.training_step(local, batch_idx)
             loss = self._weighted_loss(out, local, it, meta, local_tokens)
             self._micro_backward(loss)
-        value = loss.detach().double().cpu()
-        if not torch.isfinite(value) and local_tokens == 0:
-            value = torch.zeros((), dtype=torch.float64)
+        value = loss.detach().double()
+        if local_tokens == 0:  # a shard of padding only: its (0-weighted) loss may be NaN; it contributes nothing
+            value = torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
         return value, local_tokens
 
     def _weighted_loss(self, out: Any, batch: Mapping[str, Any], it: Mapping[str, Any], meta: Mapping[str, Any],
@@ -657,36 +649,3 @@ class DCPStrategy(DDPStrategy):
         self._buckets = None
         super().teardown()
 
-
-class _CappedCostModel(CostModel):
-    """Delegates to ``inner`` but offers no SP size above ``max_sp`` (the groups that exist)."""
-
-    def __init__(self, inner: CostModel, max_sp: int) -> None:
-        self._inner, self._max_sp = inner, max_sp
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_inner"], name)
-
-    def sp_sizes(self, world_size: int) -> list[int]:
-        return [s for s in self._inner.sp_sizes(world_size) if s <= self._max_sp]
-
-    def item_cost(self, lengths, sp, recompute):  # type: ignore[no-untyped-def]
-        return self._inner.item_cost(lengths, sp, recompute)
-
-    def item_memory(self, lengths, sp, recompute):  # type: ignore[no-untyped-def]
-        return self._inner.item_memory(lengths, sp, recompute)
-
-    def step_overhead(self, world_size):  # type: ignore[no-untyped-def]
-        return self._inner.step_overhead(world_size)
-
-    def signature(self) -> dict:
-        return {**self._inner.signature(), "max_sp_size": self._max_sp}
-
-
-def _planner_params(cls: Any) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(cls).parameters)
-    except (TypeError, ValueError):  # pragma: no cover
-        return set()

@@ -12,6 +12,11 @@ from typing import Any
 
 HELP = "train a small model with DCPStrategy on synthetic any-size data (2 CPU processes, or all GPUs)"
 
+#: Default per-process memory budget on CPU, per model: a little above the model's static memory
+#: (weights, gradients, AdamW state: ~3.6 MiB for tiny-1d, ~9.4 MiB for tiny-2d) so that the
+#: longest synthetic samples (1024 tokens) need an SP group of 2 or recomputation.
+CPU_MEMORY_LIMIT_MIB = {"tiny-1d": 10.0, "tiny-2d": 20.0}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-1d", choices=["tiny-1d", "tiny-2d"], help="model (default tiny-1d)")
@@ -26,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the dual-layer profile at fit start and plan with the default cost model")
     parser.add_argument("--memory-limit-mib", type=float, default=None,
-                        help="per-device memory the planner may use (default: the device's on GPU; 10 MiB on CPU, "
-                             "a tight budget so that the tiny model's long samples need SP groups or recompute)")
+                        help="per-device memory the planner may use (default: the device's on GPU; on CPU 10 MiB for "
+                             "tiny-1d, 20 MiB for tiny-2d, a tight budget so that long samples need SP groups or "
+                             "recompute)")
     parser.add_argument("--no-progress-bar", action="store_true")
     parser.add_argument("--quiet-plans", action="store_true", help="do not print every step's plan")
 
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         from lightning_dcp.profiler import DCPProfiler
 
-        limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (None if cuda else 10.0)
+        limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (None if cuda else CPU_MEMORY_LIMIT_MIB[args.model])
         callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20))
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=devices, strategy=strategy, max_steps=args.steps,
