@@ -13,10 +13,12 @@ from __future__ import annotations
 import csv
 import os
 
+import pytest
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -70,10 +72,10 @@ def _trainer(strategy: DCPStrategy, max_steps: int, **kw) -> pl.Trainer:
                       enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
 
-def _features(rank: int, world: int, out_dir: str) -> None:
+def _features(rank: int, world: int, out_dir: str, bar: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, seed=5), global_batch_size=8, seed=2)
     trainer = _trainer(strategy, 2, gradient_clip_val=CLIP, logger=CSVLogger(out_dir, name="csv", version=0),
-                       log_every_n_steps=1, callbacks=[TQDMProgressBar(refresh_rate=1)], limit_val_batches=2,
+                       log_every_n_steps=1, callbacks=[TQDMProgressBar(refresh_rate=1) if bar == "tqdm" else RichProgressBar(refresh_rate=1)], limit_val_batches=2,
                        val_check_interval=2)
     module = FeatureLM(out_dir)
     trainer.fit(module)
@@ -92,8 +94,11 @@ def _features(rank: int, world: int, out_dir: str) -> None:
     assert len(preds) == 2 and all(p.dim() == 1 for p in preds), preds  # this rank's 2 of 4 batches
 
 
-def test_fit_clip_csv_progress_bar_validate_test_predict(tmp_path):
-    run_distributed(_features, 2, str(tmp_path))
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_fit_clip_csv_progress_bar_validate_test_predict(tmp_path, bar):
+    if bar == "rich":
+        pytest.importorskip("rich")
+    run_distributed(_features, 2, str(tmp_path), bar)
 
 
 def _zero1(rank: int, world: int) -> None:
