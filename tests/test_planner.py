@@ -226,3 +226,30 @@ def test_dcp_inter_recomputes_everything_intra_less():
     assert all(it.recompute == CM.num_layers for it in inter.steps[0].items)
     short = [it for it in intra.steps[0].items if max(it.lengths) == 1000]
     assert short and all(it.recompute < CM.num_layers for it in short)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0.01, 10.0), min_size=1, max_size=400), st.sampled_from([(1, 1, 2), (2, 2, 4, 4), (1, 2, 2, 4, 8)]),
+       st.sampled_from([0.0, 0.02, 0.2]), st.booleans())
+def test_lpt_dispatch_chunked_covers_every_unit_once(costs, layout, chunk, with_floor):
+    """Chunked dispatch: every unit in exactly one group, loads = what its units add (floors included)."""
+    import numpy as np
+
+    from lightning_dcp.planning.policies.dispatch import lpt_dispatch
+
+    classes = sorted(set(layout))
+    base = np.array(costs)
+    cost = np.vstack([base / p for p in classes])
+    cost[0, base > 9.0] = np.inf  # the longest do not fit the smallest class
+    floor = np.vstack([base / (2 * p) for p in classes]) if with_floor else None
+    members, loads, span = lpt_dispatch(cost, layout, classes, base, floor=floor, chunk=chunk, chunk_cache={})
+    got = sorted(i for m in members for i in m)
+    assert got == list(range(len(costs)))
+    for g, mem in enumerate(members):
+        k = classes.index(layout[g])
+        want = float(np.sum(cost[k, mem])) if mem else 0.0
+        if floor is not None and mem:
+            want = max(want, float(np.max(floor[k, mem])))
+        assert np.isfinite(want)
+        assert abs(loads[g] - want) <= 1e-9 * max(1.0, want)
+    assert span == max(loads)

@@ -34,6 +34,7 @@ the makespan. Both run the whole global batch in one step.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any, Sequence
 
@@ -53,14 +54,17 @@ class DCPPolicy(Policy):
     Options: ``trials`` (dispatch trials per candidate, default 1: the longest-first order; more
     add seeded perturbed orders),
     ``max_candidates`` (dataset candidates per largest SP size, default 3), ``refine_rounds``
-    (default 64).
+    (default 64), ``dispatch_chunk`` (default 0: every sample dispatched on its own; e.g.
+    0.01: runs of small samples move as chunks of about 1% of a group's load, the smallest 4%
+    of the work one by one -- 10-25% less planner time at thousands of samples per step, same
+    quality over 6 steps at 256 GPUs but not bit-identical plans, so off by default).
     """
 
     name = "dcp"
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return ("trials", "max_candidates", "refine_rounds")
+        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
@@ -73,7 +77,14 @@ class DCPPolicy(Policy):
         self.budget = [view.pack_target(p) for p in self.classes]
         self.trials = int(self.options.get("trials", 1))
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
+        self.dispatch_chunk = float(self.options.get("dispatch_chunk", 0.0))
         self.candidates: dict[int, list[Layout]] = {}
+        self._work_cache: dict[int, float] = {}  # attention work per length (recurs across steps)
+        self._Ll: list[int] = []
+        self._Wl: list[float] = []
+        self._Erows: dict[int, list[float]] = {}
+        self._packs: dict[tuple, list] = {}
+        self._E = None
         if self.dataset_lengths:
             self.candidates = self._propose(self.dataset_lengths)
 
@@ -108,8 +119,22 @@ class DCPPolicy(Policy):
         E, G = self._costs(L)
         rng = self.rng(step, 2)
         ids = np.arange(len(L))
-        blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
-        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(int(L[i]) for i in idx), rec)
+        # per-step Python-side copies for the scalar loops (packing, item times)
+        self._Ll = L.tolist()
+        self._Erows: dict[int, list[float]] = {}
+        self._packs: dict[tuple, list] = {}
+        self._E = E
+        fast = self.view._time_fast
+        if fast is not None:
+            wc = self._work_cache
+            w = self.view.work
+            self._Wl = [wc[n] if n in wc else wc.setdefault(n, float(w(n))) for n in self._Ll]
+        try:
+            blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+        finally:
+            self._Erows, self._E, self._packs = {}, None, {}
+        Ll = self._Ll
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec)
                       for ranks, idx, rec in blk] for blk in blocks]
         extra = {"layout": list(layout), "estimated_time": span}
         return [StepPlan(tuple(interleave_items(per_group)), extra)]
@@ -195,11 +220,21 @@ class DCPPolicy(Policy):
         # early exit: a dispatch estimate within 1% of the lower bound (mean rank load at the
         # preferred sizes, or the longest sample's best time) cannot be beaten by much
         bound = max(mean_load, float(np.min(Es, axis=0).max()) if n else 0.0) * 1.01
+        EsT = CT = FT = None
         for nested in ((True, False) if top else (False,)):
             cost, floor = (C, F) if nested else (Es, None)
+            if nested:
+                CT, FT = C.T.tolist(), F.T.tolist()
+                costT, floorT = CT, FT
+            else:
+                EsT = EsT if EsT is not None else Es.T.tolist()
+                costT, floorT = EsT, None
             best = None
+            chunk_cache: dict = {}  # the same chunks of small samples for every candidate
             for lay in cands:
-                members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor)
+                members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor,
+                                                    costT=costT, floorT_all=floorT, chunk=self.dispatch_chunk,
+                                                    chunk_groups=len(cands[0]), chunk_cache=chunk_cache)
                 if best is None or span < best[3] * (1 - 1e-9):
                     best = (lay, members, loads, span)
                 if span <= bound:
@@ -208,7 +243,9 @@ class DCPPolicy(Policy):
             groups = place(layout, size)
             assert groups is not None
             groups = [tuple(r + offset for r in g) for g in groups]
-            ctx = (ids, L, E, G, Es, C if nested else Es, pref, rng)
+            # fill[k][j]: sample j runs as a fill (on a sub-block) on a group of class k
+            isfill = (Es > C).tolist() if nested else None
+            ctx = (ids, L, E, G, Es, C if nested else Es, pref, rng, isfill, ids.tolist())
             plans = [self._group(list(members[g]), groups[g], ctx) for g in range(len(groups))]
             span = max((t for _, t in plans), default=0.0)
             if result is None or span < result[1] * (1 - 1e-9):
@@ -223,16 +260,20 @@ class DCPPolicy(Policy):
 
     def _group(self, mem: list[int], ranks: tuple[int, ...], ctx) -> tuple[list, float]:
         """Items and estimated time of one group running the (local) samples ``mem``."""
-        ids, L, E, G, Es, C, pref, rng = ctx
+        ids, L, E, G, Es, C, pref, rng, isfill, idl = ctx
         if not mem:
             return [], 0.0
         P = len(ranks)
         k = self.classes.index(P)
-        own = [j for j in mem if Es[k, j] <= C[k, j]] if k > 0 else list(mem)
-        fill = [j for j in mem if Es[k, j] > C[k, j]] if k > 0 else []
+        if k > 0 and isfill is not None:
+            fk = isfill[k]
+            own = [j for j in mem if not fk[j]]
+            fill = [j for j in mem if fk[j]]
+        else:
+            own, fill = list(mem), []
         items, t = [], 0.0
         if own:
-            for idx, rec, ti in self._pack([int(ids[j]) for j in own], P, L, E):
+            for idx, rec, ti in self._pack([idl[j] for j in own], P, L, E):
                 items.append((ranks, idx, rec))
                 t += ti
         if fill:
@@ -246,19 +287,46 @@ class DCPPolicy(Policy):
         if not idx:
             return []
         k = self.classes.index(sp)
-        lens = [int(L[i]) for i in idx]
-        est = [float(E[k, i]) for i in idx]
+        live = self._E is E and len(self._Ll) == len(L)
+        if live:  # the same samples on the same SP size pack the same way (refinement repeats them)
+            ckey = (sp, tuple(idx))
+            got = self._packs.get(ckey)
+            if got is not None:
+                return got
+        if live:
+            Ll = self._Ll
+            Ek = self._Erows.get(k)
+            if Ek is None:
+                Ek = self._Erows[k] = E[k].tolist()
+            lens = [Ll[i] for i in idx]
+            est = [Ek[i] for i in idx]
+            Wl = self._Wl if self.view._time_fast is not None else None
+        else:
+            lens = [int(L[i]) for i in idx]
+            est = [float(E[k, i]) for i in idx]
+            Wl = None
+        fast = self.view._time_fast
+        caps = self.view.capacities(sp)
+        cap_max = caps[-1]
         out = []
         for pack in pack_time_balanced(lens, est, self.budget[k]):
             pl = [lens[j] for j in pack]
             tok = sum(pl)
-            rec = recompute_for(self.view, tok, sp)
-            out.append(([idx[j] for j in pack], rec, self.view.time(pl, sp, rec)))
+            # fewest recomputed layers that fit (recompute_for, inlined)
+            rec = bisect.bisect_left(caps, tok) if tok <= cap_max else recompute_for(self.view, tok, sp)
+            members = [idx[j] for j in pack]
+            if Wl is not None:  # same sum, in the same order, as CostView.time
+                t = fast(tok, float(sum([Wl[i] for i in members])), len(pl), sp, rec)
+            else:
+                t = self.view.time(pl, sp, rec)
+            out.append((members, rec, t))
+        if live:
+            self._packs[ckey] = out
         return out
 
     def _refine(self, plans, groups, members, ctx):
         """Move samples off the slowest group while that lowers the makespan (exact times)."""
-        ids, L, E, G, Es, C, pref, rng = ctx
+        ids, L, E, G, Es, C, pref, rng, isfill, idl = ctx
         members = [list(m) for m in members]
         times = [t for _, t in plans]
         sizes = [len(g) for g in groups]

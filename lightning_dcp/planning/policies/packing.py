@@ -23,31 +23,42 @@ from lightning_dcp.planning.policies.costs import CostView
 
 def pack_time_balanced(lengths: Sequence[int], est: Sequence[float], budget: int) -> list[list[int]]:
     """Indices (into ``lengths``) of each micro-batch; no micro-batch over ``budget`` tokens except lone samples."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # longest first, ties by index (a reverse sort is stable: equal lengths keep index order)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
     bins: list[list[int]] = []
-    small = []
-    for i in order:
-        if lengths[i] >= budget:
-            bins.append([i])
-        else:
-            small.append(i)
+    small = order
+    if order and lengths[order[0]] >= budget:
+        small = []
+        for i in order:
+            if lengths[i] >= budget:
+                bins.append([i])
+            else:
+                small.append(i)
     if not small:
         return bins
-    total = sum(lengths[i] for i in small)
+    total = sum([lengths[i] for i in small])
     v = max(1, math.ceil(total / budget))
     heap = [(0.0, b) for b in range(v)]
     room = [budget] * v
     packs: list[list[int]] = [[] for _ in range(v)]
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in small:
         ln = lengths[i]
-        popped = []
-        placed = False
-        while heap:
-            load, b = heapq.heappop(heap)
+        if heap:  # fast path: the least-loaded micro-batch has room
+            load, b = heap[0]
             if room[b] >= ln:
                 packs[b].append(i)
                 room[b] -= ln
-                heapq.heappush(heap, (load + est[i], b))
+                heapreplace(heap, (load + est[i], b))
+                continue
+        popped = []
+        placed = False
+        while heap:
+            load, b = heappop(heap)
+            if room[b] >= ln:
+                packs[b].append(i)
+                room[b] -= ln
+                heappush(heap, (load + est[i], b))
                 placed = True
                 break
             popped.append((load, b))
