@@ -86,7 +86,8 @@ def build_trainer_parts(policy: str, args: argparse.Namespace, record_dir: Path)
                            **strategy_kw)
     sp_sizes = [int(x) for x in args.profile_sp_sizes.split(",")] if args.profile_sp_sizes else None
     profiler = DCPProfiler(cache_dir=str(args.profile_cache), time_budget_s=args.profile_budget,
-                           density=args.profile_density, enabled=not args.no_profile, sp_sizes=sp_sizes)
+                           density=args.profile_density, enabled=not args.no_profile, sp_sizes=sp_sizes,
+                           memory_limit_bytes=None if args.memory_limit_mib is None else args.memory_limit_mib * 2**20)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision=args.precision, max_epochs=args.warmup_epochs + args.epochs, callbacks=[profiler], logger=False,
@@ -448,6 +449,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--planner-options", default=None, help="JSON dict of planner options")
     p.add_argument("--profile-cache", default=None, help="profile cache directory (default <out>/profile_cache)")
     p.add_argument("--profile-budget", type=float, default=60.0, help="profiling time budget, seconds")
+    p.add_argument("--memory-limit-mib", type=float, default=None,
+        help="per-device memory the planner may use (default: the profiler's device default, 8 GiB on CPU); "
+             "a tight budget makes the tiny models face the memory limits of full-size models on GPUs")
     p.add_argument("--profile-density", default="coarse")
     p.add_argument("--no-profile", action="store_true", help="no profiler: the strategy's DefaultCostModel plans "
                    "(SP 1 only) and no prediction is made")
