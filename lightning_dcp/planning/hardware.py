@@ -15,7 +15,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 GiB = 1 << 30
 
@@ -138,31 +138,6 @@ HARDWARE: dict[str, HardwareSpec] = {
         # SDPA (cuDNN/flash backends) sits in between; we use 0.55.
         attn_max_efficiency=0.55,
     ),
-    "h200": HardwareSpec(
-        name="h200",
-        # NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16 (same GH100 die as H100 SXM).
-        peak_flops=989.4e12,
-        # Datasheet: 141 GB HBM3e; the driver reports 143771 MiB. NOTE: the DCP paper ran its H200
-        # experiments with memory limited to 80 GB; reproduce that with ``memory_limit=80e9`` or
-        # the "h200-80gb" entry below.
-        memory_bytes=143771 * (1 << 20),
-        usable_memory_bytes=143771 * (1 << 20) - 12 * GiB,
-        # Datasheet: 4.8 TB/s.
-        hbm_bandwidth=4.8e12,
-        # Same NVLink 4 / NVSwitch fabric and NICs as H100 (HGX H200 reference); values as for h100.
-        a2a_bw_intra=370e9,
-        a2a_bw_inter=40e9,
-        allreduce_bw_intra=450e9,
-        allreduce_bw_inter=45e9,
-        gpus_per_node=8,
-        collective_latency=20e-6,
-        collective_latency_inter=40e-6,
-        kernel_launch_overhead=40e-6,
-        # Same tensor cores as H100; faster HBM helps memory-bound kernels, not the GEMM peak.
-        gemm_half_tokens=512.0,
-        gemm_max_efficiency=0.75,
-        attn_max_efficiency=0.55,
-    ),
     "a100": HardwareSpec(
         name="a100",
         # NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS dense BF16.
@@ -194,8 +169,14 @@ HARDWARE: dict[str, HardwareSpec] = {
 }
 
 # The DCP paper's setting (§4, "H200 GPUs with memory limited to 80 GB").
-HARDWARE["h200-80gb"] = HardwareSpec(**{**HARDWARE["h200"].to_dict(), "name": "h200-80gb",
-                                          "usable_memory_bytes": 80e9 - _RESERVE})
+# NVIDIA H200 SXM: the same GH100 die, tensor cores, NVLink 4 / NVSwitch fabric and NICs as the
+# H100 SXM (HGX H200 reference), so every compute and network figure is the H100's; what differs
+# is memory. Datasheet: 141 GB HBM3e (the driver reports 143771 MiB) at 4.8 TB/s. NOTE: the DCP
+# paper ran its H200 experiments with memory limited to 80 GB: use the "h200-80gb" entry (or
+# ``memory_limit=80e9``) to reproduce that.
+HARDWARE["h200"] = replace(HARDWARE["h100"], name="h200", memory_bytes=143771 * (1 << 20),
+                           usable_memory_bytes=143771 * (1 << 20) - 12 * GiB, hbm_bandwidth=4.8e12)
+HARDWARE["h200-80gb"] = replace(HARDWARE["h200"], name="h200-80gb", usable_memory_bytes=80e9 - _RESERVE)
 
 
 def get_hardware(name: str) -> HardwareSpec:

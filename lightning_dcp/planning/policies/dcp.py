@@ -172,16 +172,7 @@ class DCPPolicy(Policy):
         work = {p: float(w[k]) for k, p in enumerate(classes)}
         # dispatch cost: a sample on a group of class k either runs on all its ranks, or (when it
         # prefers a smaller SP size) as fill, costing its GPU-seconds spread over the group
-        C = Es.copy()
-        F = np.zeros_like(Es)  # a fill sample still lasts its own time on its sub-block
-        ep = Es[pref, cols]
-        for k in range(1, len(classes)):
-            fill = pref < k
-            if fill.any():
-                spread = gp[fill] / classes[k]
-                use = spread < Es[k, fill]
-                C[k, fill] = np.where(use, spread, Es[k, fill])
-                F[k, fill] = np.where(use, ep[fill], 0.0)
+        C, F, ep = fill_costs(Es, pref, cols, gp, classes)
         # samples over half the mean rank load cannot share a group without making it the
         # slowest: each class gets at least one group per such sample it prefers (as far as the
         # block holds them), so many equally long samples do not queue up on too few large groups
@@ -522,16 +513,7 @@ class AlgorithmOnePolicy(Policy):
         # a micro-batch may run on a larger group than it chose: on all its ranks, or as a fill
         # (after the group's own micro-batches, on a sub-group of the size it chose), costing
         # the group its GPU-seconds spread over the ranks but lasting at least its own time
-        C = cs.copy()
-        F = np.zeros_like(cs)
-        ep = cs[pref, cols]
-        for k in range(1, len(classes)):
-            fill = pref < k
-            if fill.any():
-                spread = gp[fill] / classes[k]
-                use = spread < cs[k, fill]
-                C[k, fill] = np.where(use, spread, cs[k, fill])
-                F[k, fill] = np.where(use, ep[fill], 0.0)
+        C, F, ep = fill_costs(cs, pref, cols, gp, classes)
         min_groups = None
         if self.g_max:
             counts = np.bincount(pref, minlength=len(classes))
@@ -646,3 +628,26 @@ class DCPInterPolicy(AlgorithmOnePolicy):
 
     name = "dcp-inter"
     full_recompute = True
+
+
+def fill_costs(times: np.ndarray, pref: np.ndarray, cols: np.ndarray, gpu_s: np.ndarray,
+               classes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dispatch costs of units on groups of each SP class, and the floors fills impose.
+
+    ``times[k, i]``: unit i's time on a group of ``classes[k]`` ranks; ``pref[i]``: the class it
+    prefers; ``gpu_s[i]``: its GPU-seconds at that class. On a larger class than it prefers, a
+    unit either runs on all the group's ranks (``times``) or as a fill on a sub-group of its own
+    size, costing the group its GPU-seconds spread over the ranks (whichever is cheaper); a fill
+    still lasts its own time, returned as the floor ``F``. Returns ``(C, F, own_time)``.
+    """
+    C = times.copy()
+    F = np.zeros_like(times)
+    own = times[pref, cols]
+    for k in range(1, len(classes)):
+        fill = pref < k
+        if fill.any():
+            spread = gpu_s[fill] / classes[k]
+            use = spread < times[k, fill]
+            C[k, fill] = np.where(use, spread, times[k, fill])
+            F[k, fill] = np.where(use, own[fill], 0.0)
+    return C, F, own
