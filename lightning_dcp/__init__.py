@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_dcp.attention import varlen_attention
 from lightning_dcp.context import SPContext, active_context, sp_context
-from lightning_dcp.data import pack_samples
+from lightning_dcp.packing import pack_samples
 from lightning_dcp.groups import SPGroups
 from lightning_dcp.metrics import StepMetrics
 from lightning_dcp.profiler import DCPProfiler, profile_module

@@ -9,7 +9,7 @@ What one grid point ``(seq_len l, micro_batch b, sp p)`` measures, generically:
 1. **Input.** ``b`` dataset samples of length exactly ``l`` (the grid lengths are taken *from*
    the dataset's lengths; with fewer than ``b`` such samples the same samples repeat; a requested
    length the data lacks is replaced by the nearest length it has, and the entry records the
-   length actually run). They are packed with :func:`lightning_dcp.data.pack_samples`
+   length actually run). They are packed with :func:`lightning_dcp.packing.pack_samples`
    (``pad_to_multiple=p``), sharded for this rank of its SP group, and moved to the device.
 2. **Capture.** The module's own step (``training_step`` by default) runs under the SP context
    until the :class:`~lightning_dcp.recompute.RecomputeLayers` is called; a forward pre-hook
@@ -187,7 +187,7 @@ class _Samples:
     """Lengths plus random access to samples, from a dataset with ``.lengths`` or a list of samples."""
 
     def __init__(self, data: Any):
-        from lightning_dcp.data import sample_length
+        from lightning_dcp.packing import sample_length
 
         self.data = data
         lengths = getattr(data, "lengths", None)
@@ -695,7 +695,7 @@ def profile_module(
             torch thread and SP 1 only, e.g. for accuracy benchmarks).
     """
     from lightning_dcp import __version__
-    from lightning_dcp.data import pack_samples
+    from lightning_dcp.packing import pack_samples
     from lightning_dcp.profile_cache import ProfileKey, device_name, model_signature
 
     global _cpu_clock

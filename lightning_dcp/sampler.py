@@ -9,7 +9,7 @@ this rank), so ``len()`` agrees across ranks whatever the accumulation counts.
 
 The :class:`DCPDataLoader` built around it loads the samples of this rank's items (in the
 worker processes, when ``num_workers > 0``) and packs each item with
-:func:`lightning_dcp.data.pack_samples` (padded to a multiple of its SP size). A training batch
+:func:`lightning_dcp.packing.pack_samples` (padded to a multiple of its SP size). A training batch
 is ``{"items": [packed micro-batch, ...], "meta": step descriptor}``; the strategy shards and
 runs it.
 
@@ -365,7 +365,7 @@ class StepDataset(Dataset):
     """Wraps the user's map-style dataset: ``ds[descriptor]`` loads and packs a step's items.
 
     Each item's samples are loaded with ``dataset[i]`` and packed with
-    :func:`lightning_dcp.data.pack_samples` (``pad_to_multiple`` = the item's SP size).
+    :func:`lightning_dcp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size).
     """
 
     def __init__(self, dataset: Any, pad_values: Mapping[str, Any] | None = None) -> None:
@@ -376,7 +376,7 @@ class StepDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, desc: Mapping[str, Any]) -> dict[str, Any]:
-        from lightning_dcp.data import pack_samples, sample_length
+        from lightning_dcp.packing import pack_samples, sample_length
 
         items = []
         for it in desc["items"]:

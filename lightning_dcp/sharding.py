@@ -1,6 +1,6 @@
 """Token-dimension sharding of a packed micro-batch, token weights, and :func:`weighted_loss`.
 
-A packed micro-batch (from :func:`lightning_dcp.data.pack_samples`) has a *token dimension*
+A packed micro-batch (from :func:`lightning_dcp.packing.pack_samples`) has a *token dimension*
 of length ``T`` (padded to a multiple of the SP size): ``LOSS_MASK`` spans it, and so does
 every sequence tensor. For an SP group of size ``P``, rank ``i`` of the group keeps tokens
 ``[i*T/P, (i+1)*T/P)`` of every tensor whose first dimension is ``T``; ``CU_SEQLENS`` and
@@ -49,7 +49,7 @@ def token_dim(batch: Mapping[str, Any]) -> int:
     if CU_SEQLENS in batch:
         return int(batch[CU_SEQLENS][-1])
     raise KeyError(f"a packed micro-batch needs {LOSS_MASK!r} or {CU_SEQLENS!r} to know its token dimension; "
-                   f"got keys {sorted(batch)} (pack samples with lightning_dcp.data.pack_samples)")
+                   f"got keys {sorted(batch)} (pack samples with lightning_dcp.packing.pack_samples)")
 
 
 def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ class DCPTransformerModule(pl.LightningModule):
     :class:`~lightning_dcp.models.Transformer2D` (masked MSE to ``batch["targets"]``).
 
     Works with the DCP strategy and equally as a plain LightningModule (single device, DDP) fed
-    by ``DataLoader(..., collate_fn=lightning_dcp.data.plain_collate)``.
+    by ``DataLoader(..., collate_fn=lightning_dcp.packing.plain_collate)``.
 
     Args:
         model: registry name (``"tiny-1d"``, ``"tiny-2d"``, ``"transformer-1d"``, ``"transformer-2d"``),

@@ -145,7 +145,7 @@ def _single_sequence_defaults(batch: Mapping[str, Any], tokens: int, device: tor
         return batch
     if active_context().size > 1:
         raise ValueError("a batch under sequence parallelism needs CU_SEQLENS and POSITION_IDS; pack it with "
-                         "lightning_dcp.data.pack_samples (the DCP strategy's collate does)")
+                         "lightning_dcp.packing.pack_samples (the DCP strategy's collate does)")
     out = dict(batch)
     if CU_SEQLENS not in out:
         out[CU_SEQLENS] = torch.tensor([0, tokens], dtype=torch.int32, device=device)
