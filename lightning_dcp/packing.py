@@ -22,7 +22,10 @@ import torch
 
 from lightning_dcp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, NUM_TOKENS, POSITION_IDS, SAMPLE_INDICES, SEGMENT_IDS
 
-__all__ = ["DEFAULT_PAD_VALUES", "pack_samples", "plain_collate", "sample_length"]
+__all__ = ["DEFAULT_PAD_VALUES", "IGNORE_INDEX", "pack_samples", "plain_collate", "sample_length"]
+
+#: Label value that carries no loss (PyTorch's and Hugging Face's ``ignore_index``).
+IGNORE_INDEX = -100
 
 #: Pad value per key used by :func:`pack_samples` (and the 2d frame sharding); any other key pads with 0.
 DEFAULT_PAD_VALUES: dict[str, Any] = {"labels": -100, LOSS_MASK: False, SEGMENT_IDS: -1, POSITION_IDS: 0}
@@ -57,9 +60,10 @@ def pack_samples(samples: Sequence[Mapping[str, Any]], pad_to_multiple: int = 1,
 
     Returns:
         The samples' keys plus ``CU_SEQLENS`` (int32 ``[segments+1]``), ``MAX_SEQLEN`` (int),
-        ``POSITION_IDS`` (int64, position inside the sample, 0 on padding), ``LOSS_MASK`` (bool,
-        False on padding), ``SEGMENT_IDS`` (int64, sample number, -1 on padding) and
-        ``NUM_TOKENS`` (int, real tokens).
+        ``POSITION_IDS`` (int64, position inside the sample, 0 on padding), ``LOSS_MASK`` (bool:
+        the tokens that carry a loss -- False on padding and, when the samples have integer
+        ``labels``, where ``labels == IGNORE_INDEX`` (-100), e.g. masked prompts),
+        ``SEGMENT_IDS`` (int64, sample number, -1 on padding) and ``NUM_TOKENS`` (int, real tokens).
     """
     if not samples:
         raise ValueError("pack_samples got no samples; a micro-batch needs at least one")
@@ -110,6 +114,9 @@ def pack_samples(samples: Sequence[Mapping[str, Any]], pad_to_multiple: int = 1,
                                   + ([torch.zeros(pad, dtype=torch.int64)] if pad else []))
     mask = torch.zeros(padded, dtype=torch.bool)
     mask[:total] = True
+    labels = out.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 1 and labels.shape[0] == padded and not labels.is_floating_point():
+        mask &= (labels != IGNORE_INDEX) if labels.dim() == 1 else (labels != IGNORE_INDEX).flatten(1).any(1)
     out[LOSS_MASK] = mask
     out[SEGMENT_IDS] = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lengths)]
                                  + ([torch.full((pad,), -1, dtype=torch.int64)] if pad else []))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dcp.packing import pack_samples, sample_length
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 
@@ -362,26 +363,36 @@ class DCPBatchSampler:
 
 
 class StepDataset(Dataset):
-    """Wraps the user's map-style dataset: ``ds[descriptor]`` loads and packs a step's items.
+    """Wraps the user's map-style dataset: ``ds[descriptor]`` loads and builds a step's micro-batches.
 
     Each item's samples are loaded with ``dataset[i]`` and packed with
-    :func:`lightning_dcp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size).
+    :func:`lightning_dcp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size); with
+    ``collate_fn`` (safe mode, see :mod:`lightning_dcp.support`) they are collated by it instead,
+    exactly as the user's own DataLoader would batch them.
     """
 
-    def __init__(self, dataset: Any, pad_values: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, dataset: Any, pad_values: Mapping[str, Any] | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.dataset = dataset
         self.pad_values = pad_values
+        self.collate_fn = collate_fn
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, desc: Mapping[str, Any]) -> dict[str, Any]:
-        from lightning_dcp.packing import pack_samples, sample_length
-
         items = []
         for it in desc["items"]:
             samples = [self.dataset[i] for i in it["samples"]]
+            if self.collate_fn is not None:
+                items.append(self.collate_fn(samples))
+                continue
             for i, s, n in zip(it["samples"], samples, it["lengths"]):
+                if not isinstance(s, Mapping):
+                    raise TypeError(f"sample {i} is a {type(s).__name__}, but packing needs dict samples (tensors "
+                                    "with the token dimension first); return a dict from __getitem__, or let the "
+                                    "strategy run the module in safe mode (DCPStrategy(support='safe')), which "
+                                    "batches samples with your DataLoader's collate_fn")
                 got = sample_length(s)
                 if got != n:
                     raise ValueError(f"sample {i} has {got} tokens but its length is given as {n}; the dataset's "
@@ -406,13 +417,14 @@ class DCPDataLoader(DataLoader):
     """
 
     def __init__(self, dataset: Any, batch_sampler: DCPBatchSampler, *, pad_values: Mapping[str, Any] | None = None,
-                 num_workers: int = 0, pin_memory: bool = False, **kwargs: Any) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0, pin_memory: bool = False,
+                 **kwargs: Any) -> None:
         self.dcp_sampler = batch_sampler
         self.source_dataset = dataset
         if num_workers == 0:
             kwargs.pop("prefetch_factor", None)
             kwargs.pop("persistent_workers", None)
-        super().__init__(StepDataset(dataset, pad_values), batch_sampler=batch_sampler, collate_fn=collate_step,
+        super().__init__(StepDataset(dataset, pad_values, collate_fn), batch_sampler=batch_sampler, collate_fn=collate_step,
                          num_workers=num_workers, pin_memory=pin_memory, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,20 +7,25 @@ every sequence tensor. For an SP group of size ``P``, rank ``i`` of the group ke
 ``MAX_SEQLEN`` stay whole (they describe the whole packed sequence, as Ulysses attention needs),
 lists and scalars are kept as they are.
 
-Loss reductions (``DCPStrategy(loss_reduction=...)``); ``N`` samples of ``L = sum(len_i)``
-real tokens in the step's *global* batch:
+Loss reductions (``DCPStrategy(loss_reduction=...)``). A *loss token* is one whose
+``LOSS_MASK`` is True: not padding and, for integer ``labels``, ``labels != -100`` (prompt
+masking in fine-tuning). With ``n_i`` loss tokens in sample ``i`` of the step's *global* batch:
 
-- ``"token"`` (default): global loss ``= (1/L) * sum over all real tokens of token_loss``.
-  A ``training_step`` returning the mean loss over its *local* real tokens (``LOSS_MASK``; the
-  usual ``cross_entropy(..., ignore_index=-100)`` on this rank's shard) is multiplied by the
-  strategy by ``local_real_tokens / L``.
-- ``"sample"``: global loss ``= (1/N) * sum_i mean_{t in sample i} token_loss``. The per-token
-  weight is ``1 / (len_i * N)``; the strategy puts it in ``batch[TOKEN_WEIGHT]`` and the
-  ``training_step`` returns ``weighted_loss(token_loss, batch)`` (a plain mean is accepted only
-  for single-sample micro-batches, where the strategy can rescale it exactly).
+- ``"token"`` (default): global loss ``= sum over all loss tokens of token_loss / sum_i n_i``.
+- ``"sample"``: global loss ``= mean over the samples with n_i > 0 of (their token_loss sum / n_i)``.
 
-:func:`weighted_loss` works for both reductions (``TOKEN_WEIGHT`` is ``1/L`` in token mode);
-its result is marked so the strategy applies no further factor.
+The global divisor (``sum_i n_i``, or the number of samples with a loss) is only known once every
+rank has counted its own micro-batches, so the strategy works with *sums*: each micro-batch
+contributes ``sum(token_loss * TOKEN_WEIGHT)`` (``TOKEN_WEIGHT`` is 1 per loss token in token
+mode and ``1/n_i`` in sample mode), every rank counts its *loss units* on the host before the
+batch moves to the device (:func:`prepare_item`), the counts ride on the step-end all-gather that
+already exists, and the summed gradient is divided by the global count once, before the optimizer
+step. No device-to-host sync per micro-batch.
+
+A ``training_step`` can return either :func:`weighted_loss` of its per-token losses (exact for
+both reductions, any packing) or, as usual, the mean over its local loss tokens
+(``cross_entropy(..., ignore_index=-100)``); the strategy multiplies a plain mean by the local
+loss-token count (token mode; sample mode only for single-sample micro-batches).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from lightning_dcp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, SEGMENT_IDS, TOKEN_WEIGHT
 
-__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "is_weighted", "shard_batch", "token_dim", "weighted_loss"]
+__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "is_weighted", "local_loss_tokens", "shard_batch", "token_dim", "weighted_loss"]
 
 LOSS_REDUCTIONS = ("token", "sample")
 
@@ -77,28 +82,37 @@ def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[st
     return out
 
 
-def add_token_weights(batch: dict[str, Any], lengths: Sequence[int], reduction: str, global_tokens: int,
-                      global_samples: int) -> dict[str, Any]:
-    """Add ``TOKEN_WEIGHT`` (float32, same token dimension as ``LOSS_MASK``) to an *unsharded* packed batch.
+def add_token_weights(batch: dict[str, Any], reduction: str) -> int:
+    """Add ``TOKEN_WEIGHT`` to an *unsharded* packed batch; return the item's loss units.
 
-    ``lengths`` are the item's sample lengths in packing order (``SEGMENT_IDS`` indexes them).
+    ``TOKEN_WEIGHT`` (float32, the token dimension of ``LOSS_MASK``) is 1 on loss tokens in token
+    mode and ``1/n_i`` on the loss tokens of sample ``i`` in sample mode; 0 elsewhere. The loss
+    units are the item's loss tokens (token mode) or its samples with at least one loss token
+    (sample mode): summed over the step's items they are the global divisor.
     """
     mask = batch[LOSS_MASK]
     if reduction == "token":
-        weight = mask.to(torch.float32) / float(global_tokens)
-    elif reduction == "sample":
-        seg = batch[SEGMENT_IDS]
-        per_sample = torch.tensor([1.0 / (n * global_samples) for n in lengths] + [0.0], dtype=torch.float32)
-        weight = per_sample[torch.where(seg >= 0, seg, torch.full_like(seg, len(lengths)))]
-        weight = weight * mask.to(torch.float32)
-    else:
+        batch[TOKEN_WEIGHT] = mask.to(torch.float32)
+        return int(mask.sum())
+    if reduction != "sample":
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {reduction!r}")
-    batch[TOKEN_WEIGHT] = weight.to(mask.device)
-    return batch
+    seg = batch[SEGMENT_IDS]
+    num = int(seg.max()) + 1 if seg.numel() else 0
+    ids = torch.where(mask & (seg >= 0), seg, torch.full_like(seg, num))
+    counts = torch.bincount(ids, minlength=num + 1)[:num].to(torch.float64)
+    per_sample = torch.cat([torch.where(counts > 0, 1.0 / counts.clamp_min(1), torch.zeros_like(counts)),
+                            torch.zeros(1, dtype=torch.float64)])
+    batch[TOKEN_WEIGHT] = per_sample[ids].to(torch.float32)
+    return int((counts > 0).sum())
+
+
+def local_loss_tokens(local: Mapping[str, Any]) -> int:
+    """Loss tokens in a (sharded) packed batch, counted on the host."""
+    return int(local[LOSS_MASK].sum()) if LOSS_MASK in local else 0
 
 
 def weighted_loss(token_loss: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-    """``(token_loss * batch[TOKEN_WEIGHT]).sum()``, marked so the strategy applies no factor.
+    """``(token_loss * batch[TOKEN_WEIGHT]).sum()``, marked so the strategy applies no factor but the global divisor.
 
     Args:
         token_loss: per-token loss of this rank's shard, shape ``[local_tokens]`` (e.g.

@@ -12,11 +12,14 @@ How it hooks into Lightning (automatic optimization is kept; the user's module r
   :class:`~lightning_dcp.sampler.DCPDataLoader` whose :class:`~lightning_dcp.sampler.DCPBatchSampler`
   yields one item per optimizer step: this rank's packed micro-batches. Validation, test and
   predict loaders keep Lightning's distributed sampling (SP size 1).
+- ``batch_to_device``: on the host, before the step's batch moves, each item gets the module's
+  ``dcp_prepare_batch`` (if any), its token weights and loss-unit count, and is cut to this
+  rank's shard (:mod:`lightning_dcp.sharding`); only the shards move to the device.
 - ``training_step`` (called by Lightning's closure once per optimizer step): for each of this
   rank's work items, in plan order, activate the item's SP group and recompute count
-  (:func:`~lightning_dcp.context.sp_context`), shard the packed micro-batch, call the user's
-  ``training_step(micro_batch, batch_idx)``, weight its loss and run backward through the
-  precision plugin. Then one all-gather of a few numbers per rank (metrics, exact global loss,
+  (:func:`~lightning_dcp.context.sp_context`), call the user's
+  ``training_step(micro_batch, batch_idx)``, turn its loss into a sum over its loss units and
+  run backward through the precision plugin. Then one all-gather of a few numbers per rank (metrics, exact global loss,
   which parameters got gradients), and the gradients are copied into flat buckets. It returns
   the exact global loss, detached.
 - Lightning's closure then zeroes gradients (nothing to zero: they are parked in the buckets)
@@ -25,10 +28,12 @@ How it hooks into Lightning (automatic optimization is kept; the user's module r
   world (one collective per bucket) and become the parameters' ``.grad``. Only then does the
   precision plugin call ``on_before_optimizer_step`` and clip gradients, and the optimizer step.
 
-Why the SUM is exact: each rank's loss is pre-weighted so that the world sum of all ranks'
-weighted losses is the global loss of plain data-parallel training on the step's global batch
-(see :mod:`lightning_dcp.sharding`), and the Ulysses all-to-all's backward routes gradients
-between the ranks of an SP group, so the world sum of local gradients is the global gradient.
+Why the SUM is exact: each item's loss is a sum over its loss tokens (or samples), so the world
+sum of all ranks' losses divided by the global count of loss units -- counted on the host per
+item and summed by the step-end all-gather -- is the global loss of plain data-parallel training
+on the step's global batch (see :mod:`lightning_dcp.sharding`); the Ulysses all-to-all's backward
+routes gradients between the ranks of an SP group, so the world sum of local gradients, scaled
+once by that count, is the global gradient.
 
 Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
 world-wide ones above, the same number on every rank whatever its item count (a rank with no
@@ -48,11 +53,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dcp.context import LOSS_MASK, SPContext, sp_context
+from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
@@ -60,7 +65,9 @@ from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.recompute import find_recompute_layers
 from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_lengths
-from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, shard_batch
+from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, local_loss_tokens, shard_batch
+from lightning_dcp.support import (PaddedCostModel, micro_batch_loss_units, resolve_support, safe_mode_message,
+                                   uniform_lengths)
 
 __all__ = ["DCPStrategy", "DefaultCostModel", "find_num_heads"]
 
@@ -171,14 +178,21 @@ class _GradBuckets:
                 self.has_grad[i] = 1.0
                 p.grad = None
 
-    def reduce(self, world_has_grad: Tensor | None, group: Any = None, world: int = 1) -> None:
+    def reduce(self, world_has_grad: Tensor | None, group: Any = None, world: int = 1, scale: float = 1.0) -> None:
         if world > 1:
             handles = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True) for buf in self.buffers]
             for h in handles:
                 h.wait()
+        if scale != 1.0:
+            for buf in self.buffers:
+                buf.mul_(scale)
         has = world_has_grad if world_has_grad is not None else self.has_grad
         for i, (p, (b, off, n)) in enumerate(zip(self.params, self.slots)):
             p.grad = self.buffers[b][off:off + n].view_as(p) if has[i] > 0 else None
+
+
+def _is_step_batch(batch: Any) -> bool:
+    return isinstance(batch, Mapping) and "items" in batch and "meta" in batch
 
 
 class DCPStrategy(DDPStrategy):
@@ -215,6 +229,10 @@ class DCPStrategy(DDPStrategy):
         planner_options: extra keyword arguments for the ``Planner``.
         log_metrics: log ``dcp/*`` step metrics through the LightningModule's logger.
         bucket_cap_mb: size of a gradient all-reduce bucket.
+        support: what the module supports, ``"safe"``, ``"packed"`` or ``"sp"`` (see
+            :mod:`lightning_dcp.support`); default the module's ``dcp_support`` attribute, else
+            detected: a module without ``RecomputeLayers`` / ``dcp_repeated_layers()`` runs in
+            safe mode (SP 1, its own ``collate_fn``, no packing across samples).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
             (``start_method``, ``process_group_backend``, ``timeout``, ``cluster_environment``...).
     """
@@ -241,6 +259,7 @@ class DCPStrategy(DDPStrategy):
         planner_options: Mapping[str, Any] | None = None,
         log_metrics: bool = True,
         bucket_cap_mb: float = 25.0,
+        support: str | None = None,
         **kwargs: Any,
     ) -> None:
         unsupported = sorted(set(kwargs) - _DDP_INIT_ARGS)
@@ -272,6 +291,14 @@ class DCPStrategy(DDPStrategy):
         self.planner_options = dict(planner_options or {})
         self.log_metrics = log_metrics
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        if support is not None:
+            from lightning_dcp.support import SUPPORT_LEVELS
+
+            if support not in SUPPORT_LEVELS:
+                raise ValueError(f"support must be one of {SUPPORT_LEVELS} (or None to detect), got {support!r}")
+        self.requested_support = support
+        self.support: str | None = None
+        self._loss_divisor = 1.0
         self.sp_groups: SPGroups | None = None
         self.num_heads: int | None = None
         self.batch_sampler: DCPBatchSampler | None = None
@@ -302,6 +329,12 @@ class DCPStrategy(DDPStrategy):
         super().setup_environment()
         module = self.lightning_module
         self.num_heads = find_num_heads(module) if module is not None else None
+        self.support = resolve_support(module, self.requested_support) if module is not None else "sp"
+        if self.support != "sp":
+            if self.max_sp_size not in (None, 1):
+                rank_zero_warn(f"max_sp_size={self.max_sp_size} ignored: the module runs at support level "
+                               f"{self.support!r}, which has no sequence parallelism (SP size 1)")
+            self.max_sp_size = 1
         self._resolve_max_sp()
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         self.sp_groups = SPGroups(self.world_size, self.global_rank, self.max_sp_size, create=create)
@@ -346,6 +379,8 @@ class DCPStrategy(DDPStrategy):
                     f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with DCPStrategy: the "
                     "strategy accumulates per rank as the plan says; set accumulate_grad_batches=1 and make the "
                     "global batch larger instead (DCPStrategy(global_batch_size=...))")
+            if self.support == "safe":
+                rank_zero_info(safe_mode_message(module))
             self._maybe_add_profiler(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.zero1 and self.world_size > 1:
@@ -355,6 +390,8 @@ class DCPStrategy(DDPStrategy):
         """Append a :class:`~lightning_dcp.profiler.DCPProfiler` unless the trainer has one, ``profile=False``,
         or (``profile=None``) a cost model or planner was given."""
         if self.profile is False or (self.profile is None and (self._cost_model is not None or self._planner is not None)):
+            return
+        if self.support == "safe":  # nothing to profile: no repeated layers to measure
             return
         from lightning_dcp.profiler import DCPProfiler
 
@@ -403,10 +440,14 @@ class DCPStrategy(DDPStrategy):
         return self._cost_model
 
     # ------------------------------------------------------------------ data
-    def _make_planner(self, lengths: list[int]) -> Any:
+    def _make_planner(self, lengths: list[int], micro_batch_size: int = 1) -> Any:
         if self._planner is not None:
             return self._planner
         cost_model = self._cost_model
+        if self.support == "safe":
+            base = cost_model if cost_model is not None else DefaultCostModel(0, 1, 4 * max(lengths))
+            cost_model = base if isinstance(base, PaddedCostModel) else PaddedCostModel(base, micro_batch_size)
+            self._cost_model = cost_model
         if cost_model is None:
             module = self.lightning_module
             cost_model = DefaultCostModel(_count_recompute_layers(module), self.num_heads or 1, 4 * max(lengths))
@@ -430,12 +471,12 @@ class DCPStrategy(DDPStrategy):
         if not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
             raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
                              f"{type(dataset).__name__}")
-        lengths = resolve_lengths(dataset, self._lengths)
+        lengths = self._train_lengths(dataset)
         gbs, gbt = self.global_batch_size, self.global_batch_tokens
+        per_rank = dataloader.batch_size or 1
         if gbs is None and gbt is None:
-            per_rank = dataloader.batch_size or 1
             gbs = per_rank * self.world_size
-        planner = self._make_planner(lengths)
+        planner = self._make_planner(lengths, per_rank)
         self.batch_sampler = DCPBatchSampler(
             lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,
             rank=self.global_rank, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
@@ -448,9 +489,22 @@ class DCPStrategy(DDPStrategy):
         if dataloader.num_workers > 0:
             kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
                           multiprocessing_context=dataloader.multiprocessing_context)
-        return DCPDataLoader(dataset, self.batch_sampler, num_workers=dataloader.num_workers,
+        collate_fn = None
+        if self.support == "safe":
+            from torch.utils.data import default_collate
+
+            collate_fn = dataloader.collate_fn or default_collate
+        return DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
                              pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
                              worker_init_fn=dataloader.worker_init_fn, **kwargs)
+
+    def _train_lengths(self, dataset: Any) -> list[int]:
+        if self.support != "safe" or self._lengths is not None or getattr(dataset, "lengths", None) is not None:
+            return resolve_lengths(dataset, self._lengths)
+        rank_zero_info(f"DCPStrategy (safe mode): {type(dataset).__name__} gives no sample lengths; treating samples as "
+                       "equally long (ranks balanced by sample count). Give the dataset a `lengths` attribute or pass "
+                       "DCPStrategy(lengths=...) to balance by length")
+        return uniform_lengths(dataset)
 
     # ------------------------------------------------------------------ the step
     def _grad_params(self) -> list[torch.nn.Parameter]:
@@ -471,14 +525,55 @@ class DCPStrategy(DDPStrategy):
                 raise ValueError(f"step {meta['step']} of epoch {meta['epoch']}: item {idx} runs on ranks {ranks}, "
                                  f"which is not an SP group of this world ({self.sp_groups}); fix the plan or max_sp_size")
 
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Before a DCP step batch moves to the device, build this rank's micro-batches on the host
+        (:meth:`_prepare_step`); only the local shards move."""
+        if _is_step_batch(batch) and not batch["meta"].get("prepared"):
+            self._prepare_step(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _prepare_step(self, batch: dict) -> None:
+        """Per item, on the host: the module's ``dcp_prepare_batch`` (e.g. per-sample label shift),
+        token weights and loss units, this rank's shard (the module's ``dcp_shard_batch`` or the
+        contiguous rule) and its loss-token count. Everything the step needs from the data is
+        counted here, so the micro-batch loop never syncs the device."""
+        module = self.lightning_module
+        meta = batch["meta"]
+        prepare = getattr(module, "dcp_prepare_batch", None)
+        shard_fn = getattr(module, "dcp_shard_batch", None)
+        local_items = []
+        for mb, it in zip(batch["items"], meta["items"]):
+            if self.support == "safe":
+                units = micro_batch_loss_units(module, mb, len(it["samples"]), self.loss_reduction)
+                it.update(loss_units=units, local_loss_tokens=units, item_loss_tokens=units,
+                          real_tokens=sum(it["lengths"]))
+                local_items.append(mb)
+                continue
+            if callable(prepare):
+                mb = prepare(mb)
+            units = add_token_weights(mb, self.loss_reduction)
+            sp, sp_rank = len(it["ranks"]), it["sp_rank"]
+            item_tokens = local_loss_tokens(mb)
+            local = shard_fn(mb, sp_rank, sp) if callable(shard_fn) else shard_batch(mb, sp_rank, sp)
+            real = int((local[SEGMENT_IDS] >= 0).sum()) if SEGMENT_IDS in local else local_loss_tokens(local)
+            # the divisor counts each item once (its first SP rank), whatever its SP size
+            it.update(loss_units=units if sp_rank == 0 else 0, local_loss_tokens=local_loss_tokens(local),
+                      item_loss_tokens=item_tokens, real_tokens=real)
+            local_items.append(local)
+        batch["items"] = local_items
+        meta["prepared"] = True
+
     def training_step(self, batch: Any = None, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
         """Run this rank's micro-batches of one optimizer step (see the module docstring)."""
-        if not (isinstance(batch, Mapping) and "items" in batch and "meta" in batch):
+        if not _is_step_batch(batch):
             raise TypeError("DCPStrategy.training_step expects the batches of its own train dataloader "
                             f"({{'items', 'meta'}}); got {type(batch).__name__}. Did a custom train dataloader bypass "
                             "process_dataloader (e.g. a CombinedLoader of several loaders)?")
         meta, items = batch["meta"], batch["items"]
         self._validate_step(meta)
+        if not meta.get("prepared"):  # a batch that bypassed batch_to_device (e.g. a custom loop)
+            self._prepare_step(batch)
+            items = [self.batch_to_device(mb) for mb in batch["items"]]
         module = self.lightning_module
         now = time.perf_counter()
         step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
@@ -489,56 +584,54 @@ class DCPStrategy(DDPStrategy):
             p.grad = None
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64, device=self.root_device)  # summed on device: no sync per item
-        local_tokens = 0
         self._in_micro_loop = True
         try:
             for mb, it in zip(items, meta["items"]):
-                contribution, tokens = self._run_item(module, mb, it, meta, batch_idx)
-                local_loss += contribution
-                local_tokens += tokens
+                local_loss += self._run_item(module, mb, it, batch_idx)
         finally:
             self._in_micro_loop = False
         self._buckets.park()
         local_loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
         busy = time.perf_counter() - t0
 
+        local_tokens = sum(it["real_tokens"] for it in meta["items"])
+        loss_units = sum(it["loss_units"] for it in meta["items"])
         stats = torch.cat([
-            torch.tensor([busy, local_loss, float(local_tokens), float(len(items))], dtype=torch.float64),
+            torch.tensor([busy, local_loss, float(local_tokens), float(len(items)), float(loss_units)], dtype=torch.float64),
             self._buckets.has_grad,
         ])
         gathered = self._all_gather(stats)
-        self._world_has_grad = gathered[:, 4:].sum(0)
+        self._world_has_grad = gathered[:, 5:].sum(0)
+        divisor = float(gathered[:, 4].sum())
+        self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
         self._grads_parked = True
         if self.batch_sampler is not None:
             self.batch_sampler.mark_consumed(meta["epoch"], meta["step"])
         self._record_metrics(gathered[:, :4], meta, step_s)
-        return torch.tensor(float(gathered[:, 1].sum()), dtype=torch.float32, device=self.root_device)
+        return torch.tensor(float(gathered[:, 1].sum()) / self._loss_divisor, dtype=torch.float32, device=self.root_device)
 
-    def _run_item(self, module: Any, mb: dict, it: Mapping[str, Any], meta: Mapping[str, Any], batch_idx: int) -> tuple[Tensor, int]:
+    def _run_item(self, module: Any, local: Any, it: Mapping[str, Any], batch_idx: int) -> Tensor:
         ranks, sp_rank = it["ranks"], it["sp_rank"]
         sp = len(ranks)
         group = self.sp_groups.group_for(ranks) if sp > 1 else None
-        add_token_weights(mb, it["lengths"], self.loss_reduction, meta["global_tokens"], meta["global_samples"])
-        shard_fn = getattr(module, "dcp_shard_batch", None)
-        local = shard_fn(mb, sp_rank, sp) if callable(shard_fn) else shard_batch(mb, sp_rank, sp)
         item = WorkItem(tuple(ranks), tuple(it["samples"]), tuple(it["lengths"]), it["recompute"])
         ctx = SPContext(group=group, size=sp, rank=sp_rank, recompute=int(it["recompute"]), item=item)
         results = module.trainer._results if module.trainer is not None else None
         if results is not None:
             results.batch, results.batch_size = local, len(it["samples"])
-        local_tokens = int(local[LOSS_MASK].sum()) if LOSS_MASK in local else 0
         with sp_context(ctx):
             with self.precision_plugin.train_step_context():
                 out = module.training_step(local, batch_idx)
-            loss = self._weighted_loss(out, local, it, meta, local_tokens)
+            loss = self._summed_loss(out, it)
             self._micro_backward(loss)
         value = loss.detach().double()
-        if local_tokens == 0:  # a shard of padding only: its (0-weighted) loss may be NaN; it contributes nothing
+        if it["local_loss_tokens"] == 0:  # a shard without loss tokens: its (0-weighted) loss may be NaN
             value = torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
-        return value, local_tokens
+        return value
 
-    def _weighted_loss(self, out: Any, batch: Mapping[str, Any], it: Mapping[str, Any], meta: Mapping[str, Any],
-                       local_tokens: int) -> Tensor:
+    def _summed_loss(self, out: Any, it: Mapping[str, Any]) -> Tensor:
+        """The item's loss as a *sum* over its loss units (the strategy divides by the global count
+        once, at the step's end): :func:`weighted_loss` as is; a plain mean times its local count."""
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise TypeError(f"{type(self.lightning_module).__name__}.training_step must return a scalar loss tensor (or a "
@@ -546,14 +639,13 @@ class DCPStrategy(DDPStrategy):
                             f"{'' if not isinstance(loss, Tensor) else ' of shape ' + str(tuple(loss.shape))}")
         if is_weighted(loss):
             return loss
-        if self.loss_reduction == "token":
-            if local_tokens == 0:
-                return loss * 0.0
-            return loss * (local_tokens / meta["global_tokens"])
+        local = it["local_loss_tokens"]
+        if local == 0:
+            return loss * 0.0
+        if self.support == "safe" or self.loss_reduction == "token":
+            return loss * float(local)
         if len(it["samples"]) == 1:
-            if local_tokens == 0:
-                return loss * 0.0
-            return loss * (local_tokens / (it["lengths"][0] * meta["global_samples"]))
+            return loss * (local / it["item_loss_tokens"])
         raise ValueError(
             f"loss_reduction='sample' with a micro-batch packing {len(it['samples'])} samples {it['samples']}: a plain "
             "mean cannot be re-weighted per sample; return lightning_dcp.weighted_loss(token_loss, batch) from "
@@ -584,7 +676,8 @@ class DCPStrategy(DDPStrategy):
         if not self._grads_parked or self._buckets is None:
             return
         self._grads_parked = False
-        self._buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1)
+        self._buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1,
+                             scale=1.0 / self._loss_divisor)
 
     def _all_gather(self, t: Tensor) -> Tensor:
         if self.world_size == 1 or not dist.is_initialized():

@@ -27,9 +27,10 @@ class TinyLM(pl.LightningModule):
     """An unchanged-style LightningModule: training_step returns the mean CE over its tokens."""
 
     def __init__(self, lr: float = 0.05, reduction: str = "token", optimizer: str = "sgd", log_sync: bool = False,
-                 init_seed: int = 0) -> None:
+                 init_seed: int = 0, masked: bool = False) -> None:
         super().__init__()
         self.lr, self.reduction, self.optimizer_name, self.log_sync = lr, reduction, optimizer, log_sync
+        self.masked = masked
         torch.manual_seed(init_seed)
         self.model = Transformer1D(SPEC)
 
@@ -52,13 +53,32 @@ class TinyLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(make_dataset(), batch_size=4)
+        return torch.utils.data.DataLoader(make_dataset(masked=self.masked), batch_size=4)
 
 
-def make_dataset(n: int = 48, seed: int = 3, min_len: int = 2, max_len: int = 40) -> SyntheticTokenDataset:
+class PromptMaskedDataset(torch.utils.data.Dataset):
+    """SFT-style labels: a per-sample prompt prefix (0 to all tokens) has label -100."""
+
+    def __init__(self, base: SyntheticTokenDataset, seed: int = 5) -> None:
+        self.base, self.lengths = base, base.lengths
+        rng = random.Random(seed)
+        self.prompt = [n if rng.random() < 0.1 else rng.randint(0, n - 1) for n in base.lengths]
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> dict:
+        s = dict(self.base[i])
+        s["labels"] = s["labels"].clone()
+        s["labels"][: self.prompt[i]] = -100
+        return s
+
+
+def make_dataset(n: int = 48, seed: int = 3, min_len: int = 2, max_len: int = 40, masked: bool = False) -> Any:
     rng = random.Random(seed)
     lengths = [rng.randint(min_len, max_len) for _ in range(n)]
-    return SyntheticTokenDataset(lengths, vocab_size=SPEC.vocab_size, seed=seed)
+    base = SyntheticTokenDataset(lengths, vocab_size=SPEC.vocab_size, seed=seed)
+    return PromptMaskedDataset(base) if masked else base
 
 
 def _blocks(world: int, size: int) -> list[tuple[int, ...]]:
@@ -138,23 +158,26 @@ class Dump(pl.Callback):
 
 def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any = None, reduction: str = "token",
                   optimizer: str = "sgd") -> tuple[dict, dict]:
-    """Single process, every sample alone at SP 1: grads of step 0 and weights after ``steps`` steps."""
+    """Single process, every sample alone at SP 1: grads of step 0 and weights after ``steps`` steps.
+
+    The loss of plain data-parallel training on the step's global batch, written out: token mode
+    sums the cross-entropy over every label != -100 and divides by their count over the global
+    batch; sample mode averages each sample's mean over the samples that have such labels."""
     dataset = dataset if dataset is not None else make_dataset()
     module = TinyLM(lr=lr, reduction=reduction, optimizer=optimizer)
     opt = module.configure_optimizers()
     grads0 = None
     for k in range(steps):
-        samples = [(s, n) for it in plans[k]["items"] for s, n in zip(it["samples"], it["lengths"])]
-        total = sum(n for _, n in samples)
+        samples = [dataset[s] for it in plans[k]["items"] for s in it["samples"]]
+        valid = [int((s["labels"] != -100).sum()) for s in samples]
+        total, with_loss = sum(valid), sum(1 for v in valid if v)
         opt.zero_grad(set_to_none=True)
-        for s, n in samples:
-            batch = pack_samples([dataset[s]])
-            logits = module.model(batch)
-            tl = F.cross_entropy(logits.float(), batch["labels"], reduction="none", ignore_index=-100)
-            if reduction == "token":
-                loss = tl.sum() / total
-            else:
-                loss = tl.mean() / len(samples)
+        for sample, v in zip(samples, valid):
+            if v == 0:
+                continue
+            logits = module.model({"input_ids": sample["input_ids"]})  # one plain sequence
+            tl = F.cross_entropy(logits.float(), sample["labels"], reduction="sum", ignore_index=-100)
+            loss = tl / total if reduction == "token" else tl / v / with_loss
             loss.backward()
         if k == 0:
             grads0 = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in module.named_parameters()}

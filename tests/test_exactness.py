@@ -16,23 +16,24 @@ import os
 import pytest
 import torch
 
-from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_trainer, max_rel_err, reference_run
+from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
 from lightning_dcp.strategy import DCPStrategy
 
 
-def _fit(tmp_path, world: int, steps: int, weights_at, reduction: str = "token", log_sync: bool = False, **planner_kw):
+def _fit(tmp_path, world: int, steps: int, weights_at, reduction: str = "token", log_sync: bool = False,
+         masked: bool = False, **planner_kw):
     planner = RandomPlanner(world, seed=world, **planner_kw)
     strategy = DCPStrategy(planner=planner, global_batch_size=8, loss_reduction=reduction, start_method="spawn",
                            seed=1, log_metrics=True)
     dump = Dump(str(tmp_path), weights_at=weights_at)
     trainer = make_trainer(world, strategy, [dump], max_steps=steps)
-    trainer.fit(TinyLM(reduction=reduction, log_sync=log_sync))
+    trainer.fit(TinyLM(reduction=reduction, log_sync=log_sync, masked=masked))
     return torch.load(os.path.join(tmp_path, "log_rank0.pt"))
 
 
-def _check(tmp_path, world: int, log: dict, steps_w: int, reduction: str = "token"):
+def _check(tmp_path, world: int, log: dict, steps_w: int, reduction: str = "token", masked: bool = False):
     plans = log["plans"]
-    ref_grads, ref_weights = reference_run(plans, steps_w, reduction=reduction)
+    ref_grads, ref_weights = reference_run(plans, steps_w, reduction=reduction, dataset=make_dataset(masked=masked))
     for r in range(world):
         grads = torch.load(os.path.join(tmp_path, f"grads0_rank{r}.pt"))
         for name, g in grads.items():
@@ -85,3 +86,12 @@ def test_exact_four_processes_30_random_plans(tmp_path):
     m = log["metrics"][-1]
     assert len(m["busy_s"]) == 4 and 0.0 <= m["imbalance"] < 1.0
     assert m["global_tokens"] == sum(sum(it["lengths"]) for it in plans[-1]["items"])
+
+
+@pytest.mark.parametrize("world,reduction", [(2, "token"), (4, "sample")])
+def test_exact_with_prompt_masked_labels(tmp_path, world, reduction):
+    """SFT prompt masking (labels -100 inside samples, some samples without any loss token): the
+    token mean is over loss tokens of the global batch, counted on the host, not over all tokens."""
+    log = _fit(tmp_path, world, 8, (8,), reduction=reduction, masked=True)
+    plans = _check(tmp_path, world, log, 8, reduction=reduction, masked=True)
+    assert _mixes(plans, world)[0] == ([1, 2] if world == 2 else [1, 2, 4])

@@ -39,19 +39,42 @@ def test_shard_keeps_whole_sequence_keys_and_splits_tokens():
 
 
 @pytest.mark.parametrize("reduction", ["token", "sample"])
-def test_token_weights_sum_to_one_over_the_global_batch(reduction):
+def test_token_weights_over_loss_units_give_the_global_mean(reduction):
+    """Summed weighted losses over all items and SP shards / summed loss units = the global mean,
+    with prompt-masked labels (-100 inside samples) and a sample without any loss token."""
     items = [[5, 2], [7], [1, 1, 3]]
-    gt, gs = sum(map(sum, items)), sum(map(len, items))
-    total = 0.0
-    for lengths in items:
-        b = add_token_weights(_packed(lengths, 4), lengths, reduction, gt, gs)
+    masked = {(0, 0): [0, 1], (1, 0): [0, 1, 2, 3], (2, 1): [0]}  # (item, sample) -> prompt positions
+    per_sample_means, tokens, token_sum = [], 0, 0.0
+    total, units = 0.0, 0
+    for i, lengths in enumerate(items):
+        samples = []
+        for j, n in enumerate(lengths):
+            labels = torch.arange(n) + 10 * j
+            labels[masked.get((i, j), [])] = -100
+            samples.append({"input_ids": torch.arange(n), "labels": labels})
+            values = labels[labels != -100].double()  # token_loss = the label value, for the check
+            if len(values):
+                per_sample_means.append(float(values.mean()))
+                tokens, token_sum = tokens + len(values), token_sum + float(values.sum())
+        b = pack_samples(samples, pad_to_multiple=4)
+        units += add_token_weights(b, reduction)
         assert float(b[TOKEN_WEIGHT][~b[LOSS_MASK]].abs().sum()) == 0.0
-        total += float(sum(weighted_loss(torch.ones(s[TOKEN_WEIGHT].shape[0]), s) for s in (shard_batch(b, r, 4) for r in range(4))))
-    assert abs(total - 1.0) < 1e-6
+        token_loss = torch.where(b["labels"] == -100, torch.zeros_like(b["labels"]), b["labels"]).float()
+        b["tl"] = token_loss
+        total += float(sum(weighted_loss(s["tl"], s) for s in (shard_batch(b, r, 4) for r in range(4))))
+    expected = token_sum / tokens if reduction == "token" else sum(per_sample_means) / len(per_sample_means)
+    assert units == (tokens if reduction == "token" else len(per_sample_means))
+    assert abs(total / units - expected) < 1e-5
+
+
+def test_loss_mask_excludes_ignored_labels():
+    b = pack_samples([{"input_ids": torch.arange(4), "labels": torch.tensor([-100, -100, 2, 3])}], pad_to_multiple=3)
+    assert b[LOSS_MASK].tolist() == [False, False, True, True, False, False]
 
 
 def test_weighted_loss_marks_and_falls_back_outside_dcp():
-    b = add_token_weights(_packed([3], 1), [3], "token", 6, 2)
+    b = _packed([3], 1)
+    add_token_weights(b, "token")
     assert is_weighted(weighted_loss(torch.ones(3), b))
     plain = _packed([3], 1)
     out = weighted_loss(torch.full((3,), 2.0), plain)
