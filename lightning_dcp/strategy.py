@@ -66,7 +66,7 @@ from lightning_dcp.planning.planner import Planner
 from lightning_dcp.recompute import find_recompute_layers
 from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_lengths
 from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, local_loss_tokens, shard_batch
-from lightning_dcp.support import (PaddedCostModel, micro_batch_loss_units, resolve_support, safe_mode_message,
+from lightning_dcp.support import (PaddedCostModel, PaddedPlanner, micro_batch_loss_units, resolve_support, safe_mode_message,
                                    uniform_lengths)
 
 __all__ = ["DCPStrategy", "DefaultCostModel", "find_num_heads"]
@@ -446,7 +446,7 @@ class DCPStrategy(DDPStrategy):
         cost_model = self._cost_model
         if self.support == "safe":
             base = cost_model if cost_model is not None else DefaultCostModel(0, 1, 4 * max(lengths))
-            cost_model = base if isinstance(base, PaddedCostModel) else PaddedCostModel(base, micro_batch_size)
+            cost_model = base if isinstance(base, PaddedCostModel) else PaddedCostModel(base, micro_batch_size * max(lengths))
             self._cost_model = cost_model
         if cost_model is None:
             module = self.lightning_module
@@ -459,7 +459,8 @@ class DCPStrategy(DDPStrategy):
             self._cost_model = cost_model
         opts = dict(self.planner_options)
         opts.setdefault("max_sp_size", self.max_sp_size)
-        return Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
+        planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
+        return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
