@@ -22,7 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dcp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, NUM_TOKENS, POSITION_IDS, SEGMENT_IDS
+from lightning_dcp.context import (
+    CU_SEQLENS,
+    LOSS_MASK,
+    MAX_SEQLEN,
+    NUM_TOKENS,
+    POSITION_IDS,
+    SEGMENT_IDS,
+    TOKEN_WEIGHT,
+    active_context,
+)
 from lightning_dcp.hf.adapt import adapt, is_adapted
 from lightning_dcp.packing import pack_samples
 from lightning_dcp.sharding import weighted_loss
@@ -176,6 +185,13 @@ class CausalLMModule(pl.LightningModule):
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and CU_SEQLENS not in batch:
             return pack_padded_batch(batch)
+        sharded = CU_SEQLENS in batch and isinstance(ids, torch.Tensor) and ids.shape[0] != int(batch[CU_SEQLENS][-1])
+        if sharded or TOKEN_WEIGHT in batch or active_context().size > 1:
+            raise RuntimeError(
+                f"{type(self).__name__}.training_step got a DCP micro-batch without {SHIFT_LABELS!r}: labels must be "
+                "shifted on the whole packed micro-batch before SP sharding and before the strategy computes token "
+                "weights, which DCPStrategy does by calling the module's dcp_prepare_batch(batch) hook; this strategy "
+                "version did not call it. Use a lightning-dcp version whose DCPStrategy supports dcp_prepare_batch.")
         return self.dcp_prepare_batch(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
