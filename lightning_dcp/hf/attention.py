@@ -19,6 +19,11 @@ to its attention function:
 (a new sample starts wherever the position is 0), all-gathered over the SP group when it has
 more than one rank -- correct, one small collective and a host sync more per layer.
 
+The function is registered when this module is imported (and again by ``adapt``): transformers'
+registry is per process, and a model adapted in one process and unpickled in a spawned one
+(Lightning's spawn launchers) imports this package through the adapted model's attributes, so
+the name resolves there too.
+
 No dense ``[S, S]`` mask is built: the name is not registered in ``AttentionMaskInterface``,
 so transformers' mask creation returns ``None`` for it.
 """
@@ -192,3 +197,6 @@ def dcp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = packed_gqa_attention(q, k, v, cu.to(query.device), max_len, causal=causal, scale=scale)
     return out.unsqueeze(0), None
+
+
+register_attention()  # per process: see the module docstring
