@@ -63,10 +63,21 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+class PrintSteps(pl.Callback):
+    """Prints, on rank 0, each step's loss, SP sizes and micro-batches per rank."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        m = getattr(trainer.strategy, "last_step_metrics", None)
+        if trainer.is_global_zero and m is not None:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            print(f"step {trainer.global_step}: loss {float(loss):.4f}, SP sizes {m.sp_sizes}, "
+                  f"micro-batches per rank {m.microbatches}, imbalance {m.imbalance:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local path or hub id of a causal LM (GPU path); default: tiny Llama on CPU")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -83,18 +94,18 @@ def main() -> None:
         trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-true")
     module = CausalLMModule(model, lr=args.lr)  # adapts the model in place (attention, recompute switch)
     config = model.config
+    # Without --profile: the analytic fallback cost model. On the CPU demo its per-rank token budget is
+    # tiny, so the long samples need SP 2 (and recomputation) -- the demo exercises Ulysses.
+    budget = {"max_tokens": 32} if args.model is None else {}
     cost = None if args.profile else DefaultCostModel(num_layers=config.num_hidden_layers,
-                                                      num_heads=config.num_attention_heads)
+                                                      num_heads=config.num_attention_heads, **budget)
     strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token", cost_model=cost,
                            profile=args.profile or None)
     dataset = make_dataset(16 * args.global_batch, args.max_len, config.vocab_size)
     trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, gradient_clip_val=1.0, **trainer_kw)
+                         enable_model_summary=False, enable_progress_bar=False, gradient_clip_val=1.0,
+                         callbacks=[PrintSteps()], **trainer_kw)
     trainer.fit(module, DataLoader(dataset, batch_size=4, collate_fn=CausalLMModule.collate))
-    if trainer.is_global_zero:
-        m = trainer.strategy.last_step_metrics
-        print(f"last step: SP sizes {m.sp_sizes}, micro-batches per rank {m.microbatches}, "
-              f"imbalance {m.imbalance:.3f}")
 
 
 if __name__ == "__main__":
