@@ -96,6 +96,28 @@ def test_packed_equals_per_sample(family):
         assert (packed_logits(model, whole)[: sum(lengths)] - want).abs().max() > 1e-3
 
 
+def test_repeated_layers_in_call_order_and_pickle():
+    """dcp_repeated_layers() lists the decoder layers in call order; the adapted model pickles and deep-copies
+    with its recompute switch shared by all layers (spawned processes receive it pickled)."""
+    import pickle
+
+    model = adapt(make_model("llama", 4, 2, layers=4)).train()
+    order = []
+    layers = model.dcp_repeated_layers()
+    handles = [layer.register_forward_pre_hook(lambda m, a, i=i: order.append(i)) for i, layer in enumerate(layers)]
+    batch = pack_samples(make_samples([4, 6]))
+    want = packed_logits(model, batch).detach()
+    assert order == [0, 1, 2, 3]
+    for h in handles:
+        h.remove()
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert all(layer._gradient_checkpointing_func.switch is clone.dcp_recompute for layer in clone.dcp_repeated_layers())
+        assert clone.dcp_repeated_layers()[0] is clone.model.layers[0]
+        clone.dcp_recompute.recompute_override = 2
+        torch.testing.assert_close(packed_logits(clone, batch), want, atol=0, rtol=0)
+    assert model.dcp_recompute.recompute_override is None
+
+
 def test_kv_repeat_factor():
     assert kv_repeat_before_all_to_all(8, 8, 4) == 1
     assert kv_repeat_before_all_to_all(8, 2, 4) == 2
@@ -189,6 +211,28 @@ def test_prepare_shifts_inside_samples():
     nolabels = prepare_causal_lm_batch(pack_samples(make_samples([3, 2])))
     ids = nolabels["input_ids"].tolist()
     assert nolabels[SHIFT_LABELS].tolist() == [ids[1], ids[2], -100, ids[4], -100]
+
+
+def test_module_refuses_unprepared_dcp_batches():
+    """A DCP micro-batch the strategy did not pass through dcp_prepare_batch is refused, not silently mis-shifted."""
+    from lightning_dcp.context import TOKEN_WEIGHT
+
+    module = CausalLMModule(make_model("llama"))
+    batch = pack_samples(make_samples([5, 3]), pad_to_multiple=2)
+    with pytest.raises(RuntimeError, match="dcp_prepare_batch"):
+        module.training_step(shard_batch(batch, 0, 2), 0)
+    with pytest.raises(RuntimeError, match="dcp_prepare_batch"):
+        module.training_step(dict(batch, **{TOKEN_WEIGHT: batch[LOSS_MASK].float()}), 0)
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    import sys
+
+    for name in [m for m in sys.modules if m == "lightning_dcp.hf" or m.startswith("lightning_dcp.hf.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install lightning-dcp\[hf\]"):
+        import lightning_dcp.hf  # noqa: F401
 
 
 def _reference_loss(model, samples):

@@ -95,6 +95,9 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
       ``model.dcp_repeated_layers()``: the decoder layers in call order (for the profiler);
       ``model.dcp_recompute``: the shared switch.
 
+    Do not call ``model.gradient_checkpointing_enable()``/``_disable()`` afterwards: they replace
+    the per-layer switch (call :func:`adapt` again to reinstall it).
+
     Call it with packed inputs: ``input_ids``/``position_ids`` of shape ``[1, local_tokens]`` and
     ``cu_seq_lens_q``/``max_length_q`` (see :mod:`lightning_dcp.hf.attention`), ``use_cache=False``.
     Calling it again is a no-op apart from a new ``recompute_override``.
@@ -106,7 +109,11 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
     _check_supported(model, layers)
     register_attention()
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        setter = getattr(model, "set_attn_implementation", None)
+        if callable(setter):
+            setter(ATTN_IMPLEMENTATION)
+        else:  # older transformers: the config attribute is what the attention modules read
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"lightning_dcp.hf.adapt: {type(model).__name__}.set_attn_implementation({ATTN_IMPLEMENTATION!r}) "
                          f"left it at {model.config._attn_implementation!r}; the model cannot switch attention "
