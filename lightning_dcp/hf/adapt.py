@@ -1,0 +1,136 @@
+"""Prepare a Hugging Face causal LM for DCP in place: :func:`adapt`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_dcp.hf.attention import ATTN_IMPLEMENTATION, register_attention
+from lightning_dcp.recompute import LayerRecompute, install_layer_recompute
+
+__all__ = ["adapt", "find_decoder_layers", "is_adapted"]
+
+
+class _RepeatedLayers:
+    """The adapted model's ``dcp_repeated_layers()``: its decoder layers in call order.
+
+    A class holding the ``ModuleList`` rather than a bound method or closure, so the model still
+    pickles (spawned processes) and deep-copies.
+    """
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+
+    def __call__(self) -> list[nn.Module]:
+        return list(self.layers)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a transformers model (``model.model.layers`` for Llama and kin).
+
+    Looks at ``get_decoder().layers``, ``base_model.layers``, then ``model.layers``; raises a
+    ``ValueError`` naming what was looked for when none is a non-empty ``ModuleList``.
+    """
+    candidates: list[tuple[str, Any]] = []
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            candidates.append(("get_decoder().layers", getattr(get_decoder(), "layers", None)))
+        except Exception:  # some models raise when they have no decoder  # noqa: BLE001
+            pass
+    base = getattr(model, "base_model", None)
+    candidates.append(("base_model.layers", getattr(base, "layers", None)))
+    candidates.append(("layers", getattr(model, "layers", None)))
+    for _, layers in candidates:
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return layers
+    raise ValueError(
+        f"lightning_dcp.hf.adapt: no decoder layer list found in {type(model).__name__} (looked for a non-empty "
+        f"nn.ModuleList at {', '.join(name for name, _ in candidates)}); supported are transformers causal LMs "
+        "whose base model keeps its decoder layers in `.layers` (Llama, Qwen2, Qwen3, Mistral, ...).")
+
+
+def _check_supported(model: nn.Module, layers: nn.ModuleList) -> None:
+    from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"lightning_dcp.hf.adapt expects a transformers PreTrainedModel (e.g. LlamaForCausalLM), got "
+                        f"{name}; for your own nn.Module use lightning_dcp.ulysses_attention and RecomputeLayers.")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"lightning_dcp.hf.adapt: {name}'s attention modules do not use transformers' attention "
+                         "interface (its class sets no `_supports_attention_backend`), so the 'lightning_dcp' "
+                         "attention function cannot be plugged in; use a model family that does (Llama, Qwen2, "
+                         "Qwen3, Mistral, ...).")
+    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, GradientCheckpointingLayer)]
+    if bad:
+        raise ValueError(f"lightning_dcp.hf.adapt: decoder layers of {name} ({sorted(set(bad))}) do not subclass "
+                         "transformers' GradientCheckpointingLayer, which the per-layer recompute switch needs; "
+                         "upgrade transformers (>= 4.56) or use a supported model family.")
+    config = model.config
+    for attr in ("num_attention_heads", "hidden_size"):
+        if not isinstance(getattr(config, attr, None), int):
+            raise ValueError(f"lightning_dcp.hf.adapt: {type(config).__name__} has no integer {attr!r}; "
+                             "cannot tell the attention head count the SP sizes must divide.")
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
+        raise ValueError(f"lightning_dcp.hf.adapt: config.attention_dropout={config.attention_dropout} is not "
+                         "supported by the varlen kernels; set it to 0.0 before adapting.")
+
+
+def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
+    """Prepare a transformers causal LM (Llama, Qwen2, Qwen3, Mistral, ...) for DCP, in place.
+
+    * attention: registers :func:`~lightning_dcp.hf.attention.dcp_attention` in transformers'
+      ``AttentionInterface`` as ``"lightning_dcp"`` and switches the model to it (Ulysses over
+      the active SP group, varlen causal attention per packed sample, GQA/MQA with fewer
+      key/value heads than SP ranks). No model class is patched; no dense mask is built.
+    * recompute: every decoder layer gets the per-call switch of one
+      :class:`~lightning_dcp.recompute.LayerRecompute` through transformers' own
+      ``GradientCheckpointingLayer`` hook: layer ``i`` recomputes iff ``i < active_context().recompute``
+      (or ``model.dcp_recompute.recompute_override`` when set), decided at each forward in
+      training mode. Module paths and ``state_dict`` keys are unchanged.
+    * ``model.dcp_num_heads``: the query head count (the strategy caps SP sizes at its divisors);
+      ``model.dcp_repeated_layers()``: the decoder layers in call order (for the profiler);
+      ``model.dcp_recompute``: the shared switch.
+
+    Do not call ``model.gradient_checkpointing_enable()``/``_disable()`` afterwards: they replace
+    the per-layer switch (call :func:`adapt` again to reinstall it).
+
+    Call it with packed inputs: ``input_ids``/``position_ids`` of shape ``[1, local_tokens]`` and
+    ``cu_seq_lens_q``/``max_length_q`` (see :mod:`lightning_dcp.hf.attention`), ``use_cache=False``.
+    Calling it again is a no-op apart from a new ``recompute_override``.
+
+    Raises:
+        ValueError / TypeError: the model is not supported; the message names what is missing.
+    """
+    layers = find_decoder_layers(model)
+    _check_supported(model, layers)
+    register_attention()
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        setter = getattr(model, "set_attn_implementation", None)
+        if callable(setter):
+            setter(ATTN_IMPLEMENTATION)
+        else:  # older transformers: the config attribute is what the attention modules read
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"lightning_dcp.hf.adapt: {type(model).__name__}.set_attn_implementation({ATTN_IMPLEMENTATION!r}) "
+                         f"left it at {model.config._attn_implementation!r}; the model cannot switch attention "
+                         "functions dynamically.")
+    switch = getattr(model, "dcp_recompute", None)
+    if isinstance(switch, LayerRecompute) and len(switch) == len(layers):
+        switch.recompute_override = recompute_override
+    else:
+        switch = install_layer_recompute(layers, recompute_override=recompute_override)
+    model.dcp_recompute = switch
+    model.dcp_num_heads = int(model.config.num_attention_heads)
+    model.dcp_repeated_layers = _RepeatedLayers(layers)
+    return model
+
+
+def is_adapted(model: nn.Module) -> bool:
+    """Whether :func:`adapt` has prepared ``model`` (and its attention is still ``"lightning_dcp"``)."""
+    config = getattr(model, "config", None)
+    return (isinstance(getattr(model, "dcp_recompute", None), LayerRecompute)
+            and getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION)

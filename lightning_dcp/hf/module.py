@@ -1,0 +1,199 @@
+"""A ready LightningModule for Hugging Face causal LMs under DCP: :class:`CausalLMModule`.
+
+Batch flow under :class:`~lightning_dcp.DCPStrategy` (the strategy calls the hooks)::
+
+    samples {"input_ids", optional "labels"}  --pack_samples-->  packed micro-batch (host)
+      --dcp_prepare_batch-->  + "shift_labels" (shifted inside each sample), LOSS_MASK recomputed
+      --shard_batch-->  this SP rank's contiguous token chunk  --training_step-->  weighted loss
+
+Labels are shifted on the whole packed micro-batch *before* sharding, so the last token of every
+sample (and every padding token) gets ``-100`` and no token predicts across a sample or an SP
+shard boundary. Under a plain Trainer the same ``training_step`` works on batches from
+:meth:`CausalLMModule.collate` (packed) or on Hugging Face-style padded batches
+(``input_ids``/``attention_mask``/``labels`` of shape ``[B, T]``), which it repacks itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_dcp.context import (
+    CU_SEQLENS,
+    LOSS_MASK,
+    MAX_SEQLEN,
+    NUM_TOKENS,
+    POSITION_IDS,
+    SEGMENT_IDS,
+    TOKEN_WEIGHT,
+    active_context,
+)
+from lightning_dcp.hf.adapt import adapt, is_adapted
+from lightning_dcp.packing import pack_samples
+from lightning_dcp.sharding import weighted_loss
+
+__all__ = ["IGNORE_INDEX", "SHIFT_LABELS", "CausalLMModule", "collate_causal_lm", "pack_padded_batch",
+           "prepare_causal_lm_batch"]
+
+#: Label value that carries no loss.
+IGNORE_INDEX = -100
+#: Key of the per-token next-token targets added by :func:`prepare_causal_lm_batch`.
+SHIFT_LABELS = "shift_labels"
+
+
+def prepare_causal_lm_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Shift labels inside each packed sample; recompute ``LOSS_MASK`` for the shifted targets.
+
+    ``batch`` is a whole (unsharded) packed micro-batch from
+    :func:`~lightning_dcp.packing.pack_samples` with ``input_ids`` and optional ``labels``
+    (default: ``input_ids``; ``-100`` = no loss). Returns a new dict with
+    ``shift_labels[t] = labels[t + 1]`` inside a sample, ``-100`` on each sample's last token and
+    on padding; ``labels`` is dropped and ``LOSS_MASK = real token & shift_labels != -100``
+    (set, not AND-ed with the incoming mask: that one marks the *unshifted* labels, so a prompt
+    mask would lose the token that predicts the first answer token). A batch that already has
+    ``shift_labels`` is returned unchanged (idempotent). Vectorised, no per-sample loop.
+    """
+    if SHIFT_LABELS in batch:
+        return dict(batch)
+    if CU_SEQLENS not in batch or "input_ids" not in batch:
+        raise KeyError(f"prepare_causal_lm_batch needs a packed batch with 'input_ids' and {CU_SEQLENS!r} "
+                       f"(lightning_dcp.packing.pack_samples, or CausalLMModule.collate); got keys {sorted(batch)}")
+    labels = batch.get("labels", batch["input_ids"])
+    total = labels.shape[0]
+    cu = batch[CU_SEQLENS].to(device=labels.device, dtype=torch.long)
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:-1] = labels[1:]
+    ends = cu[1:][cu[1:] > cu[:-1]] - 1  # last token of every non-empty segment
+    shifted[ends] = IGNORE_INDEX
+    real = _real_tokens(batch, total, labels.device)
+    shifted = torch.where(real, shifted, torch.full_like(shifted, IGNORE_INDEX))
+    out = {k: v for k, v in batch.items() if k != "labels"}
+    out[SHIFT_LABELS] = shifted
+    out[LOSS_MASK] = shifted != IGNORE_INDEX
+    return out
+
+
+def _real_tokens(batch: Mapping[str, Any], total: int, device: torch.device) -> torch.Tensor:
+    if SEGMENT_IDS in batch:
+        return batch[SEGMENT_IDS].to(device) >= 0
+    num = batch.get(NUM_TOKENS, total)
+    return torch.arange(total, device=device) < int(num)
+
+
+def collate_causal_lm(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``collate_fn`` for a plain DataLoader: :func:`pack_samples` then :func:`prepare_causal_lm_batch`."""
+    return prepare_causal_lm_batch(pack_samples(samples))
+
+
+def pack_padded_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Repack a Hugging Face-style padded batch (``input_ids`` ``[B, T]``, optional ``attention_mask``
+    and ``labels``) into one prepared packed micro-batch (the tokens where ``attention_mask`` is 1)."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    labels = batch.get("labels")
+    samples = []
+    for row in range(ids.shape[0]):
+        keep = mask[row]
+        sample = {"input_ids": ids[row][keep]}
+        if labels is not None:
+            sample["labels"] = labels[row][keep]
+        if sample["input_ids"].numel():
+            samples.append(sample)
+    if not samples:
+        raise ValueError("pack_padded_batch: every row of the batch is empty (attention_mask all 0)")
+    return collate_causal_lm(samples)
+
+
+class CausalLMModule(pl.LightningModule):
+    """Trains a Hugging Face causal LM under :class:`~lightning_dcp.DCPStrategy` or a plain Trainer.
+
+    Samples are dicts with ``input_ids`` (int64 ``[len]``) and optional ``labels`` (``-100`` =
+    no loss; default ``input_ids``). The loss is next-token cross-entropy within each sample,
+    averaged over every valid target token of the *global* batch (``loss_reduction="token"``);
+    logits and cross-entropy are computed in fp32.
+
+    Args:
+        model: a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...);
+            :func:`~lightning_dcp.hf.adapt` is applied to it unless already done.
+        lr, weight_decay, betas: AdamW settings of the default :meth:`configure_optimizers`
+            (override it for anything else).
+
+    Plain DataLoaders: ``collate_fn=CausalLMModule.collate`` (packs and shifts), or Hugging
+    Face-style padded ``[B, T]`` batches, which ``training_step`` repacks.
+    """
+
+    #: Tells DCPStrategy that this module takes packed, SP-sharded micro-batches.
+    dcp_support = "sp"
+    #: ``collate_fn`` for plain DataLoaders.
+    collate = staticmethod(collate_causal_lm)
+
+    def __init__(self, model: nn.Module, lr: float = 1e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95)) -> None:
+        super().__init__()
+        self.model = model if is_adapted(model) else adapt(model)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+
+    def dcp_prepare_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """DCPStrategy hook, called on the whole packed micro-batch before sharding: shift labels per sample."""
+        return prepare_causal_lm_batch(batch)
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """fp32 logits ``[local_tokens, vocab]`` of a prepared (possibly SP-sharded) packed batch."""
+        ids = batch["input_ids"]
+        hidden = self.model.base_model(
+            input_ids=ids.unsqueeze(0), position_ids=batch[POSITION_IDS].unsqueeze(0), use_cache=False,
+            cu_seq_lens_q=batch[CU_SEQLENS], cu_seq_lens_k=batch[CU_SEQLENS],
+            max_length_q=int(batch[MAX_SEQLEN]), max_length_k=int(batch[MAX_SEQLEN]),
+        ).last_hidden_state[0]
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.get_output_embeddings()
+        config = self.model.config
+        if not isinstance(head, nn.Linear) or getattr(config, "final_logit_softcapping", None) \
+                or getattr(config, "logit_scale", None) not in (None, 1.0):
+            raise ValueError(f"CausalLMModule computes logits as a plain linear head; {type(self.model).__name__} has "
+                             f"{type(head).__name__} with softcapping/scaling: override CausalLMModule._logits.")
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(hidden.float(), head.weight.float(), bias)
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        """Per-token CE against ``shift_labels``, reduced by :func:`~lightning_dcp.weighted_loss`."""
+        batch = self._as_prepared(batch)
+        logits = self(batch)
+        token_loss = F.cross_entropy(logits, batch[SHIFT_LABELS], reduction="none", ignore_index=IGNORE_INDEX)
+        return weighted_loss(token_loss, batch)
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        """Mean next-token CE over the batch's valid targets, logged as ``val_loss``."""
+        batch = self._as_prepared(batch)
+        token_loss = F.cross_entropy(self(batch), batch[SHIFT_LABELS], reduction="none", ignore_index=IGNORE_INDEX)
+        mask = batch[LOSS_MASK]
+        loss = (token_loss * mask).sum() / mask.sum().clamp_min(1)
+        self.log("val_loss", loss, batch_size=int(mask.sum()))
+        return loss
+
+    def _as_prepared(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        if SHIFT_LABELS in batch:
+            return batch
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and CU_SEQLENS not in batch:
+            return pack_padded_batch(batch)
+        sharded = CU_SEQLENS in batch and isinstance(ids, torch.Tensor) and ids.shape[0] != int(batch[CU_SEQLENS][-1])
+        if sharded or TOKEN_WEIGHT in batch or active_context().size > 1:
+            raise RuntimeError(
+                f"{type(self).__name__}.training_step got a DCP micro-batch without {SHIFT_LABELS!r}: labels must be "
+                "shifted on the whole packed micro-batch before SP sharding and before the strategy computes token "
+                "weights, which DCPStrategy does by calling the module's dcp_prepare_batch(batch) hook; this strategy "
+                "version did not call it. Use a lightning-dcp version whose DCPStrategy supports dcp_prepare_batch.")
+        return self.dcp_prepare_batch(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """AdamW over all parameters with ``lr``, ``weight_decay`` and ``betas``."""
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
