@@ -135,7 +135,10 @@ def find_num_heads(module: torch.nn.Module) -> int | None:
 
 
 def _count_recompute_layers(module: torch.nn.Module) -> int:
-    return max((len(r) for r in find_recompute_layers(module)), default=0)
+    """Repeated layers: the longest RecomputeLayers, or a ``dcp_repeated_layers()`` list (HF models)."""
+    stacks = [len(r) for r in find_recompute_layers(module)]
+    stacks += [len(m.dcp_repeated_layers()) for m in module.modules() if callable(getattr(m, "dcp_repeated_layers", None))]
+    return max(stacks, default=0)
 
 
 class _GradBuckets:
