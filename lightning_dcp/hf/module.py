@@ -33,14 +33,12 @@ from lightning_dcp.context import (
     active_context,
 )
 from lightning_dcp.hf.adapt import adapt, is_adapted
-from lightning_dcp.packing import pack_samples
+from lightning_dcp.packing import IGNORE_INDEX, pack_samples
 from lightning_dcp.sharding import weighted_loss
 
 __all__ = ["IGNORE_INDEX", "SHIFT_LABELS", "CausalLMModule", "collate_causal_lm", "pack_padded_batch",
            "prepare_causal_lm_batch"]
 
-#: Label value that carries no loss.
-IGNORE_INDEX = -100
 #: Key of the per-token next-token targets added by :func:`prepare_causal_lm_batch`.
 SHIFT_LABELS = "shift_labels"
 
