@@ -9,7 +9,7 @@ Importing the package registers the strategy names ``"dcp"`` and ``"dcp_spawn"``
 so ``Trainer(strategy="dcp")`` works.
 """
 
-__version__ = "0.1.0"
+from lightning_dcp._version import __version__
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
@@ -18,7 +18,7 @@ from lightning_dcp.context import SPContext, active_context, sp_context
 from lightning_dcp.packing import pack_samples
 from lightning_dcp.groups import SPGroups
 from lightning_dcp.metrics import StepMetrics
-from lightning_dcp.profiler import DCPProfiler, profile_module
+from lightning_dcp.profiling import DCPProfiler, profile_module
 from lightning_dcp.recompute import RecomputeLayers
 from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader
 from lightning_dcp.sharding import weighted_loss

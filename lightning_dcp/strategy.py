@@ -356,7 +356,7 @@ class DCPStrategy(DDPStrategy):
         or (``profile=None``) a cost model or planner was given."""
         if self.profile is False or (self.profile is None and (self._cost_model is not None or self._planner is not None)):
             return
-        from lightning_dcp.profiler import DCPProfiler
+        from lightning_dcp.profiling import DCPProfiler
 
         if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
             trainer.callbacks.append(DCPProfiler())

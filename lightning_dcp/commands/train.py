@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from None
     callbacks = [_plan_printer(args.quiet_plans)]
     if args.profile:
-        from lightning_dcp.profiler import DCPProfiler
+        from lightning_dcp.profiling import DCPProfiler
 
         limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (None if cuda else CPU_MEMORY_LIMIT_MIB[args.model])
         callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20))
