@@ -28,6 +28,7 @@ DeepSpeed layout notes (deepspeed 0.19.8, checked in ``deepspeed/sequence/layer.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -53,6 +54,25 @@ def _deepspeed_version() -> str:
         return "unknown"
 
 
+class _DropMessage(logging.Filter):
+    """Logging filter dropping records whose message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _quiet_deepspeed_on_nonzero_ranks() -> None:
+    """DeepSpeed warns on every rank that it fell back to the CPU accelerator; keep rank 0's copy."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        ds_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logger; filters survive its set-up
+        if not any(isinstance(f, _DropMessage) for f in ds_logger.filters):
+            ds_logger.addFilter(_DropMessage("Setting accelerator to CPU"))
+
+
 def _import_deepspeed(what: str) -> Any:
     """``importlib.import_module(what)`` for a DeepSpeed module, with errors that name the fix.
 
@@ -61,6 +81,7 @@ def _import_deepspeed(what: str) -> Any:
     """
     import importlib
 
+    _quiet_deepspeed_on_nonzero_ranks()
     try:
         importlib.import_module("deepspeed")
     except ImportError as err:
