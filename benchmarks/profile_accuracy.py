@@ -36,7 +36,7 @@ from lightning_dcp.data import SyntheticTokenDataset, pack_samples
 from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.profiled import ProfiledCostModel
-from lightning_dcp.profiler import profile_module
+from lightning_dcp.profiling import profile_module
 
 TIME_TARGET, BYTES_TARGET = 0.25, 0.10
 #: held-out micro-batches: none of these packings is a grid point (grid: quantile lengths x {1, 2})

@@ -4,7 +4,7 @@ For every policy (``dcp``, ``dcp-inter``, ``dcp-intra``, ``bucket``, ``packed``,
 ``Trainer.fit`` runs, in sequence, with the same model initialisation (seeded), the same dataset,
 the same global batches (the DCP sampler's seeded permutation; ``bucket`` may split a global
 batch into several optimizer steps), the same number of processes, and the same cost model (the
-:class:`~lightning_dcp.profiler.DCPProfiler` measures the model in the first fit and the cache
+:class:`~lightning_dcp.profiling.DCPProfiler` measures the model in the first fit and the cache
 hands the same profile to the others). ``--warmup-epochs`` epochs run first and are not measured;
 the measured epochs cover every sample of the dataset exactly once per epoch under every policy,
 so tokens/s compare the same work.
@@ -64,7 +64,7 @@ def build_trainer_parts(policy: str, args: argparse.Namespace, record_dir: Path)
 
     from benchmarks.data import BenchDataModule
     from benchmarks.models import BenchmarkModule, bench_spec
-    from lightning_dcp.profiler import DCPProfiler
+    from lightning_dcp.profiling import DCPProfiler
     from lightning_dcp.strategy import DCPStrategy
 
     spec = bench_spec(args.model)

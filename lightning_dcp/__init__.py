@@ -5,44 +5,74 @@ which samples each group runs in which packed micro-batches, how many micro-batc
 accumulates and how many layers recompute; the gradients stay those of plain data-parallel
 training on the same global batch.
 
+Imports are lazy (PEP 562): ``import lightning_dcp`` loads neither torch nor Lightning; each
+public name below is imported from its module on first use (``lightning_dcp.DCPStrategy`` imports
+:mod:`lightning_dcp.strategy`). The planner (:mod:`lightning_dcp.planning`) and the ``plan`` /
+``simulate`` commands stay free of torch.
+
 Importing the package registers the strategy names ``"dcp"`` and ``"dcp_spawn"`` with Lightning,
-so ``Trainer(strategy="dcp")`` works.
+so ``Trainer(strategy="dcp")`` works whatever the import order: at once when Lightning is already
+imported, else by a one-shot import hook that registers right after
+``lightning.pytorch.strategies`` is imported (Lightning has no entry point for strategies; see
+:mod:`lightning_dcp._registry`).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from lightning_dcp.attention import varlen_attention
-from lightning_dcp.context import SPContext, active_context, sp_context
-from lightning_dcp.packing import pack_samples
-from lightning_dcp.groups import SPGroups
-from lightning_dcp.metrics import StepMetrics
-from lightning_dcp.profiler import DCPProfiler, profile_module
-from lightning_dcp.recompute import RecomputeLayers
-from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader
-from lightning_dcp.sharding import weighted_loss
-from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
-from lightning_dcp.ulysses import seq_all_to_all, ulysses_attention
+from lightning_dcp import _registry
+from lightning_dcp._version import __version__
 
-DCPStrategy.register_strategies(_StrategyRegistry)
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "DCPBatchSampler": "lightning_dcp.sampler",
+    "DCPDataLoader": "lightning_dcp.sampler",
+    "DCPProfiler": "lightning_dcp.profiling",
+    "DCPStrategy": "lightning_dcp.strategy",
+    "DefaultCostModel": "lightning_dcp.strategy",
+    "RecomputeLayers": "lightning_dcp.recompute",
+    "SPContext": "lightning_dcp.context",
+    "SPGroups": "lightning_dcp.groups",
+    "StepMetrics": "lightning_dcp.metrics",
+    "active_context": "lightning_dcp.context",
+    "pack_samples": "lightning_dcp.packing",
+    "profile_module": "lightning_dcp.profiling",
+    "seq_all_to_all": "lightning_dcp.ulysses",
+    "sp_context": "lightning_dcp.context",
+    "ulysses_attention": "lightning_dcp.ulysses",
+    "varlen_attention": "lightning_dcp.attention",
+    "weighted_loss": "lightning_dcp.sharding",
+}
 
-__all__ = [
-    "DCPBatchSampler",
-    "DCPDataLoader",
-    "DCPProfiler",
-    "DCPStrategy",
-    "DefaultCostModel",
-    "RecomputeLayers",
-    "SPContext",
-    "SPGroups",
-    "StepMetrics",
-    "active_context",
-    "pack_samples",
-    "profile_module",
-    "seq_all_to_all",
-    "sp_context",
-    "ulysses_attention",
-    "varlen_attention",
-    "weighted_loss",
-]
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from lightning_dcp.attention import varlen_attention
+    from lightning_dcp.context import SPContext, active_context, sp_context
+    from lightning_dcp.groups import SPGroups
+    from lightning_dcp.metrics import StepMetrics
+    from lightning_dcp.packing import pack_samples
+    from lightning_dcp.profiling import DCPProfiler, profile_module
+    from lightning_dcp.recompute import RecomputeLayers
+    from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader
+    from lightning_dcp.sharding import weighted_loss
+    from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+    from lightning_dcp.ulysses import seq_all_to_all, ulysses_attention
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_dcp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+_registry.install()

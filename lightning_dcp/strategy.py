@@ -212,7 +212,7 @@ class DCPStrategy(DDPStrategy):
             profiler gives through :meth:`set_cost_model`; else :class:`DefaultCostModel` (warned).
         planner: any object with ``plan_batch(samples, lengths, step=0)`` and
             ``one_step_per_batch``; overrides ``policy`` / ``cost_model``.
-        profile: add ``lightning_dcp.profiler.DCPProfiler`` to the trainer's callbacks (measures
+        profile: add ``lightning_dcp.profiling.DCPProfiler`` to the trainer's callbacks (measures
             the model at fit start). ``None``: only when no cost model or planner is given and
             the profiler is importable.
         global_batch_size: samples per optimizer step, over all ranks. Default: the train
@@ -390,13 +390,13 @@ class DCPStrategy(DDPStrategy):
             self._wrap_zero1()
 
     def _maybe_add_profiler(self, trainer: Any) -> None:
-        """Append a :class:`~lightning_dcp.profiler.DCPProfiler` unless the trainer has one, ``profile=False``,
+        """Append a :class:`~lightning_dcp.profiling.DCPProfiler` unless the trainer has one, ``profile=False``,
         or (``profile=None``) a cost model or planner was given."""
         if self.profile is False or (self.profile is None and (self._cost_model is not None or self._planner is not None)):
             return
         if self.support == "safe":  # nothing to profile: no repeated layers to measure
             return
-        from lightning_dcp.profiler import DCPProfiler
+        from lightning_dcp.profiling import DCPProfiler
 
         if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
             trainer.callbacks.append(DCPProfiler())

@@ -28,6 +28,7 @@ DeepSpeed layout notes (deepspeed 0.19.8, checked in ``deepspeed/sequence/layer.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -36,7 +37,84 @@ import torch.distributed as dist
 from lightning_dcp.attention import varlen_attention
 from lightning_dcp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 
-__all__ = ["ensure_deepspeed_comm", "seq_all_to_all", "ulysses_attention"]
+__all__ = ["SUPPORTED_DEEPSPEED", "ensure_deepspeed_comm", "seq_all_to_all", "ulysses_attention"]
+
+#: DeepSpeed versions whose private ``_SeqAllToAll`` (signature ``(group, input, scatter_idx,
+#: gather_idx, batch_dim_idx, ...)``) and ``deepspeed.comm`` set-up this module is tested with
+#: (0.15.0 and 0.19.8 checked); pyproject.toml pins the same range.
+SUPPORTED_DEEPSPEED = ">=0.15,<0.20"
+
+
+def _deepspeed_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:  # noqa: BLE001 - metadata missing or odd install
+        return "unknown"
+
+
+class _DropMessage(logging.Filter):
+    """Logging filter dropping records whose message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _quiet_deepspeed_on_nonzero_ranks() -> None:
+    """DeepSpeed warns on every rank that it fell back to the CPU accelerator; keep rank 0's copy."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        ds_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logger; filters survive its set-up
+        if not any(isinstance(f, _DropMessage) for f in ds_logger.filters):
+            ds_logger.addFilter(_DropMessage("Setting accelerator to CPU"))
+
+
+def _import_deepspeed(what: str) -> Any:
+    """``importlib.import_module(what)`` for a DeepSpeed module, with errors that name the fix.
+
+    DeepSpeed is imported only here, when an all-to-all actually runs (an SP group > 1): the
+    package imports and trains at SP size 1 without it.
+    """
+    import importlib
+
+    _quiet_deepspeed_on_nonzero_ranks()
+    try:
+        importlib.import_module("deepspeed")
+    except ImportError as err:
+        raise ImportError(
+            f"sequence parallelism (an SP group of more than 1 rank) needs DeepSpeed{SUPPORTED_DEEPSPEED}, which is not "
+            f"installed ({err}); install it with pip install 'deepspeed{SUPPORTED_DEEPSPEED}', or plan with SP size 1 "
+            "only: DCPStrategy(max_sp_size=1)"
+        ) from err
+    try:
+        return importlib.import_module(what)
+    except ImportError as err:
+        raise ImportError(
+            f"lightning-dcp needs {what} from DeepSpeed{SUPPORTED_DEEPSPEED}, but the installed deepspeed "
+            f"{_deepspeed_version()} does not provide it ({err}); install a supported version: "
+            f"pip install 'deepspeed{SUPPORTED_DEEPSPEED}'"
+        ) from err
+
+
+def _seq_all_to_all_op() -> Any:
+    """DeepSpeed's private ``_SeqAllToAll``, checked for the signature this module calls."""
+    import inspect
+
+    layer = _import_deepspeed("deepspeed.sequence.layer")
+    op = getattr(layer, "_SeqAllToAll", None)
+    params = list(inspect.signature(op.forward).parameters)[1:6] if op is not None else []
+    if params[:2] != ["group", "input"] or len(params) < 5:
+        found = "no _SeqAllToAll" if op is None else f"_SeqAllToAll.forward{tuple(params)}"
+        raise ImportError(
+            f"deepspeed {_deepspeed_version()} has {found} in deepspeed.sequence.layer; lightning-dcp calls the private "
+            f"_SeqAllToAll.apply(group, input, scatter_idx, gather_idx, batch_dim_idx) of DeepSpeed{SUPPORTED_DEEPSPEED}; "
+            f"install a supported version: pip install 'deepspeed{SUPPORTED_DEEPSPEED}'"
+        )
+    return op
 
 
 def ensure_deepspeed_comm() -> None:
@@ -44,8 +122,7 @@ def ensure_deepspeed_comm() -> None:
 
     Idempotent and local (no collective). Raises if ``torch.distributed`` is not initialised.
     """
-    import deepspeed.comm as ds_comm
-
+    ds_comm = _import_deepspeed("deepspeed.comm")
     if ds_comm.is_initialized():
         return
     if not (dist.is_available() and dist.is_initialized()):
@@ -129,9 +206,7 @@ def seq_all_to_all(
             )
         )
     ensure_deepspeed_comm()
-    from deepspeed.sequence.layer import _SeqAllToAll
-
-    out = _SeqAllToAll.apply(group, x4.contiguous(), scatter_dim, gather_dim, 0)
+    out = _seq_all_to_all_op().apply(group, x4.contiguous(), scatter_dim, gather_dim, 0)
     return out.squeeze(0) if squeeze else out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dcp import profile_cache as pc
+from lightning_dcp.profiling import cache as pc
 from lightning_dcp.planning.profile import PROFILE_SCHEMA
 
 

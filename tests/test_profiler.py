@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_dcp import profiler as prof_mod
+from lightning_dcp.profiling import callback as prof_mod
 from lightning_dcp.data import SyntheticTokenDataset, SyntheticVideoDataset, plain_collate
 from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.profile import validate_profile
 from lightning_dcp.planning.profiled import ProfiledCostModel
-from lightning_dcp.profile_cache import ProfileCacheWarning, model_signature
-from lightning_dcp.profiler import DCPProfiler, build_grid, profile_module, select_lengths
+from lightning_dcp.profiling.cache import ProfileCacheWarning, model_signature
+from lightning_dcp.profiling import DCPProfiler, build_grid, profile_module, select_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,3 +219,106 @@ def test_two_ranks_profile_sp2_on_real_groups_and_agree():
     from _dist import run_distributed
 
     run_distributed(_profile_sp2, 2, timeout=240)  # generous: CI cores are shared
+
+
+# ------------------------------------------------------------- generic layer stacks (no RecomputeLayers)
+
+class _LoopBlock(torch.nn.Module):
+    """A layer called as ``layer(x, scale=...)`` that returns a tuple, like a Hugging Face decoder layer."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x, scale=None):
+        return (x + self.mlp(x) * scale,)
+
+
+class _LoopModule(torch.nn.Module):
+    """Loops over its own ModuleList (no RecomputeLayers) and exposes it through dcp_repeated_layers()."""
+
+    def __init__(self, hidden: int = 16, layers: int = 3, expose: bool = True):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, hidden)
+        self.blocks = torch.nn.ModuleList(_LoopBlock(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, 32)
+        self.calls = 0
+        if not expose:
+            self.dcp_repeated_layers = None
+
+    def dcp_repeated_layers(self):
+        return list(self.blocks)
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch["input_ids"])
+        for block in self.blocks:
+            self.calls += 1
+            x = block(x, scale=torch.tensor(0.5))[0]
+        return torch.nn.functional.cross_entropy(self.head(x), batch["labels"])
+
+
+def _loop_data(lengths=(8, 24, 40)):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 32, (n,), generator=g), "labels": torch.randint(0, 32, (n,), generator=g)}
+            for n in lengths]
+
+
+def test_profile_module_measures_a_stack_exposed_by_dcp_repeated_layers():
+    from lightning_dcp.profiling import find_layer_stack
+
+    module = _LoopModule()
+    stack = find_layer_stack(module)
+    assert stack.recompute is None and stack.hook_target is module.blocks[0] and len(stack) == 3
+    profile = profile_module(module, _loop_data(), micro_batch_sizes=[1], time_budget_s=None)
+    validate_profile(profile)
+    assert profile["model"]["num_layers"] == 3 and profile["meta"]["profiled_layers"] == 3
+    assert len(profile["entries"]) == 3 and all(p.grad is None for p in module.parameters())
+    for e in profile["entries"]:
+        assert e["input_bytes"] == e["seq_len"] * 16 * 4 and e["activation_bytes"] > e["input_bytes"]
+        assert e["forward_s"] > 0 and e["recompute_s"] >= 0
+    assert profile["constant"]["time_s"] >= 0 and profile["constant"]["activation_bytes_per_token"] > 0
+
+
+def test_generic_checkpoint_recomputes_under_the_forward_sp_context():
+    from lightning_dcp.context import SPContext, active_context, sp_context
+    from lightning_dcp.profiling import find_layer_stack
+
+    module = _LoopModule()
+    stack = find_layer_stack(module)
+    seen = []
+    module.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(active_context().recompute))
+    run = stack.checkpointed(stack.measured_layer)
+    x = torch.randn(5, 16, requires_grad=True)
+    with sp_context(SPContext(recompute=7)):  # recompute=7 tags the context of the forward
+        y = run(x, scale=torch.tensor(0.5))[0]
+    y.sum().backward()  # outside the context: the recomputation must re-enter the forward's
+    assert seen == [7, 7] and x.grad is not None
+
+
+def test_module_without_repeated_layers_is_reported_not_profiled(tmp_path, caplog):
+    import lightning.pytorch as pl
+
+    from lightning_dcp.profiling import NoRepeatedLayersError
+
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(NoRepeatedLayersError, match="no repeated layers found in Plain"):
+        profile_module(Plain(), [{"x": torch.zeros(3, 4)}])
+    profiler = DCPProfiler(cache_dir=str(tmp_path))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[profiler])
+    with caplog.at_level("INFO"):
+        trainer.fit(Plain(), DataLoader(torch.zeros(4, 4), batch_size=2))
+    assert trainer.global_step == 1
+    assert profiler.cache_status == "no-layers" and profiler.cost_model is None and not list(tmp_path.iterdir())
+    lines = [r.getMessage() for r in caplog.records if "no repeated layers" in r.getMessage()]
+    assert len(lines) == 1 and "profiling skipped" in lines[0] and "dcp_repeated_layers()" in lines[0]

@@ -94,12 +94,23 @@ def read_lengths(path: Path) -> list[int]:
     return [int(n) for n in data]
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it back at once
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, so a failure leaves nothing behind."""
+    """Write ``text`` to ``path`` through a temporary file, so a failure leaves nothing behind.
+
+    The file gets the mode a plain ``open(path, "w")`` would give it (``0o666`` minus the umask,
+    usually ``0o644``), not the ``0o600`` of the temporary file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         os.replace(tmp, path)

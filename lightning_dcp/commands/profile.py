@@ -3,7 +3,7 @@
 Builds :class:`~lightning_dcp.models.DCPTransformerModule` for a named model with its layer count
 cut to ``--layers`` (at least 2: one warms up, one is measured; the profile is per layer, so the
 file records the *full* model's ``num_layers`` and the full model's signature in its key),
-synthetic data of the requested lengths, and runs :func:`lightning_dcp.profiler.profile_module`
+synthetic data of the requested lengths, and runs :func:`lightning_dcp.profiling.profile_module`
 (the same core the :class:`~lightning_dcp.DCPProfiler` callback runs).
 
 One process measures SP size 1 only. Started by ``torchrun --nproc-per-node N`` it initialises
@@ -98,11 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from lightning_dcp import __version__
+    from lightning_dcp._version import __version__
     from lightning_dcp.models.module import DCPTransformerModule, resolve_spec
     from lightning_dcp.planning.profile import save_profile
-    from lightning_dcp.profile_cache import ProfileKey, device_name, model_signature
-    from lightning_dcp.profiler import profile_module
+    from lightning_dcp.profiling.cache import ProfileKey, device_name, model_signature
+    from lightning_dcp.profiling import profile_module
 
     try:
         spec = resolve_spec(args.model)

@@ -8,9 +8,31 @@ micro-batches per rank, recompute) and the imbalance ratio at the end. Nothing t
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 HELP = "train a small model with DCPStrategy on synthetic any-size data (2 CPU processes, or all GPUs)"
+
+#: What the per-step line means (``lightning-dcp train --help``).
+STEP_LINE_HELP = """\
+Each optimizer step prints one line (rank 0), for example
+
+  step   4: items=9 sp={1:7, 2:2} mb/rank=[7, 4] recompute=[0, 2, 3, 4] imbalance=0.029 time=0.81s loss=5.4206
+
+  items       micro-batches in the step's plan, all ranks together (a micro-batch of an SP
+              group counts once)
+  sp={p:n}    n micro-batches ran on SP groups of p ranks (p=1: one rank alone)
+  mb/rank     micro-batches each rank accumulated, by global rank: DCP balances the ranks' work
+              by giving them different counts
+  recompute   the distinct numbers of layers recomputed (activation checkpointing) in the step's
+              micro-batches: [0, 3, 4] means some micro-batches recomputed no layer, some 3 and
+              some 4; long samples recompute more to fit the memory limit
+  imbalance   mean idle time of the ranks / the busiest rank's time, at the step-end gradient
+              reduction (0 = perfectly balanced)
+  time        wall seconds of the step (start to next start: data loading, optimizer included)
+  loss        the step's loss over the whole global batch (all ranks; a token mean by default)
+
+At the end: the SP sizes used, the mean imbalance over the steps after the first, tokens/s."""
 
 #: Default per-process memory budget on CPU, per model: a little above the model's static memory
 #: (weights, gradients, AdamW state: ~3.6 MiB for tiny-1d, ~9.4 MiB for tiny-2d) so that the
@@ -36,6 +58,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "recompute)")
     parser.add_argument("--no-progress-bar", action="store_true")
     parser.add_argument("--quiet-plans", action="store_true", help="do not print every step's plan")
+    parser.epilog = STEP_LINE_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _quiet_nonzero_rank() -> None:
+    """On ranks other than 0 (Lightning re-runs this command with ``LOCAL_RANK``/``NODE_RANK`` set),
+    drop deprecation and future warnings of the libraries: rank 0 shows each once."""
+    import warnings
+
+    if any(os.environ.get(v, "0") not in ("", "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category)
+
+
+def _progress_bar() -> Any:
+    """Lightning's default bar, with the epoch shown as ``Epoch 0`` rather than ``Epoch 0/-2`` in a
+    step-bounded run (``max_epochs=-1``; Lightning < 2.7, issue Lightning-AI/pytorch-lightning#21925)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    if not _RICH_AVAILABLE:
+        return TQDMProgressBar()
+
+    class StepBoundedRichProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            description = super()._get_train_description(current_epoch)
+            if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+                description = description.replace(f"/{self.trainer.max_epochs - 1}", "")
+            return description
+
+    return StepBoundedRichProgressBar()
 
 
 def _plan_printer(quiet: bool) -> Any:
@@ -51,7 +104,7 @@ def _plan_printer(quiet: bool) -> Any:
                 return
             plan = batch["meta"]["plan"]
             pl_module.print(f"step {trainer.global_step:3d}: {format_plan(plan, trainer.world_size)} "
-                            f"imbalance={m.imbalance:.3f} loss={m.loss:.4f}")
+                            f"imbalance={m.imbalance:.3f} time={m.step_s:.2f}s loss={m.loss:.4f}")
 
     return PlanPrinter()
 
@@ -62,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.global_batch_size < 1 or args.num_samples < args.global_batch_size:
         raise CLIError(f"need --steps >= 1 and --num-samples ({args.num_samples}) >= --global-batch-size "
                        f"({args.global_batch_size}) >= 1")
+    _quiet_nonzero_rank()
+    import warnings
+
+    # the demo module has a validation_step; this command trains without validation on purpose
+    warnings.filterwarnings("ignore", message=".*`validation_step` but have no `val_dataloader`")
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -85,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
                                profile=args.profile)
     except ValueError as err:
         raise CLIError(str(err)) from None
-    callbacks = [_plan_printer(args.quiet_plans)]
+    callbacks = [_plan_printer(args.quiet_plans)] + ([] if args.no_progress_bar else [_progress_bar()])
     if args.profile:
-        from lightning_dcp.profiler import DCPProfiler
+        from lightning_dcp.profiling import DCPProfiler
 
         limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (None if cuda else CPU_MEMORY_LIMIT_MIB[args.model])
         callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20))

@@ -1,0 +1,295 @@
+""":func:`profile_module`: run the grid, fit the constant parts, assemble a v1 profile.
+
+The measuring recipe (what one grid point and the constant section measure) is described in
+:mod:`lightning_dcp.profiling`; this module sequences it: set up (layers, samples, grid) →
+measure every grid point → measure the constant parts at SP 1 → assemble and validate the
+``lightning-dcp/profile/v1`` dict, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_dcp.context import SPContext, sp_context
+from lightning_dcp.planning.profile import PROFILE_SCHEMA, validate_profile
+from lightning_dcp.profiling import harness, measure
+from lightning_dcp.profiling.grid import (DENSITIES, GridPoint, ProfileGrid, Samples, build_grid, check_sp_sizes,
+                                          default_sp_sizes, select_lengths)
+from lightning_dcp.profiling.layers import LayerStack, find_layer_stack
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CPU_MEMORY_LIMIT", "profile_module"]
+
+CPU_MEMORY_LIMIT = 8 * 2**30
+
+
+@dataclass
+class _Run:
+    """What every stage of one profiling run shares."""
+
+    module: nn.Module
+    device: torch.device
+    autocast: Callable[[], ContextManager]
+    step_fn: Callable[[nn.Module, Any], torch.Tensor]
+    world_size: int
+    rank: int
+    stack: LayerStack
+    heads: int | None
+    samples: Samples
+    exclude: set[int]
+
+
+def _prepare(module: nn.Module, data: Any, device: Any, autocast: Any, step_fn: Any, layers_attr: str | None,
+             num_heads: int | None) -> _Run:
+    distributed = dist.is_available() and dist.is_initialized()
+    params = list(module.parameters())
+    exclude = {p.untyped_storage().data_ptr() for p in params} | {b.untyped_storage().data_ptr() for b in module.buffers()}
+    return _Run(
+        module=module,
+        device=torch.device(device) if device is not None else params[0].device,
+        autocast=autocast or contextlib.nullcontext,
+        step_fn=step_fn or harness.default_step,
+        world_size=dist.get_world_size() if distributed else 1,
+        rank=dist.get_rank() if distributed else 0,
+        stack=find_layer_stack(module, layers_attr),
+        heads=num_heads or harness.find_int_attr(module, "num_heads"),
+        samples=Samples(data),
+        exclude=exclude,
+    )
+
+
+def _plan_grid(run: _Run, lengths: Sequence[int] | None, micro_batch_sizes: Sequence[int] | None,
+               sp_sizes: Sequence[int] | None, density: str) -> ProfileGrid:
+    """Rank 0's grid, broadcast: lengths the data has (nearest to those asked), sizes checked."""
+    count, default_mbs = DENSITIES[density]
+    sps = check_sp_sizes(sp_sizes if sp_sizes is not None else default_sp_sizes(run.world_size, run.heads),
+                         run.world_size, run.heads)
+    wanted = list(lengths) if lengths is not None else select_lengths(run.samples.lengths, count)
+    actual = sorted({run.samples.pick(n, 1)[0] for n in wanted})
+    if lengths is not None and actual != sorted(set(int(n) for n in wanted)):
+        log.info("profile lengths %s not all in the data; using the nearest lengths it has: %s", sorted(wanted), actual)
+    return measure.broadcast(build_grid(actual, micro_batch_sizes or default_mbs, sps))
+
+
+def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tuple[int, dict[str, float]]:
+    """(length actually run, this rank's measurement) for one grid point on its SP group."""
+    from lightning_dcp.packing import pack_samples
+
+    p = point.sp
+    block = run.rank // p * p
+    sp_rank = run.rank - block
+    group = group_for(list(range(block, block + p))) if p > 1 else None
+    seq_len, idx = run.samples.pick(point.seq_len, point.micro_batch)
+    batch = pack_samples([run.samples[i] for i in idx], pad_to_multiple=p, sample_indices=idx)
+    batch = harness.to_device(harness.shard_batch(run.module, batch, p, sp_rank), run.device)
+    with sp_context(SPContext(group=group, size=p, rank=sp_rank, recompute=0)):
+        args, kwargs = measure.capture(run.module, run.stack, batch, run.step_fn, run.autocast)
+        m = measure.measure_point(run.stack, args, kwargs, run.device, run.autocast, run.exclude, group)
+    return seq_len, m
+
+
+def _measure_grid(run: _Run, grid: ProfileGrid, group_for: Callable | None, time_budget_s: float | None,
+                  t_start: float) -> tuple[list[dict], list[GridPoint]]:
+    """Every grid point in order (optional ones skipped once over budget); entries agreed by MAX over ranks."""
+    entries: list[dict] = []
+    skipped: list[GridPoint] = []
+    over_budget = False
+    for point in grid.points:
+        if over_budget and not point.required:
+            skipped.append(point)
+            continue
+        seq_len, m = _measure_one(run, point, group_for)
+        elapsed = time.perf_counter() - t_start
+        fwd, bwd, rec, act, inp, peak, elapsed = measure.allreduce_max(
+            [m["forward_s"], m["backward_s"], m["recompute_s"], m["activation_bytes"], m["input_bytes"], m["peak_bytes"],
+             elapsed], run.device)
+        entries.append({"seq_len": seq_len, "micro_batch": point.micro_batch, "sp": point.sp, "forward_s": fwd,
+                        "backward_s": bwd, "recompute_s": rec, "activation_bytes": int(act), "input_bytes": int(inp),
+                        "peak_bytes": int(peak) if run.device.type == "cuda" else None})
+        if time_budget_s is not None and elapsed > time_budget_s:
+            over_budget = True
+    if skipped:
+        log.info("profiling went over its %.0f s budget: skipped %d of %d grid points (%s)", time_budget_s, len(skipped),
+                 len(grid.points), ", ".join(f"l={q.seq_len} b={q.micro_batch} sp={q.sp}" for q in skipped[:8]))
+    return entries, skipped
+
+
+@dataclass
+class _States:
+    """Model-state sizes: what is reduced, stepped and held per rank."""
+
+    trainable_numel: int
+    param_bytes: int
+    grad_dtype: torch.dtype
+    memory_bytes: int
+
+
+def _model_states(module: nn.Module, states_module: nn.Module | None, optimizer: Any) -> _States:
+    source = states_module if states_module is not None else module
+    params = list(source.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    memory = (sum(p.numel() * p.element_size() for p in params) + sum(b.numel() * b.element_size() for b in source.buffers())
+              + param_bytes + measure.optimizer_state_bytes(optimizer, param_bytes))
+    return _States(sum(p.numel() for p in trainable), param_bytes, trainable[0].dtype if trainable else torch.float32,
+                   memory)
+
+
+def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _States) -> dict[str, float]:
+    """The ``constant`` section's measured fields: a two-point line ``c0 + c1 * tokens`` of the step
+    with the layers bypassed (smallest and largest grid length, SP 1), optimizer and all-reduce time."""
+    from lightning_dcp.packing import pack_samples
+
+    const = []
+    for n in sorted({grid.lengths[0], grid.lengths[-1]}):
+        seq_len, idx = run.samples.pick(n, 1)
+        batch = harness.to_device(pack_samples([run.samples[i] for i in idx], sample_indices=idx), run.device)
+        with sp_context(SPContext()):
+            t, saved = measure.measure_constant_run(run.module, run.stack, batch, run.step_fn, run.device, run.autocast,
+                                                    run.exclude)
+        const.append((seq_len, t, saved))
+    (n0, t0, s0), (n1, t1, s1) = const[0], const[-1]
+    slope = max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
+    c0 = max(0.0, t0 - slope * n0)
+    act_per_token = max(s0 / n0, s1 / n1)
+    opt_s = measure.optimizer_time(optimizer, run.stack.measured_layer, states.trainable_numel)
+    allreduce_s = measure.allreduce_time(states.param_bytes, states.grad_dtype, run.device)
+    c0, slope, act_per_token, opt_s, allreduce_s = measure.allreduce_max([c0, slope, act_per_token, opt_s, allreduce_s],
+                                                                         run.device)
+    return {"time_s": c0, "time_per_token_s": slope, "optimizer_s": opt_s, "allreduce_s": allreduce_s,
+            "activation_bytes_per_token": act_per_token}
+
+
+def default_memory_limit(device: torch.device, memory_fraction: float = 0.9) -> float:
+    """Usable bytes per device: CUDA total memory x ``memory_fraction``; 8 GiB on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory * memory_fraction
+    return float(CPU_MEMORY_LIMIT)
+
+
+def default_key(module: nn.Module, device: torch.device, precision: str, world_size: int) -> dict:
+    """The cache key of a profile of ``module`` measured here (:class:`~lightning_dcp.profiling.cache.ProfileKey`)."""
+    from lightning_dcp._version import __version__
+    from lightning_dcp.profiling.cache import ProfileKey, device_name, model_signature
+
+    return ProfileKey(model_signature(module), device_name(device), precision, world_size, __version__).to_dict()
+
+
+def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[GridPoint], constant: dict[str, float],
+              states: _States, *, key: Mapping[str, Any], num_layers: int | None, memory_limit_bytes: float,
+              density: str, time_budget_s: float | None, profiling_s: float) -> dict:
+    hidden = harness.find_int_attr(run.module, "hidden_size")
+    device = run.device
+    return {
+        "schema": PROFILE_SCHEMA,
+        "key": dict(key),
+        "model": {"num_layers": int(num_layers or len(run.stack)), "num_heads": int(run.heads or max(grid.sp_sizes)),
+                  **({"hidden_size": hidden} if hidden else {})},
+        "device": {"memory_limit_bytes": float(memory_limit_bytes),
+                   "gpus_per_node": torch.cuda.device_count() if device.type == "cuda" else 1},
+        "constant": {**constant, "memory_bytes": float(states.memory_bytes), "param_bytes": float(states.param_bytes)},
+        "entries": entries,
+        "meta": {"created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                 "profiling_s": round(profiling_s, 3), "grid": len(entries), "skipped": len(skipped),
+                 "density": density, "time_budget_s": time_budget_s, "host": platform.node(),
+                 "lengths": grid.lengths, "micro_batch_sizes": grid.micro_batch_sizes, "sp_sizes": grid.sp_sizes,
+                 "profiled_layers": len(run.stack)},
+    }
+
+
+def profile_module(
+    module: nn.Module,
+    data: Any,
+    *,
+    device: torch.device | str | None = None,
+    precision: str = "32-true",
+    autocast: Callable[[], ContextManager] | None = None,
+    step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: Any = None,
+    group_for: Callable[[Sequence[int]], Any] | None = None,
+    lengths: Sequence[int] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    sp_sizes: Sequence[int] | None = None,
+    density: str = "coarse",
+    time_budget_s: float | None = 60.0,
+    memory_limit_bytes: float | None = None,
+    memory_fraction: float = 0.9,
+    layers_attr: str | None = None,
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    key: Mapping[str, Any] | None = None,
+    states_module: nn.Module | None = None,
+    cpu_clock: str = "wall",
+) -> dict:
+    """Measure a dual-layer profile of ``module`` on ``data``; return a valid v1 profile dict.
+
+    A collective when ``torch.distributed`` is initialised with more than one rank: every rank
+    calls it with the same arguments (rank 0's grid is broadcast) and gets the same profile.
+
+    Args:
+        module: the model (a LightningModule, or any module ``step_fn`` can drive) holding one
+            :class:`~lightning_dcp.recompute.RecomputeLayers` or defining ``dcp_repeated_layers()``
+            (see :mod:`lightning_dcp.profiling.layers`); already on ``device``.
+        data: a dataset with ``.lengths`` and ``__getitem__``, or a list of sample dicts.
+        device: where to measure (default: the device of the module's first parameter).
+        precision: Lightning precision name recorded in the key (``"32-true"``, ``"bf16-mixed"``...).
+        autocast: factory of the context the forward runs in (Lightning's
+            ``precision_plugin.train_step_context``; default none).
+        step_fn: ``step_fn(module, batch) -> loss``; default ``module.training_step(batch, 0)``.
+        optimizer: the optimizer whose step is timed (on clones); ``None`` gives ``optimizer_s = 0``.
+        group_for: ``group_for(ranks) -> ProcessGroup | None`` (``DCPStrategy.sp_groups.group_for``);
+            on several ranks without it, groups are created with :func:`~lightning_dcp.profiling.harness.make_sp_groups`.
+        lengths: grid lengths (default: quantiles of the data's lengths, 4 coarse / 8 fine).
+        micro_batch_sizes: default ``(1, 2)`` coarse, ``(1, 2, 4)`` fine.
+        sp_sizes: default every power of two up to the world size that divides ``num_heads``.
+        density: ``"coarse"`` or ``"fine"``.
+        time_budget_s: after this many seconds of profiling, points not ``required`` are skipped
+            (logged); ``None``: no budget.
+        memory_limit_bytes: ``device.memory_limit_bytes`` (default: CUDA total x ``memory_fraction``, CPU 8 GiB).
+        layers_attr: dotted name of the RecomputeLayers when the module has several.
+        num_layers: ``model.num_layers`` to record (default: the number of repeated layers; the CLI
+            records the full model's count after profiling a reduced one).
+        num_heads: attention heads (default: a ``num_heads`` attribute in the module; SP sizes must divide it).
+        key: the ``key`` section (a :class:`~lightning_dcp.profiling.cache.ProfileKey` dict); default
+            computed from the module, device, precision and world size.
+        states_module: the module whose parameters define ``param_bytes``, ``memory_bytes`` and
+            the optimizer-time scaling (default ``module``; the CLI passes the full model built on
+            the meta device when it measured a reduced-layer copy).
+        cpu_clock: ``"wall"`` (default, ``time.perf_counter``) or ``"process"``
+            (``time.process_time``: immune to other processes on a shared machine; use with one
+            torch thread and SP 1 only, e.g. for accuracy benchmarks).
+    """
+    t_start = time.perf_counter()
+    if cpu_clock not in measure.CPU_CLOCKS:
+        raise ValueError(f"cpu_clock must be one of {sorted(measure.CPU_CLOCKS)}, got {cpu_clock!r}")
+    if density not in DENSITIES:
+        raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
+    run = _prepare(module, data, device, autocast, step_fn, layers_attr, num_heads)
+    grid = _plan_grid(run, lengths, micro_batch_sizes, sp_sizes, density)
+    if group_for is None and run.world_size > 1 and any(p > 1 for p in grid.sp_sizes):
+        group_for = harness.make_sp_groups(run.world_size, grid.sp_sizes)
+    states = _model_states(module, states_module, optimizer)
+    with measure.cpu_clock(cpu_clock), harness.preserved_state(module), harness.muted_logging(module):
+        module.train()
+        entries, skipped = _measure_grid(run, grid, group_for, time_budget_s, t_start)
+        constant = _measure_constants(run, grid, optimizer, states)
+    profile = _assemble(
+        run, grid, entries, skipped, constant, states,
+        key=key if key is not None else default_key(module, run.device, precision, run.world_size),
+        num_layers=num_layers, density=density, time_budget_s=time_budget_s,
+        memory_limit_bytes=memory_limit_bytes if memory_limit_bytes is not None else default_memory_limit(run.device, memory_fraction),
+        profiling_s=time.perf_counter() - t_start,
+    )
+    profile = measure.broadcast(profile)  # rank 0's copy everywhere (profiling_s and host may differ per rank)
+    return validate_profile(profile)

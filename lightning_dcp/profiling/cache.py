@@ -1,0 +1,176 @@
+"""On-disk cache of dual-layer profiles, keyed by what makes a profile valid.
+
+A profile (schema ``lightning-dcp/profile/v1``, see :mod:`lightning_dcp.planning.profile`) is
+valid for one model, one device type, one precision, one world size and one package version.
+Those five values form the :class:`ProfileKey`; the file name is a hash of the whole key, so
+profiles of different keys never overwrite each other::
+
+    <cache_dir>/<sha256(key)[:16]>.json
+
+``cache_dir`` is, in order: the explicit argument, the ``LIGHTNING_DCP_CACHE`` environment
+variable, ``~/.cache/lightning-dcp/profiles``.
+
+A lookup never trusts a file it cannot verify: a file that is not JSON or fails
+:func:`~lightning_dcp.planning.profile.validate_profile` is *corrupt*; a valid profile whose
+stored ``key`` differs from the expected one (hash collision, hand-copied file, older package)
+is *foreign*. Both are reported with a warning naming the file and treated as a miss; the next
+store overwrites them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from lightning_dcp.planning.profile import ProfileError, validate_profile
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger(__name__)
+
+#: Environment variable that overrides the default cache directory.
+CACHE_ENV = "LIGHTNING_DCP_CACHE"
+
+HIT, MISS, CORRUPT, FOREIGN = "hit", "miss", "corrupt", "foreign"
+
+
+class ProfileCacheWarning(UserWarning):
+    """A cached profile file was corrupt or foreign and is being ignored."""
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """What a profile is valid for; stored verbatim as the profile's ``key`` section.
+
+    Args:
+        model_signature: :func:`model_signature` of the module (hex sha256).
+        device: device name (:func:`device_name`).
+        dtype: the precision the layers ran in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
+        world_size: number of ranks the profile was made on (it holds SP sizes up to this).
+        package_version: ``lightning_dcp.__version__``.
+    """
+
+    model_signature: str
+    device: str
+    dtype: str
+    world_size: int
+    package_version: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ProfileKey":
+        return cls(**{f: data[f] for f in cls.__dataclass_fields__})
+
+    def digest(self) -> str:
+        """sha256 hex of the canonical JSON of the key."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def filename(self) -> str:
+        return f"{self.digest()[:16]}.json"
+
+
+@dataclass
+class CacheLookup:
+    """Result of :func:`load_cached`: ``status`` is ``"hit"``, ``"miss"``, ``"corrupt"`` or ``"foreign"``."""
+
+    status: str
+    path: Path
+    profile: dict | None = None
+    reason: str = ""
+
+    @property
+    def hit(self) -> bool:
+        return self.status == HIT
+
+
+def model_signature(module: "torch.nn.Module") -> str:
+    """sha256 hex over the module class (``module.qualname``) and every parameter's (name, shape, dtype).
+
+    Weights' values are not part of it: a profile measures time and memory, which depend on the
+    architecture only. Changing a layer width, the layer count or a parameter dtype changes it.
+    """
+    cls = type(module)
+    h = hashlib.sha256(f"{cls.__module__}.{cls.__qualname__}".encode())
+    for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+        h.update(f"|{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    return h.hexdigest()
+
+
+def device_name(device: "torch.device | str") -> str:
+    """``torch.cuda.get_device_name`` on CUDA; ``"cpu (<processor or machine>)"`` elsewhere."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    proc = platform.processor() or platform.machine() or "unknown"
+    return f"{device.type} ({proc})"
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_DCP_CACHE`` if set, else ``~/.cache/lightning-dcp/profiles``."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "lightning-dcp" / "profiles"
+
+
+def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The cache directory: ``cache_dir`` if given, else :func:`default_cache_dir`."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def profile_path(key: ProfileKey, cache_dir: str | Path | None = None) -> Path:
+    """The file for ``key`` inside the cache directory."""
+    return resolve_cache_dir(cache_dir) / key.filename()
+
+
+def _ignore(status: str, path: Path, reason: str) -> CacheLookup:
+    msg = f"ignoring {status} profile cache file {path}: {reason}; re-profiling and overwriting it."
+    warnings.warn(msg, ProfileCacheWarning, stacklevel=3)
+    log.warning(msg)
+    return CacheLookup(status, path, None, reason)
+
+
+def load_cached(key: ProfileKey, cache_dir: str | Path | None = None) -> CacheLookup:
+    """Look ``key`` up. Returns a hit only for a valid v1 profile whose stored key equals ``key``."""
+    path = profile_path(key, cache_dir)
+    if not path.exists():
+        return CacheLookup(MISS, path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return _ignore(CORRUPT, path, f"not readable JSON ({err})")
+    try:
+        data = validate_profile(data)
+    except ProfileError as err:
+        return _ignore(CORRUPT, path, f"not a valid profile ({err})")
+    stored = data.get("key")
+    if not isinstance(stored, Mapping) or dict(stored) != key.to_dict():
+        return _ignore(FOREIGN, path, f"its key {stored!r} is not the expected {key.to_dict()!r}")
+    return CacheLookup(HIT, path, data)
+
+
+def store(profile: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path:
+    """Validate ``profile`` and write it atomically under the key it carries; returns the path.
+
+    The temporary file name holds the process id so concurrent writers never share it.
+    """
+    validate_profile(profile)
+    key = ProfileKey.from_dict(profile["key"])
+    path = profile_path(key, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,187 @@
+""":class:`DCPProfiler`: the Lightning callback that profiles (or loads the cached profile) at fit
+start and hands the measured cost model to the strategy."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_dcp.profiling import cache as profile_cache
+from lightning_dcp.profiling.assemble import profile_module
+from lightning_dcp.profiling.grid import DENSITIES
+from lightning_dcp.profiling.harness import find_int_attr
+from lightning_dcp.profiling.layers import LayerStack, NoRepeatedLayersError, find_layer_stack
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DCPProfiler"]
+
+
+class DCPProfiler(Callback):
+    """Profile (or load the cached profile) at fit start and hand the cost model to the strategy.
+
+    At ``on_fit_start`` (after ``strategy.setup``, before the dataloaders and the DCP sampler
+    exist): compute the cache key (model signature, device name, precision, world size, package
+    version); rank 0 looks it up in the cache; on a hit the profile is broadcast to every rank;
+    otherwise every rank runs :func:`~lightning_dcp.profiling.profile_module` together (SP sizes
+    above 1 on the strategy's real groups) and rank 0 writes the file. A corrupt or foreign cache
+    file is reported with a warning and replaced. Then
+    ``trainer.strategy.set_cost_model(ProfiledCostModel(profile))`` when the strategy has it; the
+    profile and cost model also stay on the callback (:attr:`profile`, :attr:`cost_model`), as do
+    :attr:`cache_status` and :attr:`profiling_s`. Rank 0 prints one line when profiling starts
+    and one when it ends (or one for a cache hit).
+
+    A module without repeated layers (no :class:`~lightning_dcp.recompute.RecomputeLayers`, no
+    ``dcp_repeated_layers()``) is not profiled: one line says so on rank 0, :attr:`cache_status`
+    is ``"no-layers"`` and no cost model is set (the strategy keeps its own).
+
+    Args:
+        cache_dir: cache directory (default ``$LIGHTNING_DCP_CACHE`` or ``~/.cache/lightning-dcp/profiles``).
+        time_budget_s: seconds after which optional grid points are skipped (``None``: no budget).
+        density: ``"coarse"`` (4 lengths x micro-batch {1, 2}) or ``"fine"`` (8 x {1, 2, 4}).
+        lengths: explicit grid lengths (default: quantiles of the dataset's lengths).
+        micro_batch_sizes: explicit micro-batch sizes (default by density).
+        sp_sizes: explicit SP sizes (default: powers of two up to the world size dividing the
+            heads under a strategy with ``sp_groups``; ``[1]`` otherwise).
+        memory_limit_bytes: usable bytes per device (default: CUDA total x 0.9, CPU 8 GiB).
+        enabled: ``False`` turns the callback into a no-op.
+        layers_attr: dotted name of the RecomputeLayers when the model has several.
+        dataset: the dataset to draw micro-batches from (default: the train dataloader's dataset,
+            obtained by calling the ``train_dataloader`` hook once more).
+        step_fn: ``step_fn(module, batch) -> loss`` (default ``module.training_step(batch, 0)``).
+        use_cache: ``False`` always profiles and writes nothing.
+    """
+
+    def __init__(self, cache_dir: str | None = None, time_budget_s: float | None = 60.0, density: str = "coarse",
+                 lengths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
+                 sp_sizes: Sequence[int] | None = None, memory_limit_bytes: float | None = None, enabled: bool = True,
+                 layers_attr: str | None = None, dataset: Any = None,
+                 step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, use_cache: bool = True):
+        if density not in DENSITIES:
+            raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
+        if time_budget_s is not None and time_budget_s < 0:
+            raise ValueError(f"time_budget_s must be >= 0 or None, got {time_budget_s}")
+        self.cache_dir = cache_dir
+        self.time_budget_s = time_budget_s
+        self.density = density
+        self.lengths = list(lengths) if lengths is not None else None
+        self.micro_batch_sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
+        self.sp_sizes = list(sp_sizes) if sp_sizes is not None else None
+        self.memory_limit_bytes = memory_limit_bytes
+        self.enabled = enabled
+        self.layers_attr = layers_attr
+        self.dataset = dataset
+        self.step_fn = step_fn
+        self.use_cache = use_cache
+        self.profile: dict | None = None
+        self.cost_model: Any = None
+        self.cache_status: str | None = None
+        self.cache_file: str | None = None
+        self.profiling_s: float = 0.0
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _dataset(self, trainer: Any) -> Any:
+        if self.dataset is not None:
+            return self.dataset
+        source = trainer.fit_loop._data_source
+        if not source.is_defined():
+            raise RuntimeError("DCPProfiler found no train dataloader to take samples from; pass DCPProfiler(dataset=...)")
+        loaders = source.dataloader()
+        loader = loaders if not isinstance(loaders, (list, tuple, dict)) else (
+            next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0])
+        return getattr(loader, "dataset", loader)
+
+    def _key(self, trainer: Any, module: nn.Module) -> profile_cache.ProfileKey:
+        from lightning_dcp._version import __version__
+
+        return profile_cache.ProfileKey(profile_cache.model_signature(module),
+                                        profile_cache.device_name(trainer.strategy.root_device), str(trainer.precision),
+                                        trainer.world_size, __version__)
+
+    def _sp_sizes(self, strategy: Any, pl_module: Any) -> list[int] | None:
+        sp_groups = getattr(strategy, "sp_groups", None)
+        if self.sp_sizes is not None:
+            return self.sp_sizes
+        if getattr(sp_groups, "group_for", None) is None:
+            return [1]  # no SP groups to profile on (not a DCP strategy)
+        if getattr(sp_groups, "sizes", None):
+            heads = find_int_attr(pl_module, "num_heads")  # the strategy's groups, those the heads allow
+            return [p for p in sp_groups.sizes if heads is None or heads % p == 0]
+        return None
+
+    def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack) -> dict:
+        strategy = trainer.strategy
+        path = profile_cache.profile_path(key, self.cache_dir) if self.use_cache else None
+        budget = "no time budget" if self.time_budget_s is None else f"budget {self.time_budget_s:g} s"
+        rank_zero_info(f"DCP profiling {stack.name} ({len(stack)} layers) on {key.device}, {budget}; "
+                       + (f"cache {self.cache_status}, will write {path}" if path else "cache off"))
+        optimizers = getattr(trainer, "optimizers", None) or [None]
+        profile = profile_module(
+            pl_module, self._dataset(trainer), device=strategy.root_device, precision=str(trainer.precision),
+            autocast=strategy.precision_plugin.train_step_context, step_fn=self.step_fn, optimizer=optimizers[0],
+            group_for=getattr(getattr(strategy, "sp_groups", None), "group_for", None), lengths=self.lengths,
+            micro_batch_sizes=self.micro_batch_sizes, sp_sizes=self._sp_sizes(strategy, pl_module), density=self.density,
+            time_budget_s=self.time_budget_s, memory_limit_bytes=self.memory_limit_bytes, layers_attr=self.layers_attr,
+            key=key.to_dict(),
+        )
+        if self.use_cache and trainer.is_global_zero:
+            profile_cache.store(profile, self.cache_dir)
+        strategy.barrier("dcp_profile_stored")
+        return profile
+
+    def _report(self, trainer: Any, profile: dict) -> None:
+        meta = profile.get("meta", {})
+        if self.cache_status == profile_cache.HIT:
+            rank_zero_info(f"DCP profile loaded from cache {self.cache_file} ({meta.get('grid')} grid points, "
+                           f"measured {meta.get('created', '?')})")
+        else:
+            where = f"written to {self.cache_file}" if self.cache_file else "not cached"
+            rank_zero_info(f"DCP profiling done: {meta.get('grid')} grid points ({meta.get('skipped', 0)} skipped over "
+                           f"budget) in {self.profiling_s:.1f} s; {where}")
+        logger = getattr(trainer, "logger", None)
+        if logger is not None:
+            try:
+                logger.log_metrics({"dcp/profile_s": float(self.profiling_s), "dcp/profile_grid": float(meta.get("grid", 0)),
+                                    "dcp/profile_cache_hit": float(self.cache_status == profile_cache.HIT)}, step=0)
+            except Exception as err:  # noqa: BLE001 - a logger failure must not stop the fit
+                log.warning("could not log profiling metrics: %s", err)
+
+    # -- hook ----------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.enabled:
+            self.cache_status = "disabled"
+            return
+        try:
+            stack = find_layer_stack(pl_module, self.layers_attr)
+        except NoRepeatedLayersError:
+            self.cache_status = "no-layers"
+            rank_zero_info(f"no repeated layers found in {type(pl_module).__name__}: profiling skipped; the strategy runs "
+                           "without a measured cost model; add RecomputeLayers or dcp_repeated_layers() to profile")
+            return
+        t0 = time.perf_counter()
+        strategy = trainer.strategy
+        key = self._key(trainer, pl_module)
+        lookup = profile_cache.load_cached(key, self.cache_dir) if self.use_cache and trainer.is_global_zero else None
+        status, profile = strategy.broadcast((lookup.status, lookup.profile) if lookup else ("off", None), src=0)
+        self.cache_status = status
+        self.cache_file = str(profile_cache.profile_path(key, self.cache_dir)) if self.use_cache else None
+        if profile is None:
+            profile = self._measure(trainer, pl_module, key, stack)
+        self.profiling_s = time.perf_counter() - t0
+        self.profile = profile
+        from lightning_dcp.planning.profiled import ProfiledCostModel
+
+        # An explicit limit is a planning budget, not a measurement: it applies to cached profiles too.
+        self.cost_model = ProfiledCostModel(profile, memory_limit=self.memory_limit_bytes)
+        set_cost_model = getattr(strategy, "set_cost_model", None)
+        if callable(set_cost_model):
+            set_cost_model(self.cost_model)
+        self._report(trainer, profile)

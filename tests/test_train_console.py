@@ -1,0 +1,46 @@
+"""``lightning-dcp train``'s console: the step line explained in --help, the progress bar's epoch
+label in a step-bounded run, library warnings dropped on ranks other than 0."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+
+from lightning_dcp.commands import train
+
+
+def test_help_explains_every_field_of_the_step_line(capsys):
+    from lightning_dcp import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    for field in ("items", "sp={p:n}", "mb/rank", "recompute", "imbalance", "time", "loss"):
+        assert f"\n  {field} " in out, field
+    assert "[0, 3, 4] means" in out
+
+
+@pytest.mark.parametrize("max_epochs,label", [(-1, "Epoch 0"), (3, "Epoch 0/2")])
+def test_progress_bar_shows_no_negative_epoch_total(max_epochs, label):
+    pytest.importorskip("rich")
+    bar = train._progress_bar()
+    bar._trainer = types.SimpleNamespace(max_epochs=max_epochs)
+    assert bar._get_train_description(0).strip() == label
+
+
+def test_deprecation_warnings_dropped_on_nonzero_ranks_only(monkeypatch):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.delenv("NODE_RANK", raising=False)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        train._quiet_nonzero_rank()
+        warnings.warn("rank 0 keeps it", FutureWarning)
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        train._quiet_nonzero_rank()
+        warnings.warn("rank 1 drops it", FutureWarning)
+        warnings.warn("rank 1 drops it too", DeprecationWarning)
+        warnings.warn("a user warning stays", UserWarning)
+    assert [str(w.message) for w in seen] == ["rank 0 keeps it", "a user warning stays"]
