@@ -469,3 +469,29 @@ def test_dcp_trainer_equals_plain_training(tmp_path, family, policy, world):
             worst = max(worst, rel)
             assert rel < 1e-5, f"{policy}: rank {r} weight {n} after {_E2E_STEPS} steps: relative error {rel:.2e}"
     print(f"{family} {policy} world {world} (SP sizes {sizes}, recompute {recompute}): max rel weight err {worst:.2e}", flush=True)
+
+
+def test_profiler_measures_an_adapted_model():
+    """The dual-layer profiler drives CausalLMModule as the strategy does (dcp_prepare_batch, then
+    the decoder layers from dcp_repeated_layers()) and yields a usable cost model."""
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+    from lightning_dcp.profiling import profile_module
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self):
+            self.samples = make_samples([8, 16, 32, 64, 64, 32], labels=True)
+            self.lengths = [len(s["input_ids"]) for s in self.samples]
+
+        def __len__(self):
+            return len(self.samples)
+
+        def __getitem__(self, i):
+            return self.samples[i]
+
+    module = CausalLMModule(make_model("qwen2", 4, 1, layers=3))
+    module.train()
+    profile = profile_module(module, Data(), time_budget_s=10, micro_batch_sizes=[1, 2])
+    assert profile["entries"] and all(e["forward_s"] > 0 and e["activation_bytes"] > 0 for e in profile["entries"])
+    cm = ProfiledCostModel(profile)
+    assert cm.num_layers == 3
+    assert cm.item_time([64], 1, 3) > cm.item_time([64], 1, 0) > cm.item_time([8], 1, 0)
