@@ -202,12 +202,14 @@ def _profile_sp2(rank, world_size):
     from lightning_dcp.context import active_context
 
     module.model.layers.register_forward_pre_hook(lambda m, a: seen.append(active_context().size))
-    profile = profile_module(module, SyntheticTokenDataset(num_samples=32), lengths=[16, 64], micro_batch_sizes=[1, 2])
+    sp_sizes = [1, 2] if world_size == 3 else None  # W=3: blocks (0, 1) and (2,) -- rank 2 sits SP-2 points out
+    profile = profile_module(module, SyntheticTokenDataset(num_samples=32), lengths=[16, 64], micro_batch_sizes=[1, 2],
+                             sp_sizes=sp_sizes)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, profile)
-    assert everyone[0] == everyone[1], "ranks ended with different profiles"
+    assert all(p == everyone[0] for p in everyone), "ranks ended with different profiles"
     assert {e["sp"] for e in profile["entries"]} == {1, 2}
-    assert 2 in seen  # the capture ran under the SP-2 context (real group)
+    assert (2 in seen) == (rank < 2)  # the capture ran under the SP-2 context (real group) on the block's ranks
     sp1 = {(e["seq_len"], e["micro_batch"]): e for e in profile["entries"] if e["sp"] == 1}
     for e in profile["entries"]:
         if e["sp"] == 2:  # each rank holds half the tokens
@@ -219,6 +221,13 @@ def test_two_ranks_profile_sp2_on_real_groups_and_agree():
     from _dist import run_distributed
 
     run_distributed(_profile_sp2, 2, timeout=240)  # generous: CI cores are shared
+
+
+def test_three_ranks_profile_sp2_on_the_block_that_fits():
+    """A non-power-of-two world: SP 2 is measured on ranks 0-1; rank 2, in no SP-2 block, waits."""
+    from _dist import run_distributed
+
+    run_distributed(_profile_sp2, 3, timeout=240)
 
 
 # ------------------------------------------------------------- generic layer stacks (no RecomputeLayers)

@@ -82,6 +82,10 @@ def _plan_grid(run: _Run, lengths: Sequence[int] | None, micro_batch_sizes: Sequ
     return measure.broadcast(build_grid(actual, micro_batch_sizes or default_mbs, sps))
 
 
+#: What one grid point measures (see :func:`lightning_dcp.profiling.measure.measure_point`).
+_MEASURED = ("forward_s", "backward_s", "recompute_s", "activation_bytes", "input_bytes", "peak_bytes")
+
+
 def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tuple[int, dict[str, float]]:
     """(length actually run, this rank's measurement) for one grid point on its SP group."""
     from lightning_dcp.packing import pack_samples
@@ -89,8 +93,10 @@ def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tup
     p = point.sp
     block = run.rank // p * p
     sp_rank = run.rank - block
-    group = group_for(list(range(block, block + p))) if p > 1 else None
     seq_len, idx = run.samples.pick(point.seq_len, point.micro_batch)
+    if block + p > run.world_size:  # no aligned block of p ranks holds this rank (W=3: rank 2 at SP 2)
+        return seq_len, dict.fromkeys(_MEASURED, 0.0)  # it sits the point out; the MAX over ranks ignores it
+    group = group_for(list(range(block, block + p))) if p > 1 else None
     batch = pack_samples([run.samples[i] for i in idx], pad_to_multiple=p, sample_indices=idx)
     batch = harness.to_device(harness.shard_batch(run.module, batch, p, sp_rank), run.device)
     with sp_context(SPContext(group=group, size=p, rank=sp_rank, recompute=0)):
