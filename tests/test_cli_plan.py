@@ -112,3 +112,26 @@ def test_simulate_errors(tmp_path, capsys):
     assert "unknown distribution" in capsys.readouterr().err and not js.exists()
     assert cli.main(["simulate", "--world-size", "4", "--dataset", "short", "--policies", "x", "--json", str(js)]) == 2
     assert not js.exists()
+
+
+def test_profile_from_another_model_or_a_smaller_world_is_refused(tmp_path, capsys):
+    """A profile holds one model on one world: a larger --world-size or another --model fails with
+    exit 2 naming both values; --force turns it into a warning."""
+    from test_cost_model import make_profile
+
+    profile = make_profile()
+    profile["key"]["world_size"] = 2
+    profile["model"].update(num_layers=2, num_heads=4, hidden_size=64)
+    prof = write(tmp_path, profile, "profile.json")
+    lengths = write(tmp_path, [512, 1024, 2048] * 4)
+    code, out = run_plan(tmp_path, lengths, "--world-size", "8", "--profile", str(prof))
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "measured on 2 rank(s)" in err and "--world-size is 8" in err and "--force" in err
+    code, out = run_plan(tmp_path, lengths, "--world-size", "2", "--profile", str(prof), "--model", "transformer-1d")
+    err = capsys.readouterr().err
+    assert code == 2 and "num_layers 2 (profile) vs" in err and "--model transformer-1d" in err
+    code, out = run_plan(tmp_path, lengths, "--world-size", "8", "--profile", str(prof), "--force")
+    assert code == 0 and out.exists() and "warning: profile" in capsys.readouterr().err
+    code, _ = run_plan(tmp_path, lengths, "--world-size", "2", "--profile", str(prof))
+    assert code == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,15 @@ HELP = "plan the steps (SP groups, micro-batches, recompute) for a list of sampl
 def add_cost_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``plan`` and ``simulate``: how to build the cost model, and the seed."""
     parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
-    parser.add_argument("--model", default="transformer-1d", help="model name (default transformer-1d)")
+    parser.add_argument("--model", default=None,
+                        help="model name (default transformer-1d; with --profile, checked against the profile's model)")
     parser.add_argument("--hardware", default="h100", help="hardware name for the analytic cost model (default h100)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
+    parser.add_argument("--force", action="store_true",
+                        help="use a --profile made for another model or a smaller world anyway (warns instead of failing)")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
                         help="tokens per global batch = optimizer step (default: at least 65536 per GPU and 4x the longest sample, "
                              "and enough that mean per-GPU work covers the longest sample's best-case time)")
@@ -50,18 +54,50 @@ def build_cost_model(args: argparse.Namespace) -> Any:
         from lightning_dcp.planning.profile import ProfileError
         from lightning_dcp.planning.profiled import ProfiledCostModel
         try:
-            return ProfiledCostModel.from_file(args.profile, memory_limit=limit)
+            cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit)
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
+        _check_profile_fits(args, json.loads(Path(args.profile).read_text()))
+        return cost_model
     from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.hardware import get_hardware
     from lightning_dcp.planning.models import get_model
     try:
-        model = get_model(args.model)
+        model = get_model(args.model or "transformer-1d")
         hardware = get_hardware(args.hardware)
         return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit)
     except ValueError as err:
         raise CLIError(str(err)) from None
+
+
+def _check_profile_fits(args: argparse.Namespace, profile: dict) -> None:
+    """A profile holds one model on one world size: :class:`CLIError` (a warning with ``--force``)
+    when ``--world-size`` is larger than the world it was made on (its SP sizes stop there) or an
+    explicit ``--model`` differs from the profiled model's shape."""
+    problems = []
+    made_on = int(profile.get("key", {}).get("world_size", 0) or 0)
+    if made_on and args.world_size > made_on:
+        problems.append(f"it was measured on {made_on} rank(s), so it has no SP size above {made_on}, but "
+                        f"--world-size is {args.world_size}; profile on {args.world_size} ranks")
+    if args.model is not None:
+        from lightning_dcp.planning.models import get_model
+
+        try:
+            spec = get_model(args.model)
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+        shape = profile.get("model", {})
+        diff = [f"{f} {shape[f]} (profile) vs {getattr(spec, f)} ({args.model})" for f in ("num_layers", "num_heads", "hidden_size")
+                if f in shape and shape[f] != getattr(spec, f)]
+        if diff:
+            problems.append(f"its model differs from --model {args.model}: {', '.join(diff)}; drop --model (the profile "
+                            "is the model) or profile that model")
+    if not problems:
+        return
+    message = f"profile {args.profile} does not fit this plan: " + "; ".join(problems)
+    if not args.force:
+        raise CLIError(message + " (or pass --force to use it anyway)")
+    print(f"lightning-dcp: warning: {message}", file=sys.stderr)
 
 
 def check_policy(name: str) -> None:
