@@ -156,7 +156,14 @@ def run(args: argparse.Namespace) -> int:
         num_sanity_val_steps=0, limit_val_batches=0,
     )
     loader = DataLoader(dataset, batch_size=1, collate_fn=plain_collate)
-    trainer.fit(module, loader)
+    from lightning_dcp.planning.errors import PlanningError
+
+    try:
+        trainer.fit(module, loader)
+    except PlanningError as err:  # a user error (data vs memory, settings): one message, not a traceback per rank
+        if trainer.is_global_zero:
+            raise CLIError(str(err)) from None
+        return 2
     if trainer.is_global_zero:
         tracker = strategy.metrics_tracker
         hist = tracker.history
