@@ -611,8 +611,9 @@ class DCPStrategy(DDPStrategy):
         self._grads_parked = True
         if self.batch_sampler is not None:
             self.batch_sampler.mark_consumed(meta["epoch"], meta["step"])
+        gathered[:, 1] /= self._loss_divisor  # each rank's share of the global mean loss
         self._record_metrics(gathered[:, :4], meta, step_s)
-        return torch.tensor(float(gathered[:, 1].sum()) / self._loss_divisor, dtype=torch.float32, device=self.root_device)
+        return torch.tensor(float(gathered[:, 1].sum()), dtype=torch.float32, device=self.root_device)
 
     def _run_item(self, module: Any, local: Any, it: Mapping[str, Any], batch_idx: int) -> Tensor:
         ranks, sp_rank = it["ranks"], it["sp_rank"]

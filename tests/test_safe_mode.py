@@ -122,25 +122,30 @@ class PlainRegressor(pl.LightningModule):
 
 class Record(pl.Callback):
     def __init__(self, out_dir: str, at: int) -> None:
-        self.out_dir, self.at, self.plans = out_dir, at, []
+        self.out_dir, self.at, self.plans, self.losses = out_dir, at, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.plans.append(batch["meta"]["plan"])
+        self.losses.append((float(outputs["loss"]), trainer.strategy.last_step_metrics.loss))
         if trainer.global_step == self.at:
             sd = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-            torch.save({"weights": sd, "plans": self.plans}, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+            torch.save({"weights": sd, "plans": self.plans, "losses": self.losses},
+                       os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
-def _reference(module_cls, plans, dataset, collate, steps: int) -> dict:
+def _reference(module_cls, plans, dataset, collate, steps: int) -> tuple[dict, list[float]]:
     """Plain torch: each step, the module's own loss on the whole global batch, one SGD step."""
     module = module_cls()
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    losses = []
     for plan in plans[:steps]:
         samples = [dataset[s] for it in plan["items"] for s in it["samples"]]
         opt.zero_grad()
-        module.loss(collate(samples)).backward()
+        loss = module.loss(collate(samples))
+        loss.backward()
+        losses.append(float(loss))
         opt.step()
-    return module.state_dict()
+    return module.state_dict(), losses
 
 
 CASES = {
@@ -162,7 +167,9 @@ def test_unchanged_module_trains_exactly_in_safe_mode(tmp_path, case, world):
         got = torch.load(os.path.join(tmp_path, f"rank{r}.pt"))
         plans = got["plans"]
         assert all(len(it["ranks"]) == 1 and it["recompute"] == 0 for p in plans for it in p["items"])
-        ref = _reference(module_cls, plans, dataset, collate, steps)
+        ref, ref_losses = _reference(module_cls, plans, dataset, collate, steps)
+        for k, (returned, logged) in enumerate(got["losses"]):  # the step's global loss, as plain training has it
+            assert returned == pytest.approx(ref_losses[k], rel=1e-5) and logged == pytest.approx(ref_losses[k], rel=1e-5)
         for name, w in got["weights"].items():
             err = max_rel_err(w, ref[name])
             assert err < 1e-5, f"{case}, rank {r}, {name}: relative error {err:.2e}"
