@@ -9,7 +9,10 @@ Draws a dataset from the named length distribution (``--dataset``; or a JSON lis
 (the same samples for every policy), plans them with each policy (every planner is given the
 dataset's lengths once, for candidate layouts and bucket tuning) and simulates the plans on the
 cost model. One row per policy: tokens/s, speedup over bucket, imbalance %, % of the ideal
-bound, planner milliseconds per step (``time.perf_counter`` around ``Planner.plan``, divided by
+bound, % of the step bound (the sum over the global batches of
+:func:`~lightning_dcp.planning.bound.step_bound` -- best-rate work spread over every rank, or the
+heaviest sample's best time, plus the all-reduce -- divided by the policy's simulated time: the
+same numerator for every policy, so bucket's extra steps count against it), planner milliseconds per step (``time.perf_counter`` around ``Planner.plan``, divided by
 the plan's steps). ``--plot out.png`` draws step 0 of every policy as a per-rank Gantt chart,
 side by side; ``--json`` / ``--csv`` write the rows.
 """
@@ -57,12 +60,30 @@ def draw_run(lengths_pool: list[int], target_tokens: int) -> list[int]:
     return list(lengths_pool)
 
 
+def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]:
+    """``lengths`` cut in order into global batches that close at ``global_batch_tokens`` (as :meth:`Planner.batches`)."""
+    out, cur, acc = [], [], 0
+    for n in lengths:
+        cur.append(n)
+        acc += n
+        if acc >= global_batch_tokens:
+            out.append(cur)
+            cur, acc = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
             global_batch_tokens: int, seed: int = 0, timeline: bool = False) -> list[dict[str, Any]]:
     """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result)."""
     from lightning_dcp.planning.planner import Planner
     from lightning_dcp.planning.simulator import simulate
 
+    from lightning_dcp.planning.bound import StepBounder
+
+    bounder = StepBounder(cost_model, world_size)
+    bound_time = sum(bounder.seconds(b) for b in cut_batches(run_lengths, global_batch_tokens))
     rows = []
     for name in policies:
         planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset)
@@ -73,6 +94,8 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
         rows.append({
             "policy": name, "steps": len(plan.steps), "tokens": sim.tokens, "total_time_s": sim.total_time,
             "tokens_per_s": sim.tokens_per_s, "imbalance": sim.imbalance, "fraction_of_ideal": sim.fraction_of_ideal,
+            "fraction_of_bound": bound_time / sim.total_time if sim.total_time > 0 else 0.0,
+            "mean_step_bound_fraction": sim.mean_step_bound_fraction,
             "planner_ms_per_step": 1e3 * elapsed / max(len(plan.steps), 1), **{f"icc_{k}": v for k, v in sim.icc.items()},
             "_plan": plan, "_sim": sim,
         })
@@ -83,9 +106,10 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["policy", "steps", "tokens/s", "speedup", "imbalance %", "% of ideal", "planner ms/step"]
+    head = ["policy", "steps", "tokens/s", "speedup", "imbalance %", "% of ideal", "% of step bound", "planner ms/step"]
     body = [[r["policy"], str(r["steps"]), f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['imbalance']:.1f}",
-             f"{100 * r['fraction_of_ideal']:.1f}", f"{r['planner_ms_per_step']:.2f}"] for r in rows]
+             f"{100 * r['fraction_of_ideal']:.1f}", f"{100 * r['fraction_of_bound']:.1f}",
+             f"{r['planner_ms_per_step']:.2f}"] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     lines.append("  ".join("-" * w for w in widths))

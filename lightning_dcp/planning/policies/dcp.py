@@ -40,9 +40,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lightning_dcp.planning.bound import StepBounder
 from lightning_dcp.planning.layouts import Layout, allocate, place, propose_layouts
 from lightning_dcp.planning.plan import StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets
+from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets, step_span
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dispatch import lpt_dispatch
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
@@ -57,14 +58,15 @@ class DCPPolicy(Policy):
     (default 64), ``dispatch_chunk`` (default 0: every sample dispatched on its own; e.g.
     0.01: runs of small samples move as chunks of about 1% of a group's load, the smallest 4%
     of the work one by one -- 10-25% less planner time at thousands of samples per step, same
-    quality over 6 steps at 256 GPUs but not bit-identical plans, so off by default).
+    quality over 6 steps at 256 GPUs but not bit-identical plans, so off by default),
+    ``fallback`` (default True: the safety net of :meth:`_best_of_parts`).
     """
 
     name = "dcp"
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk")
+        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk", "fallback")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
@@ -78,8 +80,12 @@ class DCPPolicy(Policy):
         self.trials = int(self.options.get("trials", 1))
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
         self.dispatch_chunk = float(self.options.get("dispatch_chunk", 0.0))
+        self.fallback = bool(self.options.get("fallback", True))
+        self._parts: list[Policy] | None = None
+        self._bounder: StepBounder | None = None
         self.candidates: dict[int, list[Layout]] = {}
         self._work_cache: dict[int, float] = {}  # attention work per length (recurs across steps)
+        self._alone: dict[int, np.ndarray] = {}  # time of a length alone per SP class
         self._Ll: list[int] = []
         self._Wl: list[float] = []
         self._Erows: dict[int, list[float]] = {}
@@ -137,7 +143,35 @@ class DCPPolicy(Policy):
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec)
                       for ranks, idx, rec in blk] for blk in blocks]
         extra = {"layout": list(layout), "estimated_time": span}
-        return [StepPlan(tuple(interleave_items(per_group)), extra)]
+        plan = StepPlan(tuple(interleave_items(per_group)), extra)
+        if self.fallback:
+            plan = self._best_of_parts(samples, lengths, step, plan)
+        return [plan]
+
+    def _best_of_parts(self, samples: Sequence[int], lengths: Sequence[int], step: int, plan: StepPlan) -> StepPlan:
+        """Safety net: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``.
+
+        If dcp's plan is within 1% of the step's achievable bound
+        (:class:`~lightning_dcp.planning.bound.StepBounder`), no plan beats it by more than that
+        and it is kept as is (the common case, no extra work). Otherwise both parts plan the same
+        batch and the plan with the lowest exact span (:func:`step_span`, as the simulator runs
+        it) wins; ties keep dcp's. Deterministic.
+        """
+        if self._bounder is None:
+            self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view)
+        bound = self._bounder.parts(lengths)
+        best, best_span = plan, step_span(plan, self.view)
+        if best_span <= max(bound.work_s, bound.heaviest_s) * 1.01:
+            return plan
+        if self._parts is None:
+            self._parts = [cls(self.world_size, self.view, seed=self.seed) for cls in (DCPIntraPolicy, DCPInterPolicy)]
+        for part in self._parts:
+            cand = part.plan_batch(samples, lengths, step)[0]
+            span = step_span(cand, self.view)
+            if span < best_span * (1 - 1e-9):
+                extra = dict(cand.extra, estimated_time=span, chosen=part.name)
+                best, best_span = StepPlan(cand.items, extra), span
+        return best
 
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
     def _schedule(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, size: int, offset: int,
@@ -160,11 +194,19 @@ class DCPPolicy(Policy):
         # A sample longer (in time) than the mean rank load cannot be balanced on its preferred
         # SP size: promote it to the smallest SP size on which it takes at most that long.
         mean_load = float(Gs[pref, cols].sum()) / size
+        # Such a sample runs in a micro-batch of its own, so it is judged by its time *alone*
+        # (its own recompute, the whole per-micro-batch constant), not by its share of a full
+        # micro-batch: with few samples per step the shares understate constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
+        if len(over):
+            Es, Gs = Es.copy(), Gs.copy()
         for i in over.tolist():
+            alone = self._alone_times(int(L[ids[i]]), classes)
+            Es[:, i] = np.maximum(Es[:, i], alone)
+            Gs[:, i] = Es[:, i] * self.class_arr[: kmax + 1]
             ok = np.nonzero(Es[:, i] <= mean_load)[0]
             k = int(ok[0]) if len(ok) else int(np.argmin(Es[:, i]))
-            pref[i] = max(int(pref[i]), k)
+            pref[i] = max(int(pref[i]), k) if len(ok) else k
         must_k = max(int(minidx.max()), int(pref.max()))
         must = classes[must_k]
         gp = Gs[pref, cols]
@@ -248,6 +290,18 @@ class DCPPolicy(Policy):
             plans = self._refine(plans, groups, members, ctx)
             span = max((t for _, t in plans), default=0.0)
         return [items for items, _ in plans], span, layout
+
+    def _alone_times(self, length: int, classes: Sequence[int]) -> np.ndarray:
+        """Time of one sample of ``length`` alone on each SP size of ``classes`` (inf where it does not fit)."""
+        got = self._alone.get(length)
+        if got is None:
+            got = np.full(len(self.classes), np.inf)
+            for k, p in enumerate(self.classes):
+                r = self.view.min_recompute(length, p)
+                if r is not None:
+                    got[k] = self.view.time([length], p, r)
+            self._alone[length] = got
+        return got[: len(classes)]
 
     def _group(self, mem: list[int], ranks: tuple[int, ...], ctx) -> tuple[list, float]:
         """Items and estimated time of one group running the (local) samples ``mem``."""
