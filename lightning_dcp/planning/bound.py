@@ -91,37 +91,38 @@ class StepBounder:
         self._alone: dict[int, float] = {}
 
     def _best_gpu_seconds(self, lengths: list[int]) -> None:
-        """Fill ``_gpu_s`` for ``lengths`` (new, distinct): min over (p, r) of p x amortized share."""
+        """Fill ``_gpu_s`` for ``lengths`` (new, distinct): min over (p, r) of p x amortized share.
+
+        One vectorized cost-model call per SP size over every (recompute threshold, length) pair.
+        """
         L = np.asarray(lengths, dtype=np.float64)
         work = np.array([self.view.work(n) for n in lengths], dtype=np.float64)
         best = np.full(len(L), np.inf)
         for p in self.view.sp_sizes:
             caps = self.view.capacities(p)
-            prev = -1
-            for r, cap in enumerate(caps):
-                if cap <= 0 or cap == prev:  # more recompute, same capacity: never better
-                    continue
-                prev = cap
-                ok = L <= cap
-                if not ok.any():
-                    continue
-                Lk = L[ok]
-                count = cap / Lk  # a full micro-batch of length-l samples (fractional count)
-                share = self._times(np.full(len(Lk), float(cap)), work[ok] * count, count, p, r) * (Lk / cap)
-                best[ok] = np.minimum(best[ok], share * p)
+            rs = [r for r, c in enumerate(caps) if c > 0 and (r == 0 or c != caps[r - 1])]  # more recompute, same cap: never better
+            if not rs:
+                continue
+            cap = np.array([caps[r] for r in rs], dtype=np.float64)[:, None]
+            count = cap / L[None, :]  # a full micro-batch of length-l samples (fractional count)
+            tokens = np.broadcast_to(cap, count.shape).ravel()
+            rr = np.broadcast_to(np.array(rs, dtype=np.float64)[:, None], count.shape).ravel()
+            t = self._times(tokens, (work[None, :] * count).ravel(), count.ravel(), p, rr).reshape(count.shape)
+            share = np.where(L[None, :] <= cap, t * (L[None, :] / cap) * p, np.inf)
+            best = np.minimum(best, share.min(axis=0))
         for n, v in zip(lengths, best.tolist()):
             self._gpu_s[n] = v
 
-    def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: int) -> np.ndarray:
+    def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray) -> np.ndarray:
         if self.view._time_fast is not None:
-            return self.view.time_many(tokens, sq, n, p, np.full(len(tokens), r))
+            return self.view.time_many(tokens, sq, n, p, r)
         # generic cost model (no item_time_sum): whole micro-batches of k = floor(cap / l) equal
         # samples (k <= 4096), scaled to the full count -- within ~1% of the linear form
         out = []
-        for t, c in zip(tokens.tolist(), n.tolist()):
+        for t, c, rk in zip(tokens.tolist(), n.tolist(), r.tolist()):
             ell = int(round(t / c))
             k = max(1, min(int(c), 4096))
-            out.append(self.cost_model.item_time([ell] * k, p, r) * c / k)
+            out.append(self.cost_model.item_time([ell] * k, p, int(rk)) * c / k)
         return np.array(out, dtype=np.float64)
 
     def best_alone(self, length: int) -> float:

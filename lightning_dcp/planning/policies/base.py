@@ -113,7 +113,7 @@ def step_span(step: StepPlan, view: CostView) -> float:
         key = (item.lengths, item.sp_size, item.recompute)
         t = cache.get(key)
         if t is None:
-            t = cache[key] = view.cm.item_time(item.lengths, item.sp_size, item.recompute)
+            t = cache[key] = view.time(item.lengths, item.sp_size, item.recompute)
         start = max(free.get(r, 0.0) for r in item.ranks)
         end = start + t
         for r in item.ranks:

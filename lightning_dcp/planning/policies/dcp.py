@@ -49,6 +49,10 @@ from lightning_dcp.planning.policies.dispatch import lpt_dispatch
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
 
 
+FALLBACK_MAX_SAMPLES_PER_RANK = 8
+"""dcp's safety net (:meth:`DCPPolicy._best_of_parts`) runs for batches of at most this many samples per rank."""
+
+
 class DCPPolicy(Policy):
     """Heterogeneous SP groups per step, LPT dispatch, time-balanced packing, recompute per item.
 
@@ -151,12 +155,17 @@ class DCPPolicy(Policy):
     def _best_of_parts(self, samples: Sequence[int], lengths: Sequence[int], step: int, plan: StepPlan) -> StepPlan:
         """Safety net: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``.
 
-        If dcp's plan is within 1% of the step's achievable bound
-        (:class:`~lightning_dcp.planning.bound.StepBounder`), no plan beats it by more than that
-        and it is kept as is (the common case, no extra work). Otherwise both parts plan the same
+        Skipped when it cannot matter or would cost too much, both deterministic: dcp's plan is
+        within 1% of the step's achievable bound
+        (:class:`~lightning_dcp.planning.bound.StepBounder`: no plan beats it by more), or the
+        batch has more than ``FALLBACK_MAX_SAMPLES_PER_RANK`` samples per rank (there the parts
+        take 5-10x dcp's planning time, and dcp's per-sample estimates, which this net guards,
+        are accurate: many samples share each micro-batch). Otherwise both parts plan the same
         batch and the plan with the lowest exact span (:func:`step_span`, as the simulator runs
-        it) wins; ties keep dcp's. Deterministic.
+        it) wins; ties keep dcp's.
         """
+        if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size:
+            return plan
         if self._bounder is None:
             self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view)
         bound = self._bounder.parts(lengths)

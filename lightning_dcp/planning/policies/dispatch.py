@@ -32,9 +32,10 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         trials: 1 + number of perturbed retries.
         rng: seeded generator for the retries.
         floor: optional ``floor[k, i]``: the group cannot finish before this once it holds unit
-            ``i`` (a unit that a group runs on a sub-block of its ranks costs the group its
-            spread-out share ``cost``, but still lasts its own time on the sub-block). A group's
-            estimated finish is ``max(sum of its costs, largest floor)``.
+            ``i`` (a unit that a group runs on a sub-block of its ranks -- a *fill*, ``floor > 0``
+            -- costs the group its spread-out share ``cost``, but still lasts its own time on the
+            sub-block, after the group's own units). A group's estimated finish is
+            ``max(sum of its costs, sum of its own units' costs + largest fill floor)``.
         costT, floorT_all: optional ``cost.T.tolist()`` / ``floor.T.tolist()`` computed once by
             a caller that dispatches the same matrices on several layouts (same results, less
             conversion).
@@ -79,6 +80,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         loads = [0.0] * len(layout)
         spread = [0.0] * len(layout)
         flo = [0.0] * len(layout)
+        own = [0.0] * len(layout)
         ok = True
         kr = list(enumerate(rows))  # (heap index, row of cost)
         heapreplace = heapq.heapreplace
@@ -123,11 +125,13 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                     if ck == inf:
                         continue
                     g0 = heaps[k][0][1]
-                    v = spread[g0] + ck  # max(spread + cost, floor so far, this unit's floor)
-                    fv = flo[g0]
-                    if fv > v:
-                        v = fv
-                    fv = f[r]
+                    v = spread[g0] + ck  # max(spread + cost, own units + longest fill)
+                    fu = f[r]
+                    fl = flo[g0]
+                    if fu > 0.0:  # a fill: runs after the group's own units
+                        fv = own[g0] + (fu if fu > fl else fl)
+                    else:
+                        fv = own[g0] + ck + fl
                     if fv > v:
                         v = fv
                     if v < bval:
@@ -146,8 +150,11 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             if seq_f is not None:
                 spread[g] += c[br]
                 fb = f[br]
-                if fb > flo[g]:
-                    flo[g] = fb
+                if fb > 0.0:
+                    if fb > flo[g]:
+                        flo[g] = fb
+                else:
+                    own[g] += c[br]
         if not ok:
             continue
         span = max(loads) if loads else 0.0
