@@ -95,6 +95,7 @@ class DCPPolicy(Policy):
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
         self._E = None
+        self._ET: list | None = None
         if self.dataset_lengths:
             self.candidates = self._propose(self.dataset_lengths)
 
@@ -134,6 +135,7 @@ class DCPPolicy(Policy):
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
         self._E = E
+        self._ET = E.T.tolist()  # per-sample rows for the nested dispatches (lpt_dispatch reads row[k], k <= kmax)
         fast = self.view._time_fast
         if fast is not None:
             wc = self._work_cache
@@ -142,7 +144,7 @@ class DCPPolicy(Policy):
         try:
             blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
         finally:
-            self._Erows, self._E, self._packs = {}, None, {}
+            self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
         Ll = self._Ll
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec)
                       for ranks, idx, rec in blk] for blk in blocks]
@@ -207,7 +209,8 @@ class DCPPolicy(Policy):
         # (its own recompute, the whole per-micro-batch constant), not by its share of a full
         # micro-batch: with few samples per step the shares understate constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
-        if len(over):
+        modified = bool(len(over))
+        if modified:
             Es, Gs = Es.copy(), Gs.copy()
         for i in over.tolist():
             alone = self._alone_times(int(L[ids[i]]), classes)
@@ -269,7 +272,8 @@ class DCPPolicy(Policy):
                 CT, FT = C.T.tolist(), F.T.tolist()
                 costT, floorT = CT, FT
             else:
-                EsT = EsT if EsT is not None else Es.T.tolist()
+                if EsT is None:  # rows of the step's E.T (cached once per step) unless Es was changed here
+                    EsT = Es.T.tolist() if (modified or self._ET is None) else [self._ET[i] for i in ids.tolist()]
                 costT, floorT = EsT, None
             best = None
             chunk_cache: dict = {}  # the same chunks of small samples for every candidate
@@ -379,7 +383,14 @@ class DCPPolicy(Policy):
         return out
 
     def _refine(self, plans, groups, members, ctx):
-        """Move samples off the slowest group while that lowers the makespan (exact times)."""
+        """Move samples off the slowest group while that lowers the makespan (exact times).
+
+        Each round looks at the moves of one sample from the slowest group to one of the three
+        least-loaded groups that can hold it, ranked by the estimated makespan of the pair
+        afterwards (``max(slow - its cost there, dst + its cost here)``: the move that evens
+        the pair best, not merely the smallest sample), and makes the first of the best four
+        that lowers the makespan when both groups are re-planned exactly.
+        """
         ids, L, E, G, Es, C, pref, rng, isfill, idl = ctx
         members = [list(m) for m in members]
         times = [t for _, t in plans]
@@ -389,23 +400,12 @@ class DCPPolicy(Policy):
         for _ in range(self.refine_rounds):
             slow = max(range(len(times)), key=times.__getitem__)
             span = times[slow]
-            cand = sorted(members[slow], key=lambda j: int(L[ids[j]]))
+            moves = self._refine_moves(slow, span, members, times, kidx, C, L, ids)
             moved = False
-            for j in cand[:4]:
+            for _, j, g in moves:
                 if (slow, j) in tried:
                     continue
                 tried.add((slow, j))
-                best = None
-                for g in range(len(groups)):
-                    c = C[kidx[g], j]
-                    if g == slow or not np.isfinite(c):
-                        continue
-                    est = times[g] + c
-                    if est < span and (best is None or est < best[0]):
-                        best = (est, g)
-                if best is None:
-                    continue
-                g = best[1]
                 src = [x for x in members[slow] if x != j]
                 dst = members[g] + [j]
                 new_src = self._group(src, groups[slow], ctx)
@@ -419,6 +419,28 @@ class DCPPolicy(Policy):
             if not moved:
                 break
         return plans
+
+    @staticmethod
+    def _refine_moves(slow, span, members, times, kidx, C, L, ids, top=4):
+        """Candidate moves ``(estimated pair makespan, sample, destination)``, best first."""
+        mem = np.asarray(members[slow], dtype=np.int64)
+        if len(mem) == 0:
+            return []
+        here = C[kidx[slow], mem]
+        order = sorted((g for g in range(len(times)) if g != slow), key=lambda g: (times[g], g))[:3]
+        out = []
+        lens = L[ids[mem]]
+        for g in order:
+            there = C[kidx[g], mem]
+            est = np.maximum(span - here, times[g] + there)
+            ok = np.isfinite(there) & (est < span)
+            if not ok.any():
+                continue
+            cand = np.nonzero(ok)[0]
+            best = cand[np.lexsort((lens[cand], est[cand]))[:top]]
+            out.extend((float(est[i]), int(mem[i]), g) for i in best)
+        out.sort(key=lambda m: (m[0], int(L[ids[m[1]]]), m[2]))
+        return out[:top]
 
 
 class AlgorithmOnePolicy(Policy):
