@@ -280,7 +280,8 @@ class DCPPolicy(Policy):
             for lay in cands:
                 members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor,
                                                     costT=costT, floorT_all=floorT, chunk=self.dispatch_chunk,
-                                                    chunk_groups=len(cands[0]), chunk_cache=chunk_cache)
+                                                    chunk_groups=len(cands[0]), chunk_cache=chunk_cache,
+                                                    fills_after_own=True)
                 if best is None or span < best[3] * (1 - 1e-9):
                     best = (lay, members, loads, span)
                 if span <= bound:

@@ -20,7 +20,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                  trials: int = 1, rng: np.random.Generator | None = None,
                  floor: np.ndarray | None = None, costT: list | None = None,
                  floorT_all: list | None = None, chunk: float = 0.0, chunk_groups: int | None = None,
-                 chunk_cache: dict | None = None) -> tuple[list[list[int]], list[float], float]:
+                 chunk_cache: dict | None = None, fills_after_own: bool = False) -> tuple[list[list[int]], list[float], float]:
     """Assign units to the groups of ``layout``.
 
     Args:
@@ -34,7 +34,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         floor: optional ``floor[k, i]``: the group cannot finish before this once it holds unit
             ``i`` (a unit that a group runs on a sub-block of its ranks -- a *fill*, ``floor > 0``
             -- costs the group its spread-out share ``cost``, but still lasts its own time on the
-            sub-block, after the group's own units). A group's estimated finish is
+            sub-block). A group's estimated finish is ``max(sum of its costs, largest floor)``;
+            with ``fills_after_own`` (dcp: a group runs its own units first, then its fills)
             ``max(sum of its costs, sum of its own units' costs + largest fill floor)``.
         costT, floorT_all: optional ``cost.T.tolist()`` / ``floor.T.tolist()`` computed once by
             a caller that dispatches the same matrices on several layouts (same results, less
@@ -128,7 +129,9 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                     v = spread[g0] + ck  # max(spread + cost, own units + longest fill)
                     fu = f[r]
                     fl = flo[g0]
-                    if fu > 0.0:  # a fill: runs after the group's own units
+                    if not fills_after_own:
+                        fv = fu if fu > fl else fl
+                    elif fu > 0.0:  # a fill: runs after the group's own units
                         fv = own[g0] + (fu if fu > fl else fl)
                     else:
                         fv = own[g0] + ck + fl
