@@ -281,7 +281,8 @@ class DCPPolicy(Policy):
                 members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor,
                                                     costT=costT, floorT_all=floorT, chunk=self.dispatch_chunk,
                                                     chunk_groups=len(cands[0]), chunk_cache=chunk_cache,
-                                                    fills_after_own=True)
+                                                    fills_after_own=True,
+                                                    cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf)
                 if best is None or span < best[3] * (1 - 1e-9):
                     best = (lay, members, loads, span)
                 if span <= bound:

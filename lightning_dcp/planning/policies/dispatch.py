@@ -20,7 +20,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                  trials: int = 1, rng: np.random.Generator | None = None,
                  floor: np.ndarray | None = None, costT: list | None = None,
                  floorT_all: list | None = None, chunk: float = 0.0, chunk_groups: int | None = None,
-                 chunk_cache: dict | None = None, fills_after_own: bool = False) -> tuple[list[list[int]], list[float], float]:
+                 chunk_cache: dict | None = None, fills_after_own: bool = False,
+                 cutoff: float = float("inf")) -> tuple[list[list[int]], list[float], float]:
     """Assign units to the groups of ``layout``.
 
     Args:
@@ -50,6 +51,10 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             layout's) and a dict to keep the chunks of the longest-first order in: a caller that
             dispatches the same matrices on several layouts passes the same pair and cuts once.
 
+        cutoff: give up as soon as a group's load reaches ``cutoff`` (loads only grow, so the
+            makespan would too): a caller comparing layouts passes its best makespan so far and
+            skips the rest of a losing layout's dispatch. Returns ``(None, None, inf)`` then.
+
     Returns:
         ``(members, loads, makespan)``: unit indices per group, estimated busy time per group,
         and the largest load.
@@ -71,6 +76,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         floorT = floorT_all if floorT_all is not None else floor.T.tolist()
     inf = float("inf")
     best = None
+    cut_any = False
     for t in range(max(1, trials)):
         if t == 0 or rng is None:
             order = np.argsort(-order_key, kind="stable")
@@ -83,6 +89,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         flo = [0.0] * len(layout)
         own = [0.0] * len(layout)
         ok = True
+        cut = False
         kr = list(enumerate(rows))  # (heap index, row of cost)
         heapreplace = heapq.heapreplace
         olist = order.tolist()
@@ -142,6 +149,9 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             if bk < 0:
                 ok = False
                 break
+            if bval >= cutoff:
+                cut = True
+                break
             h = heaps[bk]
             g = h[0][1]
             heapreplace(h, (bval, g))  # pop the head, push it back with its new load
@@ -160,10 +170,15 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                     own[g] += c[br]
         if not ok:
             continue
+        if cut:
+            cut_any = True
+            continue
         span = max(loads) if loads else 0.0
         if best is None or span < best[2] * (1 - 1e-12):
             best = (members, loads, span)
     if best is None:
+        if cut_any:
+            return None, None, inf  # type: ignore[return-value]
         raise ValueError("a unit fits no group of the layout")
     return best
 
