@@ -205,19 +205,16 @@ class DCPPolicy(Policy):
         # A sample longer (in time) than the mean rank load cannot be balanced on its preferred
         # SP size: promote it to the smallest SP size on which it takes at most that long.
         mean_load = float(Gs[pref, cols].sum()) / size
-        # Such a sample runs in a micro-batch of its own, so it is judged by its time *alone*
-        # (its own recompute, the whole per-micro-batch constant), not by its share of a full
-        # micro-batch: with few samples per step the shares understate constant-heavy SP sizes.
+        # With no more samples than ranks, such a sample runs in a micro-batch of its own, so it is
+        # judged by its time *alone* (its own recompute, the whole per-micro-batch constant), not
+        # by its share of a full micro-batch, which understates constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
-        modified = bool(len(over))
-        if modified:
-            Es, Gs = Es.copy(), Gs.copy()
+        modified = False
+        alone = n <= size  # so few samples that each may get a micro-batch (and group) of its own
         for i in over.tolist():
-            alone = self._alone_times(int(L[ids[i]]), classes)
-            Es[:, i] = np.maximum(Es[:, i], alone)
-            Gs[:, i] = Es[:, i] * self.class_arr[: kmax + 1]
-            ok = np.nonzero(Es[:, i] <= mean_load)[0]
-            k = int(ok[0]) if len(ok) else int(np.argmin(Es[:, i]))
+            t = np.maximum(Es[:, i], self._alone_times(int(L[ids[i]]), classes)) if alone else Es[:, i]
+            ok = np.nonzero(t <= mean_load)[0]
+            k = int(ok[0]) if len(ok) else int(np.argmin(t))
             pref[i] = max(int(pref[i]), k) if len(ok) else k
         must_k = max(int(minidx.max()), int(pref.max()))
         must = classes[must_k]
