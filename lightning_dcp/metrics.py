@@ -10,7 +10,10 @@ ranks' numbers to every rank; from them:
   0 = perfectly balanced);
 - tokens/s ``=`` global real tokens / step seconds (wall time between consecutive step starts,
   data loading and optimizer included);
-- from the step plan: SP sizes used, micro-batches per rank, recompute counts.
+- from the step plan: SP sizes used, micro-batches per rank, recompute counts;
+- ``step_bound_fraction = step_bound_s / step_s``, where ``step_bound_s`` is
+  :func:`lightning_dcp.planning.bound.plan_step_bound` of the step plan on the planner's cost
+  model (the step's achievable bound; NaN, not logged, when the strategy gives none).
 
 :class:`StepMetricsTracker` keeps torchmetrics running aggregates over the epoch (computed
 without any distributed sync: every rank holds the same gathered values).
@@ -43,10 +46,17 @@ class StepMetrics:
     sp_sizes: list[int] = field(default_factory=list)
     recompute: list[int] = field(default_factory=list)
     loss: float = float("nan")
+    step_bound_s: float = float("nan")
+    """The plan's achievable bound (cost-model seconds, all-reduce included); NaN when unknown."""
+
+    @property
+    def step_bound_fraction(self) -> float:
+        """``step_bound_s / step_s`` (NaN when either is unknown)."""
+        return self.step_bound_s / self.step_s if self.step_s > 0 else float("nan")
 
     def as_log_dict(self) -> dict[str, float]:
-        """Scalars logged through Lightning (``dcp/...``)."""
-        return {
+        """Scalars logged through Lightning (``dcp/...``); ``dcp/step_bound_fraction`` only when the bound is known."""
+        out = {
             "dcp/imbalance": self.imbalance,
             "dcp/tokens_per_s": self.tokens_per_s,
             "dcp/busy_s_max": max(self.busy_s),
@@ -56,6 +66,9 @@ class StepMetrics:
             "dcp/sp_size_max": float(max(self.sp_sizes, default=1)),
             "dcp/num_sp_sizes": float(len(self.sp_sizes)),
         }
+        if self.step_bound_s == self.step_bound_s:  # not NaN
+            out["dcp/step_bound_fraction"] = self.step_bound_fraction
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,8 +98,11 @@ def format_plan(plan: Mapping[str, Any], world_size: int) -> str:
 
 
 def step_metrics(gathered: torch.Tensor, *, epoch: int, step: int, step_s: float, plan: Mapping[str, Any],
-                 global_tokens: int) -> StepMetrics:
-    """Build :class:`StepMetrics` from the gathered ``[world, >=4]`` tensor (busy, loss, tokens, micro-batches)."""
+                 global_tokens: int, step_bound_s: float = float("nan")) -> StepMetrics:
+    """Build :class:`StepMetrics` from the gathered ``[world, >=4]`` tensor (busy, loss, tokens, micro-batches).
+
+    ``step_bound_s``: :func:`lightning_dcp.planning.bound.plan_step_bound` of ``plan`` (optional).
+    """
     g = gathered.double().cpu()
     busy = g[:, 0].tolist()
     world = len(busy)
@@ -100,6 +116,7 @@ def step_metrics(gathered: torch.Tensor, *, epoch: int, step: int, step_s: float
         microbatches=[int(m) for m in g[:, 3].tolist()], step_s=step_s, imbalance=imbalance,
         global_tokens=int(global_tokens), tokens_per_s=(global_tokens / step_s) if step_s > 0 else 0.0,
         sp_sizes=summary["sp_sizes"], recompute=summary["recompute"], loss=float(g[:, 1].sum()),
+        step_bound_s=float(step_bound_s),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -253,3 +254,48 @@ def test_lpt_dispatch_chunked_covers_every_unit_once(costs, layout, chunk, with_
         assert np.isfinite(want)
         assert abs(loads[g] - want) <= 1e-9 * max(1.0, want)
     assert span == max(loads)
+
+
+# --------------------------------------------------------------- dcp never behind its own parts (issue #10)
+
+TINY_PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tiny-2d_balanced_2xcpu_mem20MiB" / "profile.json"
+
+
+def _cost_model(kind: str, memory: float):
+    if kind == "fake":
+        return FakeCostModel(memory_limit=memory * 100.0)
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+
+    base = ProfiledCostModel.from_file(TINY_PROFILE)  # measured CPU model: SP 2 has a large per-item constant
+    return ProfiledCostModel.from_file(TINY_PROFILE, memory_limit=base.memory_limit * memory)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["fake", "profiled"]), memory=st.sampled_from([0.3, 0.5, 0.7, 1.0, 1.5, 3.0]),
+       world=st.sampled_from([2, 4, 8, 16]), fractions=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50),
+       scale=st.sampled_from([0.02, 0.1, 0.3, 1.0]), seed=st.integers(0, 3))
+def test_dcp_never_behind_its_parts(kind, memory, world, fractions, scale, seed):
+    """dcp's simulated step <= 1.02 x min(dcp-inter, dcp-intra) on the same batch and cost model."""
+    from lightning_dcp.planning.simulator import simulate
+
+    cm = _cost_model(kind, memory)
+    try:
+        cap = Planner(world, cm).longest_fitting()
+    except PlanningError:  # the model does not fit this memory at all
+        return
+    lengths = [max(1, int(cap * scale * f)) for f in fractions]
+    samples = list(range(len(lengths)))
+    t = {p: simulate(Planner(world, cm, p, seed=seed).plan_batch(samples, lengths), cm, timeline=False).total_time
+         for p in ("dcp", "dcp-inter", "dcp-intra")}
+    assert t["dcp"] <= 1.02 * min(t["dcp-inter"], t["dcp-intra"]), t
+
+
+def test_dcp_lone_short_sample_runs_where_it_is_fastest():
+    """A step of one short sample: dcp runs it on the SP size where it is fastest alone (the old
+    estimate charged it a share of a full micro-batch and chose SP 2 on this profile)."""
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+
+    cm = ProfiledCostModel.from_file(TINY_PROFILE)
+    got = Planner(8, cm, "dcp", fallback=False).plan_batch([0], [11]).steps[0].items
+    best = min(cm.sp_sizes(8), key=lambda p: cm.item_time([11], p, cm.min_recompute([11], p)))
+    assert [it.sp_size for it in got] == [best]

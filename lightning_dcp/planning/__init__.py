@@ -18,3 +18,8 @@ from lightning_dcp.planning.planner import POLICIES, Planner, default_global_bat
 from lightning_dcp.planning.simulator import SimulationResult, simulate  # noqa: E402
 
 __all__ += ["PlanningError", "POLICIES", "Planner", "default_global_batch_tokens", "plan", "SimulationResult", "simulate"]
+
+# Per-step achievable bound (issue #10).
+from lightning_dcp.planning.bound import StepBound, StepBounder, plan_step_bound, step_bound, step_bound_parts  # noqa: E402
+
+__all__ += ["StepBound", "StepBounder", "plan_step_bound", "step_bound", "step_bound_parts"]

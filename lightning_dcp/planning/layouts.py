@@ -62,7 +62,8 @@ def allocate(work: Mapping[int, float], world_size: int, sp_sizes: Sequence[int]
 
     ``must`` is an SP size the layout has to contain (the step's largest required SP). Classes
     are filled largest first: class ``p`` gets ``round(share / p + bias)`` groups (at least one
-    for ``must``, bounded by what is left and by ``min_groups``/``max_groups``); the smallest
+    for ``must``, bounded by what is left and by ``min_groups``/``max_groups``; ``min_groups``
+    wins over keeping ranks free for smaller classes, whose work then runs as fills); the smallest
     class takes the remaining ranks of every world block. ``bias`` shifts the rounding
     (Hydraulis keeps the nearby integer solutions as extra candidates).
     """
@@ -104,6 +105,8 @@ def allocate(work: Mapping[int, float], world_size: int, sp_sizes: Sequence[int]
         if reserve == 0 and any(work.get(q, 0.0) > 0 for q in sizes if q < p):
             reserve = min(q for q in sizes if q < p and work.get(q, 0.0) > 0)
         count = min(count, avail // p, max(0, (ranks_left - reserve) // p))
+        if min_groups and p in min_groups:  # required groups win over a rank kept for smaller classes
+            count = max(count, min(min_groups[p], avail // p))
         if p == must:
             count = max(count, 1)
         take(p, count)

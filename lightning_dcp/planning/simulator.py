@@ -28,6 +28,13 @@ Reported (all exact definitions):
   all-reduce, spread evenly over the W ranks (see ``ItemCost.ideal``);
   ``fraction_of_ideal = ideal_time / total_time``. Memory can make it unreachable: samples that
   only fit with recomputation pay it in every plan.
+- ``step_bounds[s]``: the step's achievable bound (:func:`~lightning_dcp.planning.bound.step_bound`
+  of the step's samples: ``max(best-rate work / W, heaviest sample's best time) +
+  step_overhead``); ``bound_time`` = their sum; ``fraction_of_bound = bound_time / total_time``
+  (time-weighted) and ``mean_step_bound_fraction`` = the mean over steps of ``step_bounds[s] /
+  step_times[s]``. Unlike the ideal, the bound honours memory (recompute a sample cannot avoid,
+  the SP sizes that hold it) and the longest sample, so 100% is reachable in principle and the
+  gap below it is the planner's.
 - ``timeline[s]``: ``(rank, start, end, item_index, kind)`` with ``kind`` ``"item"`` for
   micro-batches and ``"allreduce"`` for the step end, times relative to the step start.
 """
@@ -37,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_dcp.planning.bound import StepBounder
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.plan import Plan, PlanError, check_deadlock_free
 
@@ -59,18 +67,29 @@ class SimulationResult:
     busy: list[list[float]] = field(default_factory=list)
     """``busy[s][r]``: seconds rank ``r`` computed in step ``s``."""
     timeline: list[list[tuple[int, float, float, int, str]]] = field(default_factory=list)
+    step_bounds: list[float] = field(default_factory=list)
+    """``step_bounds[s]``: step ``s``'s achievable bound (seconds, all-reduce included)."""
+    bound_time: float = 0.0
+    fraction_of_bound: float = 0.0
+    mean_step_bound_fraction: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         """The scalar figures, JSON-able."""
         return {
             "steps": len(self.step_times), "total_time": self.total_time, "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s, "imbalance": self.imbalance, "ideal_time": self.ideal_time,
-            "fraction_of_ideal": self.fraction_of_ideal, **{f"icc_{k}": v for k, v in self.icc.items()},
+            "fraction_of_ideal": self.fraction_of_ideal, "bound_time": self.bound_time,
+            "fraction_of_bound": self.fraction_of_bound, "mean_step_bound_fraction": self.mean_step_bound_fraction, **{f"icc_{k}": v for k, v in self.icc.items()},
         }
 
 
-def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True) -> SimulationResult:
-    """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first."""
+def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True,
+             max_sp_size: int | None = None) -> SimulationResult:
+    """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first.
+
+    ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the
+    world's largest aligned block; a smaller cap only raises the bound).
+    """
     W = plan.world_size
     overhead = cost_model.step_overhead(W) if plan.steps else 0.0
     step_times, spans, step_imb, busy_all, lines = [], [], [], [], []
@@ -138,7 +157,13 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         "recompute_fraction": rec / busy_total if busy_total > 0 else 0.0,
         "allreduce_fraction": overhead * len(step_times) / total if total > 0 else 0.0,
     }
+    bounder = StepBounder(cost_model, W, max_sp_size) if W else None
+    bounds = [bounder.seconds([n for it in st.items for n in it.lengths]) if bounder else 0.0 for st in plan.steps]
+    bound_time = sum(bounds)
+    per_step = [b / t for b, t in zip(bounds, step_times) if t > 0]
     return SimulationResult(
+        step_bounds=bounds, bound_time=bound_time, fraction_of_bound=bound_time / total if total > 0 else 0.0,
+        mean_step_bound_fraction=sum(per_step) / len(per_step) if per_step else 0.0,
         world_size=W, step_times=step_times, compute_spans=spans, step_imbalance=step_imb, total_time=total,
         tokens=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, imbalance=icc["idle_fraction"], icc=icc,
         ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,

@@ -103,6 +103,25 @@ class FixedSPPolicy(Policy):
         return place([sp] * count, self.world_size) or []
 
 
+def step_span(step: StepPlan, view: CostView) -> float:
+    """Compute span of ``step`` exactly as the simulator runs it (no all-reduce): each rank runs its
+    items in list order, an item starts when all its ranks are free and lasts its cost-model time."""
+    free: dict[int, float] = {}
+    cache: dict[tuple, float] = {}
+    span = 0.0
+    for item in step.items:
+        key = (item.lengths, item.sp_size, item.recompute)
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = view.time(item.lengths, item.sp_size, item.recompute)
+        start = max(free.get(r, 0.0) for r in item.ranks)
+        end = start + t
+        for r in item.ranks:
+            free[r] = end
+        span = max(span, end)
+    return span
+
+
 def interleave_items(per_group: list[list[WorkItem]]) -> list[WorkItem]:
     """Items of disjoint groups listed round by round (group 0's first, group 1's first, ...).
 

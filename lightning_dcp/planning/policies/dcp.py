@@ -40,12 +40,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lightning_dcp.planning.bound import StepBounder
 from lightning_dcp.planning.layouts import Layout, allocate, place, propose_layouts
 from lightning_dcp.planning.plan import StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets
+from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets, step_span
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dispatch import lpt_dispatch
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
+
+
+FALLBACK_MAX_SAMPLES_PER_RANK = 8
+"""dcp's safety net (:meth:`DCPPolicy._best_of_parts`) runs for batches of at most this many samples per rank."""
 
 
 class DCPPolicy(Policy):
@@ -57,14 +62,15 @@ class DCPPolicy(Policy):
     (default 64), ``dispatch_chunk`` (default 0: every sample dispatched on its own; e.g.
     0.01: runs of small samples move as chunks of about 1% of a group's load, the smallest 4%
     of the work one by one -- 10-25% less planner time at thousands of samples per step, same
-    quality over 6 steps at 256 GPUs but not bit-identical plans, so off by default).
+    quality over 6 steps at 256 GPUs but not bit-identical plans, so off by default),
+    ``fallback`` (default True: the safety net of :meth:`_best_of_parts`).
     """
 
     name = "dcp"
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk")
+        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk", "fallback")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
@@ -78,13 +84,18 @@ class DCPPolicy(Policy):
         self.trials = int(self.options.get("trials", 1))
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
         self.dispatch_chunk = float(self.options.get("dispatch_chunk", 0.0))
+        self.fallback = bool(self.options.get("fallback", True))
+        self._parts: list[Policy] | None = None
+        self._bounder: StepBounder | None = None
         self.candidates: dict[int, list[Layout]] = {}
         self._work_cache: dict[int, float] = {}  # attention work per length (recurs across steps)
+        self._alone: dict[int, np.ndarray] = {}  # time of a length alone per SP class
         self._Ll: list[int] = []
         self._Wl: list[float] = []
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
         self._E = None
+        self._ET: list | None = None
         if self.dataset_lengths:
             self.candidates = self._propose(self.dataset_lengths)
 
@@ -124,6 +135,7 @@ class DCPPolicy(Policy):
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
         self._E = E
+        self._ET = E.T.tolist()  # per-sample rows for the nested dispatches (lpt_dispatch reads row[k], k <= kmax)
         fast = self.view._time_fast
         if fast is not None:
             wc = self._work_cache
@@ -132,12 +144,45 @@ class DCPPolicy(Policy):
         try:
             blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
         finally:
-            self._Erows, self._E, self._packs = {}, None, {}
+            self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
         Ll = self._Ll
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec)
                       for ranks, idx, rec in blk] for blk in blocks]
         extra = {"layout": list(layout), "estimated_time": span}
-        return [StepPlan(tuple(interleave_items(per_group)), extra)]
+        plan = StepPlan(tuple(interleave_items(per_group)), extra)
+        if self.fallback:
+            plan = self._best_of_parts(samples, lengths, step, plan)
+        return [plan]
+
+    def _best_of_parts(self, samples: Sequence[int], lengths: Sequence[int], step: int, plan: StepPlan) -> StepPlan:
+        """Safety net: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``.
+
+        Skipped when it cannot matter or would cost too much, both deterministic: dcp's plan is
+        within 1% of the step's achievable bound
+        (:class:`~lightning_dcp.planning.bound.StepBounder`: no plan beats it by more), or the
+        batch has more than ``FALLBACK_MAX_SAMPLES_PER_RANK`` samples per rank (there the parts
+        take 5-10x dcp's planning time, and dcp's per-sample estimates, which this net guards,
+        are accurate: many samples share each micro-batch). Otherwise both parts plan the same
+        batch and the plan with the lowest exact span (:func:`step_span`, as the simulator runs
+        it) wins; ties keep dcp's.
+        """
+        if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size:
+            return plan
+        if self._bounder is None:
+            self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view)
+        bound = self._bounder.parts(lengths)
+        best, best_span = plan, step_span(plan, self.view)
+        if best_span <= max(bound.work_s, bound.heaviest_s) * 1.01:
+            return plan
+        if self._parts is None:
+            self._parts = [cls(self.world_size, self.view, seed=self.seed) for cls in (DCPIntraPolicy, DCPInterPolicy)]
+        for part in self._parts:
+            cand = part.plan_batch(samples, lengths, step)[0]
+            span = step_span(cand, self.view)
+            if span < best_span * (1 - 1e-9):
+                extra = dict(cand.extra, estimated_time=span, chosen=part.name)
+                best, best_span = StepPlan(cand.items, extra), span
+        return best
 
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
     def _schedule(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, size: int, offset: int,
@@ -160,11 +205,17 @@ class DCPPolicy(Policy):
         # A sample longer (in time) than the mean rank load cannot be balanced on its preferred
         # SP size: promote it to the smallest SP size on which it takes at most that long.
         mean_load = float(Gs[pref, cols].sum()) / size
+        # With no more samples than ranks, such a sample runs in a micro-batch of its own, so it is
+        # judged by its time *alone* (its own recompute, the whole per-micro-batch constant), not
+        # by its share of a full micro-batch, which understates constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
+        modified = False
+        alone = n <= size  # so few samples that each may get a micro-batch (and group) of its own
         for i in over.tolist():
-            ok = np.nonzero(Es[:, i] <= mean_load)[0]
-            k = int(ok[0]) if len(ok) else int(np.argmin(Es[:, i]))
-            pref[i] = max(int(pref[i]), k)
+            t = np.maximum(Es[:, i], self._alone_times(int(L[ids[i]]), classes)) if alone else Es[:, i]
+            ok = np.nonzero(t <= mean_load)[0]
+            k = int(ok[0]) if len(ok) else int(np.argmin(t))
+            pref[i] = max(int(pref[i]), k) if len(ok) else k
         must_k = max(int(minidx.max()), int(pref.max()))
         must = classes[must_k]
         gp = Gs[pref, cols]
@@ -218,14 +269,17 @@ class DCPPolicy(Policy):
                 CT, FT = C.T.tolist(), F.T.tolist()
                 costT, floorT = CT, FT
             else:
-                EsT = EsT if EsT is not None else Es.T.tolist()
+                if EsT is None:  # rows of the step's E.T (cached once per step) unless Es was changed here
+                    EsT = Es.T.tolist() if (modified or self._ET is None) else [self._ET[i] for i in ids.tolist()]
                 costT, floorT = EsT, None
             best = None
             chunk_cache: dict = {}  # the same chunks of small samples for every candidate
             for lay in cands:
                 members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, rng, floor=floor,
                                                     costT=costT, floorT_all=floorT, chunk=self.dispatch_chunk,
-                                                    chunk_groups=len(cands[0]), chunk_cache=chunk_cache)
+                                                    chunk_groups=len(cands[0]), chunk_cache=chunk_cache,
+                                                    fills_after_own=True,
+                                                    cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf)
                 if best is None or span < best[3] * (1 - 1e-9):
                     best = (lay, members, loads, span)
                 if span <= bound:
@@ -248,6 +302,18 @@ class DCPPolicy(Policy):
             plans = self._refine(plans, groups, members, ctx)
             span = max((t for _, t in plans), default=0.0)
         return [items for items, _ in plans], span, layout
+
+    def _alone_times(self, length: int, classes: Sequence[int]) -> np.ndarray:
+        """Time of one sample of ``length`` alone on each SP size of ``classes`` (inf where it does not fit)."""
+        got = self._alone.get(length)
+        if got is None:
+            got = np.full(len(self.classes), np.inf)
+            for k, p in enumerate(self.classes):
+                r = self.view.min_recompute(length, p)
+                if r is not None:
+                    got[k] = self.view.time([length], p, r)
+            self._alone[length] = got
+        return got[: len(classes)]
 
     def _group(self, mem: list[int], ranks: tuple[int, ...], ctx) -> tuple[list, float]:
         """Items and estimated time of one group running the (local) samples ``mem``."""
@@ -316,7 +382,14 @@ class DCPPolicy(Policy):
         return out
 
     def _refine(self, plans, groups, members, ctx):
-        """Move samples off the slowest group while that lowers the makespan (exact times)."""
+        """Move samples off the slowest group while that lowers the makespan (exact times).
+
+        Each round looks at the moves of one sample from the slowest group to one of the three
+        least-loaded groups that can hold it, ranked by the estimated makespan of the pair
+        afterwards (``max(slow - its cost there, dst + its cost here)``: the move that evens
+        the pair best, not merely the smallest sample), and makes the first of the best four
+        that lowers the makespan when both groups are re-planned exactly.
+        """
         ids, L, E, G, Es, C, pref, rng, isfill, idl = ctx
         members = [list(m) for m in members]
         times = [t for _, t in plans]
@@ -326,23 +399,12 @@ class DCPPolicy(Policy):
         for _ in range(self.refine_rounds):
             slow = max(range(len(times)), key=times.__getitem__)
             span = times[slow]
-            cand = sorted(members[slow], key=lambda j: int(L[ids[j]]))
+            moves = self._refine_moves(slow, span, members, times, kidx, C, L, ids)
             moved = False
-            for j in cand[:4]:
+            for _, j, g in moves:
                 if (slow, j) in tried:
                     continue
                 tried.add((slow, j))
-                best = None
-                for g in range(len(groups)):
-                    c = C[kidx[g], j]
-                    if g == slow or not np.isfinite(c):
-                        continue
-                    est = times[g] + c
-                    if est < span and (best is None or est < best[0]):
-                        best = (est, g)
-                if best is None:
-                    continue
-                g = best[1]
                 src = [x for x in members[slow] if x != j]
                 dst = members[g] + [j]
                 new_src = self._group(src, groups[slow], ctx)
@@ -356,6 +418,28 @@ class DCPPolicy(Policy):
             if not moved:
                 break
         return plans
+
+    @staticmethod
+    def _refine_moves(slow, span, members, times, kidx, C, L, ids, top=4):
+        """Candidate moves ``(estimated pair makespan, sample, destination)``, best first."""
+        mem = np.asarray(members[slow], dtype=np.int64)
+        if len(mem) == 0:
+            return []
+        here = C[kidx[slow], mem]
+        order = sorted((g for g in range(len(times)) if g != slow), key=lambda g: (times[g], g))[:3]
+        out = []
+        lens = L[ids[mem]]
+        for g in order:
+            there = C[kidx[g], mem]
+            est = np.maximum(span - here, times[g] + there)
+            ok = np.isfinite(there) & (est < span)
+            if not ok.any():
+                continue
+            cand = np.nonzero(ok)[0]
+            best = cand[np.lexsort((lens[cand], est[cand]))[:top]]
+            out.extend((float(est[i]), int(mem[i]), g) for i in best)
+        out.sort(key=lambda m: (m[0], int(L[ids[m[1]]]), m[2]))
+        return out[:top]
 
 
 class AlgorithmOnePolicy(Policy):

@@ -20,7 +20,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                  trials: int = 1, rng: np.random.Generator | None = None,
                  floor: np.ndarray | None = None, costT: list | None = None,
                  floorT_all: list | None = None, chunk: float = 0.0, chunk_groups: int | None = None,
-                 chunk_cache: dict | None = None) -> tuple[list[list[int]], list[float], float]:
+                 chunk_cache: dict | None = None, fills_after_own: bool = False,
+                 cutoff: float = float("inf")) -> tuple[list[list[int]], list[float], float]:
     """Assign units to the groups of ``layout``.
 
     Args:
@@ -32,9 +33,11 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         trials: 1 + number of perturbed retries.
         rng: seeded generator for the retries.
         floor: optional ``floor[k, i]``: the group cannot finish before this once it holds unit
-            ``i`` (a unit that a group runs on a sub-block of its ranks costs the group its
-            spread-out share ``cost``, but still lasts its own time on the sub-block). A group's
-            estimated finish is ``max(sum of its costs, largest floor)``.
+            ``i`` (a unit that a group runs on a sub-block of its ranks -- a *fill*, ``floor > 0``
+            -- costs the group its spread-out share ``cost``, but still lasts its own time on the
+            sub-block). A group's estimated finish is ``max(sum of its costs, largest floor)``;
+            with ``fills_after_own`` (dcp: a group runs its own units first, then its fills)
+            ``max(sum of its costs, sum of its own units' costs + largest fill floor)``.
         costT, floorT_all: optional ``cost.T.tolist()`` / ``floor.T.tolist()`` computed once by
             a caller that dispatches the same matrices on several layouts (same results, less
             conversion).
@@ -47,6 +50,10 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         chunk_groups, chunk_cache: the group count that sizes the chunks (default: this
             layout's) and a dict to keep the chunks of the longest-first order in: a caller that
             dispatches the same matrices on several layouts passes the same pair and cuts once.
+
+        cutoff: give up as soon as a group's load reaches ``cutoff`` (loads only grow, so the
+            makespan would too): a caller comparing layouts passes its best makespan so far and
+            skips the rest of a losing layout's dispatch. Returns ``(None, None, inf)`` then.
 
     Returns:
         ``(members, loads, makespan)``: unit indices per group, estimated busy time per group,
@@ -69,6 +76,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         floorT = floorT_all if floorT_all is not None else floor.T.tolist()
     inf = float("inf")
     best = None
+    cut_any = False
     for t in range(max(1, trials)):
         if t == 0 or rng is None:
             order = np.argsort(-order_key, kind="stable")
@@ -79,7 +87,9 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         loads = [0.0] * len(layout)
         spread = [0.0] * len(layout)
         flo = [0.0] * len(layout)
+        own = [0.0] * len(layout)
         ok = True
+        cut = False
         kr = list(enumerate(rows))  # (heap index, row of cost)
         heapreplace = heapq.heapreplace
         olist = order.tolist()
@@ -123,17 +133,24 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                     if ck == inf:
                         continue
                     g0 = heaps[k][0][1]
-                    v = spread[g0] + ck  # max(spread + cost, floor so far, this unit's floor)
-                    fv = flo[g0]
-                    if fv > v:
-                        v = fv
-                    fv = f[r]
+                    v = spread[g0] + ck  # max(spread + cost, own units + longest fill)
+                    fu = f[r]
+                    fl = flo[g0]
+                    if not fills_after_own:
+                        fv = fu if fu > fl else fl
+                    elif fu > 0.0:  # a fill: runs after the group's own units
+                        fv = own[g0] + (fu if fu > fl else fl)
+                    else:
+                        fv = own[g0] + ck + fl
                     if fv > v:
                         v = fv
                     if v < bval:
                         bk, bval, br = k, v, r
             if bk < 0:
                 ok = False
+                break
+            if bval >= cutoff:
+                cut = True
                 break
             h = heaps[bk]
             g = h[0][1]
@@ -146,14 +163,22 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             if seq_f is not None:
                 spread[g] += c[br]
                 fb = f[br]
-                if fb > flo[g]:
-                    flo[g] = fb
+                if fb > 0.0:
+                    if fb > flo[g]:
+                        flo[g] = fb
+                else:
+                    own[g] += c[br]
         if not ok:
+            continue
+        if cut:
+            cut_any = True
             continue
         span = max(loads) if loads else 0.0
         if best is None or span < best[2] * (1 - 1e-12):
             best = (members, loads, span)
     if best is None:
+        if cut_any:
+            return None, None, inf  # type: ignore[return-value]
         raise ValueError("a unit fits no group of the layout")
     return best
 

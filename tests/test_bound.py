@@ -1,0 +1,98 @@
+"""The per-step achievable bound (issue #10): a true lower bound, its parts, and where it is reported."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _fakes import FakeCostModel, SlowPathCostModel
+from lightning_dcp.planning import Planner, PlanningError, simulate, step_bound, step_bound_parts
+from lightning_dcp.planning.bound import StepBounder, plan_step_bound
+from lightning_dcp.planning.planner import POLICIES
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@SETTINGS
+@given(lengths=st.lists(st.one_of(st.integers(1, 3000), st.integers(1, 3000), st.integers(3000, 40000)),
+                        min_size=1, max_size=50),
+       world=st.sampled_from([1, 2, 4, 6, 8, 16]), limit=st.sampled_from([30.0, 50.0, 100.0, 300.0]))
+def test_no_plan_beats_the_bound(policy, lengths, world, limit):
+    cm = FakeCostModel(memory_limit=limit)
+    planner = Planner(world, cm, policy)
+    cap = planner.longest_fitting()
+    lengths = [min(n, cap) for n in lengths]
+    sim = simulate(planner.plan(lengths, global_batch_tokens=sum(lengths)), cm, timeline=False)
+    for bound, t in zip(sim.step_bounds, sim.step_times):
+        assert bound <= t * (1 + 1e-9)
+    assert 0.0 < sim.fraction_of_bound <= 1 + 1e-9
+    assert 0.0 < sim.mean_step_bound_fraction <= 1 + 1e-9
+
+
+def test_parts_work_heaviest_and_overhead():
+    cm = FakeCostModel()
+    many_short = [500] * 400
+    p = step_bound_parts(many_short, cm, 8)
+    assert p.limited_by == "work" and p.overhead_s == cm.step_overhead(8)
+    assert p.seconds == pytest.approx(max(p.work_s, p.heaviest_s) + p.overhead_s)
+    one_long = [40000] + [100] * 3
+    q = step_bound_parts(one_long, cm, 8)
+    assert q.limited_by == "heaviest"
+    best_alone = min(cm.item_time([40000], s, cm.min_recompute([40000], s)) for s in (1, 2, 4, 8)
+                     if cm.min_recompute([40000], s) is not None)
+    assert q.heaviest_s == pytest.approx(best_alone)
+    # more ranks: less work per rank, never a larger work term
+    assert step_bound_parts(many_short, cm, 16).work_s < p.work_s
+    # capping the SP size can only raise the bound
+    mid = [20000] + [100] * 3
+    assert step_bound(mid, cm, 8, max_sp_size=2) >= step_bound(mid, cm, 8)
+
+
+def test_work_term_is_never_below_the_ideal():
+    """Best-rate GPU-seconds include what the ideal leaves out (GEMM efficiency, constants, recompute)."""
+    cm = FakeCostModel(memory_limit=40.0)  # tight: long samples must recompute or spread
+    lengths = [30000, 12000, 3000, 800, 800, 50]
+    p = step_bound_parts(lengths, cm, 16)
+    assert p.work_s >= cm.ideal_time(lengths) / 16
+
+
+def test_slow_path_cost_model_gives_nearly_the_same_bound():
+    lengths = [30000, 12000, 3000, 800, 800, 50]
+    slow, fast = step_bound(lengths, SlowPathCostModel(), 4), step_bound(lengths, FakeCostModel(), 4)
+    assert fast <= slow * (1 + 1e-9) and slow == pytest.approx(fast, rel=0.02)
+
+
+def test_plan_step_bound_reads_step_plans_and_dicts():
+    cm = FakeCostModel()
+    lengths = [9000, 3000, 200, 200, 5000]
+    p = Planner(4, cm).plan_batch(list(range(5)), lengths)
+    step = p.steps[0]
+    want = step_bound(lengths, cm, 4)
+    assert plan_step_bound(step, cm, 4) == pytest.approx(want)
+    assert plan_step_bound(step.to_dict(), cm, 4) == pytest.approx(want)
+
+
+def test_bound_errors_name_the_values_and_the_fix():
+    cm = FakeCostModel()
+    with pytest.raises(PlanningError, match=r"world size must be a positive integer, got 0"):
+        StepBounder(cm, 0)
+    with pytest.raises(PlanningError, match=r"10000000 tokens fits no SP size.*drop or split"):
+        step_bound([10_000_000], cm, 2)
+    assert step_bound([], cm, 4) == cm.step_overhead(4)
+
+
+def test_step_metrics_logs_the_bound_fraction_only_when_known():
+    torch = pytest.importorskip("torch")
+    from lightning_dcp.metrics import step_metrics
+
+    plan = {"items": [{"ranks": [0], "samples": [0], "lengths": [10], "recompute": 0}]}
+    gathered = torch.tensor([[1.0, 0.0, 10.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
+    m = step_metrics(gathered, epoch=0, step=0, step_s=2.0, plan=plan, global_tokens=10)
+    assert "dcp/step_bound_fraction" not in m.as_log_dict() and math.isnan(m.step_bound_s)
+    m = step_metrics(gathered, epoch=0, step=0, step_s=2.0, plan=plan, global_tokens=10, step_bound_s=1.5)
+    assert m.as_log_dict()["dcp/step_bound_fraction"] == pytest.approx(0.75)
+    assert m.to_dict()["step_bound_s"] == 1.5
