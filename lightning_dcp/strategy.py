@@ -301,6 +301,7 @@ class DCPStrategy(DDPStrategy):
                 raise ValueError(f"support must be one of {SUPPORT_LEVELS} (or None to detect), got {support!r}")
         self.requested_support = support
         self.support: str | None = None
+        self._bounder: Any = None
         self._loss_divisor = 1.0
         self.sp_groups: SPGroups | None = None
         self.num_heads: int | None = None
@@ -481,6 +482,7 @@ class DCPStrategy(DDPStrategy):
         if gbs is None and gbt is None:
             gbs = per_rank * self.world_size
         planner = self._make_planner(lengths, per_rank)
+        self._bounder = self._make_bounder()
         self.batch_sampler = DCPBatchSampler(
             lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,
             rank=self.global_rank, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
@@ -501,6 +503,17 @@ class DCPStrategy(DDPStrategy):
         return DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
                              pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
                              worker_init_fn=dataloader.worker_init_fn, **kwargs)
+
+    def _make_bounder(self) -> Any:
+        """The per-step achievable bound (``dcp/step_bound_fraction``), for measured cost models only:
+        its seconds mean nothing beside wall time for an analytic or default model."""
+        from lightning_dcp.planning.profiled import ProfiledCostModel
+
+        if not isinstance(self._cost_model, ProfiledCostModel):
+            return None
+        from lightning_dcp.planning.bound import StepBounder
+
+        return StepBounder(self._cost_model, self.world_size, self.max_sp_size)
 
     def _train_lengths(self, dataset: Any) -> list[int]:
         if self.support != "safe" or self._lengths is not None or getattr(dataset, "lengths", None) is not None:
@@ -694,8 +707,11 @@ class DCPStrategy(DDPStrategy):
         return torch.stack(out).cpu()
 
     def _record_metrics(self, gathered: Tensor, meta: Mapping[str, Any], step_s: float) -> None:
+        bound = float("nan")
+        if self._bounder is not None:
+            bound = self._bounder.seconds([n for it in meta["plan"]["items"] for n in it["lengths"]])
         m = step_metrics(gathered, epoch=meta["epoch"], step=meta["step"], step_s=step_s, plan=meta["plan"],
-                         global_tokens=meta["global_tokens"])
+                         global_tokens=meta["global_tokens"], step_bound_s=bound)
         self.last_step_metrics = m
         self.last_step_plan = meta["plan"]
         if self._tracker_epoch != m.epoch:

@@ -343,3 +343,21 @@ def test_module_without_repeated_layers_is_reported_not_profiled(tmp_path, monke
     assert profiler.cache_status == "no-layers" and profiler.cost_model is None and not list(tmp_path.iterdir())
     lines = [m for m in said if "no repeated layers" in m]
     assert len(lines) == 1 and "profiling skipped" in lines[0] and "dcp_repeated_layers()" in lines[0]
+
+
+def test_measured_runs_log_the_step_bound_fraction(tmp_path):
+    """With a measured profile the strategy logs dcp/step_bound_fraction = bound / step time."""
+    import lightning.pytorch as pl
+
+    from lightning_dcp.strategy import DCPStrategy
+
+    torch.manual_seed(0)
+    strategy = DCPStrategy(global_batch_size=4, log_metrics=False)
+    profiler = DCPProfiler(cache_dir=str(tmp_path), lengths=[16, 64], micro_batch_sizes=[1])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, strategy=strategy, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[profiler])
+    trainer.fit(DCPTransformerModule("tiny-1d"), DataLoader(SyntheticTokenDataset(num_samples=16), batch_size=2))
+    m = strategy.last_step_metrics
+    assert isinstance(strategy.cost_model, ProfiledCostModel) and m.step_bound_s > 0
+    assert m.as_log_dict()["dcp/step_bound_fraction"] == pytest.approx(m.step_bound_s / m.step_s)
