@@ -470,3 +470,18 @@ def test_profiled_optional_fields_recompute_and_per_token_constants():
     with pytest.raises(ProfileError, match="recompute_s"):
         ProfiledCostModel(bad)
     ProfiledCostModel(make_profile(activation_bytes_per_token=None))
+
+
+def test_profiled_model_charges_host_work_per_micro_batch():
+    """host_s + host_per_token_s * (whole micro-batch tokens), on every SP size, in time but not in the ideal."""
+    base = make_profile()
+    with_host = make_profile()
+    with_host["constant"].update(host_s=2e-3, host_per_token_s=1e-6)
+    a, b = ProfiledCostModel(base), ProfiledCostModel(with_host)
+    for sp in a.sp_sizes(8):
+        for lengths in ([512], [1024, 2048, 256]):
+            extra = 2e-3 + 1e-6 * sum(lengths)
+            assert b.item_time(lengths, sp, 0) == pytest.approx(a.item_time(lengths, sp, 0) + extra)
+            assert b.item_cost(lengths, sp, 0).ideal == pytest.approx(a.item_cost(lengths, sp, 0).ideal)
+            t, q = sum(lengths), sum(n * n for n in lengths)
+            assert b.item_time_sum(t, q, len(lengths), sp, 0) == pytest.approx(b.item_time(lengths, sp, 0))

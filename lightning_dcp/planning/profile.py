@@ -16,6 +16,8 @@ Written by :class:`lightning_dcp.DCPProfiler` (or ``lightning-dcp profile``), re
         "memory_bytes": 3.1e10,     # model states + buffers, per device (M_C of eq. 6)
         "param_bytes": 1.0e10,      # gradient bytes reduced per step
         "time_per_token_s": 2e-8,   # optional: embedding + head + loss time per local token (fwd+bwd)
+        "host_s": 1e-4,             # optional: host work per micro-batch (pack, shard, copy)
+        "host_per_token_s": 1e-8,   # optional: host work per token of the whole micro-batch
         "activation_bytes_per_token": 6.0e4  # optional: bytes saved for backward outside the
                                     #   repeated layers, per local token
       },
@@ -40,7 +42,9 @@ Optional fields (absent, or ``null``, in older profiles; non-negative numbers wh
 ``entries[].recompute_s`` -- the cost model charges it per recomputed layer instead of
 ``forward_s`` when every entry of an SP size has it; ``constant.time_per_token_s`` and
 ``constant.activation_bytes_per_token`` -- added per local token (``tokens / sp``) to every
-micro-batch's time and memory.
+micro-batch's time and memory; ``constant.host_s`` and ``constant.host_per_token_s`` -- the
+host's work per micro-batch (pack, prepare, weight, shard, copy to the device), ``host_s +
+host_per_token_s * tokens`` over the *whole* micro-batch's tokens (every SP rank builds it).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ PROFILE_SCHEMA = "lightning-dcp/profile/v1"
 
 _ENTRY_FIELDS = ("seq_len", "micro_batch", "sp", "forward_s", "backward_s", "activation_bytes", "input_bytes")
 _CONSTANT_FIELDS = ("time_s", "optimizer_s", "allreduce_s", "memory_bytes")
-_OPTIONAL_CONSTANT_FIELDS = ("time_per_token_s", "activation_bytes_per_token", "param_bytes")
+_OPTIONAL_CONSTANT_FIELDS = ("time_per_token_s", "activation_bytes_per_token", "param_bytes", "host_s",
+                             "host_per_token_s")
 
 
 class ProfileError(ValueError):

@@ -96,6 +96,7 @@ class ProfiledCostModel(CostModel):
     recomputed layers (paper eqs. 4-6)::
 
         time   = L * (t_f + t_b) + r * t_rc + constant.time_s + constant.time_per_token_s * tokens / p
+                 + constant.host_s + constant.host_per_token_s * tokens   # the host builds the whole micro-batch
         memory = constant.memory_bytes + L * inp + (L - r) * act + act     # + one layer's transient
                  + constant.activation_bytes_per_token * tokens / p
 
@@ -133,6 +134,8 @@ class ProfiledCostModel(CostModel):
         # optional (profiler >= the recompute/per-token fields): per local token, outside the layers
         self.time_per_token = float(const.get("time_per_token_s") or 0.0)
         self.memory_per_token = float(const.get("activation_bytes_per_token") or 0.0)
+        self.host_time = float(const.get("host_s") or 0.0)  # per micro-batch, on the host
+        self.host_per_token = float(const.get("host_per_token_s") or 0.0)  # per token of the whole micro-batch
         self.optimizer_s = float(const["optimizer_s"])
         self.allreduce_s = float(const["allreduce_s"])
         pb = const.get("param_bytes")
@@ -188,7 +191,8 @@ class ProfiledCostModel(CostModel):
             self._coef[p] = (
                 fa, fb, fc, ba, bb, bc,
                 # item time: (A0 + r A1) sq + (B0 + r B1) T + (C0 + r C1)
-                L * (fa + ba), L * (fb + bb) + self.time_per_token / p, L * (fc + bc) + self.constant_time, ra, rb, rc,
+                L * (fa + ba), L * (fb + bb) + self.time_per_token / p + self.host_per_token,
+                L * (fc + bc) + self.constant_time + self.host_time, ra, rb, rc,
                 # memory: base0 + T*m0 - r*(ma + T*ka)   with the transient layer counted
                 self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka + self.memory_per_token / p, ma, ka,
                 # ideal / p
@@ -278,7 +282,7 @@ class ProfiledCostModel(CostModel):
             compute=self.num_layers * (fwd + bwd),
             recompute=recompute * rec,
             comm=0.0,
-            overhead=self.constant_time + self.time_per_token * T / sp,
+            overhead=self.constant_time + self.time_per_token * T / sp + self.host_time + self.host_per_token * T,
             ideal=c[16] * W + c[17] * T + c[18],
         )
 

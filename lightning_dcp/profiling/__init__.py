@@ -61,6 +61,10 @@ Constant parts, measured once at SP 1 (``constant`` section):
   ``time_s = c0``, the per-micro-batch cost; ``time_per_token_s = c1`` (embedding, head, loss
   grow with tokens). ``activation_bytes_per_token`` (added optional field): bytes saved for
   backward outside the repeated layers in that run, per local token.
+* ``host_s`` / ``host_per_token_s`` (added optional fields): the host's work for one micro-batch
+  as the runtime does it (load and pack the samples, ``dcp_prepare_batch``, token weights, shard,
+  copy to the device), timed at the same two lengths (minimum of 5): a two-point line over the
+  micro-batch's tokens. The planner charges it per micro-batch.
 * ``optimizer_s``: a fresh optimizer of the same class and defaults steps over *clones* of
   ``layers[1]``'s trainable parameters with random gradients (two untimed steps create the
   state, then the median of three), scaled by ``total trainable numel / layer numel``. The real

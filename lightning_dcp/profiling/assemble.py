@@ -157,9 +157,10 @@ def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _St
     with the layers bypassed (smallest and largest grid length, SP 1), optimizer and all-reduce time."""
     from lightning_dcp.packing import pack_samples
 
-    const = []
+    const, host = [], []
     for n in sorted({grid.lengths[0], grid.lengths[-1]}):
         seq_len, idx = run.samples.pick(n, 1)
+        host.append((seq_len, _host_time(run, idx)))
         batch = harness.to_device(pack_samples([run.samples[i] for i in idx], sample_indices=idx), run.device)
         with sp_context(SPContext()):
             t, saved = measure.measure_constant_run(run.module, run.stack, batch, run.step_fn, run.device, run.autocast,
@@ -171,10 +172,32 @@ def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _St
     act_per_token = max(s0 / n0, s1 / n1)
     opt_s = measure.optimizer_time(optimizer, run.stack.measured_layer, states.trainable_numel)
     allreduce_s = measure.allreduce_time(states.param_bytes, states.grad_dtype, run.device)
-    c0, slope, act_per_token, opt_s, allreduce_s = measure.allreduce_max([c0, slope, act_per_token, opt_s, allreduce_s],
-                                                                         run.device)
+    (h_n0, h0), (h_n1, h1) = host[0], host[-1]
+    host_slope = max(0.0, (h1 - h0) / (h_n1 - h_n0)) if h_n1 > h_n0 else 0.0
+    host_c = max(0.0, h0 - host_slope * h_n0)
+    c0, slope, act_per_token, opt_s, allreduce_s, host_c, host_slope = measure.allreduce_max(
+        [c0, slope, act_per_token, opt_s, allreduce_s, host_c, host_slope], run.device)
     return {"time_s": c0, "time_per_token_s": slope, "optimizer_s": opt_s, "allreduce_s": allreduce_s,
-            "activation_bytes_per_token": act_per_token}
+            "activation_bytes_per_token": act_per_token, "host_s": host_c, "host_per_token_s": host_slope}
+
+
+def _host_time(run: _Run, idx: list[int], repeats: int = 5) -> float:
+    """Seconds of the host's work for one micro-batch, as the runtime does it: load and pack the
+    samples, the module's ``dcp_prepare_batch``, token weights, the shard, the copy to the device
+    (the minimum of ``repeats``: host timings only get noisier, never faster)."""
+    from lightning_dcp.packing import pack_samples
+    from lightning_dcp.sharding import add_token_weights
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        batch = harness.shard_batch(run.module, pack_samples([run.samples[i] for i in idx], sample_indices=idx), 1, 0)
+        add_token_weights(batch, "token")
+        harness.to_device(batch, run.device)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def default_memory_limit(device: torch.device, memory_fraction: float = 0.9) -> float:
