@@ -64,16 +64,9 @@ def draw_run(lengths_pool: list[int], target_tokens: int) -> list[int]:
 
 def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]:
     """``lengths`` cut in order into global batches that close at ``global_batch_tokens`` (as :meth:`Planner.batches`)."""
-    out, cur, acc = [], [], 0
-    for n in lengths:
-        cur.append(n)
-        acc += n
-        if acc >= global_batch_tokens:
-            out.append(cur)
-            cur, acc = [], 0
-    if cur:
-        out.append(cur)
-    return out
+    from lightning_dcp.planning.planner import cut_by_tokens
+
+    return [[lengths[i] for i in batch] for batch in cut_by_tokens(lengths, global_batch_tokens)]
 
 
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,

@@ -57,6 +57,21 @@ DEFAULT_WORK_MULTIPLE = 1.0
 time of the dataset's longest sample (see :func:`default_global_batch_tokens`)."""
 
 
+def cut_by_tokens(lengths: Sequence[int], tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` cut in order into global batches, each closed once it holds
+    ``tokens`` tokens or more (the last one may hold fewer)."""
+    out, cur, acc = [], [], 0
+    for i, n in enumerate(lengths):
+        cur.append(i)
+        acc += n
+        if acc >= tokens:
+            out.append(cur)
+            cur, acc = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
 def longest_sample_time(world_size: int, cost_model: CostModel, longest: int,
                         max_sp_size: int | None = None) -> tuple[float, int]:
     """Best-case time of one sample of ``longest`` tokens on this world: ``(seconds, sp)``.
@@ -290,16 +305,7 @@ class Planner:
                                                                     self.cost_model, max_sp_size=self.max_sp_size)
         if tokens <= 0:
             raise PlanningError(f"global batch tokens must be positive, got {tokens}")
-        out, cur, acc = [], [], 0
-        for i, n in enumerate(lengths):
-            cur.append(i)
-            acc += n
-            if acc >= tokens:
-                out.append(cur)
-                cur, acc = [], 0
-        if cur:
-            out.append(cur)
-        return out
+        return cut_by_tokens(lengths, tokens)
 
     def plan(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
              global_batch_size: int | None = None) -> Plan:
