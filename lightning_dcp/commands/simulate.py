@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         raise CLIError(str(err)) from None
     print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {args.num_steps} global batches of "
-          f"{gbt:,} tokens, {args.world_size} GPUs, model {(args.model or "transformer-1d") if args.profile is None else args.profile}")
+          f"{gbt:,} tokens, {args.world_size} GPUs, model {(args.model or 'transformer-1d') if args.profile is None else args.profile}")
     print(format_table(rows))
     if args.json is not None:
         write_atomic(args.json, json.dumps({"source": source, "world_size": args.world_size, "global_batch_tokens": gbt,
