@@ -19,6 +19,8 @@ sequence of ints, or a callable returning one), or ``lengths=`` given to the str
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -30,7 +32,7 @@ from lightning_dcp.packing import pack_samples, sample_length
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 
-__all__ = ["DCPBatchSampler", "DCPDataLoader", "StepDataset", "collate_step", "resolve_lengths"]
+__all__ = ["DCPBatchSampler", "DCPDataLoader", "StepDataset", "check_lengths", "collate_step", "resolve_lengths"]
 
 
 LENGTHS_HELP = (
@@ -47,9 +49,10 @@ def resolve_lengths(dataset: Any, lengths: Sequence[int] | Callable[[Any], Seque
     ``dataset.lengths`` (a sequence or a callable with no arguments).
 
     Raises:
-        ValueError: none is available, the count differs from ``len(dataset)``, or a length is < 1.
+        ValueError: none is available, the dataset is empty, the count differs from
+            ``len(dataset)``, or a length is not an integer >= 1 (named by index and source).
     """
-    source = "lengths="
+    source = "lengths"
     if lengths is None:
         lengths = getattr(dataset, "lengths", None)
         source = f"{type(dataset).__name__}.lengths"
@@ -60,17 +63,51 @@ def resolve_lengths(dataset: Any, lengths: Sequence[int] | Callable[[Any], Seque
     if lengths is None:
         raise ValueError(f"DCP needs every sample's length before loading it, and {type(dataset).__name__} has no "
                          f"`lengths`: {LENGTHS_HELP}")
-    out = [int(n) for n in lengths]
+    out = check_lengths(lengths, source)
     try:
         size = len(dataset)
     except TypeError:
         size = None
     if size is not None and size != len(out):
         raise ValueError(f"{source} has {len(out)} entries but the dataset has {size} samples; give one length per sample")
-    bad = [(i, n) for i, n in enumerate(out) if n < 1]
-    if bad:
-        raise ValueError(f"{source} has non-positive lengths at (index, length) {bad[:5]}; every sample needs >= 1 token")
+    if not out:
+        raise ValueError(f"the train dataset {type(dataset).__name__} is empty ({source} has no entries): DCP needs at "
+                         "least one sample per global batch; check the data path and any filtering")
     return out
+
+
+def _as_length(value: Any, where: str) -> int:
+    """``value`` as a positive int token count, or a ValueError naming ``where`` (e.g. ``ds.lengths[17]``)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    elif hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:  # numpy scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where} is {value!r} ({type(value).__name__}), not an integer; lengths are token counts "
+                         "(ints >= 1)")
+    if not isinstance(value, numbers.Integral):
+        if not math.isfinite(value) or not float(value).is_integer():
+            raise ValueError(f"{where} is {value!r}, not an integer; lengths are token counts: round them where the "
+                             "dataset computes them (e.g. frames*height*width after patchify is an int)")
+    if value < 1:
+        raise ValueError(f"{where} is {value!r}; every sample needs >= 1 token (drop empty samples from the dataset)")
+    return int(value)
+
+
+def check_lengths(lengths: Any, source: str = "lengths") -> list[int]:
+    """``lengths`` as a list of positive ints; a ValueError names the first bad entry as ``source[i]``.
+
+    Accepts Python and numpy integers, integer-valued floats (``152.0``) and one-element
+    tensors; refuses ``152.7``, ``True``, strings, NaN and values below 1.
+    """
+    try:
+        seq = list(lengths)
+    except TypeError:
+        raise ValueError(f"{source} must be a sequence of ints (one token count per sample), got "
+                         f"{type(lengths).__name__}") from None
+    if all(type(n) is int and n > 0 for n in seq):  # the common case, fast
+        return seq
+    return [_as_length(n, f"{source}[{i}]") for i, n in enumerate(seq)]
 
 
 def _as_steps(result: Any) -> list[StepPlan]:
@@ -134,7 +171,9 @@ class DCPBatchSampler:
             raise ValueError(f"global_batch_tokens must be >= 1, got {global_batch_tokens}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside a world of {num_replicas} ranks")
-        self.lengths = [int(n) for n in lengths]
+        self.lengths = check_lengths(lengths, "lengths")
+        if not self.lengths:
+            raise ValueError("DCPBatchSampler got no sample lengths: the dataset is empty")
         self.planner = planner
         self.global_batch_size = global_batch_size
         self.global_batch_tokens = global_batch_tokens

@@ -61,6 +61,7 @@ from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.recompute import find_recompute_layers
@@ -316,6 +317,7 @@ class DCPStrategy(DDPStrategy):
         self._warned_default_cost = False
         self._last_step_start: float | None = None
         self._tracker_epoch: int | None = None
+        self._heads_cap: int | None = None  # set when the head count (not the world or the user) caps SP
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -362,6 +364,12 @@ class DCPStrategy(DDPStrategy):
             self.max_sp_size = min(self.max_sp_size, world_cap)
         else:
             self.max_sp_size = min(world_cap, self._largest_dividing(heads)) if heads else world_cap
+            if heads and self.max_sp_size < world_cap:
+                self._heads_cap = self.max_sp_size
+                fix = ("; use a head count with a power-of-two factor (e.g. 4 or 8) for sequence parallelism"
+                       if self.max_sp_size == 1 else "")
+                rank_zero_warn(f"the model has {heads} attention heads: SP sizes must divide it, so SP is capped at "
+                               f"{self.max_sp_size} on this world of {world_size} ranks{fix}")
 
     @staticmethod
     def _largest_dividing(heads: int | None) -> int:
@@ -462,8 +470,22 @@ class DCPStrategy(DDPStrategy):
             self._cost_model = cost_model
         opts = dict(self.planner_options)
         opts.setdefault("max_sp_size", self.max_sp_size)
-        planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
+        try:
+            planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths,
+                              **opts)
+        except PlanningError as err:
+            raise self._heads_capped_error(err, opts["max_sp_size"]) from None
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
+
+    def _heads_capped_error(self, err: PlanningError, max_sp: Any) -> PlanningError:
+        """A planner error whose "larger max_sp_size" advice is impossible because the heads cap SP: say so instead."""
+        if self._heads_cap is None or max_sp != self._heads_cap:
+            return err
+        msg = str(err).replace(f", capped by max_sp_size={max_sp}", f", capped by the model's {self.num_heads} attention heads")
+        msg = msg.replace(" / a larger max_sp_size", "").replace(", or raise max_sp_size", "")
+        msg = msg.replace("use more ranks / more memory per device", "use more memory per device")
+        return PlanningError(f"{msg} (SP sizes must divide the model's {self.num_heads} attention heads, so SP cannot "
+                             f"exceed {max_sp}{'; a head count with a power-of-two factor allows more' if max_sp == 1 else ''})")
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -476,6 +498,9 @@ class DCPStrategy(DDPStrategy):
             raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
                              f"{type(dataset).__name__}")
         lengths = self._train_lengths(dataset)
+        if not lengths:
+            raise ValueError(f"the train dataset {type(dataset).__name__} is empty (0 samples): nothing to train on; "
+                             "check the data path and any filtering")
         gbs, gbt = self.global_batch_size, self.global_batch_tokens
         per_rank = dataloader.batch_size or 1
         if gbs is None and gbt is None:
