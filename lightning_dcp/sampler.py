@@ -194,12 +194,13 @@ class DCPBatchSampler:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._max_len: int | None = None
+        self._recent: dict[tuple[int, int], StepPlan] = {}  # plans yielded lately, for next_plan()
         self.sampler = _EpochHook(self)
 
     # -- pickling (DataLoader workers never need the sampler, but be safe) ------------------
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_executor=None, _cache={}, _lock=None)
+        state.update(_executor=None, _cache={}, _lock=None, _recent={})
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -340,6 +341,14 @@ class DCPBatchSampler:
             return self._epoch_plan(epoch)[step]
         return self._submit(epoch, step).result()
 
+    def next_plan(self, epoch: int, step: int) -> StepPlan | None:
+        """The plan of step ``step`` of ``epoch`` for an agreement check one step ahead: the one
+        already yielded or being planned ahead (never planned twice); ``None`` past the epoch's end."""
+        if step >= self.num_steps(epoch):
+            return None
+        plan = self._recent.get((epoch, step))
+        return plan if plan is not None else self.step_plan(epoch, step)
+
     def describe(self, epoch: int, step: int, plan: StepPlan) -> dict[str, Any]:
         """The step descriptor this rank yields for ``plan`` (see the class docstring)."""
         items = []
@@ -365,6 +374,9 @@ class DCPBatchSampler:
                     self._submit(epoch, step + 1)  # plan ahead while this step trains
                 plan = fut.result()
                 self._cache.pop((epoch, step), None)
+                self._recent[(epoch, step)] = plan
+                while len(self._recent) > 16:
+                    self._recent.pop(next(iter(self._recent)))
             else:
                 plan = self._epoch_plan(epoch)[step]
             yield [self.describe(epoch, step, plan)]
@@ -399,6 +411,7 @@ class DCPBatchSampler:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         self._cache.clear()
+        self._recent.clear()
 
 
 class StepDataset(Dataset):

@@ -35,6 +35,19 @@ on the step's global batch (see :mod:`lightning_dcp.sharding`); the Ulysses all-
 routes gradients between the ranks of an SP group, so the world sum of local gradients, scaled
 once by that count, is the global gradient.
 
+Agreement (:mod:`lightning_dcp.agreement`): no plan is broadcast, every rank plans from its own
+inputs, so the strategy checks that they agree and stops every rank with one error naming the
+ranks, what differs and the likely cause -- never a silently wrong run (SP 1) or a hang (SP > 1):
+
+- at setup (``process_dataloader``), one world all-gather of the sample count, token total, a
+  hash of all lengths, of the planner's settings and of the cost model;
+- every step's step-end all-gather carries the hash of the plan the step ran and of the *next*
+  step's plan (planned ahead anyway): ranks that would run different plans are stopped one step
+  before they could wait on each other inside an SP collective;
+- a step whose plan no previous step compared -- the first step of a fit, of a resume, of each
+  epoch -- compares its plan hash in one extra world all-gather before its first micro-batch (at
+  most once per epoch; a world collective before the loop, never inside it).
+
 Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
 world-wide ones above, the same number on every rank whatever its item count (a rank with no
 item in a step still joins them). ``self.log(..., sync_dist=True)`` inside the user's
@@ -57,6 +70,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_dcp.agreement import STEP_CAUSE, check_column, check_setup, planner_settings, plan_fingerprint, setup_row
 from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
@@ -195,6 +209,11 @@ class _GradBuckets:
             p.grad = self.buffers[b][off:off + n].view_as(p) if has[i] > 0 else None
 
 
+# Columns of the step-end all-gather (one row per rank), then one has-gradient flag per parameter.
+_BUSY, _LOSS, _TOKENS, _ITEMS, _LOSS_UNITS, _PLAN, _NEXT_PLAN = range(7)
+_N_STATS = 7
+
+
 def _is_step_batch(batch: Any) -> bool:
     return isinstance(batch, Mapping) and "items" in batch and "meta" in batch
 
@@ -317,6 +336,7 @@ class DCPStrategy(DDPStrategy):
         self._warned_default_cost = False
         self._last_step_start: float | None = None
         self._tracker_epoch: int | None = None
+        self._verified_next: tuple[int, int] | None = None  # (epoch, step) whose plan all ranks already compared
         self._heads_cap: int | None = None  # set when the head count (not the world or the user) caps SP
 
     # ------------------------------------------------------------------ registration
@@ -511,6 +531,8 @@ class DCPStrategy(DDPStrategy):
             rank=self.global_rank, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
             plan_ahead=self.plan_ahead,
         )
+        self._verified_next = None
+        self._check_setup_agreement(lengths, planner, global_batch_size=gbs, global_batch_tokens=gbt)
         if len(self.batch_sampler) == 0:
             raise ValueError(f"the train dataset ({len(lengths)} samples) gives no full global batch of "
                              f"{gbs if gbs is not None else str(gbt) + ' tokens'}; lower the global batch or set drop_last=False")
@@ -526,6 +548,18 @@ class DCPStrategy(DDPStrategy):
         return DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
                              pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
                              worker_init_fn=dataloader.worker_init_fn, **kwargs)
+
+    def _check_setup_agreement(self, lengths: list[int], planner: Any, **settings: Any) -> None:
+        """One world all-gather at setup: every rank must have the same lengths, planner settings and
+        cost model (:mod:`lightning_dcp.agreement`); else every rank raises the same error."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        settings.update(world_size=self.world_size, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+                        max_sp_size=self.max_sp_size, support=self.support, loss_reduction=self.loss_reduction,
+                        policy=self.policy if self._planner is None else None)
+        cost_model = self._cost_model if self._planner is None else getattr(planner, "cost_model", None)
+        row = setup_row(lengths, planner_settings(planner, **settings), cost_model)
+        check_setup(self._all_gather(torch.tensor(row, dtype=torch.float64)).tolist())
 
     def _train_lengths(self, dataset: Any) -> list[int]:
         if self.support != "safe" or self._lengths is not None or getattr(dataset, "lengths", None) is not None:
@@ -603,12 +637,27 @@ class DCPStrategy(DDPStrategy):
         if not meta.get("prepared"):  # a batch that bypassed batch_to_device (e.g. a custom loop)
             self._prepare_step(batch)
             items = [self.batch_to_device(mb) for mb in batch["items"]]
-        module = self.lightning_module
+        plan_hash = plan_fingerprint(meta["plan"], meta["epoch"], meta["step"])
+        self._check_plan_before_loop(meta, plan_hash)
         now = time.perf_counter()
         step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
         self._last_step_start = now
         if self._buckets is None:
             self._buckets = _GradBuckets(self._grad_params(), self.bucket_cap_bytes)
+        busy, local_loss = self._run_items(items, meta, batch_idx)
+        gathered = self._step_end_gather(meta, busy, local_loss, len(items), plan_hash)
+        self._world_has_grad = gathered[:, _N_STATS:].sum(0)
+        divisor = float(gathered[:, _LOSS_UNITS].sum())
+        self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
+        self._grads_parked = True
+        if self.batch_sampler is not None:
+            self.batch_sampler.mark_consumed(meta["epoch"], meta["step"])
+        self._record_metrics(gathered[:, :4], meta, step_s)
+        return torch.tensor(float(gathered[:, _LOSS].sum()) / self._loss_divisor, dtype=torch.float32, device=self.root_device)
+
+    def _run_items(self, items: Sequence[Any], meta: Mapping[str, Any], batch_idx: int) -> tuple[float, float]:
+        """The micro-batch loop: forward and backward of this rank's items; returns (busy seconds, summed loss)."""
+        module = self.lightning_module
         for p in self._buckets.params:
             p.grad = None
         t0 = time.perf_counter()
@@ -620,24 +669,38 @@ class DCPStrategy(DDPStrategy):
         finally:
             self._in_micro_loop = False
         self._buckets.park()
-        local_loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
-        busy = time.perf_counter() - t0
+        loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
+        return time.perf_counter() - t0, loss
 
-        local_tokens = sum(it["real_tokens"] for it in meta["items"])
-        loss_units = sum(it["loss_units"] for it in meta["items"])
-        stats = torch.cat([
-            torch.tensor([busy, local_loss, float(local_tokens), float(len(items)), float(loss_units)], dtype=torch.float64),
-            self._buckets.has_grad,
-        ])
-        gathered = self._all_gather(stats)
-        self._world_has_grad = gathered[:, 5:].sum(0)
-        divisor = float(gathered[:, 4].sum())
-        self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
-        self._grads_parked = True
-        if self.batch_sampler is not None:
-            self.batch_sampler.mark_consumed(meta["epoch"], meta["step"])
-        self._record_metrics(gathered[:, :4], meta, step_s)
-        return torch.tensor(float(gathered[:, 1].sum()) / self._loss_divisor, dtype=torch.float32, device=self.root_device)
+    def _step_end_gather(self, meta: Mapping[str, Any], busy: float, local_loss: float, n_items: int,
+                         plan_hash: float) -> Tensor:
+        """The step's one world all-gather: metrics, loss, loss units, the plan hashes (this step's and
+        the next's, see the module docstring) and which parameters got gradients."""
+        epoch, step = meta["epoch"], meta["step"]
+        nxt = self.batch_sampler.next_plan(epoch, step + 1) if self.batch_sampler is not None else None
+        next_hash = plan_fingerprint(nxt.to_dict(), epoch, step + 1) if nxt is not None else 0.0
+        stats = torch.zeros(_N_STATS, dtype=torch.float64)
+        stats[_BUSY], stats[_LOSS], stats[_TOKENS], stats[_ITEMS] = busy, local_loss, float(
+            sum(it["real_tokens"] for it in meta["items"])), float(n_items)
+        stats[_LOSS_UNITS] = float(sum(it["loss_units"] for it in meta["items"]))
+        stats[_PLAN], stats[_NEXT_PLAN] = plan_hash, next_hash
+        gathered = self._all_gather(torch.cat([stats, self._buckets.has_grad]))
+        where = f"at the end of step {step} of epoch {epoch}"
+        check_column(gathered[:, _PLAN].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE, where)
+        check_column(gathered[:, _NEXT_PLAN].tolist(), f"the plan of step {step + 1} of epoch {epoch}", STEP_CAUSE,
+                     where + ", one step before any rank runs it")
+        self._verified_next = (epoch, step + 1) if next_hash else None
+        return gathered
+
+    def _check_plan_before_loop(self, meta: Mapping[str, Any], plan_hash: float) -> None:
+        """Compare this step's plan hash across ranks before its first micro-batch, unless the previous
+        step's end already did (every step but a fit's, a resume's or an epoch's first)."""
+        epoch, step = meta["epoch"], meta["step"]
+        if self._verified_next == (epoch, step) or self.world_size == 1 or not dist.is_initialized():
+            return
+        gathered = self._all_gather(torch.tensor([plan_hash], dtype=torch.float64))
+        check_column(gathered[:, 0].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE,
+                     "before the step's first micro-batch")
 
     def _run_item(self, module: Any, local: Any, it: Mapping[str, Any], batch_idx: int) -> Tensor:
         ranks, sp_rank = it["ranks"], it["sp_rank"]

@@ -7,12 +7,21 @@ fails the test instead of blocking CI.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.sampler import DCPBatchSampler, check_lengths, resolve_lengths
 from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Lengths(torch.utils.data.Dataset):
@@ -64,3 +73,62 @@ def test_heads_without_power_of_two_factor_cap_sp_once_and_errors_do_not_suggest
     msg = str(info.value)
     assert "sample 1 has length 1000" in msg and "capped by the model's 3 attention heads" in msg
     assert "max_sp_size" not in msg and "more ranks" not in msg
+
+
+# ------------------------------------------------------------------------- whole-Trainer fault runs
+_RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fault_runs.py")
+
+
+def _run(scenario: str, out: str, timeout: float = 120.0) -> tuple[int, float]:
+    """Run a fault scenario (2-3 gloo processes) with a hard time-out; (return code, seconds)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, _RUNS, scenario, out], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        proc.communicate()
+        raise AssertionError(f"fault scenario {scenario!r} hung for {timeout:.0f} s")
+    with open(os.path.join(out, "output.txt"), "wb") as f:
+        f.write(output)
+    return proc.returncode, time.monotonic() - t0
+
+
+def _errors(out: str, world: int = 2) -> list[str]:
+    files = [os.path.join(out, f"error_rank{r}.txt") for r in range(world)]
+    missing = [f for f in files if not os.path.exists(f)]
+    assert not missing, f"no error recorded by {missing}; output:\n" + open(os.path.join(out, "output.txt")).read()[-3000:]
+    return [open(f).read() for f in files]
+
+
+def test_rank_dependent_dataset_stops_every_rank_at_setup(tmp_path):
+    code, _ = _run("lengths", str(tmp_path))
+    assert code != 0
+    for msg in _errors(str(tmp_path)):
+        assert "ranks disagree on the train dataset's sample count" in msg and "rank 0 has 48; rank 1 has 47" in msg
+        assert "rank-dependent dataset filtering" in msg
+
+
+def test_rank_dependent_sp2_plans_stop_one_step_ahead_without_a_hang(tmp_path):
+    code, _ = _run("plan_sp2", str(tmp_path))
+    assert code != 0
+    for msg in _errors(str(tmp_path)):
+        assert "ranks disagree on the plan of step 2 of epoch 0 (at the end of step 1 of epoch 0" in msg
+        assert "pure function of the lengths, the seed and the step" in msg
+
+
+def test_agreement_fingerprints_and_messages():
+    from lightning_dcp.agreement import AgreementError, check_column, check_setup, plan_fingerprint, setup_row
+
+    plan = {"items": [{"ranks": [0, 1], "samples": [3], "lengths": [9], "recompute": 1}]}
+    assert plan_fingerprint(plan, 0, 1) == plan_fingerprint(dict(plan), 0, 1) != plan_fingerprint(plan, 0, 2)
+    row = setup_row([3, 4], {"seed": 0}, DefaultCostModel(2, 4, 100))
+    check_setup([row, list(row)])
+    other = setup_row([3, 4], {"seed": 1}, DefaultCostModel(2, 4, 100))
+    with pytest.raises(AgreementError, match=r"ranks disagree on the planner settings .*rank 1 has hash .*different "
+                                             r"DCPStrategy / planner arguments per rank"):
+        check_setup([row, other])
+    with pytest.raises(AgreementError, match=r"ranks \[0, 2\] have 5; rank 1 has 4"):
+        check_column([5.0, 4.0, 5.0], "x", "y", "z", show_values=True)
