@@ -154,7 +154,7 @@ class DCPBatchSampler:
     yields lists of dataset keys): ``descriptor`` is a dict with ``epoch``, ``step`` (index in
     the epoch), ``global_step`` (index across epochs from this sampler's start), ``plan`` (the
     whole step as :meth:`StepPlan.to_dict`), ``items`` (this rank's items in execution order:
-    ``samples``, ``lengths``, ``ranks``, ``sp_rank``, ``recompute``), ``global_tokens`` and
+    ``index`` in the step plan, ``samples``, ``lengths``, ``ranks``, ``sp_rank``, ``recompute``), ``global_tokens`` and
     ``global_samples`` (of the whole step).
     """
 
@@ -352,10 +352,10 @@ class DCPBatchSampler:
     def describe(self, epoch: int, step: int, plan: StepPlan) -> dict[str, Any]:
         """The step descriptor this rank yields for ``plan`` (see the class docstring)."""
         items = []
-        for item in plan.items:
+        for index, item in enumerate(plan.items):
             if self.rank in item.ranks:
                 items.append({
-                    "samples": list(item.samples), "lengths": list(item.lengths), "ranks": list(item.ranks),
+                    "index": index, "samples": list(item.samples), "lengths": list(item.lengths), "ranks": list(item.ranks),
                     "sp_rank": item.ranks.index(self.rank), "recompute": item.recompute,
                 })
         return {

@@ -48,6 +48,14 @@ ranks, what differs and the likely cause -- never a silently wrong run (SP 1) or
   epoch -- compares its plan hash in one extra world all-gather before its first micro-batch (at
   most once per epoch; a world collective before the loop, never inside it).
 
+Time-outs and signals: the world group and every SP group use ``DCPStrategy(timeout=...)``
+(default 5 minutes). A collective that fails or times out inside the micro-batch loop, the
+step-end all-gather or the plan comparison ends the run with a
+:class:`~lightning_dcp.faults.CollectiveError` naming the step, the item (samples, lengths, SP
+size) and the group. SIGTERM ends every process within ``sigterm_grace_s`` even when they are
+blocked in a collective, and a launched rank exits when its launcher is gone
+(:mod:`lightning_dcp.watchdog`).
+
 Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
 world-wide ones above, the same number on every rank whatever its item count (a rank with no
 item in a step still joins them). ``self.log(..., sync_dist=True)`` inside the user's
@@ -60,11 +68,14 @@ from __future__ import annotations
 
 import inspect
 import time
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -72,6 +83,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dcp.agreement import STEP_CAUSE, check_column, check_setup, planner_settings, plan_fingerprint, setup_row
 from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
+from lightning_dcp.faults import collective_error, describe_item, is_collective_failure
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
@@ -83,13 +95,17 @@ from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_length
 from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, local_loss_tokens, shard_batch
 from lightning_dcp.support import (PaddedCostModel, PaddedPlanner, micro_batch_loss_units, resolve_support, safe_mode_message,
                                    uniform_lengths)
+from lightning_dcp.watchdog import ShutdownWatchdog
 
 __all__ = ["DCPStrategy", "DefaultCostModel", "find_num_heads"]
 
 _DDP_INIT_ARGS = {
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "ddp_comm_state",
-    "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period", "process_group_backend", "timeout", "start_method",
+    "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period", "process_group_backend", "start_method",
 }
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
 
 
 class DefaultCostModel(CostModel):
@@ -256,8 +272,13 @@ class DCPStrategy(DDPStrategy):
             :mod:`lightning_dcp.support`); default the module's ``dcp_support`` attribute, else
             detected: a module without ``RecomputeLayers`` / ``dcp_repeated_layers()`` runs in
             safe mode (SP 1, its own ``collate_fn``, no packing across samples).
+        timeout: seconds (or a ``timedelta``) a collective of the world or of any SP group may wait
+            before it fails; default 300 (5 minutes). A stuck collective then ends the run with an
+            error naming the step, the item and the group.
+        sigterm_grace_s: after SIGTERM, seconds before a rank still blocked in a collective exits
+            (and kills the ranks it launched); ``None`` leaves SIGTERM to Lightning alone.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
-            (``start_method``, ``process_group_backend``, ``timeout``, ``cluster_environment``...).
+            (``start_method``, ``process_group_backend``, ``cluster_environment``...).
     """
 
     strategy_name = "dcp"
@@ -283,13 +304,21 @@ class DCPStrategy(DDPStrategy):
         log_metrics: bool = True,
         bucket_cap_mb: float = 25.0,
         support: str | None = None,
+        timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+        sigterm_grace_s: float | None = 30.0,
         **kwargs: Any,
     ) -> None:
         unsupported = sorted(set(kwargs) - _DDP_INIT_ARGS)
         if unsupported:
             rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {unsupported}")
             kwargs = {k: v for k, v in kwargs.items() if k in _DDP_INIT_ARGS}
-        super().__init__(**kwargs)
+        if timeout is not None and not isinstance(timeout, timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise ValueError(f"timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
+            timeout = timedelta(seconds=float(timeout))
+        super().__init__(timeout=timeout if timeout is not None else default_pg_timeout, **kwargs)
+        self.sigterm_grace_s = sigterm_grace_s
+        self._watchdog: ShutdownWatchdog | None = None
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if max_sp_size is not None and (max_sp_size < 1 or max_sp_size & (max_sp_size - 1)):
@@ -362,7 +391,18 @@ class DCPStrategy(DDPStrategy):
             self.max_sp_size = 1
         self._resolve_max_sp()
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
-        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.max_sp_size, create=create)
+        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.max_sp_size, create=create, timeout=self._timeout)
+        if create and self.sigterm_grace_s is not None and self._watchdog is None:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
+        blocked in a collective; a launched rank exits when its launcher is gone (:mod:`lightning_dcp.watchdog`)."""
+        launcher = self.launcher
+        is_launcher = isinstance(launcher, _SubprocessScriptLauncher) and not self.cluster_environment.creates_processes_externally
+        children = (lambda: list(launcher.procs)) if is_launcher else (lambda: ())
+        self._watchdog = ShutdownWatchdog(self.sigterm_grace_s, watch_parent=not is_launcher, children=children,
+                                          name=f"rank {self.global_rank}").start()
 
     def _resolve_max_sp(self, world_size: int | None = None) -> None:
         world_size = self.world_size if world_size is None else world_size
@@ -665,7 +705,14 @@ class DCPStrategy(DDPStrategy):
         self._in_micro_loop = True
         try:
             for mb, it in zip(items, meta["items"]):
-                local_loss += self._run_item(module, mb, it, batch_idx)
+                try:
+                    local_loss += self._run_item(module, mb, it, batch_idx)
+                except Exception as err:
+                    if not is_collective_failure(err):
+                        raise
+                    group = f"SP group {list(it['ranks'])}" if len(it["ranks"]) > 1 else "rank " + str(self.global_rank)
+                    raise collective_error(err, epoch=meta["epoch"], step=meta["step"], what=describe_item(it),
+                                           group=group, timeout=self._timeout) from err
         finally:
             self._in_micro_loop = False
         self._buckets.park()
@@ -684,7 +731,7 @@ class DCPStrategy(DDPStrategy):
             sum(it["real_tokens"] for it in meta["items"])), float(n_items)
         stats[_LOSS_UNITS] = float(sum(it["loss_units"] for it in meta["items"]))
         stats[_PLAN], stats[_NEXT_PLAN] = plan_hash, next_hash
-        gathered = self._all_gather(torch.cat([stats, self._buckets.has_grad]))
+        gathered = self._all_gather(torch.cat([stats, self._buckets.has_grad]), meta)
         where = f"at the end of step {step} of epoch {epoch}"
         check_column(gathered[:, _PLAN].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE, where)
         check_column(gathered[:, _NEXT_PLAN].tolist(), f"the plan of step {step + 1} of epoch {epoch}", STEP_CAUSE,
@@ -698,7 +745,8 @@ class DCPStrategy(DDPStrategy):
         epoch, step = meta["epoch"], meta["step"]
         if self._verified_next == (epoch, step) or self.world_size == 1 or not dist.is_initialized():
             return
-        gathered = self._all_gather(torch.tensor([plan_hash], dtype=torch.float64))
+        gathered = self._all_gather(torch.tensor([plan_hash], dtype=torch.float64), meta,
+                                    "the plan comparison before the first micro-batch")
         check_column(gathered[:, 0].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE,
                      "before the step's first micro-batch")
 
@@ -771,13 +819,19 @@ class DCPStrategy(DDPStrategy):
         self._buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1,
                              scale=1.0 / self._loss_divisor)
 
-    def _all_gather(self, t: Tensor) -> Tensor:
+    def _all_gather(self, t: Tensor, meta: Mapping[str, Any] | None = None, what: str = "the step-end all-gather") -> Tensor:
         if self.world_size == 1 or not dist.is_initialized():
             return t.unsqueeze(0)
         device = self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
         t = t.to(device)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
+        try:
+            dist.all_gather(out, t)
+        except Exception as err:
+            if meta is None or not is_collective_failure(err):
+                raise
+            raise collective_error(err, epoch=meta["epoch"], step=meta["step"], what=what,
+                                   group=f"the world ({self.world_size} ranks)", timeout=self._timeout) from err
         return torch.stack(out).cpu()
 
     def _record_metrics(self, gathered: Tensor, meta: Mapping[str, Any], step_s: float) -> None:
@@ -829,6 +883,9 @@ class DCPStrategy(DDPStrategy):
         return super().reduce_boolean_decision(decision, all=all)
 
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self.batch_sampler is not None:
             self.batch_sampler.shutdown()
         self._buckets = None

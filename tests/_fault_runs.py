@@ -63,6 +63,29 @@ class SleepyLM(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
+class HangLM(TinyLM):
+    """At step 1 both ranks wait to receive from each other: a deadlock inside a collective, by construction.
+    Each rank first writes ``hanging_rank{r}.txt`` holding its pid."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            rank = self.trainer.global_rank
+            with open(os.path.join(self.out_dir, f"hanging_rank{rank}.txt"), "w") as f:
+                f.write(str(os.getpid()))
+            dist.recv(torch.zeros(1), src=1 - rank)
+        return super().training_step(batch, batch_idx)
+
+
+def _sigterm(out: str) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, max_sp=1), global_batch_size=8, start_method="popen",
+                           sigterm_grace_s=5.0)
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(HangLM(out))
+
+
 def _lengths(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, max_sp=1), global_batch_size=8, start_method="popen")
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
@@ -80,7 +103,7 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
 
 
-SCENARIOS = {"lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
+SCENARIOS = {"sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
 
 if __name__ == "__main__":
     name, out_dir = sys.argv[1], sys.argv[2]

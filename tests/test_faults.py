@@ -132,3 +132,58 @@ def test_agreement_fingerprints_and_messages():
         check_setup([row, other])
     with pytest.raises(AgreementError, match=r"ranks \[0, 2\] have 5; rank 1 has 4"):
         check_column([5.0, 4.0, 5.0], "x", "y", "z", show_values=True)
+
+
+def test_stuck_collective_ends_the_run_naming_step_item_and_group(tmp_path):
+    code, seconds = _run("collective_timeout", str(tmp_path))
+    assert code != 0 and seconds < 90
+    msg = open(tmp_path / "error_rank0.txt").read()
+    assert msg.startswith("CollectiveError: step 1 of epoch 0: item 0 (samples [") and "SP 2" in msg
+    assert "failed in a collective of SP group [0, 1] (time-out 4 s)" in msg and "Timed out" in msg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_ends_every_process_of_a_run_hung_in_a_collective(tmp_path):
+    """Both ranks block in a recv (a deadlock by construction); SIGTERM to the launcher (popen rank 0)
+    ends it and rank 1 within a minute, although no Python signal handler can run while blocked."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, _RUNS, "sigterm", str(tmp_path)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        files = [tmp_path / f"hanging_rank{r}.txt" for r in range(2)]
+        deadline = time.monotonic() + 90
+        while not all(f.exists() and f.read_text() for f in files):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached its hang"
+            time.sleep(0.5)
+        pids = [int(f.read_text()) for f in files]
+        time.sleep(1.0)  # both are inside recv now
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.wait(timeout=60)
+        while _alive(pids[1]) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert not _alive(pids[1]), "rank 1 survived SIGTERM to its launcher"
+        assert time.monotonic() - t0 < 60
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_timeout_argument():
+    from datetime import timedelta
+
+    assert DCPStrategy()._timeout == timedelta(minutes=5)
+    assert DCPStrategy(timeout=7)._timeout == timedelta(seconds=7)
+    assert DCPStrategy(timeout=timedelta(seconds=3))._timeout == timedelta(seconds=3)
+    with pytest.raises(ValueError, match="timeout must be seconds > 0"):
+        DCPStrategy(timeout=0)
