@@ -269,11 +269,12 @@ class DCPBatchSampler:
                     "drop or split that sample (filter the dataset by length), or run on more ranks / larger devices"
                 )
 
-    def _plan_batch(self, epoch: int, index: int, batch: list[int]) -> list[StepPlan]:
+    def _plan_batch(self, epoch: int, index: int, batch: list[int], planner: Any = None, seed_offset: int = 0) -> list[StepPlan]:
         self._check_lengths(batch)
         lengths = [self.lengths[i] for i in batch]
+        planner = self.planner if planner is None else planner
         try:
-            steps = _as_steps(self.planner.plan_batch(list(batch), lengths, step=epoch * 1_000_003 + index))
+            steps = _as_steps(planner.plan_batch(list(batch), lengths, step=epoch * 1_000_003 + index + seed_offset))
         except PlanningError:
             raise
         except PlanError as err:
@@ -333,6 +334,16 @@ class DCPBatchSampler:
         if len(steps) != 1:
             raise PlanningError(f"planner {type(self.planner).__name__} says one_step_per_batch but returned "
                                 f"{len(steps)} steps for global batch {step} of epoch {epoch}")
+        return steps[0]
+
+    def replan(self, epoch: int, step: int, plan: Mapping[str, Any], planner: Any, seed_offset: int = 0) -> StepPlan:
+        """The samples of ``plan`` (a step plan dict) planned again by ``planner`` as one step, checked
+        like any plan (after an out-of-memory error, :mod:`lightning_dcp.oom`)."""
+        batch = [int(s) for it in plan["items"] for s in it["samples"]]
+        steps = self._plan_batch(epoch, step, batch, planner=planner, seed_offset=seed_offset)
+        if len(steps) != 1:
+            raise PlanningError(f"re-planning step {step} of epoch {epoch} gave {len(steps)} steps; a step is re-planned "
+                                "as one step (policies with one_step_per_batch)")
         return steps[0]
 
     def step_plan(self, epoch: int, step: int) -> StepPlan:

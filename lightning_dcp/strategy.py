@@ -56,6 +56,13 @@ size) and the group. SIGTERM ends every process within ``sigterm_grace_s`` even 
 blocked in a collective, and a launched rank exits when its launcher is gone
 (:mod:`lightning_dcp.watchdog`).
 
+Out of memory (:mod:`lightning_dcp.oom`): ``torch.OutOfMemoryError`` in an SP-1 item is flagged on
+the step-end all-gather (a column, no new collective); every rank discards the attempt's
+gradients, re-plans the same samples with the memory limit just below the failed item's estimate
+and runs the step again (``dcp/oom_replans``; at most ``max_oom_replans`` times). In an SP > 1
+item a partner may wait inside a collective, so the rank stops the run with
+:class:`~lightning_dcp.oom.StepOutOfMemoryError` (resume from the last checkpoint).
+
 Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
 world-wide ones above, the same number on every rank whatever its item count (a rank with no
 item in a step still joins them). ``self.log(..., sync_dist=True)`` inside the user's
@@ -86,6 +93,7 @@ from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
 from lightning_dcp.faults import collective_error, describe_item, is_collective_failure
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
+from lightning_dcp.oom import OOM_ERRORS, LoweredMemory, StepOutOfMemoryError, lowered_limit, sp_oom_message
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import WorkItem
@@ -226,8 +234,8 @@ class _GradBuckets:
 
 
 # Columns of the step-end all-gather (one row per rank), then one has-gradient flag per parameter.
-_BUSY, _LOSS, _TOKENS, _ITEMS, _LOSS_UNITS, _PLAN, _NEXT_PLAN = range(7)
-_N_STATS = 7
+_BUSY, _LOSS, _TOKENS, _ITEMS, _LOSS_UNITS, _PLAN, _NEXT_PLAN, _OOM = range(8)
+_N_STATS = 8
 
 
 def _is_step_batch(batch: Any) -> bool:
@@ -275,6 +283,8 @@ class DCPStrategy(DDPStrategy):
         timeout: seconds (or a ``timedelta``) a collective of the world or of any SP group may wait
             before it fails; default 300 (5 minutes). A stuck collective then ends the run with an
             error naming the step, the item and the group.
+        max_oom_replans: how often one step may be re-planned after ``torch.OutOfMemoryError`` in an
+            SP-1 item before the run stops (see :mod:`lightning_dcp.oom`).
         sigterm_grace_s: after SIGTERM, seconds before a rank still blocked in a collective exits
             (and kills the ranks it launched); ``None`` leaves SIGTERM to Lightning alone.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
@@ -306,6 +316,7 @@ class DCPStrategy(DDPStrategy):
         support: str | None = None,
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
         sigterm_grace_s: float | None = 30.0,
+        max_oom_replans: int = 3,
         **kwargs: Any,
     ) -> None:
         unsupported = sorted(set(kwargs) - _DDP_INIT_ARGS)
@@ -318,6 +329,10 @@ class DCPStrategy(DDPStrategy):
             timeout = timedelta(seconds=float(timeout))
         super().__init__(timeout=timeout if timeout is not None else default_pg_timeout, **kwargs)
         self.sigterm_grace_s = sigterm_grace_s
+        self.max_oom_replans = int(max_oom_replans)
+        self.oom_replans = 0  # steps re-planned after an out-of-memory error, this fit (logged as dcp/oom_replans)
+        self._oom_cost_model: CostModel | None = None
+        self._step_dataset: Any = None
         self._watchdog: ShutdownWatchdog | None = None
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
@@ -528,6 +543,9 @@ class DCPStrategy(DDPStrategy):
                                "using DefaultCostModel: SP size 1 for every sample, ranks balanced by gradient "
                                "accumulation only")
             self._cost_model = cost_model
+        return self._build_planner(cost_model, lengths)
+
+    def _build_planner(self, cost_model: CostModel, lengths: list[int]) -> Any:
         opts = dict(self.planner_options)
         opts.setdefault("max_sp_size", self.max_sp_size)
         try:
@@ -585,9 +603,11 @@ class DCPStrategy(DDPStrategy):
             from torch.utils.data import default_collate
 
             collate_fn = dataloader.collate_fn or default_collate
-        return DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
-                             pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
-                             worker_init_fn=dataloader.worker_init_fn, **kwargs)
+        loader = DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
+                               pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
+                               worker_init_fn=dataloader.worker_init_fn, **kwargs)
+        self._step_dataset = loader.dataset  # loads a re-planned step (out-of-memory recovery)
+        return loader
 
     def _check_setup_agreement(self, lengths: list[int], planner: Any, **settings: Any) -> None:
         """One world all-gather at setup: every rank must have the same lengths, planner settings and
@@ -679,13 +699,19 @@ class DCPStrategy(DDPStrategy):
             items = [self.batch_to_device(mb) for mb in batch["items"]]
         plan_hash = plan_fingerprint(meta["plan"], meta["epoch"], meta["step"])
         self._check_plan_before_loop(meta, plan_hash)
+        self._oom_cost_model = None  # a lowered memory limit applies to the re-plans of one step
         now = time.perf_counter()
         step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
         self._last_step_start = now
         if self._buckets is None:
             self._buckets = _GradBuckets(self._grad_params(), self.bucket_cap_bytes)
-        busy, local_loss = self._run_items(items, meta, batch_idx)
-        gathered = self._step_end_gather(meta, busy, local_loss, len(items), plan_hash)
+        for attempt in range(self.max_oom_replans + 1):
+            busy, local_loss, failed = self._run_items(items, meta, batch_idx)
+            gathered = self._step_end_gather(meta, busy, local_loss, len(items), plan_hash, failed)
+            failed_items = sorted({int(v) - 1 for v in gathered[:, _OOM].tolist() if v > 0})
+            if not failed_items:
+                break
+            meta, items, plan_hash = self._replan_after_oom(batch, failed_items, attempt)
         self._world_has_grad = gathered[:, _N_STATS:].sum(0)
         divisor = float(gathered[:, _LOSS_UNITS].sum())
         self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
@@ -695,18 +721,29 @@ class DCPStrategy(DDPStrategy):
         self._record_metrics(gathered[:, :4], meta, step_s)
         return torch.tensor(float(gathered[:, _LOSS].sum()) / self._loss_divisor, dtype=torch.float32, device=self.root_device)
 
-    def _run_items(self, items: Sequence[Any], meta: Mapping[str, Any], batch_idx: int) -> tuple[float, float]:
-        """The micro-batch loop: forward and backward of this rank's items; returns (busy seconds, summed loss)."""
+    def _run_items(self, items: Sequence[Any], meta: Mapping[str, Any], batch_idx: int) -> tuple[float, float, int]:
+        """The micro-batch loop: forward and backward of this rank's items. Returns (busy seconds, summed
+        loss, 1 + the plan index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.oom`)."""
         module = self.lightning_module
         for p in self._buckets.params:
             p.grad = None
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64, device=self.root_device)  # summed on device: no sync per item
+        failed = 0
         self._in_micro_loop = True
         try:
             for mb, it in zip(items, meta["items"]):
+                if failed and len(it["ranks"]) == 1:
+                    continue  # the step is re-run; SP > 1 items still run, their partners need this rank
                 try:
                     local_loss += self._run_item(module, mb, it, batch_idx)
+                except OOM_ERRORS as err:
+                    if len(it["ranks"]) > 1:
+                        where = f"step {meta['step']} of epoch {meta['epoch']}"
+                        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+                        raise StepOutOfMemoryError(sp_oom_message(where, describe_item(it), self.global_rank,
+                                                                  timeout)) from err
+                    failed = int(it.get("index", 0)) + 1
                 except Exception as err:
                     if not is_collective_failure(err):
                         raise
@@ -715,12 +752,60 @@ class DCPStrategy(DDPStrategy):
                                            group=group, timeout=self._timeout) from err
         finally:
             self._in_micro_loop = False
+        if failed:  # free what the failed item left; every rank discards this attempt's gradients
+            for p in self._buckets.params:
+                p.grad = None
+            local_loss.zero_()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         self._buckets.park()
         loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
-        return time.perf_counter() - t0, loss
+        return time.perf_counter() - t0, loss, failed
+
+    def _replan_after_oom(self, batch: dict, failed_items: list[int], attempt: int) -> tuple[dict, list, float]:
+        """Every rank saw these plan items run out of memory at SP 1: re-plan the step's samples with the
+        memory limit just below the failed items' estimate, load and prepare the new items, and return
+        (meta, items, plan hash) for the step's next attempt (see :mod:`lightning_dcp.oom`)."""
+        meta = batch["meta"]
+        epoch, step, plan = meta["epoch"], meta["step"], meta["plan"]
+        failed = [dict(plan["items"][i], index=i) for i in failed_items]
+        what = "; ".join(describe_item(it) for it in failed)
+        self.oom_replans += 1
+        if attempt >= self.max_oom_replans or self.batch_sampler is None or self._step_dataset is None:
+            raise StepOutOfMemoryError(
+                f"step {step} of epoch {epoch} ran out of memory {attempt + 1} time(s) at SP 1 ({what}) and was re-planned "
+                f"{attempt} time(s) with less memory; stopping. Lower the cost model's memory limit (profile with "
+                "DCPProfiler(memory_limit_bytes=...)), split or drop long samples, or raise max_oom_replans")
+        rank_zero_warn(f"step {step} of epoch {epoch}: {what} ran out of memory; re-planning the step with less memory "
+                       f"(attempt {attempt + 1} of {self.max_oom_replans}); no sample is skipped or trained twice")
+        try:
+            planner, offset = self._oom_planner(plan, failed, attempt)
+            new_plan = self.batch_sampler.replan(epoch, step, plan, planner, seed_offset=offset)
+        except PlanningError as err:
+            raise StepOutOfMemoryError(f"step {step} of epoch {epoch}: {what} ran out of memory, and the step cannot be "
+                                       f"re-planned with less memory: {err}") from err
+        desc = self.batch_sampler.describe(epoch, step, new_plan)
+        new = self.batch_to_device(self._step_dataset[desc])
+        batch["items"], batch["meta"] = new["items"], new["meta"]
+        return new["meta"], new["items"], plan_fingerprint(new["meta"]["plan"], epoch, step)
+
+    def _oom_planner(self, plan: Mapping[str, Any], failed: list[dict], attempt: int) -> tuple[Any, int]:
+        """(planner, step-seed offset) for a re-plan: the strategy's own planner over a cost model whose
+        limit sits below the failed items; a user's planner is asked again with another step seed."""
+        if self._planner is not None:
+            return self._planner, 7919 * (attempt + 1)
+        cost_model = self._oom_cost_model if self._oom_cost_model is not None else self._cost_model
+        batch_lengths = [n for it in plan["items"] for n in it["lengths"]]
+        if isinstance(cost_model, PaddedCostModel):
+            limit = min(cost_model.max_padded_tokens, min(PaddedCostModel.padded_tokens(it["lengths"]) for it in failed) - 1)
+            lowered: CostModel = PaddedCostModel(cost_model.base, max(1, limit))
+        else:
+            lowered = LoweredMemory(cost_model, lowered_limit(cost_model, failed))
+        self._oom_cost_model = lowered
+        return self._build_planner(lowered, batch_lengths), 0
 
     def _step_end_gather(self, meta: Mapping[str, Any], busy: float, local_loss: float, n_items: int,
-                         plan_hash: float) -> Tensor:
+                         plan_hash: float, failed: int = 0) -> Tensor:
         """The step's one world all-gather: metrics, loss, loss units, the plan hashes (this step's and
         the next's, see the module docstring) and which parameters got gradients."""
         epoch, step = meta["epoch"], meta["step"]
@@ -730,7 +815,7 @@ class DCPStrategy(DDPStrategy):
         stats[_BUSY], stats[_LOSS], stats[_TOKENS], stats[_ITEMS] = busy, local_loss, float(
             sum(it["real_tokens"] for it in meta["items"])), float(n_items)
         stats[_LOSS_UNITS] = float(sum(it["loss_units"] for it in meta["items"]))
-        stats[_PLAN], stats[_NEXT_PLAN] = plan_hash, next_hash
+        stats[_PLAN], stats[_NEXT_PLAN], stats[_OOM] = plan_hash, next_hash, float(failed)
         gathered = self._all_gather(torch.cat([stats, self._buckets.has_grad]), meta)
         where = f"at the end of step {step} of epoch {epoch}"
         check_column(gathered[:, _PLAN].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE, where)
@@ -846,8 +931,9 @@ class DCPStrategy(DDPStrategy):
         module = self.lightning_module
         if self.log_metrics and module is not None and module._trainer is not None:
             has_logger = bool(module.trainer.loggers)
-            for key, value in m.as_log_dict().items():
-                if has_logger or key == "dcp/imbalance":
+            values = dict(m.as_log_dict(), **{"dcp/oom_replans": float(self.oom_replans)})
+            for key, value in values.items():
+                if has_logger or key in ("dcp/imbalance", "dcp/oom_replans"):
                     module.log(key, value, on_step=True, on_epoch=False, prog_bar=key == "dcp/imbalance",
                                logger=has_logger, batch_size=1, sync_dist=False)
 

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_dataset, make_trainer  # noqa: E402
+from lightning_dcp.context import active_context  # noqa: E402
 from lightning_dcp.strategy import DCPStrategy  # noqa: E402
 
 
@@ -86,6 +87,35 @@ def _sigterm(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(HangLM(out))
 
 
+class OOMOnceLM(TinyLM):
+    """Rank 1 raises torch.OutOfMemoryError once, in its first SP-1 item of step 2."""
+
+    fired = False
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2 and self.trainer.global_rank == 1 and not self.fired and active_context().size == 1:
+            self.fired = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+        return super().training_step(batch, batch_idx)
+
+
+class Record(pl.Callback):
+    """Each rank saves the strategy's OOM re-plan count and the logged dcp/oom_replans."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        logged = trainer.callback_metrics.get("dcp/oom_replans")
+        torch.save({"oom_replans": trainer.strategy.oom_replans, "logged": None if logged is None else float(logged)},
+                   os.path.join(self.out_dir, f"record_rank{trainer.global_rank}.pt"))
+
+
+def _oom(out: str) -> None:
+    strategy = DCPStrategy(global_batch_size=8, profile=False, start_method="popen", seed=1)
+    make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=(5,)), Record(out)], max_steps=5).fit(OOMOnceLM())
+
+
 def _lengths(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, max_sp=1), global_batch_size=8, start_method="popen")
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
@@ -103,7 +133,7 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
 
 
-SCENARIOS = {"sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
+SCENARIOS = {"oom": _oom, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
 
 if __name__ == "__main__":
     name, out_dir = sys.argv[1], sys.argv[2]

@@ -187,3 +187,38 @@ def test_timeout_argument():
     assert DCPStrategy(timeout=timedelta(seconds=3))._timeout == timedelta(seconds=3)
     with pytest.raises(ValueError, match="timeout must be seconds > 0"):
         DCPStrategy(timeout=0)
+
+
+def test_out_of_memory_at_sp1_replans_the_step_and_trains_exactly(tmp_path):
+    """Rank 1 raises torch.OutOfMemoryError once in an SP-1 item of step 2: every rank discards the step,
+    re-plans it with less memory and runs it again; the weights equal plain data-parallel training."""
+    from _dcp_helpers import max_rel_err, reference_run
+
+    code, _ = _run("oom", str(tmp_path))
+    assert code == 0, open(tmp_path / "output.txt").read()[-3000:]
+    for r in range(2):
+        record = torch.load(tmp_path / f"record_rank{r}.pt")
+        assert record == {"oom_replans": 1, "logged": 1.0}, record
+    plans = torch.load(tmp_path / "log_rank0.pt")["plans"]
+    assert len(plans) == 5 and all(len(p["items"]) > 0 for p in plans)
+    _, ref_weights = reference_run(plans, 5)
+    for r in range(2):
+        weights = torch.load(tmp_path / f"weights5_rank{r}.pt")
+        for name, w in weights.items():
+            assert max_rel_err(w, ref_weights[name]) < 1e-5, (r, name)
+    out = open(tmp_path / "output.txt").read()
+    assert "step 2 of epoch 0: item " in out and "ran out of memory; re-planning the step with less memory" in out
+
+
+def test_lowered_memory_replans_a_failed_item_smaller():
+    from lightning_dcp.oom import LoweredMemory, lowered_limit
+    from lightning_dcp.planning.planner import Planner
+
+    base = DefaultCostModel(num_layers=2, num_heads=4, max_tokens=400)
+    failed = [{"lengths": [100, 100, 100], "recompute": 0}]
+    limit = lowered_limit(base, failed)
+    assert limit < base.item_memory([100, 100, 100], 1, 0) and limit < base.memory_limit
+    lowered = LoweredMemory(base, limit)
+    plan = Planner(1, lowered, policy="dcp", dataset_lengths=[100, 100, 100]).plan_batch([0, 1, 2], [100, 100, 100])
+    for item in plan.steps[0].items:
+        assert lowered.item_memory(item.lengths, 1, item.recompute) <= limit
