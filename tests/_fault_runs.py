@@ -116,6 +116,13 @@ def _oom(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=(5,)), Record(out)], max_steps=5).fit(OOMOnceLM())
 
 
+def _world3(out: str) -> None:
+    """World size 3: SP 2 on the aligned block [0, 1] and SP 1 anywhere, against the single-process reference."""
+    strategy = DCPStrategy(planner=RandomPlanner(3, seed=3, force_mix=True), global_batch_size=9, start_method="popen",
+                           seed=1)
+    make_trainer(3, strategy, [ErrorFile(out), Dump(out, weights_at=(4,))], max_steps=4).fit(TinyLM())
+
+
 def _lengths(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, max_sp=1), global_batch_size=8, start_method="popen")
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
@@ -133,7 +140,7 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
 
 
-SCENARIOS = {"oom": _oom, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
+SCENARIOS = {"world3": _world3, "oom": _oom, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
 
 if __name__ == "__main__":
     name, out_dir = sys.argv[1], sys.argv[2]

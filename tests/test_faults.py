@@ -222,3 +222,21 @@ def test_lowered_memory_replans_a_failed_item_smaller():
     plan = Planner(1, lowered, policy="dcp", dataset_lengths=[100, 100, 100]).plan_batch([0, 1, 2], [100, 100, 100])
     for item in plan.steps[0].items:
         assert lowered.item_memory(item.lengths, 1, item.recompute) <= limit
+
+
+def test_world_size_three_trains_exactly_with_sp2_on_the_aligned_block(tmp_path):
+    from _dcp_helpers import max_rel_err, reference_run
+
+    code, _ = _run("world3", str(tmp_path), timeout=150)
+    assert code == 0, open(tmp_path / "output.txt").read()[-3000:]
+    plans = torch.load(tmp_path / "log_rank0.pt")["plans"]
+    ranks = [sorted({tuple(it["ranks"]) for it in p["items"]}) for p in plans]
+    assert all((0, 1) in r for r in ranks) and any((2,) in r for r in ranks), ranks
+    ref_grads, ref_weights = reference_run(plans, 4)
+    for r in range(3):
+        grads = torch.load(tmp_path / f"grads0_rank{r}.pt")
+        weights = torch.load(tmp_path / f"weights4_rank{r}.pt")
+        for name in ref_weights:
+            assert max_rel_err(weights[name], ref_weights[name]) < 1e-5, (r, name)
+        for name, g in grads.items():
+            assert max_rel_err(g, ref_grads[name]) < 1e-5, (r, name)
