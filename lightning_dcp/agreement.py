@@ -73,7 +73,8 @@ def planner_settings(planner: Any, **settings: Any) -> dict:
     out: dict[str, Any] = dict(settings)
     layer, depth = planner, 0
     while layer is not None and depth < 3:
-        plain = {k: v for k, v in sorted(vars(layer).items()) if isinstance(v, (numbers.Number, str, bool, type(None)))}
+        attrs = getattr(layer, "__dict__", {})
+        plain = {k: v for k, v in sorted(attrs.items()) if isinstance(v, (numbers.Number, str, bool, type(None)))}
         out[f"planner{depth}"] = [type(layer).__qualname__, plain]
         layer, depth = getattr(layer, "planner", None), depth + 1
     return out

@@ -99,6 +99,15 @@ class OOMOnceLM(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
+class OOMAtSP2LM(TinyLM):
+    """Rank 1 raises torch.OutOfMemoryError in its first SP-2 item of step 1 (a partner waits in a collective)."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.trainer.global_rank == 1 and active_context().size == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+        return super().training_step(batch, batch_idx)
+
+
 class Record(pl.Callback):
     """Each rank saves the strategy's OOM re-plan count and the logged dcp/oom_replans."""
 
@@ -123,6 +132,11 @@ def _world3(out: str) -> None:
     make_trainer(3, strategy, [ErrorFile(out), Dump(out, weights_at=(4,))], max_steps=4).fit(TinyLM())
 
 
+def _oom_sp2(out: str) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8, start_method="popen")
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(OOMAtSP2LM())
+
+
 def _lengths(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, max_sp=1), global_batch_size=8, start_method="popen")
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
@@ -140,7 +154,7 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
 
 
-SCENARIOS = {"world3": _world3, "oom": _oom, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
+SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
 
 if __name__ == "__main__":
     name, out_dir = sys.argv[1], sys.argv[2]

@@ -240,3 +240,12 @@ def test_world_size_three_trains_exactly_with_sp2_on_the_aligned_block(tmp_path)
             assert max_rel_err(weights[name], ref_weights[name]) < 1e-5, (r, name)
         for name, g in grads.items():
             assert max_rel_err(g, ref_grads[name]) < 1e-5, (r, name)
+
+
+def test_out_of_memory_at_sp2_stops_the_run_with_a_clear_error(tmp_path):
+    """A partner may wait inside the SP group's collective: no retry, the run ends (no hang)."""
+    code, seconds = _run("oom_sp2", str(tmp_path))
+    assert code != 0 and seconds < 90
+    msg = open(tmp_path / "error_rank1.txt").read()
+    assert msg.startswith("StepOutOfMemoryError: step 1 of epoch 0: item 0 (samples [") and "SP 2" in msg
+    assert "cannot be retried" in msg and "a checkpoint resumes from the last step saved before this one" in msg
