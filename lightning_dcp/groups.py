@@ -14,6 +14,7 @@ other set of ranks is refused with an error.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Iterable, Sequence
 
 import torch.distributed as dist
@@ -57,6 +58,8 @@ class SPGroups:
         max_sp_size: largest SP size to create groups for (a power of two); ``None``: the
             largest power of two ``<= world_size``.
         backend: ``dist.new_group`` backend (``None``: the default group's).
+        timeout: how long a collective of these groups may wait before it fails (``None``: the
+            backend's default); the strategy passes its own ``timeout``.
         create: call ``dist.new_group`` (set False for a registry without torch.distributed,
             e.g. in planning-only tests; :meth:`group_for` then returns ``None`` for every group).
 
@@ -65,14 +68,15 @@ class SPGroups:
     """
 
     def __init__(self, world_size: int, rank: int = 0, max_sp_size: int | None = None, backend: str | None = None,
-                 create: bool = True) -> None:
+                 create: bool = True, timeout: timedelta | None = None) -> None:
         self.world_size = int(world_size)
         self.rank = int(rank)
         self.blocks = aligned_blocks(self.world_size, max_sp_size)
         self.max_sp_size = max((len(b) for b in self.blocks), default=1)
         self._groups: dict[tuple[int, ...], object] = {}
         for block in self.blocks:
-            group = dist.new_group(list(block), backend=backend) if create else None
+            kwargs = {"timeout": timeout} if timeout is not None else {}
+            group = dist.new_group(list(block), backend=backend, **kwargs) if create else None
             # new_group returns a non-member placeholder on ranks outside the block; keep only ours.
             if self.rank in block:
                 self._groups[block] = group

@@ -19,6 +19,8 @@ sequence of ints, or a callable returning one), or ``lengths=`` given to the str
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -30,7 +32,7 @@ from lightning_dcp.packing import pack_samples, sample_length
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 
-__all__ = ["DCPBatchSampler", "DCPDataLoader", "StepDataset", "collate_step", "resolve_lengths"]
+__all__ = ["DCPBatchSampler", "DCPDataLoader", "StepDataset", "check_lengths", "collate_step", "resolve_lengths"]
 
 
 LENGTHS_HELP = (
@@ -47,9 +49,10 @@ def resolve_lengths(dataset: Any, lengths: Sequence[int] | Callable[[Any], Seque
     ``dataset.lengths`` (a sequence or a callable with no arguments).
 
     Raises:
-        ValueError: none is available, the count differs from ``len(dataset)``, or a length is < 1.
+        ValueError: none is available, the dataset is empty, the count differs from
+            ``len(dataset)``, or a length is not an integer >= 1 (named by index and source).
     """
-    source = "lengths="
+    source = "lengths"
     if lengths is None:
         lengths = getattr(dataset, "lengths", None)
         source = f"{type(dataset).__name__}.lengths"
@@ -60,17 +63,51 @@ def resolve_lengths(dataset: Any, lengths: Sequence[int] | Callable[[Any], Seque
     if lengths is None:
         raise ValueError(f"DCP needs every sample's length before loading it, and {type(dataset).__name__} has no "
                          f"`lengths`: {LENGTHS_HELP}")
-    out = [int(n) for n in lengths]
+    out = check_lengths(lengths, source)
     try:
         size = len(dataset)
     except TypeError:
         size = None
     if size is not None and size != len(out):
         raise ValueError(f"{source} has {len(out)} entries but the dataset has {size} samples; give one length per sample")
-    bad = [(i, n) for i, n in enumerate(out) if n < 1]
-    if bad:
-        raise ValueError(f"{source} has non-positive lengths at (index, length) {bad[:5]}; every sample needs >= 1 token")
+    if not out:
+        raise ValueError(f"the train dataset {type(dataset).__name__} is empty ({source} has no entries): DCP needs at "
+                         "least one sample per global batch; check the data path and any filtering")
     return out
+
+
+def _as_length(value: Any, where: str) -> int:
+    """``value`` as a positive int token count, or a ValueError naming ``where`` (e.g. ``ds.lengths[17]``)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    elif hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:  # numpy scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where} is {value!r} ({type(value).__name__}), not an integer; lengths are token counts "
+                         "(ints >= 1)")
+    if not isinstance(value, numbers.Integral):
+        if not math.isfinite(value) or not float(value).is_integer():
+            raise ValueError(f"{where} is {value!r}, not an integer; lengths are token counts: round them where the "
+                             "dataset computes them (e.g. frames*height*width after patchify is an int)")
+    if value < 1:
+        raise ValueError(f"{where} is {value!r}; every sample needs >= 1 token (drop empty samples from the dataset)")
+    return int(value)
+
+
+def check_lengths(lengths: Any, source: str = "lengths") -> list[int]:
+    """``lengths`` as a list of positive ints; a ValueError names the first bad entry as ``source[i]``.
+
+    Accepts Python and numpy integers, integer-valued floats (``152.0``) and one-element
+    tensors; refuses ``152.7``, ``True``, strings, NaN and values below 1.
+    """
+    try:
+        seq = list(lengths)
+    except TypeError:
+        raise ValueError(f"{source} must be a sequence of ints (one token count per sample), got "
+                         f"{type(lengths).__name__}") from None
+    if all(type(n) is int and n > 0 for n in seq):  # the common case, fast
+        return seq
+    return [_as_length(n, f"{source}[{i}]") for i, n in enumerate(seq)]
 
 
 def _as_steps(result: Any) -> list[StepPlan]:
@@ -117,7 +154,7 @@ class DCPBatchSampler:
     yields lists of dataset keys): ``descriptor`` is a dict with ``epoch``, ``step`` (index in
     the epoch), ``global_step`` (index across epochs from this sampler's start), ``plan`` (the
     whole step as :meth:`StepPlan.to_dict`), ``items`` (this rank's items in execution order:
-    ``samples``, ``lengths``, ``ranks``, ``sp_rank``, ``recompute``), ``global_tokens`` and
+    ``index`` in the step plan, ``samples``, ``lengths``, ``ranks``, ``sp_rank``, ``recompute``), ``global_tokens`` and
     ``global_samples`` (of the whole step).
     """
 
@@ -134,7 +171,9 @@ class DCPBatchSampler:
             raise ValueError(f"global_batch_tokens must be >= 1, got {global_batch_tokens}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside a world of {num_replicas} ranks")
-        self.lengths = [int(n) for n in lengths]
+        self.lengths = check_lengths(lengths, "lengths")
+        if not self.lengths:
+            raise ValueError("DCPBatchSampler got no sample lengths: the dataset is empty")
         self.planner = planner
         self.global_batch_size = global_batch_size
         self.global_batch_tokens = global_batch_tokens
@@ -155,12 +194,13 @@ class DCPBatchSampler:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._max_len: int | None = None
+        self._recent: dict[tuple[int, int], StepPlan] = {}  # plans yielded lately, for next_plan()
         self.sampler = _EpochHook(self)
 
     # -- pickling (DataLoader workers never need the sampler, but be safe) ------------------
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_executor=None, _cache={}, _lock=None)
+        state.update(_executor=None, _cache={}, _lock=None, _recent={})
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -229,11 +269,12 @@ class DCPBatchSampler:
                     "drop or split that sample (filter the dataset by length), or run on more ranks / larger devices"
                 )
 
-    def _plan_batch(self, epoch: int, index: int, batch: list[int]) -> list[StepPlan]:
+    def _plan_batch(self, epoch: int, index: int, batch: list[int], planner: Any = None, seed_offset: int = 0) -> list[StepPlan]:
         self._check_lengths(batch)
         lengths = [self.lengths[i] for i in batch]
+        planner = self.planner if planner is None else planner
         try:
-            steps = _as_steps(self.planner.plan_batch(list(batch), lengths, step=epoch * 1_000_003 + index))
+            steps = _as_steps(planner.plan_batch(list(batch), lengths, step=epoch * 1_000_003 + index + seed_offset))
         except PlanningError:
             raise
         except PlanError as err:
@@ -295,19 +336,37 @@ class DCPBatchSampler:
                                 f"{len(steps)} steps for global batch {step} of epoch {epoch}")
         return steps[0]
 
+    def replan(self, epoch: int, step: int, plan: Mapping[str, Any], planner: Any, seed_offset: int = 0) -> StepPlan:
+        """The samples of ``plan`` (a step plan dict) planned again by ``planner`` as one step, checked
+        like any plan (after an out-of-memory error, :mod:`lightning_dcp.oom`)."""
+        batch = [int(s) for it in plan["items"] for s in it["samples"]]
+        steps = self._plan_batch(epoch, step, batch, planner=planner, seed_offset=seed_offset)
+        if len(steps) != 1:
+            raise PlanningError(f"re-planning step {step} of epoch {epoch} gave {len(steps)} steps; a step is re-planned "
+                                "as one step (policies with one_step_per_batch)")
+        return steps[0]
+
     def step_plan(self, epoch: int, step: int) -> StepPlan:
         """The plan of step ``step`` of ``epoch`` (planning it now if needed)."""
         if not self.one_step_per_batch:
             return self._epoch_plan(epoch)[step]
         return self._submit(epoch, step).result()
 
+    def next_plan(self, epoch: int, step: int) -> StepPlan | None:
+        """The plan of step ``step`` of ``epoch`` for an agreement check one step ahead: the one
+        already yielded or being planned ahead (never planned twice); ``None`` past the epoch's end."""
+        if step >= self.num_steps(epoch):
+            return None
+        plan = self._recent.get((epoch, step))
+        return plan if plan is not None else self.step_plan(epoch, step)
+
     def describe(self, epoch: int, step: int, plan: StepPlan) -> dict[str, Any]:
         """The step descriptor this rank yields for ``plan`` (see the class docstring)."""
         items = []
-        for item in plan.items:
+        for index, item in enumerate(plan.items):
             if self.rank in item.ranks:
                 items.append({
-                    "samples": list(item.samples), "lengths": list(item.lengths), "ranks": list(item.ranks),
+                    "index": index, "samples": list(item.samples), "lengths": list(item.lengths), "ranks": list(item.ranks),
                     "sp_rank": item.ranks.index(self.rank), "recompute": item.recompute,
                 })
         return {
@@ -326,6 +385,9 @@ class DCPBatchSampler:
                     self._submit(epoch, step + 1)  # plan ahead while this step trains
                 plan = fut.result()
                 self._cache.pop((epoch, step), None)
+                self._recent[(epoch, step)] = plan
+                while len(self._recent) > 16:
+                    self._recent.pop(next(iter(self._recent)))
             else:
                 plan = self._epoch_plan(epoch)[step]
             yield [self.describe(epoch, step, plan)]
@@ -360,6 +422,7 @@ class DCPBatchSampler:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         self._cache.clear()
+        self._recent.clear()
 
 
 class StepDataset(Dataset):

@@ -35,6 +35,34 @@ on the step's global batch (see :mod:`lightning_dcp.sharding`); the Ulysses all-
 routes gradients between the ranks of an SP group, so the world sum of local gradients, scaled
 once by that count, is the global gradient.
 
+Agreement (:mod:`lightning_dcp.agreement`): no plan is broadcast, every rank plans from its own
+inputs, so the strategy checks that they agree and stops every rank with one error naming the
+ranks, what differs and the likely cause -- never a silently wrong run (SP 1) or a hang (SP > 1):
+
+- at setup (``process_dataloader``), one world all-gather of the sample count, token total, a
+  hash of all lengths, of the planner's settings and of the cost model;
+- every step's step-end all-gather carries the hash of the plan the step ran and of the *next*
+  step's plan (planned ahead anyway): ranks that would run different plans are stopped one step
+  before they could wait on each other inside an SP collective;
+- a step whose plan no previous step compared -- the first step of a fit, of a resume, of each
+  epoch -- compares its plan hash in one extra world all-gather before its first micro-batch (at
+  most once per epoch; a world collective before the loop, never inside it).
+
+Time-outs and signals: the world group and every SP group use ``DCPStrategy(timeout=...)``
+(default 5 minutes). A collective that fails or times out inside the micro-batch loop, the
+step-end all-gather or the plan comparison ends the run with a
+:class:`~lightning_dcp.faults.CollectiveError` naming the step, the item (samples, lengths, SP
+size) and the group. SIGTERM ends every process within ``sigterm_grace_s`` even when they are
+blocked in a collective, and a launched rank exits when its launcher is gone
+(:mod:`lightning_dcp.watchdog`).
+
+Out of memory (:mod:`lightning_dcp.oom`): ``torch.OutOfMemoryError`` in an SP-1 item is flagged on
+the step-end all-gather (a column, no new collective); every rank discards the attempt's
+gradients, re-plans the same samples with the memory limit just below the failed item's estimate
+and runs the step again (``dcp/oom_replans``; at most ``max_oom_replans`` times). In an SP > 1
+item a partner may wait inside a collective, so the rank stops the run with
+:class:`~lightning_dcp.oom.StepOutOfMemoryError` (resume from the last checkpoint).
+
 Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
 world-wide ones above, the same number on every rank whatever its item count (a rank with no
 item in a step still joins them). ``self.log(..., sync_dist=True)`` inside the user's
@@ -47,20 +75,27 @@ from __future__ import annotations
 
 import inspect
 import time
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_dcp.agreement import STEP_CAUSE, check_column, check_setup, planner_settings, plan_fingerprint, setup_row
 from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
+from lightning_dcp.faults import collective_error, describe_item, is_collective_failure
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
+from lightning_dcp.oom import OOM_ERRORS, LoweredMemory, StepOutOfMemoryError, lowered_limit, sp_oom_message
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.recompute import find_recompute_layers
@@ -68,13 +103,17 @@ from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_length
 from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, local_loss_tokens, shard_batch
 from lightning_dcp.support import (PaddedCostModel, PaddedPlanner, micro_batch_loss_units, resolve_support, safe_mode_message,
                                    uniform_lengths)
+from lightning_dcp.watchdog import ShutdownWatchdog
 
 __all__ = ["DCPStrategy", "DefaultCostModel", "find_num_heads"]
 
 _DDP_INIT_ARGS = {
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "ddp_comm_state",
-    "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period", "process_group_backend", "timeout", "start_method",
+    "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period", "process_group_backend", "start_method",
 }
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
 
 
 class DefaultCostModel(CostModel):
@@ -194,6 +233,11 @@ class _GradBuckets:
             p.grad = self.buffers[b][off:off + n].view_as(p) if has[i] > 0 else None
 
 
+# Columns of the step-end all-gather (one row per rank), then one has-gradient flag per parameter.
+_BUSY, _LOSS, _TOKENS, _ITEMS, _LOSS_UNITS, _PLAN, _NEXT_PLAN, _OOM = range(8)
+_N_STATS = 8
+
+
 def _is_step_batch(batch: Any) -> bool:
     return isinstance(batch, Mapping) and "items" in batch and "meta" in batch
 
@@ -236,8 +280,15 @@ class DCPStrategy(DDPStrategy):
             :mod:`lightning_dcp.support`); default the module's ``dcp_support`` attribute, else
             detected: a module without ``RecomputeLayers`` / ``dcp_repeated_layers()`` runs in
             safe mode (SP 1, its own ``collate_fn``, no packing across samples).
+        timeout: seconds (or a ``timedelta``) a collective of the world or of any SP group may wait
+            before it fails; default 300 (5 minutes). A stuck collective then ends the run with an
+            error naming the step, the item and the group.
+        max_oom_replans: how often one step may be re-planned after ``torch.OutOfMemoryError`` in an
+            SP-1 item before the run stops (see :mod:`lightning_dcp.oom`).
+        sigterm_grace_s: after SIGTERM, seconds before a rank still blocked in a collective exits
+            (and kills the ranks it launched); ``None`` leaves SIGTERM to Lightning alone.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
-            (``start_method``, ``process_group_backend``, ``timeout``, ``cluster_environment``...).
+            (``start_method``, ``process_group_backend``, ``cluster_environment``...).
     """
 
     strategy_name = "dcp"
@@ -263,13 +314,26 @@ class DCPStrategy(DDPStrategy):
         log_metrics: bool = True,
         bucket_cap_mb: float = 25.0,
         support: str | None = None,
+        timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+        sigterm_grace_s: float | None = 30.0,
+        max_oom_replans: int = 3,
         **kwargs: Any,
     ) -> None:
         unsupported = sorted(set(kwargs) - _DDP_INIT_ARGS)
         if unsupported:
             rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {unsupported}")
             kwargs = {k: v for k, v in kwargs.items() if k in _DDP_INIT_ARGS}
-        super().__init__(**kwargs)
+        if timeout is not None and not isinstance(timeout, timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise ValueError(f"timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
+            timeout = timedelta(seconds=float(timeout))
+        super().__init__(timeout=timeout if timeout is not None else default_pg_timeout, **kwargs)
+        self.sigterm_grace_s = sigterm_grace_s
+        self.max_oom_replans = int(max_oom_replans)
+        self.oom_replans = 0  # steps re-planned after an out-of-memory error, this fit (logged as dcp/oom_replans)
+        self._oom_cost_model: CostModel | None = None
+        self._step_dataset: Any = None
+        self._watchdog: ShutdownWatchdog | None = None
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if max_sp_size is not None and (max_sp_size < 1 or max_sp_size & (max_sp_size - 1)):
@@ -317,6 +381,8 @@ class DCPStrategy(DDPStrategy):
         self._warned_default_cost = False
         self._last_step_start: float | None = None
         self._tracker_epoch: int | None = None
+        self._verified_next: tuple[int, int] | None = None  # (epoch, step) whose plan all ranks already compared
+        self._heads_cap: int | None = None  # set when the head count (not the world or the user) caps SP
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -341,7 +407,18 @@ class DCPStrategy(DDPStrategy):
             self.max_sp_size = 1
         self._resolve_max_sp()
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
-        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.max_sp_size, create=create)
+        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.max_sp_size, create=create, timeout=self._timeout)
+        if create and self.sigterm_grace_s is not None and self._watchdog is None:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
+        blocked in a collective; a launched rank exits when its launcher is gone (:mod:`lightning_dcp.watchdog`)."""
+        launcher = self.launcher
+        is_launcher = isinstance(launcher, _SubprocessScriptLauncher) and not self.cluster_environment.creates_processes_externally
+        children = (lambda: list(launcher.procs)) if is_launcher else (lambda: ())
+        self._watchdog = ShutdownWatchdog(self.sigterm_grace_s, watch_parent=not is_launcher, children=children,
+                                          name=f"rank {self.global_rank}").start()
 
     def _resolve_max_sp(self, world_size: int | None = None) -> None:
         world_size = self.world_size if world_size is None else world_size
@@ -363,6 +440,12 @@ class DCPStrategy(DDPStrategy):
             self.max_sp_size = min(self.max_sp_size, world_cap)
         else:
             self.max_sp_size = min(world_cap, self._largest_dividing(heads)) if heads else world_cap
+            if heads and self.max_sp_size < world_cap:
+                self._heads_cap = self.max_sp_size
+                fix = ("; use a head count with a power-of-two factor (e.g. 4 or 8) for sequence parallelism"
+                       if self.max_sp_size == 1 else "")
+                rank_zero_warn(f"the model has {heads} attention heads: SP sizes must divide it, so SP is capped at "
+                               f"{self.max_sp_size} on this world of {world_size} ranks{fix}")
 
     @staticmethod
     def _largest_dividing(heads: int | None) -> int:
@@ -461,10 +544,27 @@ class DCPStrategy(DDPStrategy):
                                "using DefaultCostModel: SP size 1 for every sample, ranks balanced by gradient "
                                "accumulation only")
             self._cost_model = cost_model
+        return self._build_planner(cost_model, lengths)
+
+    def _build_planner(self, cost_model: CostModel, lengths: list[int]) -> Any:
         opts = dict(self.planner_options)
         opts.setdefault("max_sp_size", self.max_sp_size)
-        planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
+        try:
+            planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths,
+                              **opts)
+        except PlanningError as err:
+            raise self._heads_capped_error(err, opts["max_sp_size"]) from None
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
+
+    def _heads_capped_error(self, err: PlanningError, max_sp: Any) -> PlanningError:
+        """A planner error whose "larger max_sp_size" advice is impossible because the heads cap SP: say so instead."""
+        if self._heads_cap is None or max_sp != self._heads_cap:
+            return err
+        msg = str(err).replace(f", capped by max_sp_size={max_sp}", f", capped by the model's {self.num_heads} attention heads")
+        msg = msg.replace(" / a larger max_sp_size", "").replace(", or raise max_sp_size", "")
+        msg = msg.replace("use more ranks / more memory per device", "use more memory per device")
+        return PlanningError(f"{msg} (SP sizes must divide the model's {self.num_heads} attention heads, so SP cannot "
+                             f"exceed {max_sp}{'; a head count with a power-of-two factor allows more' if max_sp == 1 else ''})")
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -477,6 +577,9 @@ class DCPStrategy(DDPStrategy):
             raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
                              f"{type(dataset).__name__}")
         lengths = self._train_lengths(dataset)
+        if not lengths:
+            raise ValueError(f"the train dataset {type(dataset).__name__} is empty (0 samples): nothing to train on; "
+                             "check the data path and any filtering")
         gbs, gbt = self.global_batch_size, self.global_batch_tokens
         per_rank = dataloader.batch_size or 1
         if gbs is None and gbt is None:
@@ -488,6 +591,8 @@ class DCPStrategy(DDPStrategy):
             rank=self.global_rank, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
             plan_ahead=self.plan_ahead,
         )
+        self._verified_next = None
+        self._check_setup_agreement(lengths, planner, global_batch_size=gbs, global_batch_tokens=gbt)
         if len(self.batch_sampler) == 0:
             raise ValueError(f"the train dataset ({len(lengths)} samples) gives no full global batch of "
                              f"{gbs if gbs is not None else str(gbt) + ' tokens'}; lower the global batch or set drop_last=False")
@@ -500,9 +605,23 @@ class DCPStrategy(DDPStrategy):
             from torch.utils.data import default_collate
 
             collate_fn = dataloader.collate_fn or default_collate
-        return DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
-                             pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
-                             worker_init_fn=dataloader.worker_init_fn, **kwargs)
+        loader = DCPDataLoader(dataset, self.batch_sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
+                               pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
+                               worker_init_fn=dataloader.worker_init_fn, **kwargs)
+        self._step_dataset = loader.dataset  # loads a re-planned step (out-of-memory recovery)
+        return loader
+
+    def _check_setup_agreement(self, lengths: list[int], planner: Any, **settings: Any) -> None:
+        """One world all-gather at setup: every rank must have the same lengths, planner settings and
+        cost model (:mod:`lightning_dcp.agreement`); else every rank raises the same error."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        settings.update(world_size=self.world_size, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+                        max_sp_size=self.max_sp_size, support=self.support, loss_reduction=self.loss_reduction,
+                        policy=self.policy if self._planner is None else None)
+        cost_model = self._cost_model if self._planner is None else getattr(planner, "cost_model", None)
+        row = setup_row(lengths, planner_settings(planner, **settings), cost_model)
+        check_setup(self._all_gather(torch.tensor(row, dtype=torch.float64)).tolist())
 
     def _make_bounder(self) -> Any:
         """The per-step achievable bound (``dcp/step_bound_fraction``), for measured cost models only:
@@ -591,42 +710,144 @@ class DCPStrategy(DDPStrategy):
         if not meta.get("prepared"):  # a batch that bypassed batch_to_device (e.g. a custom loop)
             self._prepare_step(batch)
             items = [self.batch_to_device(mb) for mb in batch["items"]]
-        module = self.lightning_module
+        plan_hash = plan_fingerprint(meta["plan"], meta["epoch"], meta["step"])
+        self._check_plan_before_loop(meta, plan_hash)
+        self._oom_cost_model = None  # a lowered memory limit applies to the re-plans of one step
         now = time.perf_counter()
         step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
         self._last_step_start = now
         if self._buckets is None:
             self._buckets = _GradBuckets(self._grad_params(), self.bucket_cap_bytes)
-        for p in self._buckets.params:
-            p.grad = None
-        t0 = time.perf_counter()
-        local_loss = torch.zeros((), dtype=torch.float64, device=self.root_device)  # summed on device: no sync per item
-        self._in_micro_loop = True
-        try:
-            for mb, it in zip(items, meta["items"]):
-                local_loss += self._run_item(module, mb, it, batch_idx)
-        finally:
-            self._in_micro_loop = False
-        self._buckets.park()
-        local_loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
-        busy = time.perf_counter() - t0
-
-        local_tokens = sum(it["real_tokens"] for it in meta["items"])
-        loss_units = sum(it["loss_units"] for it in meta["items"])
-        stats = torch.cat([
-            torch.tensor([busy, local_loss, float(local_tokens), float(len(items)), float(loss_units)], dtype=torch.float64),
-            self._buckets.has_grad,
-        ])
-        gathered = self._all_gather(stats)
-        self._world_has_grad = gathered[:, 5:].sum(0)
-        divisor = float(gathered[:, 4].sum())
+        for attempt in range(self.max_oom_replans + 1):
+            busy, local_loss, failed = self._run_items(items, meta, batch_idx)
+            gathered = self._step_end_gather(meta, busy, local_loss, len(items), plan_hash, failed)
+            failed_items = sorted({int(v) - 1 for v in gathered[:, _OOM].tolist() if v > 0})
+            if not failed_items:
+                break
+            meta, items, plan_hash = self._replan_after_oom(batch, failed_items, attempt)
+        self._world_has_grad = gathered[:, _N_STATS:].sum(0)
+        divisor = float(gathered[:, _LOSS_UNITS].sum())
         self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
         self._grads_parked = True
         if self.batch_sampler is not None:
             self.batch_sampler.mark_consumed(meta["epoch"], meta["step"])
-        gathered[:, 1] /= self._loss_divisor  # each rank's share of the global mean loss
+        gathered[:, _LOSS] /= self._loss_divisor  # each rank's share of the global mean loss
         self._record_metrics(gathered[:, :4], meta, step_s)
-        return torch.tensor(float(gathered[:, 1].sum()), dtype=torch.float32, device=self.root_device)
+        return torch.tensor(float(gathered[:, _LOSS].sum()), dtype=torch.float32, device=self.root_device)
+
+    def _run_items(self, items: Sequence[Any], meta: Mapping[str, Any], batch_idx: int) -> tuple[float, float, int]:
+        """The micro-batch loop: forward and backward of this rank's items. Returns (busy seconds, summed
+        loss, 1 + the plan index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.oom`)."""
+        module = self.lightning_module
+        for p in self._buckets.params:
+            p.grad = None
+        t0 = time.perf_counter()
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.root_device)  # summed on device: no sync per item
+        failed = 0
+        self._in_micro_loop = True
+        try:
+            for mb, it in zip(items, meta["items"]):
+                if failed and len(it["ranks"]) == 1:
+                    continue  # the step is re-run; SP > 1 items still run, their partners need this rank
+                try:
+                    local_loss += self._run_item(module, mb, it, batch_idx)
+                except OOM_ERRORS as err:
+                    if len(it["ranks"]) > 1:
+                        where = f"step {meta['step']} of epoch {meta['epoch']}"
+                        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+                        raise StepOutOfMemoryError(sp_oom_message(where, describe_item(it), self.global_rank,
+                                                                  timeout)) from err
+                    failed = int(it.get("index", 0)) + 1
+                except Exception as err:
+                    if not is_collective_failure(err):
+                        raise
+                    group = f"SP group {list(it['ranks'])}" if len(it["ranks"]) > 1 else "rank " + str(self.global_rank)
+                    raise collective_error(err, epoch=meta["epoch"], step=meta["step"], what=describe_item(it),
+                                           group=group, timeout=self._timeout) from err
+        finally:
+            self._in_micro_loop = False
+        if failed:  # free what the failed item left; every rank discards this attempt's gradients
+            for p in self._buckets.params:
+                p.grad = None
+            local_loss.zero_()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self._buckets.park()
+        loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
+        return time.perf_counter() - t0, loss, failed
+
+    def _replan_after_oom(self, batch: dict, failed_items: list[int], attempt: int) -> tuple[dict, list, float]:
+        """Every rank saw these plan items run out of memory at SP 1: re-plan the step's samples with the
+        memory limit just below the failed items' estimate, load and prepare the new items, and return
+        (meta, items, plan hash) for the step's next attempt (see :mod:`lightning_dcp.oom`)."""
+        meta = batch["meta"]
+        epoch, step, plan = meta["epoch"], meta["step"], meta["plan"]
+        failed = [dict(plan["items"][i], index=i) for i in failed_items]
+        what = "; ".join(describe_item(it) for it in failed)
+        self.oom_replans += 1
+        if attempt >= self.max_oom_replans or self.batch_sampler is None or self._step_dataset is None:
+            raise StepOutOfMemoryError(
+                f"step {step} of epoch {epoch} ran out of memory {attempt + 1} time(s) at SP 1 ({what}) and was re-planned "
+                f"{attempt} time(s) with less memory; stopping. Lower the cost model's memory limit (profile with "
+                "DCPProfiler(memory_limit_bytes=...)), split or drop long samples, or raise max_oom_replans")
+        rank_zero_warn(f"step {step} of epoch {epoch}: {what} ran out of memory; re-planning the step with less memory "
+                       f"(attempt {attempt + 1} of {self.max_oom_replans}); no sample is skipped or trained twice")
+        try:
+            planner, offset = self._oom_planner(plan, failed, attempt)
+            new_plan = self.batch_sampler.replan(epoch, step, plan, planner, seed_offset=offset)
+        except PlanningError as err:
+            raise StepOutOfMemoryError(f"step {step} of epoch {epoch}: {what} ran out of memory, and the step cannot be "
+                                       f"re-planned with less memory: {err}") from err
+        desc = self.batch_sampler.describe(epoch, step, new_plan)
+        new = self.batch_to_device(self._step_dataset[desc])
+        batch["items"], batch["meta"] = new["items"], new["meta"]
+        return new["meta"], new["items"], plan_fingerprint(new["meta"]["plan"], epoch, step)
+
+    def _oom_planner(self, plan: Mapping[str, Any], failed: list[dict], attempt: int) -> tuple[Any, int]:
+        """(planner, step-seed offset) for a re-plan: the strategy's own planner over a cost model whose
+        limit sits below the failed items; a user's planner is asked again with another step seed."""
+        if self._planner is not None:
+            return self._planner, 7919 * (attempt + 1)
+        cost_model = self._oom_cost_model if self._oom_cost_model is not None else self._cost_model
+        batch_lengths = [n for it in plan["items"] for n in it["lengths"]]
+        if isinstance(cost_model, PaddedCostModel):
+            limit = min(cost_model.max_padded_tokens, min(PaddedCostModel.padded_tokens(it["lengths"]) for it in failed) - 1)
+            lowered: CostModel = PaddedCostModel(cost_model.base, max(1, limit))
+        else:
+            lowered = LoweredMemory(cost_model, lowered_limit(cost_model, failed))
+        self._oom_cost_model = lowered
+        return self._build_planner(lowered, batch_lengths), 0
+
+    def _step_end_gather(self, meta: Mapping[str, Any], busy: float, local_loss: float, n_items: int,
+                         plan_hash: float, failed: int = 0) -> Tensor:
+        """The step's one world all-gather: metrics, loss, loss units, the plan hashes (this step's and
+        the next's, see the module docstring) and which parameters got gradients."""
+        epoch, step = meta["epoch"], meta["step"]
+        nxt = self.batch_sampler.next_plan(epoch, step + 1) if self.batch_sampler is not None else None
+        next_hash = plan_fingerprint(nxt.to_dict(), epoch, step + 1) if nxt is not None else 0.0
+        stats = torch.zeros(_N_STATS, dtype=torch.float64)
+        stats[_BUSY], stats[_LOSS], stats[_TOKENS], stats[_ITEMS] = busy, local_loss, float(
+            sum(it["real_tokens"] for it in meta["items"])), float(n_items)
+        stats[_LOSS_UNITS] = float(sum(it["loss_units"] for it in meta["items"]))
+        stats[_PLAN], stats[_NEXT_PLAN], stats[_OOM] = plan_hash, next_hash, float(failed)
+        gathered = self._all_gather(torch.cat([stats, self._buckets.has_grad]), meta)
+        where = f"at the end of step {step} of epoch {epoch}"
+        check_column(gathered[:, _PLAN].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE, where)
+        check_column(gathered[:, _NEXT_PLAN].tolist(), f"the plan of step {step + 1} of epoch {epoch}", STEP_CAUSE,
+                     where + ", one step before any rank runs it")
+        self._verified_next = (epoch, step + 1) if next_hash else None
+        return gathered
+
+    def _check_plan_before_loop(self, meta: Mapping[str, Any], plan_hash: float) -> None:
+        """Compare this step's plan hash across ranks before its first micro-batch, unless the previous
+        step's end already did (every step but a fit's, a resume's or an epoch's first)."""
+        epoch, step = meta["epoch"], meta["step"]
+        if self._verified_next == (epoch, step) or self.world_size == 1 or not dist.is_initialized():
+            return
+        gathered = self._all_gather(torch.tensor([plan_hash], dtype=torch.float64), meta,
+                                    "the plan comparison before the first micro-batch")
+        check_column(gathered[:, 0].tolist(), f"the plan of step {step} of epoch {epoch}", STEP_CAUSE,
+                     "before the step's first micro-batch")
 
     def _run_item(self, module: Any, local: Any, it: Mapping[str, Any], batch_idx: int) -> Tensor:
         ranks, sp_rank = it["ranks"], it["sp_rank"]
@@ -697,13 +918,19 @@ class DCPStrategy(DDPStrategy):
         self._buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1,
                              scale=1.0 / self._loss_divisor)
 
-    def _all_gather(self, t: Tensor) -> Tensor:
+    def _all_gather(self, t: Tensor, meta: Mapping[str, Any] | None = None, what: str = "the step-end all-gather") -> Tensor:
         if self.world_size == 1 or not dist.is_initialized():
             return t.unsqueeze(0)
         device = self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
         t = t.to(device)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
+        try:
+            dist.all_gather(out, t)
+        except Exception as err:
+            if meta is None or not is_collective_failure(err):
+                raise
+            raise collective_error(err, epoch=meta["epoch"], step=meta["step"], what=what,
+                                   group=f"the world ({self.world_size} ranks)", timeout=self._timeout) from err
         return torch.stack(out).cpu()
 
     def _record_metrics(self, gathered: Tensor, meta: Mapping[str, Any], step_s: float) -> None:
@@ -721,8 +948,9 @@ class DCPStrategy(DDPStrategy):
         module = self.lightning_module
         if self.log_metrics and module is not None and module._trainer is not None:
             has_logger = bool(module.trainer.loggers)
-            for key, value in m.as_log_dict().items():
-                if has_logger or key == "dcp/imbalance":
+            values = dict(m.as_log_dict(), **{"dcp/oom_replans": float(self.oom_replans)})
+            for key, value in values.items():
+                if has_logger or key in ("dcp/imbalance", "dcp/oom_replans"):
                     module.log(key, value, on_step=True, on_epoch=False, prog_bar=key == "dcp/imbalance",
                                logger=has_logger, batch_size=1, sync_dist=False)
 
@@ -758,6 +986,9 @@ class DCPStrategy(DDPStrategy):
         return super().reduce_boolean_decision(decision, all=all)
 
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self.batch_sampler is not None:
             self.batch_sampler.shutdown()
         self._buckets = None

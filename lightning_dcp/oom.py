@@ -1,0 +1,89 @@
+"""Out-of-memory inside a step: re-plan the step without the shape that failed, or stop cleanly.
+
+What happens when ``torch.OutOfMemoryError`` hits a work item (see :mod:`lightning_dcp.strategy`):
+
+- **SP 1 item** (no partner waits on this rank inside a collective): the rank frees the item,
+  skips its other SP-1 items (it still runs its SP > 1 items, whose partners need it), and flags
+  the failed item on the step-end all-gather. Every rank then discards the step's gradients, the
+  step is re-planned with a :class:`LoweredMemory` cost model whose limit sits just below the
+  failed item's estimated memory (so the planner packs fewer samples, recomputes more layers or
+  uses more SP for that shape) and run again: the same samples, each exactly once, so the weights
+  equal those of a run without the fault. Each re-plan counts in ``dcp/oom_replans``; after
+  ``max_oom_replans`` failures of the same step a :class:`StepOutOfMemoryError` stops the run.
+- **SP > 1 item**: a partner may already wait inside the group's all-to-all, so the step cannot
+  be retried: the rank raises :class:`StepOutOfMemoryError` at once; its partners' collectives
+  fail (peer gone) or time out (``DCPStrategy(timeout=...)``) and the run ends. A checkpoint
+  resumes from the last step saved before the failing one.
+
+The planner stays pure: a re-plan is a new planner over a lowered cost model, deterministic on
+every rank, built from what every rank agreed on (the step plan and the gathered failure flags).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
+
+__all__ = ["OOM_ERRORS", "LoweredMemory", "StepOutOfMemoryError", "lowered_limit"]
+
+#: What counts as an out-of-memory error (``torch.cuda.OutOfMemoryError`` is the same class).
+OOM_ERRORS: tuple[type[BaseException], ...] = tuple({getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
+                                                     torch.cuda.OutOfMemoryError})
+
+#: Margin below a failed item's estimated memory for the re-plan's limit.
+MARGIN = 0.95
+
+
+class StepOutOfMemoryError(RuntimeError):
+    """A step ran out of memory and could not be re-planned (SP > 1, or too many attempts)."""
+
+
+class LoweredMemory(CostModel):
+    """``base`` with a lower ``memory_limit``: what a re-plan after an out-of-memory error plans with.
+
+    Args:
+        base: the cost model the step was planned with.
+        memory_limit: the new limit (below ``base.memory_limit``).
+    """
+
+    def __init__(self, base: CostModel, memory_limit: float) -> None:
+        self.base = base
+        self.memory_limit = float(memory_limit)
+        self.num_layers = base.num_layers
+        self.num_heads = base.num_heads
+        self.gpus_per_node = getattr(base, "gpus_per_node", 8)
+
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+        return self.base.item_cost(lengths, sp, recompute)
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+        return self.base.item_memory(lengths, sp, recompute)
+
+    def step_overhead(self, world_size: int) -> float:
+        return self.base.step_overhead(world_size)
+
+    def sp_sizes(self, world_size: int) -> list[int]:
+        return self.base.sp_sizes(world_size)
+
+    def signature(self) -> dict:
+        return {"kind": "lowered-memory", "memory_limit": self.memory_limit, "base": self.base.signature()}
+
+
+def lowered_limit(cost_model: CostModel, failed: Sequence[Any]) -> float:
+    """A memory limit just below the smallest estimate of the ``failed`` items (``lengths``, SP 1,
+    ``recompute``), and never above the current limit."""
+    need = min(float(cost_model.item_memory(list(it["lengths"]), 1, int(it["recompute"]))) for it in failed)
+    return min(float(cost_model.memory_limit), need) * MARGIN
+
+
+def sp_oom_message(where: str, item: str, rank: int, timeout_s: float | None) -> str:
+    """The error for an out-of-memory error in an SP > 1 item (the step cannot be retried)."""
+    limit = f"{timeout_s:g} s" if timeout_s is not None else "the backend's time-out"
+    return (f"{where}: {item} ran out of memory on rank {rank}. Its SP partners may already wait inside the group's "
+            f"collectives, so the step cannot be retried; the run stops (the partners fail when this rank exits, at the "
+            f"latest after the collective time-out of {limit}). Lower the planner's memory limit (profile with a "
+            "smaller DCPProfiler(memory_limit_bytes=...), or a cost model with a lower memory_limit) and resume: a "
+            "checkpoint resumes from the last step saved before this one")

@@ -1,0 +1,161 @@
+"""Whole-Trainer fault runs for tests/test_faults.py: ``python tests/_fault_runs.py SCENARIO OUT_DIR``.
+
+Each scenario fits a tiny model on spawned gloo CPU processes. Every rank writes
+``OUT_DIR/error_rank{r}.txt`` (the message of the exception that stopped it) through a callback's
+``on_exception``; rank 0 writes ``OUT_DIR/result.pt`` on success. The test runs this file in a
+subprocess with a hard time-out, so a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_dataset, make_trainer  # noqa: E402
+from lightning_dcp.context import active_context  # noqa: E402
+from lightning_dcp.strategy import DCPStrategy  # noqa: E402
+
+
+class ErrorFile(pl.Callback):
+    """Each rank writes the exception that stopped it."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        with open(os.path.join(self.out_dir, f"error_rank{trainer.global_rank}.txt"), "w") as f:
+            f.write(f"{type(exception).__name__}: {exception}")
+
+
+class RankFilteredLM(TinyLM):
+    """A rank-dependent filter: rank r drops its dataset's last r samples."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(make_dataset(n=48 - self.trainer.global_rank), batch_size=4)
+
+
+class RankDivergingPlanner(RandomPlanner):
+    """Same plans on every rank up to step 1; from step 2 each rank seeds with its own rank (SP 2 items every step)."""
+
+    def plan_batch(self, samples, lengths, step=0):
+        if step >= 2:
+            self.seed = 100 + dist.get_rank()
+        return super().plan_batch(samples, lengths, step)
+
+
+class SleepyLM(TinyLM):
+    """Rank 1 stalls for ``stall_s`` seconds before its first micro-batch of step 1 (outside any collective)."""
+
+    def __init__(self, stall_s: float = 30.0) -> None:
+        super().__init__()
+        self.stall_s = stall_s
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.trainer.global_rank == 1 and self.stall_s:
+            time.sleep(self.stall_s)
+            self.stall_s = 0.0
+        return super().training_step(batch, batch_idx)
+
+
+class HangLM(TinyLM):
+    """At step 1 both ranks wait to receive from each other: a deadlock inside a collective, by construction.
+    Each rank first writes ``hanging_rank{r}.txt`` holding its pid."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            rank = self.trainer.global_rank
+            with open(os.path.join(self.out_dir, f"hanging_rank{rank}.txt"), "w") as f:
+                f.write(str(os.getpid()))
+            dist.recv(torch.zeros(1), src=1 - rank)
+        return super().training_step(batch, batch_idx)
+
+
+def _sigterm(out: str) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, max_sp=1), global_batch_size=8, start_method="popen",
+                           sigterm_grace_s=5.0)
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(HangLM(out))
+
+
+class OOMOnceLM(TinyLM):
+    """Rank 1 raises torch.OutOfMemoryError once, in its first SP-1 item of step 2."""
+
+    fired = False
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2 and self.trainer.global_rank == 1 and not self.fired and active_context().size == 1:
+            self.fired = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+        return super().training_step(batch, batch_idx)
+
+
+class OOMAtSP2LM(TinyLM):
+    """Rank 1 raises torch.OutOfMemoryError in its first SP-2 item of step 1 (a partner waits in a collective)."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.trainer.global_rank == 1 and active_context().size == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+        return super().training_step(batch, batch_idx)
+
+
+class Record(pl.Callback):
+    """Each rank saves the strategy's OOM re-plan count and the logged dcp/oom_replans."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        logged = trainer.callback_metrics.get("dcp/oom_replans")
+        torch.save({"oom_replans": trainer.strategy.oom_replans, "logged": None if logged is None else float(logged)},
+                   os.path.join(self.out_dir, f"record_rank{trainer.global_rank}.pt"))
+
+
+def _oom(out: str) -> None:
+    strategy = DCPStrategy(global_batch_size=8, profile=False, start_method="popen", seed=1)
+    make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=(5,)), Record(out)], max_steps=5).fit(OOMOnceLM())
+
+
+def _world3(out: str) -> None:
+    """World size 3: SP 2 on the aligned block [0, 1] and SP 1 anywhere, against the single-process reference."""
+    strategy = DCPStrategy(planner=RandomPlanner(3, seed=3, force_mix=True), global_batch_size=9, start_method="popen",
+                           seed=1)
+    make_trainer(3, strategy, [ErrorFile(out), Dump(out, weights_at=(4,))], max_steps=4).fit(TinyLM())
+
+
+def _oom_sp2(out: str) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8, start_method="popen")
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(OOMAtSP2LM())
+
+
+def _lengths(out: str) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, max_sp=1), global_batch_size=8, start_method="popen")
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
+
+
+def _plan_sp2(out: str) -> None:
+    strategy = DCPStrategy(planner=RankDivergingPlanner(2, seed=2, force_mix=True), global_batch_size=8,
+                           start_method="popen")
+    make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=())], max_steps=6).fit(TinyLM())
+
+
+def _collective_timeout(out: str) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8,
+                           start_method="popen", timeout=4)
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
+
+
+SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
+
+if __name__ == "__main__":
+    name, out_dir = sys.argv[1], sys.argv[2]
+    SCENARIOS[name](out_dir)
