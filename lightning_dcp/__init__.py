@@ -27,6 +27,9 @@ from lightning_dcp._version import __version__
 
 #: Public name -> module that defines it.
 _EXPORTS = {
+    "AgreementError": "lightning_dcp.agreement",
+    "CollectiveError": "lightning_dcp.faults",
+    "StepOutOfMemoryError": "lightning_dcp.oom",
     "DCPBatchSampler": "lightning_dcp.sampler",
     "DCPDataLoader": "lightning_dcp.sampler",
     "DCPProfiler": "lightning_dcp.profiling",
@@ -49,6 +52,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from lightning_dcp.agreement import AgreementError
+    from lightning_dcp.faults import CollectiveError
+    from lightning_dcp.oom import StepOutOfMemoryError
     from lightning_dcp.attention import varlen_attention
     from lightning_dcp.context import SPContext, active_context, sp_context
     from lightning_dcp.groups import SPGroups

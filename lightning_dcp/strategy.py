@@ -549,22 +549,10 @@ class DCPStrategy(DDPStrategy):
     def _build_planner(self, cost_model: CostModel, lengths: list[int]) -> Any:
         opts = dict(self.planner_options)
         opts.setdefault("max_sp_size", self.max_sp_size)
-        try:
-            planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths,
-                              **opts)
-        except PlanningError as err:
-            raise self._heads_capped_error(err, opts["max_sp_size"]) from None
+        if self._heads_cap is not None and opts["max_sp_size"] == self._heads_cap:
+            opts.setdefault("sp_cap_reason", f"the model's {self.num_heads} attention heads (SP sizes must divide them)")
+        planner = Planner(self.world_size, cost_model, policy=self.policy, seed=self.seed, dataset_lengths=lengths, **opts)
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
-
-    def _heads_capped_error(self, err: PlanningError, max_sp: Any) -> PlanningError:
-        """A planner error whose "larger max_sp_size" advice is impossible because the heads cap SP: say so instead."""
-        if self._heads_cap is None or max_sp != self._heads_cap:
-            return err
-        msg = str(err).replace(f", capped by max_sp_size={max_sp}", f", capped by the model's {self.num_heads} attention heads")
-        msg = msg.replace(" / a larger max_sp_size", "").replace(", or raise max_sp_size", "")
-        msg = msg.replace("use more ranks / more memory per device", "use more memory per device")
-        return PlanningError(f"{msg} (SP sizes must divide the model's {self.num_heads} attention heads, so SP cannot "
-                             f"exceed {max_sp}{'; a head count with a power-of-two factor allows more' if max_sp == 1 else ''})")
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

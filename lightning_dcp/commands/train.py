@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", type=int, default=16, help="samples per optimizer step (default 16)")
     parser.add_argument("--num-samples", type=int, default=1024, help="synthetic dataset size (default 1024)")
     parser.add_argument("--max-len", type=int, default=1024, help="longest synthetic sample in tokens (default 1024)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a collective may wait before the run stops with an error naming the step, item "
+                             "and group (default 300)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     module = DCPTransformerModule(model=args.model)
     try:
         strategy = DCPStrategy(policy=args.policy, global_batch_size=args.global_batch_size, seed=args.seed,
-                               profile=args.profile)
+                               profile=args.profile, timeout=args.timeout)
     except ValueError as err:
         raise CLIError(str(err)) from None
     callbacks = [_plan_printer(args.quiet_plans)] + ([] if args.no_progress_bar else [_progress_bar()])
@@ -156,11 +159,13 @@ def run(args: argparse.Namespace) -> int:
         num_sanity_val_steps=0, limit_val_batches=0,
     )
     loader = DataLoader(dataset, batch_size=1, collate_fn=plain_collate)
+    from lightning_dcp import AgreementError, CollectiveError, StepOutOfMemoryError
     from lightning_dcp.planning.errors import PlanningError
 
     try:
         trainer.fit(module, loader)
-    except PlanningError as err:  # a user error (data vs memory, settings): one message, not a traceback per rank
+    except (PlanningError, AgreementError, CollectiveError, StepOutOfMemoryError) as err:
+        # a user-facing failure (data vs memory, ranks that disagree, a stuck collective): one message, no traceback per rank
         if trainer.is_global_zero:
             raise CLIError(str(err)) from None
         return 2

@@ -184,6 +184,8 @@ class Planner:
             bucket tunes its batch sizes on them. Without it each batch is planned on its own.
         max_sp_size: the largest SP group any policy may use (default: the largest aligned
             power-of-two block of the world); e.g. 8 keeps every SP group inside one node.
+        sp_cap_reason: why ``max_sp_size`` cannot be raised (e.g. "the model's 3 attention
+            heads"): errors name it instead of advising a larger ``max_sp_size`` or more ranks.
         **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
             ``target=`` for bucket, ``g_max=`` for dcp-inter.
 
@@ -193,7 +195,8 @@ class Planner:
     """
 
     def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
-                 dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None, **policy_options: Any):
+                 dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None,
+                 sp_cap_reason: str | None = None, **policy_options: Any):
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if policy not in POLICIES:
@@ -205,6 +208,7 @@ class Planner:
         self.blocks = world_blocks(self.world_size)
         self.max_sp = self.blocks[0][1]
         self.max_sp_size = None
+        self.sp_cap_reason = sp_cap_reason
         if max_sp_size is not None:
             if isinstance(max_sp_size, bool) or not isinstance(max_sp_size, numbers.Integral) or max_sp_size <= 0:
                 raise PlanningError(f"max_sp_size must be a positive integer (ranks), got {max_sp_size!r}")
@@ -215,8 +219,7 @@ class Planner:
         if self.view.longest_fitting() <= 0:
             raise PlanningError(
                 f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks"
-                f"{self._cap_note()}, limit {_mem(cost_model.memory_limit)} per device): use more ranks or more memory "
-                f"per device{', or raise max_sp_size' if self.max_sp_size else ''}"
+                f"{self._cap_note()}, limit {_mem(cost_model.memory_limit)} per device): use {self._more()}"
             )
         ds = None
         if dataset_lengths is not None:
@@ -237,8 +240,20 @@ class Planner:
         """Longest sample (tokens) any setting on this world size and memory holds."""
         return self.view.longest_fitting()
 
+    def _capped_by_option(self) -> bool:
+        """Whether ``max_sp_size`` (not the world) limits the SP size."""
+        return self.max_sp_size is not None and self.max_sp_size < self.blocks[0][1]
+
     def _cap_note(self) -> str:
-        return f", capped by max_sp_size={self.max_sp_size}" if self.max_sp_size is not None else ""
+        if self.sp_cap_reason:
+            return f", capped by {self.sp_cap_reason}"
+        return f", capped by max_sp_size={self.max_sp_size}" if self._capped_by_option() else ""
+
+    def _more(self) -> str:
+        """What to add when a sample or the model does not fit (no impossible advice)."""
+        if self.sp_cap_reason:
+            return "more memory per device"
+        return f"more ranks / more memory per device{' / a larger max_sp_size' if self._capped_by_option() else ''}"
 
     def _check_fit(self, samples: Sequence[int], lengths: Sequence[int]) -> None:
         limit = self.view.longest_fitting()
@@ -249,8 +264,7 @@ class Planner:
                     f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
                     f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
                     f"layer recomputed, {_mem(self.cost_model.memory_limit)} per device) is {limit} tokens: drop or split "
-                    f"the sample, or use more ranks / more memory per device"
-                    f"{' / a larger max_sp_size' if self.max_sp_size is not None else ''}"
+                    f"the sample, or use {self._more()}"
                 )
 
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> Plan:
