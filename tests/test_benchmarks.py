@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_dcp.planning.cost_model import CostModel
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -65,11 +67,18 @@ def _fake_ranks(world=2, steps=3):
     return [{"rank": r, "world_size": world, "records": recs[r]} for r in range(world)]
 
 
-class _LinearCost:
-    """A cost model: 1 ms per token per SP rank, 10 ms step overhead."""
+class _LinearCost(CostModel):
+    """A cost model: 1 ms per token per SP rank, 10 ms step overhead, no memory limit."""
 
     num_layers = 4
+    num_heads = 4
     memory_limit = float("inf")
+
+    def item_memory(self, lengths, sp, recompute):
+        return float(sum(lengths)) / sp
+
+    def signature(self):
+        return {"kind": "linear-test"}
 
     def item_cost(self, lengths, sp, recompute):
         from lightning_dcp.planning.cost_model import ItemCost

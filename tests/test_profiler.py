@@ -345,12 +345,18 @@ def test_module_without_repeated_layers_is_reported_not_profiled(tmp_path, monke
     assert len(lines) == 1 and "profiling skipped" in lines[0] and "dcp_repeated_layers()" in lines[0]
 
 
-def test_measured_runs_log_the_step_bound_fraction(tmp_path):
+def test_measured_runs_log_the_step_bound_fraction(tmp_path, monkeypatch):
     """With a measured profile the strategy logs dcp/step_bound_fraction = bound / step time."""
     import lightning.pytorch as pl
 
+    from _dist import find_free_port
     from lightning_dcp.strategy import DCPStrategy
 
+    # one in-process rank: its process group must not leave MASTER_PORT taken for later spawned tests
+    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.setenv(var, "")  # recorded, so whatever the fit sets is undone after the test
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
     torch.manual_seed(0)
     strategy = DCPStrategy(global_batch_size=4, log_metrics=False)
     profiler = DCPProfiler(cache_dir=str(tmp_path), lengths=[16, 64], micro_batch_sizes=[1])
@@ -358,6 +364,8 @@ def test_measured_runs_log_the_step_bound_fraction(tmp_path):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[profiler])
     trainer.fit(DCPTransformerModule("tiny-1d"), DataLoader(SyntheticTokenDataset(num_samples=16), batch_size=2))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     m = strategy.last_step_metrics
     assert isinstance(strategy.cost_model, ProfiledCostModel) and m.step_bound_s > 0
     assert m.as_log_dict()["dcp/step_bound_fraction"] == pytest.approx(m.step_bound_s / m.step_s)

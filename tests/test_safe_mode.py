@@ -163,6 +163,7 @@ def test_unchanged_module_trains_exactly_in_safe_mode(tmp_path, case, world):
     module = module_cls()
     trainer.fit(module)
     dataset = module.train_dataloader().dataset
+    worst = 0.0
     for r in range(world):
         got = torch.load(os.path.join(tmp_path, f"rank{r}.pt"))
         plans = got["plans"]
@@ -173,9 +174,11 @@ def test_unchanged_module_trains_exactly_in_safe_mode(tmp_path, case, world):
         for name, w in got["weights"].items():
             err = max_rel_err(w, ref[name])
             assert err < 1e-5, f"{case}, rank {r}, {name}: relative error {err:.2e}"
-    if world > 1:
-        counts = [sum(1 for it in plans[0]["items"] if r in it["ranks"]) for r in range(world)]
-        assert sum(counts) == len(plans[0]["items"])
+            worst = max(worst, err)
+    print(f"safe mode {case} world {world}: max rel weight err {worst:.2e}", flush=True)
+    if world > 1:  # the planner spreads every step's work over all ranks
+        for plan in plans:
+            assert all(any(r in it["ranks"] for it in plan["items"]) for r in range(world)), plan
 
 
 def test_support_levels_are_detected_and_declared():
