@@ -24,6 +24,7 @@ import platform
 import statistics
 import time
 
+from lightning_dcp.commands.simulate import DATASET_SIZE, draw_run  # as lightning-dcp simulate
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.distributions import get_distribution
 from lightning_dcp.planning.hardware import get_hardware
@@ -32,17 +33,6 @@ from lightning_dcp.planning.planner import Planner, default_global_batch_tokens
 from lightning_dcp.planning.simulator import simulate
 
 SETTINGS = ((32, None), (1024, 3_200_000))
-DATASET_SIZE = 50000  # as lightning-dcp simulate (its helpers are copied: that module imports the CLI)
-
-
-def draw_run(pool: list[int], target: int) -> list[int]:
-    """The prefix of ``pool`` holding ``target`` tokens (as ``lightning-dcp simulate``)."""
-    acc = 0
-    for i, n in enumerate(pool):
-        acc += n
-        if acc >= target:
-            return pool[: i + 1]
-    return list(pool)
 
 
 def measure(world: int, gbt: int | None, dist_name: str, model: str, batches: int, policy: str, seed: int = 0) -> dict:

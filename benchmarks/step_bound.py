@@ -23,16 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from planner_speed import DATASET_SIZE, draw_run  # noqa: E402
-
-from lightning_dcp.planning.analytic import AnalyticCostModel  # noqa: E402
-from lightning_dcp.planning.bound import StepBounder  # noqa: E402
-from lightning_dcp.planning.distributions import get_distribution  # noqa: E402
-from lightning_dcp.planning.hardware import get_hardware  # noqa: E402
-from lightning_dcp.planning.models import get_model  # noqa: E402
-from lightning_dcp.planning.planner import Planner  # noqa: E402
-from lightning_dcp.planning.simulator import simulate  # noqa: E402
+from lightning_dcp.commands.simulate import DATASET_SIZE, draw_run
+from lightning_dcp.planning.analytic import AnalyticCostModel
+from lightning_dcp.planning.bound import StepBounder
+from lightning_dcp.planning.distributions import get_distribution
+from lightning_dcp.planning.hardware import get_hardware
+from lightning_dcp.planning.models import get_model
+from lightning_dcp.planning.planner import Planner
+from lightning_dcp.planning.simulator import simulate
 
 OUT = Path(__file__).parent / "results" / "step_bound.md"
 CELLS = ((32, 262_144), (32, 1_048_576), (32, 4_194_304), (1024, 3_200_000))
