@@ -202,8 +202,42 @@ def analyze(policy: str, ranks: Sequence[dict], warmup_epochs: int, cost_model: 
             "step_error_cpu": (pred_mean - row["step_cpu_s_mean"]) / row["step_cpu_s_mean"]
             if row.get("step_cpu_s_mean") else float("nan"),
             "step_abs_error_per_step": statistics.fmean(abs(p - m) / m for p, m in zip(sim.step_times, step_s) if m > 0),
+            "item_ratio_by_sp": item_ratios(ranks, keys, cost_model),
         })
     return row, sim
+
+
+def item_ratios(ranks: Sequence[dict], keys: Sequence[tuple], cost_model: Any) -> dict[str, list[float]]:
+    """Per SP size: ``[items, predicted / measured wall, predicted / measured CPU time]`` of the micro-batches.
+
+    A recorded item spans ``training_step`` to ``on_after_backward`` on one rank (forward, loss, backward and
+    the all-to-alls of an SP group), so the prediction compared with it leaves out the host work
+    (``host_s + host_per_token_s * tokens``, which runs before ``training_step``). Where the wall ratio is
+    below the CPU ratio, the missing time is waiting: for a core, or for the SP partner inside a collective.
+    """
+    host_s = float(getattr(cost_model, "host_time", 0.0) or 0.0)
+    host_tok = float(getattr(cost_model, "host_per_token", 0.0) or 0.0)
+    sums: dict[int, list[float]] = {}
+    for r, rk in enumerate(ranks):
+        by_key = {(s["epoch"], s["step"]): s for s in rk["records"]}
+        for k in keys:
+            rec = by_key.get(k)
+            if rec is None:
+                continue
+            mine = [it for it in rec["plan"]["items"] if r in it["ranks"]]
+            for it, t in zip(mine, rec["items"]):
+                if t[1] != t[1] or t[3] != t[3]:  # NaN: an item without a backward
+                    continue
+                sp = len(it["ranks"])
+                pred = cost_model.item_time(it["lengths"], sp, int(it.get("recompute", 0)))
+                pred -= host_s + host_tok * sum(it["lengths"])
+                acc = sums.setdefault(sp, [0, 0.0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += pred
+                acc[2] += t[1] - t[0]
+                acc[3] += t[3] - t[2]
+    return {str(sp): [n, p / w if w > 0 else float("nan"), p / c if c > 0 else float("nan")]
+            for sp, (n, p, w, c) in sorted(sums.items())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +333,18 @@ def write_markdown(rows: Sequence[dict], path: Path, args: argparse.Namespace, i
             text.append(f"| {r['policy']} | {' / '.join(f'{x:.0f}' for x in r['tokens_per_s_all'])} | "
                         f"{' / '.join(f'{100 * x:+.0f}%' for x in r['step_error_all'])} | "
                         f"{' / '.join(f'{x:.3f}' for x in r['imbalance_all'])} |")
+        text.append("")
+    if any(r.get("item_ratio_by_sp") for r in rows):
+        sps = sorted({int(k) for r in rows for k in r.get("item_ratio_by_sp", {})})
+        text += ["Predicted / measured micro-batch time by SP size (forward + loss + backward on one rank, host work "
+                 "left out; items, wall ratio, CPU-time ratio):", "",
+                 "| policy | " + " | ".join(f"SP {sp}" for sp in sps) + " |", "|---|" + "---|" * len(sps)]
+        for r in rows:
+            cells = []
+            for sp in sps:
+                v = r.get("item_ratio_by_sp", {}).get(str(sp))
+                cells.append(f"{v[0]}: {v[1]:.2f} wall, {v[2]:.2f} CPU" if v else "")
+            text.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
         text.append("")
     if targets:
         text += ["## Targets", ""] + [f"- {t}" for t in targets] + [""]

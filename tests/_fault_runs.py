@@ -9,6 +9,7 @@ subprocess with a hard time-out, so a hang fails the test instead of blocking CI
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -148,13 +149,38 @@ def _plan_sp2(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=())], max_steps=6).fit(TinyLM())
 
 
+class KilledLM(TinyLM):
+    """Every rank writes ``pid_rank{r}.txt`` at step 0; rank ``victim`` is SIGKILLed in its first SP-2 item of step 1,
+    while its partner works on to the same item's all-to-all (a worker dying without a word)."""
+
+    def __init__(self, out_dir: str, victim: int) -> None:
+        super().__init__()
+        self.out_dir, self.victim = out_dir, victim
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        rank = self.trainer.global_rank
+        if batch_idx == 0:
+            with open(os.path.join(self.out_dir, f"pid_rank{rank}.txt"), "w") as f:
+                f.write(str(os.getpid()))
+        if batch_idx == 1 and rank == self.victim and active_context().size == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+def _killed(out: str, victim: int) -> None:
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8,
+                           start_method="popen", timeout=30)
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(KilledLM(out, victim))
+
+
 def _collective_timeout(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8,
                            start_method="popen", timeout=4)
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
 
 
-SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout}
+SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,
+             "killed_rank1": lambda out: _killed(out, 1), "killed_rank0": lambda out: _killed(out, 0)}
 
 if __name__ == "__main__":
     name, out_dir = sys.argv[1], sys.argv[2]

@@ -100,6 +100,8 @@ def test_analyze_measured_and_predicted():
     assert row["step_error"] == pytest.approx((0.06 - 0.25) / 0.25)
     assert row["step_cpu_s_mean"] == pytest.approx(0.22)
     assert row["pred_imbalance"] == pytest.approx((0.05 - 0.02) / (2 * 0.05))
+    # per SP size: 6 items; predicted 3 x (20 + 50) ms against 3 x (0.1 + 0.2) s wall and 3 x (0.09 + 0.18) s CPU
+    assert row["item_ratio_by_sp"] == {"1": [6, pytest.approx(0.21 / 0.9), pytest.approx(0.21 / 0.81)]}
     targets = brun.check_targets([row, {**row, "policy": "bucket", "imbalance": 0.5, "tokens_per_s": 1.0}], 0.2)
     assert any("imbalance" in t and "MET" in t for t in targets)
     assert any("within 20%" in t and "NOT MET" in t for t in targets)

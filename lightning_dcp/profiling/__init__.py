@@ -30,9 +30,9 @@ What one grid point ``(seq_len l, micro_batch b, sp p)`` measures, generically:
 3. **Two layers**, no checkpointing, the SP context of the group active: ``layers[0]`` forward +
    backward (warm-up), ``layers[1]`` forward with saved-tensor hooks (activation count) +
    backward, then ``layers[1]`` forward and backward timed separately, repeated (at least 3
-   times and until 50 ms were measured, at most 10): the medians are kept on CUDA, the minima on
-   CPU (CPU timings carry one-sided noise from other processes sharing the cores; the minimum is
-   the reproducible estimate there). Then ``layers[1]`` once more, fwd + bwd under
+   times and until 50 ms were measured, at most 10): the medians are kept, on every device (training
+   runs at the typical time: on a shared CPU the minimum predicted micro-batches 7-15% too fast).
+   Then ``layers[1]`` once more, fwd + bwd under
    :class:`~lightning_dcp.recompute.RecomputeLayers` checkpointing (as a recomputed layer runs
    in training; for ``dcp_repeated_layers()`` models, ``torch.utils.checkpoint.checkpoint(...,
    use_reentrant=False)`` under the same SP context): ``recompute_s`` (added optional field) = that time - ``forward_s`` -
@@ -63,7 +63,7 @@ Constant parts, measured once at SP 1 (``constant`` section):
   backward outside the repeated layers in that run, per local token.
 * ``host_s`` / ``host_per_token_s`` (added optional fields): the host's work for one micro-batch
   as the runtime does it (load and pack the samples, ``dcp_prepare_batch``, token weights, shard,
-  copy to the device), timed at the same two lengths (minimum of 5): a two-point line over the
+  copy to the device), timed at the same two lengths (median of 5): a two-point line over the
   micro-batch's tokens. The planner charges it per micro-batch.
 * ``optimizer_s``: a fresh optimizer of the same class and defaults steps over *clones* of
   ``layers[1]``'s trainable parameters with random gradients (two untimed steps create the

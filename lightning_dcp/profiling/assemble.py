@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import logging
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping, Sequence
@@ -184,11 +185,11 @@ def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _St
 def _host_time(run: _Run, idx: list[int], repeats: int = 5) -> float:
     """Seconds of the host's work for one micro-batch, as the runtime does it: load and pack the
     samples, the module's ``dcp_prepare_batch``, token weights, the shard, the copy to the device
-    (the minimum of ``repeats``: host timings only get noisier, never faster)."""
+    (the median of ``repeats``, as the layer timings)."""
     from lightning_dcp.packing import pack_samples
     from lightning_dcp.sharding import add_token_weights
 
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         batch = harness.shard_batch(run.module, pack_samples([run.samples[i] for i in idx], sample_indices=idx), 1, 0)
@@ -196,8 +197,8 @@ def _host_time(run: _Run, idx: list[int], repeats: int = 5) -> float:
         harness.to_device(batch, run.device)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def default_memory_limit(device: torch.device, memory_fraction: float = 0.9) -> float:

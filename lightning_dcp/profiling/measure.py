@@ -140,8 +140,9 @@ def _repeat(times: list[float]) -> bool:
 
 
 def _pick(device: torch.device) -> Callable[[list[float]], float]:
-    # medians on CUDA; minima on CPU (one-sided noise from processes sharing the cores)
-    return statistics.median if device.type == "cuda" else min
+    # medians on every device: training runs at the typical time, not the best one (on a shared CPU the
+    # minimum predicted micro-batches 7-15% too fast; benchmarks/results/tiny-2d_balanced_2xcpu_mem20MiB)
+    return statistics.median
 
 
 # ---------------------------------------------------------------------------------------------
