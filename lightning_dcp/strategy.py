@@ -61,7 +61,8 @@ the step-end all-gather (a column, no new collective); every rank discards the a
 gradients, re-plans the same samples with the memory limit just below the failed item's estimate
 and runs the step again (``dcp/oom_replans``; at most ``max_oom_replans`` times). In an SP > 1
 item a partner may wait inside a collective, so the rank stops the run with
-:class:`~lightning_dcp.oom.StepOutOfMemoryError` (resume from the last checkpoint).
+:class:`~lightning_dcp.oom.StepOutOfMemoryError`, after writing the state before the step to
+``<default_root_dir>/dcp_oom/``; resuming from that file re-plans the step with less memory.
 
 Collectives: inside the micro-batch loop only the active SP group's (Ulysses); after it, the
 world-wide ones above, the same number on every rank whatever its item count (a rank with no
@@ -74,6 +75,7 @@ happens at epoch end.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
@@ -93,6 +95,7 @@ from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
 from lightning_dcp.faults import collective_error, describe_item, is_collective_failure
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
+from lightning_dcp.oom import CHECKPOINT_KEY as OOM_CHECKPOINT_KEY
 from lightning_dcp.oom import OOM_ERRORS, LoweredMemory, StepOutOfMemoryError, lowered_limit, sp_oom_message
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.errors import PlanningError
@@ -285,6 +288,9 @@ class DCPStrategy(DDPStrategy):
             error naming the step, the item and the group.
         max_oom_replans: how often one step may be re-planned after ``torch.OutOfMemoryError`` in an
             SP-1 item before the run stops (see :mod:`lightning_dcp.oom`).
+        oom_checkpoint: after ``torch.OutOfMemoryError`` in an SP > 1 item (the step cannot be
+            retried in process), the failing rank writes the state before the step to
+            ``<default_root_dir>/dcp_oom/``; resuming from it re-plans that step with less memory.
         sigterm_grace_s: after SIGTERM, seconds before a rank still blocked in a collective exits
             (and kills the ranks it launched); ``None`` leaves SIGTERM to Lightning alone.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
@@ -317,6 +323,7 @@ class DCPStrategy(DDPStrategy):
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
         sigterm_grace_s: float | None = 30.0,
         max_oom_replans: int = 3,
+        oom_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
         unsupported = sorted(set(kwargs) - _DDP_INIT_ARGS)
@@ -330,6 +337,8 @@ class DCPStrategy(DDPStrategy):
         super().__init__(timeout=timeout if timeout is not None else default_pg_timeout, **kwargs)
         self.sigterm_grace_s = sigterm_grace_s
         self.max_oom_replans = int(max_oom_replans)
+        self.oom_checkpoint = bool(oom_checkpoint)
+        self._resume_oom: dict | None = None  # an out-of-memory checkpoint's entry, until its step is re-planned
         self.oom_replans = 0  # steps re-planned after an out-of-memory error, this fit (logged as dcp/oom_replans)
         self._oom_cost_model: CostModel | None = None
         self._step_dataset: Any = None
@@ -701,6 +710,9 @@ class DCPStrategy(DDPStrategy):
         plan_hash = plan_fingerprint(meta["plan"], meta["epoch"], meta["step"])
         self._check_plan_before_loop(meta, plan_hash)
         self._oom_cost_model = None  # a lowered memory limit applies to the re-plans of one step
+        if (self._resume_oom is not None and self.batch_sampler is not None and self._step_dataset is not None
+                and (self._resume_oom["epoch"], self._resume_oom["step"]) == (meta["epoch"], meta["step"])):
+            meta, items, plan_hash = self._replan_resumed_oom(batch)
         now = time.perf_counter()
         step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
         self._last_step_start = now
@@ -741,10 +753,7 @@ class DCPStrategy(DDPStrategy):
                     local_loss += self._run_item(module, mb, it, batch_idx)
                 except OOM_ERRORS as err:
                     if len(it["ranks"]) > 1:
-                        where = f"step {meta['step']} of epoch {meta['epoch']}"
-                        timeout = self._timeout.total_seconds() if self._timeout is not None else None
-                        raise StepOutOfMemoryError(sp_oom_message(where, describe_item(it), self.global_rank,
-                                                                  timeout)) from err
+                        raise StepOutOfMemoryError(self._sp_oom_stop(meta, it)) from err
                     failed = int(it.get("index", 0)) + 1
                 except Exception as err:
                     if not is_collective_failure(err):
@@ -764,6 +773,65 @@ class DCPStrategy(DDPStrategy):
         loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
         return time.perf_counter() - t0, loss, failed
 
+    def _sp_oom_stop(self, meta: Mapping[str, Any], it: Mapping[str, Any]) -> str:
+        """Out of memory in an SP > 1 item: write the state before the step (unless ZeRO-1 or
+        ``oom_checkpoint=False``) and return the error message (see :mod:`lightning_dcp.oom`)."""
+        for p in self._buckets.params:  # this step's partial gradients are discarded; free them first
+            p.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        where = f"step {meta['step']} of epoch {meta['epoch']}"
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        args = (where, describe_item(it), self.global_rank, timeout)
+        if not self.oom_checkpoint:
+            return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
+        if self.zero1 and self.world_size > 1:
+            return sp_oom_message(*args, no_checkpoint="zero1=True shards the optimizer state; gathering it needs every rank")
+        limit = None
+        if self._planner is None:
+            cost_model = self._oom_cost_model if self._oom_cost_model is not None else self._cost_model
+            limit = lowered_limit(cost_model, [it])
+        trainer = self.lightning_module.trainer
+        path = os.path.join(trainer.default_root_dir, "dcp_oom",
+                            f"epoch={meta['epoch']}-step={meta['step']}-rank={self.global_rank}.ckpt")
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint[OOM_CHECKPOINT_KEY] = {"epoch": int(meta["epoch"]), "step": int(meta["step"]),
+                                              "memory_limit": limit, "item": describe_item(it)}
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+        except Exception as save_err:  # never hide the out-of-memory error behind a failed save
+            return sp_oom_message(*args, no_checkpoint=f"saving {path} failed: {type(save_err).__name__}: {save_err}")
+        return sp_oom_message(*args, checkpoint=path, memory_limit=limit)
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's checkpoint load; an out-of-memory checkpoint's step is re-planned with its lowered limit."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._resume_oom = checkpoint.get(OOM_CHECKPOINT_KEY)
+        return checkpoint
+
+    def _replan_resumed_oom(self, batch: dict) -> tuple[dict, list, float]:
+        """The step that ran out of memory in an SP > 1 item before the resume, planned again with the
+        checkpoint's lowered memory limit (a user's planner: with another step seed)."""
+        entry, self._resume_oom = self._resume_oom, None
+        meta = batch["meta"]
+        rank_zero_info(f"resuming after an out-of-memory error in step {meta['step']} of epoch {meta['epoch']} "
+                       f"({entry['item']}): re-planning the step with less memory")
+        if self._planner is not None or entry.get("memory_limit") is None:
+            return self._replan_step(batch, self._planner or self._build_planner(self._cost_model, []), 7919)
+        lowered = LoweredMemory(self._cost_model, min(float(entry["memory_limit"]), float(self._cost_model.memory_limit)))
+        self._oom_cost_model = lowered
+        return self._replan_step(batch, self._build_planner(lowered, [n for it in meta["plan"]["items"]
+                                                                     for n in it["lengths"]]), 0)
+
+    def _replan_step(self, batch: dict, planner: Any, seed_offset: int) -> tuple[dict, list, float]:
+        """Plan ``batch``'s samples again with ``planner``; load and prepare the new items; return
+        (meta, items, plan hash) and update ``batch`` in place."""
+        epoch, step = batch["meta"]["epoch"], batch["meta"]["step"]
+        new_plan = self.batch_sampler.replan(epoch, step, batch["meta"]["plan"], planner, seed_offset=seed_offset)
+        new = self.batch_to_device(self._step_dataset[self.batch_sampler.describe(epoch, step, new_plan)])
+        batch["items"], batch["meta"] = new["items"], new["meta"]
+        return new["meta"], new["items"], plan_fingerprint(new["meta"]["plan"], epoch, step)
+
     def _replan_after_oom(self, batch: dict, failed_items: list[int], attempt: int) -> tuple[dict, list, float]:
         """Every rank saw these plan items run out of memory at SP 1: re-plan the step's samples with the
         memory limit just below the failed items' estimate, load and prepare the new items, and return
@@ -782,14 +850,10 @@ class DCPStrategy(DDPStrategy):
                        f"(attempt {attempt + 1} of {self.max_oom_replans}); no sample is skipped or trained twice")
         try:
             planner, offset = self._oom_planner(plan, failed, attempt)
-            new_plan = self.batch_sampler.replan(epoch, step, plan, planner, seed_offset=offset)
+            return self._replan_step(batch, planner, offset)
         except PlanningError as err:
             raise StepOutOfMemoryError(f"step {step} of epoch {epoch}: {what} ran out of memory, and the step cannot be "
                                        f"re-planned with less memory: {err}") from err
-        desc = self.batch_sampler.describe(epoch, step, new_plan)
-        new = self.batch_to_device(self._step_dataset[desc])
-        batch["items"], batch["meta"] = new["items"], new["meta"]
-        return new["meta"], new["items"], plan_fingerprint(new["meta"]["plan"], epoch, step)
 
     def _oom_planner(self, plan: Mapping[str, Any], failed: list[dict], attempt: int) -> tuple[Any, int]:
         """(planner, step-seed offset) for a re-plan: the strategy's own planner over a cost model whose

@@ -155,6 +155,9 @@ class Dump(pl.Callback):
         torch.save({"plans": self.plans, "metrics": self.metrics, "losses": getattr(self, "losses", None)},
                    os.path.join(self.out_dir, f"log_rank{trainer.global_rank}.pt"))
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)  # the steps that did run
+
 
 def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any = None, reduction: str = "token",
                   optimizer: str = "sgd") -> tuple[dict, dict]:

@@ -134,8 +134,20 @@ def _world3(out: str) -> None:
 
 
 def _oom_sp2(out: str) -> None:
+    """Out of memory in an SP-2 item of step 1: the failing rank writes ``out/dcp_oom/...ckpt`` and the run stops."""
     strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8, start_method="popen")
-    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(OOMAtSP2LM())
+    make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=())], max_steps=4,
+                 default_root_dir=out).fit(OOMAtSP2LM())
+
+
+def _oom_sp2_resume(out: str) -> None:
+    """The next launch: resume from the out-of-memory checkpoint and train to step 4."""
+    ckpt = os.path.join(out, "dcp_oom", "epoch=0-step=1-rank=1.ckpt")
+    resumed = os.path.join(out, "resumed")
+    os.makedirs(resumed, exist_ok=True)
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8, start_method="popen")
+    make_trainer(2, strategy, [ErrorFile(resumed), Dump(resumed, weights_at=(4,))], max_steps=4,
+                 default_root_dir=out).fit(TinyLM(), ckpt_path=ckpt)
 
 
 def _lengths(out: str) -> None:
@@ -179,7 +191,7 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
 
 
-SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,
+SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "oom_sp2_resume": _oom_sp2_resume, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,
              "killed_rank1": lambda out: _killed(out, 1), "killed_rank0": lambda out: _killed(out, 0)}
 
 if __name__ == "__main__":

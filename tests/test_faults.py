@@ -246,6 +246,9 @@ def test_lowered_memory_replans_a_failed_item_smaller():
     plan = Planner(1, lowered, policy="dcp", dataset_lengths=[100, 100, 100]).plan_batch([0, 1, 2], [100, 100, 100])
     for item in plan.steps[0].items:
         assert lowered.item_memory(item.lengths, 1, item.recompute) <= limit
+    # an SP-2 item (the out-of-memory checkpoint's case) is measured at its own SP size
+    sp2 = [{"lengths": [300], "recompute": 0, "ranks": [0, 1]}]
+    assert lowered_limit(base, sp2) == pytest.approx(min(base.memory_limit, base.item_memory([300], 2, 0)) * 0.95)
 
 
 def test_world_size_three_trains_exactly_with_sp2_on_the_aligned_block(tmp_path):
@@ -266,10 +269,37 @@ def test_world_size_three_trains_exactly_with_sp2_on_the_aligned_block(tmp_path)
             assert max_rel_err(g, ref_grads[name]) < 1e-5, (r, name)
 
 
-def test_out_of_memory_at_sp2_stops_the_run_with_a_clear_error(tmp_path):
-    """A partner may wait inside the SP group's collective: no retry, the run ends (no hang)."""
+def test_out_of_memory_at_sp2_stops_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    """A partner may wait inside the SP group's collective: no retry in process. The failing rank writes the
+    state before the step; the next launch resumes from it, re-plans that step and ends with the weights of
+    plain data-parallel training (no sample skipped or trained twice)."""
+    from _dcp_helpers import max_rel_err, reference_run
+
     code, _ = _run("oom_sp2", str(tmp_path))
     assert code != 0
     msg = open(tmp_path / "error_rank1.txt").read()
     assert msg.startswith("StepOutOfMemoryError: step 1 of epoch 0: item 0 (samples [") and "SP 2" in msg
-    assert "cannot be retried" in msg and "a checkpoint resumes from the last step saved before this one" in msg
+    ckpt = tmp_path / "dcp_oom" / "epoch=0-step=1-rank=1.ckpt"
+    assert "cannot be retried in process" in msg and f"saved in {ckpt}" in msg, msg
+    assert torch.load(ckpt, weights_only=False)["dcp_oom"]["step"] == 1
+    first = torch.load(tmp_path / "log_rank0.pt")["plans"]
+    assert len(first) == 1  # step 0 ran; step 1 failed
+
+    code, _ = _run("oom_sp2_resume", str(tmp_path))
+    assert code == 0, open(tmp_path / "output.txt").read()[-3000:]
+    resumed = torch.load(tmp_path / "resumed" / "log_rank0.pt")["plans"]
+    assert len(resumed) == 3 and "re-planning the step with less memory" in open(tmp_path / "output.txt").read()
+    _, ref_weights = reference_run(first + resumed, 4)
+    for r in range(2):
+        weights = torch.load(tmp_path / "resumed" / f"weights4_rank{r}.pt")
+        for name, w in weights.items():
+            assert max_rel_err(w, ref_weights[name]) < 1e-5, (r, name)
+
+
+def test_out_of_memory_at_sp2_without_a_checkpoint_names_why():
+    from lightning_dcp.oom import sp_oom_message
+
+    msg = sp_oom_message("step 3 of epoch 0", "item 2", 1, 300.0, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
+    assert "No checkpoint was written (DCPStrategy(oom_checkpoint=False))" in msg and "resume" in msg
+    msg = sp_oom_message("step 3 of epoch 0", "item 2", 1, 300.0, checkpoint="/x.ckpt", memory_limit=2**30)
+    assert "ckpt_path='/x.ckpt'" in msg and "lowered to 1 GiB" in msg
