@@ -44,3 +44,19 @@ def test_deprecation_warnings_dropped_on_nonzero_ranks_only(monkeypatch):
         warnings.warn("rank 1 drops it too", DeprecationWarning)
         warnings.warn("a user warning stays", UserWarning)
     assert [str(w.message) for w in seen] == ["rank 0 keeps it", "a user warning stays"]
+
+
+def test_train_command_runs_two_processes_end_to_end(tmp_path):
+    """``lightning-dcp train`` as a user types it (no profile, 2 steps): exit 0 and the closing summary."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "lightning_dcp.cli", "train", "--devices", "2", "--steps", "2",
+                           "--num-samples", "64", "--global-batch-size", "8", "--no-profile", "--no-progress-bar",
+                           "--quiet-plans", "--default-root-dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "DCP training done: 2 steps on 2 CPU processes" in proc.stdout

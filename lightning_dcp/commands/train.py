@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a collective may wait before the run stops with an error naming the step, item "
                              "and group (default 300)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ckpt-path", default=None,
+                        help="resume from this Lightning checkpoint, e.g. the dcp_oom/ file an out-of-memory stop names")
+    parser.add_argument("--default-root-dir", default=None,
+                        help="Lightning's default_root_dir (where an out-of-memory stop writes dcp_oom/; default: cwd)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the dual-layer profile at fit start and plan with the default cost model")
@@ -156,17 +160,18 @@ def run(args: argparse.Namespace) -> int:
         accelerator="gpu" if cuda else "cpu", devices=devices, strategy=strategy, max_steps=args.steps,
         precision=args.precision, logger=False, enable_checkpointing=False, enable_model_summary=False,
         enable_progress_bar=not args.no_progress_bar, callbacks=callbacks,
-        num_sanity_val_steps=0, limit_val_batches=0,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.default_root_dir,
     )
     loader = DataLoader(dataset, batch_size=1, collate_fn=plain_collate)
     from lightning_dcp import AgreementError, CollectiveError, StepOutOfMemoryError
     from lightning_dcp.planning.errors import PlanningError
 
     try:
-        trainer.fit(module, loader)
+        trainer.fit(module, loader, ckpt_path=args.ckpt_path)
     except (PlanningError, AgreementError, CollectiveError, StepOutOfMemoryError) as err:
-        # a user-facing failure (data vs memory, ranks that disagree, a stuck collective): one message, no traceback per rank
-        if trainer.is_global_zero:
+        # a user-facing failure (data vs memory, ranks that disagree, a stuck collective): one message, no traceback per
+        # rank; an out-of-memory stop is told by the rank that hit it (it names the checkpoint it wrote)
+        if trainer.is_global_zero or isinstance(err, StepOutOfMemoryError):
             raise CLIError(str(err)) from None
         return 2
     if trainer.is_global_zero:
