@@ -43,7 +43,14 @@ MARGIN = 0.95
 
 
 class StepOutOfMemoryError(RuntimeError):
-    """A step ran out of memory and could not be re-planned (SP > 1, or too many attempts)."""
+    """A step ran out of memory and could not be re-planned (SP > 1, or too many attempts).
+
+    ``this_rank_only`` is true where only the rank that hit the error raises it (SP > 1; its
+    partners fail in a collective): that rank's message is the one to show."""
+
+    def __init__(self, message: str, *, this_rank_only: bool = False) -> None:
+        super().__init__(message)
+        self.this_rank_only = this_rank_only
 
 
 class LoweredMemory(CostModel):

@@ -339,6 +339,7 @@ class DCPStrategy(DDPStrategy):
         self.max_oom_replans = int(max_oom_replans)
         self.oom_checkpoint = bool(oom_checkpoint)
         self._resume_oom: dict | None = None  # an out-of-memory checkpoint's entry, until its step is re-planned
+        self._oom_attempts = 0
         self.oom_replans = 0  # steps re-planned after an out-of-memory error, this fit (logged as dcp/oom_replans)
         self._oom_cost_model: CostModel | None = None
         self._step_dataset: Any = None
@@ -710,6 +711,7 @@ class DCPStrategy(DDPStrategy):
         plan_hash = plan_fingerprint(meta["plan"], meta["epoch"], meta["step"])
         self._check_plan_before_loop(meta, plan_hash)
         self._oom_cost_model = None  # a lowered memory limit applies to the re-plans of one step
+        self._oom_attempts = 0  # earlier out-of-memory stops of this step (from a resumed checkpoint)
         if (self._resume_oom is not None and self.batch_sampler is not None and self._step_dataset is not None
                 and (self._resume_oom["epoch"], self._resume_oom["step"]) == (meta["epoch"], meta["step"])):
             meta, items, plan_hash = self._replan_resumed_oom(batch)
@@ -753,7 +755,7 @@ class DCPStrategy(DDPStrategy):
                     local_loss += self._run_item(module, mb, it, batch_idx)
                 except OOM_ERRORS as err:
                     if len(it["ranks"]) > 1:
-                        raise StepOutOfMemoryError(self._sp_oom_stop(meta, it)) from err
+                        raise StepOutOfMemoryError(self._sp_oom_stop(meta, it), this_rank_only=True) from err
                     failed = int(it.get("index", 0)) + 1
                 except Exception as err:
                     if not is_collective_failure(err):
@@ -787,6 +789,10 @@ class DCPStrategy(DDPStrategy):
             return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
         if self.zero1 and self.world_size > 1:
             return sp_oom_message(*args, no_checkpoint="zero1=True shards the optimizer state; gathering it needs every rank")
+        attempts = self._oom_attempts + 1
+        if attempts > self.max_oom_replans:
+            return sp_oom_message(*args, no_checkpoint=f"this step ran out of memory {attempts} times, across resumes; "
+                                  f"max_oom_replans is {self.max_oom_replans}")
         limit = None
         if self._planner is None:
             cost_model = self._oom_cost_model if self._oom_cost_model is not None else self._cost_model
@@ -797,7 +803,11 @@ class DCPStrategy(DDPStrategy):
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             checkpoint[OOM_CHECKPOINT_KEY] = {"epoch": int(meta["epoch"]), "step": int(meta["step"]),
-                                              "memory_limit": limit, "item": describe_item(it)}
+                                              "memory_limit": limit, "item": describe_item(it), "attempts": attempts}
+            # Lightning counts a restart as if saved at a batch's end (+1 logger step); this step did not end
+            epoch_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict")
+            if isinstance(epoch_loop, dict) and epoch_loop.get("_batches_that_stepped", 0) > 0:
+                epoch_loop["_batches_that_stepped"] -= 1
             self.checkpoint_io.save_checkpoint(checkpoint, path)
         except Exception as save_err:  # never hide the out-of-memory error behind a failed save
             return sp_oom_message(*args, no_checkpoint=f"saving {path} failed: {type(save_err).__name__}: {save_err}")
@@ -814,14 +824,27 @@ class DCPStrategy(DDPStrategy):
         checkpoint's lowered memory limit (a user's planner: with another step seed)."""
         entry, self._resume_oom = self._resume_oom, None
         meta = batch["meta"]
+        self._oom_attempts = int(entry.get("attempts", 1))
+        self.oom_replans += 1
         rank_zero_info(f"resuming after an out-of-memory error in step {meta['step']} of epoch {meta['epoch']} "
                        f"({entry['item']}): re-planning the step with less memory")
-        if self._planner is not None or entry.get("memory_limit") is None:
-            return self._replan_step(batch, self._planner or self._build_planner(self._cost_model, []), 7919)
-        lowered = LoweredMemory(self._cost_model, min(float(entry["memory_limit"]), float(self._cost_model.memory_limit)))
-        self._oom_cost_model = lowered
-        return self._replan_step(batch, self._build_planner(lowered, [n for it in meta["plan"]["items"]
-                                                                     for n in it["lengths"]]), 0)
+        lengths = [n for it in meta["plan"]["items"] for n in it["lengths"]]
+        try:
+            if self._planner is not None or entry.get("memory_limit") is None:
+                planner = self._planner if self._planner is not None else self._build_planner(self._cost_model, lengths)
+                return self._replan_step(batch, planner, self._seed_offset(0))
+            limit = min(float(entry["memory_limit"]), float(self._cost_model.memory_limit))
+            self._oom_cost_model = LoweredMemory(self._cost_model, limit)
+            return self._replan_step(batch, self._build_planner(self._oom_cost_model, lengths), 0)
+        except PlanningError as err:
+            raise StepOutOfMemoryError(f"step {meta['step']} of epoch {meta['epoch']} ran out of memory before the "
+                                       f"resume ({entry['item']}), and cannot be re-planned with less memory: {err}. "
+                                       "Resume from an earlier checkpoint with a smaller memory limit or more ranks, or "
+                                       "split or drop the longest samples") from err
+
+    def _seed_offset(self, attempt: int) -> int:
+        """Step-seed offset for a user planner's re-plan: a new one for every attempt, across resumes."""
+        return 7919 * (self._oom_attempts + attempt + 1)
 
     def _replan_step(self, batch: dict, planner: Any, seed_offset: int) -> tuple[dict, list, float]:
         """Plan ``batch``'s samples again with ``planner``; load and prepare the new items; return
@@ -859,7 +882,7 @@ class DCPStrategy(DDPStrategy):
         """(planner, step-seed offset) for a re-plan: the strategy's own planner over a cost model whose
         limit sits below the failed items; a user's planner is asked again with another step seed."""
         if self._planner is not None:
-            return self._planner, 7919 * (attempt + 1)
+            return self._planner, self._seed_offset(attempt + 1 if self._oom_attempts else attempt)
         cost_model = self._oom_cost_model if self._oom_cost_model is not None else self._cost_model
         batch_lengths = [n for it in plan["items"] for n in it["lengths"]]
         if isinstance(cost_model, PaddedCostModel):
@@ -1044,5 +1067,6 @@ class DCPStrategy(DDPStrategy):
         if self.batch_sampler is not None:
             self.batch_sampler.shutdown()
         self._buckets = None
+        self._resume_oom = None  # an out-of-memory checkpoint's entry lives for the one fit that loaded it
         super().teardown()
 

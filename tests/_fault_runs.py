@@ -101,10 +101,17 @@ class OOMOnceLM(TinyLM):
 
 
 class OOMAtSP2LM(TinyLM):
-    """Rank 1 raises torch.OutOfMemoryError in its first SP-2 item of step 1 (a partner waits in a collective)."""
+    """Rank 1 raises torch.OutOfMemoryError in its first SP-2 item of step 1 (a partner waits in a collective),
+    after saving that step's plan to ``out_dir/failed_plan.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if batch_idx == 1 and self.trainer.global_rank == 1 and active_context().size == 2:
+            plan = self.trainer.strategy.batch_sampler.next_plan(0, 1).to_dict()
+            torch.save(plan, os.path.join(self.out_dir, "failed_plan.pt"))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
         return super().training_step(batch, batch_idx)
 
@@ -137,7 +144,7 @@ def _oom_sp2(out: str) -> None:
     """Out of memory in an SP-2 item of step 1: the failing rank writes ``out/dcp_oom/...ckpt`` and the run stops."""
     strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8, start_method="popen")
     make_trainer(2, strategy, [ErrorFile(out), Dump(out, weights_at=())], max_steps=4,
-                 default_root_dir=out).fit(OOMAtSP2LM())
+                 default_root_dir=out).fit(OOMAtSP2LM(out))
 
 
 def _oom_sp2_resume(out: str) -> None:

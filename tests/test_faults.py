@@ -288,7 +288,12 @@ def test_out_of_memory_at_sp2_stops_with_a_checkpoint_that_resumes_exactly(tmp_p
     code, _ = _run("oom_sp2_resume", str(tmp_path))
     assert code == 0, open(tmp_path / "output.txt").read()[-3000:]
     resumed = torch.load(tmp_path / "resumed" / "log_rank0.pt")["plans"]
-    assert len(resumed) == 3 and "re-planning the step with less memory" in open(tmp_path / "output.txt").read()
+    out = open(tmp_path / "output.txt").read()
+    assert len(resumed) == 3 and "resuming after an out-of-memory error in step 1 of epoch 0" in out, out[-3000:]
+    failed_plan = torch.load(tmp_path / "failed_plan.pt")
+    assert resumed[0]["items"] != failed_plan["items"], "the resumed step was not re-planned"
+    assert sorted(s for it in resumed[0]["items"] for s in it["samples"]) == sorted(
+        s for it in failed_plan["items"] for s in it["samples"])  # the same samples
     _, ref_weights = reference_run(first + resumed, 4)
     for r in range(2):
         weights = torch.load(tmp_path / "resumed" / f"weights4_rank{r}.pt")

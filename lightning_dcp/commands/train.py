@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     except (PlanningError, AgreementError, CollectiveError, StepOutOfMemoryError) as err:
         # a user-facing failure (data vs memory, ranks that disagree, a stuck collective): one message, no traceback per
         # rank; an out-of-memory stop is told by the rank that hit it (it names the checkpoint it wrote)
-        if trainer.is_global_zero or isinstance(err, StepOutOfMemoryError):
+        if trainer.is_global_zero or getattr(err, "this_rank_only", False):
             raise CLIError(str(err)) from None
         return 2
     if trainer.is_global_zero:
