@@ -397,12 +397,10 @@ class DCPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ registration
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"dcp"`` (popen launcher, for scripts/CLIs) and ``"dcp_spawn"``."""
-        for name, start_method in (("dcp", "popen"), ("dcp_spawn", "spawn")):
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=f"Data-Centric Parallel strategy (start_method={start_method!r})",
-                                       start_method=start_method)
+        """Register ``"dcp"`` (popen launcher, for scripts/CLIs) and ``"dcp_spawn"`` (see :mod:`lightning_dcp._registry`)."""
+        from lightning_dcp._registry import register
+
+        register(strategy_registry)
 
     # ------------------------------------------------------------------ environment and setup
     def setup_environment(self) -> None:
@@ -687,7 +685,7 @@ class DCPStrategy(DDPStrategy):
                 mb = prepare(mb)
             units = add_token_weights(mb, self.loss_reduction)
             sp, sp_rank = len(it["ranks"]), it["sp_rank"]
-            item_tokens = local_loss_tokens(mb)
+            item_tokens = units if self.loss_reduction == "token" else local_loss_tokens(mb)  # token mode: the same count
             local = shard_fn(mb, sp_rank, sp) if callable(shard_fn) else shard_batch(mb, sp_rank, sp)
             real = int((local[SEGMENT_IDS] >= 0).sum()) if SEGMENT_IDS in local else local_loss_tokens(local)
             # the divisor counts each item once (its first SP rank), whatever its SP size

@@ -205,9 +205,21 @@ def seq_all_to_all(
                 else "pad the packed sequence to a multiple of the SP size."
             )
         )
-    ensure_deepspeed_comm()
-    out = _seq_all_to_all_op().apply(group, x4.contiguous(), scatter_dim, gather_dim, 0)
+    out = _ready_op().apply(group, x4.contiguous(), scatter_dim, gather_dim, 0)
     return out.squeeze(0) if squeeze else out
+
+
+_SEQ_OP: Any = None  # DeepSpeed's _SeqAllToAll once deepspeed.comm is set up: checked once per process
+
+
+def _ready_op() -> Any:
+    """:func:`ensure_deepspeed_comm` and the checked ``_SeqAllToAll``, done on the first all-to-all
+    only (imports, logger filters and the signature check stay off the per-layer path)."""
+    global _SEQ_OP
+    if _SEQ_OP is None:
+        ensure_deepspeed_comm()
+        _SEQ_OP = _seq_all_to_all_op()
+    return _SEQ_OP
 
 
 def ulysses_attention(

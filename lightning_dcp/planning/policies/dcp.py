@@ -209,7 +209,6 @@ class DCPPolicy(Policy):
         # judged by its time *alone* (its own recompute, the whole per-micro-batch constant), not
         # by its share of a full micro-batch, which understates constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
-        modified = False
         alone = n <= size  # so few samples that each may get a micro-batch (and group) of its own
         for i in over.tolist():
             t = np.maximum(Es[:, i], self._alone_times(int(L[ids[i]]), classes)) if alone else Es[:, i]
@@ -269,8 +268,8 @@ class DCPPolicy(Policy):
                 CT, FT = C.T.tolist(), F.T.tolist()
                 costT, floorT = CT, FT
             else:
-                if EsT is None:  # rows of the step's E.T (cached once per step) unless Es was changed here
-                    EsT = Es.T.tolist() if (modified or self._ET is None) else [self._ET[i] for i in ids.tolist()]
+                if EsT is None:  # rows of the step's E.T (cached once per step)
+                    EsT = Es.T.tolist() if self._ET is None else [self._ET[i] for i in ids.tolist()]
                 costT, floorT = EsT, None
             best = None
             chunk_cache: dict = {}  # the same chunks of small samples for every candidate
