@@ -194,8 +194,8 @@ def _killed(out: str, victim: int) -> None:
 
 def _collective_timeout(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8,
-                           start_method="popen", timeout=4)
-    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=30.0))
+                           start_method="popen", timeout=15)  # also the start-up rendezvous: room for a busy machine
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=45.0))
 
 
 SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "oom_sp2_resume": _oom_sp2_resume, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,

@@ -142,7 +142,7 @@ def test_stuck_collective_ends_the_run_naming_step_item_and_group(tmp_path):
     assert code != 0
     msg = open(tmp_path / "error_rank0.txt").read()
     assert msg.startswith("CollectiveError: step 1 of epoch 0: item 0 (samples [") and "SP 2" in msg
-    assert "failed in a collective of SP group [0, 1] (time-out 4 s)" in msg and "Timed out" in msg
+    assert "failed in a collective of SP group [0, 1] (time-out 15 s)" in msg and "Timed out" in msg
 
 
 def test_killed_worker_ends_its_partner_with_a_collective_error(tmp_path):
