@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from lightning_dcp.context import SPContext, sp_context
+from lightning_dcp.sp.context import SPContext, sp_context
 from lightning_dcp.data import SyntheticTokenDataset, pack_samples
 from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.models import get_model

@@ -35,18 +35,18 @@ _EXPORTS = {
     "DCPProfiler": "lightning_dcp.profiling",
     "DCPStrategy": "lightning_dcp.strategy",
     "DefaultCostModel": "lightning_dcp.strategy",
-    "RecomputeLayers": "lightning_dcp.recompute",
-    "SPContext": "lightning_dcp.context",
+    "RecomputeLayers": "lightning_dcp.sp.recompute",
+    "SPContext": "lightning_dcp.sp.context",
     "SPGroups": "lightning_dcp.groups",
     "StepMetrics": "lightning_dcp.metrics",
-    "active_context": "lightning_dcp.context",
-    "pack_samples": "lightning_dcp.packing",
+    "active_context": "lightning_dcp.sp.context",
+    "pack_samples": "lightning_dcp.sp.packing",
     "profile_module": "lightning_dcp.profiling",
-    "seq_all_to_all": "lightning_dcp.ulysses",
-    "sp_context": "lightning_dcp.context",
-    "ulysses_attention": "lightning_dcp.ulysses",
-    "varlen_attention": "lightning_dcp.attention",
-    "weighted_loss": "lightning_dcp.sharding",
+    "seq_all_to_all": "lightning_dcp.sp.ulysses",
+    "sp_context": "lightning_dcp.sp.context",
+    "ulysses_attention": "lightning_dcp.sp.ulysses",
+    "varlen_attention": "lightning_dcp.sp.attention",
+    "weighted_loss": "lightning_dcp.sp.sharding",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -55,17 +55,17 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_dcp.agreement import AgreementError
     from lightning_dcp.faults import CollectiveError
     from lightning_dcp.oom import StepOutOfMemoryError
-    from lightning_dcp.attention import varlen_attention
-    from lightning_dcp.context import SPContext, active_context, sp_context
+    from lightning_dcp.sp.attention import varlen_attention
+    from lightning_dcp.sp.context import SPContext, active_context, sp_context
     from lightning_dcp.groups import SPGroups
     from lightning_dcp.metrics import StepMetrics
-    from lightning_dcp.packing import pack_samples
+    from lightning_dcp.sp.packing import pack_samples
     from lightning_dcp.profiling import DCPProfiler, profile_module
-    from lightning_dcp.recompute import RecomputeLayers
+    from lightning_dcp.sp.recompute import RecomputeLayers
     from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader
-    from lightning_dcp.sharding import weighted_loss
+    from lightning_dcp.sp.sharding import weighted_loss
     from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
-    from lightning_dcp.ulysses import seq_all_to_all, ulysses_attention
+    from lightning_dcp.sp.ulysses import seq_all_to_all, ulysses_attention
 
 
 def __getattr__(name: str) -> Any:

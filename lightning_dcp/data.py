@@ -9,7 +9,7 @@ Two map-style datasets for tests, the demo and the profiler:
 Both expose ``.lengths`` (list of ints, tokens per sample) without generating any sample, which
 is all the DCP sampler/planner needs.
 
-Packing lives in :mod:`lightning_dcp.packing` (``pack_samples`` and friends are re-exported here).
+Packing lives in :mod:`lightning_dcp.sp.packing` (``pack_samples`` and friends are re-exported here).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from lightning_dcp.packing import DEFAULT_PAD_VALUES, pack_samples, plain_collate, sample_length  # re-exported
+from lightning_dcp.sp.packing import DEFAULT_PAD_VALUES, pack_samples, plain_collate, sample_length  # re-exported
 
 __all__ = [
     "DEFAULT_PAD_VALUES", "SyntheticTokenDataset", "SyntheticVideoDataset", "pack_samples", "plain_collate",

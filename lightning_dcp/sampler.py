@@ -9,7 +9,7 @@ this rank), so ``len()`` agrees across ranks whatever the accumulation counts.
 
 The :class:`DCPDataLoader` built around it loads the samples of this rank's items (in the
 worker processes, when ``num_workers > 0``) and packs each item with
-:func:`lightning_dcp.packing.pack_samples` (padded to a multiple of its SP size). A training batch
+:func:`lightning_dcp.sp.packing.pack_samples` (padded to a multiple of its SP size). A training batch
 is ``{"items": [packed micro-batch, ...], "meta": step descriptor}``; the strategy shards and
 runs it.
 
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dcp.packing import pack_samples, sample_length
+from lightning_dcp.sp.packing import pack_samples, sample_length
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 
@@ -429,7 +429,7 @@ class StepDataset(Dataset):
     """Wraps the user's map-style dataset: ``ds[descriptor]`` loads and builds a step's micro-batches.
 
     Each item's samples are loaded with ``dataset[i]`` and packed with
-    :func:`lightning_dcp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size); with
+    :func:`lightning_dcp.sp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size); with
     ``collate_fn`` (safe mode, see :mod:`lightning_dcp.support`) they are collated by it instead,
     exactly as the user's own DataLoader would batch them.
     """

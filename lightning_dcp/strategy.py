@@ -14,10 +14,10 @@ How it hooks into Lightning (automatic optimization is kept; the user's module r
   predict loaders keep Lightning's distributed sampling (SP size 1).
 - ``batch_to_device``: on the host, before the step's batch moves, each item gets the module's
   ``dcp_prepare_batch`` (if any), its token weights and loss-unit count, and is cut to this
-  rank's shard (:mod:`lightning_dcp.sharding`); only the shards move to the device.
+  rank's shard (:mod:`lightning_dcp.sp.sharding`); only the shards move to the device.
 - ``training_step`` (called by Lightning's closure once per optimizer step): for each of this
   rank's work items, in plan order, activate the item's SP group and recompute count
-  (:func:`~lightning_dcp.context.sp_context`), call the user's
+  (:func:`~lightning_dcp.sp.context.sp_context`), call the user's
   ``training_step(micro_batch, batch_idx)``, turn its loss into a sum over its loss units and
   run backward through the precision plugin. Then one all-gather of a few numbers per rank (metrics, exact global loss,
   which parameters got gradients), and the gradients are copied into flat buckets. It returns
@@ -31,7 +31,7 @@ How it hooks into Lightning (automatic optimization is kept; the user's module r
 Why the SUM is exact: each item's loss is a sum over its loss tokens (or samples), so the world
 sum of all ranks' losses divided by the global count of loss units -- counted on the host per
 item and summed by the step-end all-gather -- is the global loss of plain data-parallel training
-on the step's global batch (see :mod:`lightning_dcp.sharding`); the Ulysses all-to-all's backward
+on the step's global batch (see :mod:`lightning_dcp.sp.sharding`); the Ulysses all-to-all's backward
 routes gradients between the ranks of an SP group, so the world sum of local gradients, scaled
 once by that count, is the global gradient.
 
@@ -91,7 +91,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dcp.agreement import STEP_CAUSE, check_column, check_setup, planner_settings, plan_fingerprint, setup_row
-from lightning_dcp.context import SEGMENT_IDS, SPContext, sp_context
+from lightning_dcp.sp.context import SEGMENT_IDS, SPContext, sp_context
 from lightning_dcp.faults import collective_error, describe_item, is_collective_failure
 from lightning_dcp.groups import SPGroups, largest_power_of_two
 from lightning_dcp.metrics import StepMetrics, StepMetricsTracker, step_metrics
@@ -101,9 +101,9 @@ from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.planner import Planner
-from lightning_dcp.recompute import find_recompute_layers
+from lightning_dcp.sp.recompute import find_recompute_layers
 from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_lengths
-from lightning_dcp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, local_loss_tokens, shard_batch
+from lightning_dcp.sp.sharding import LOSS_REDUCTIONS, add_token_weights, is_weighted, local_loss_tokens, shard_batch
 from lightning_dcp.support import (PaddedCostModel, PaddedPlanner, micro_batch_loss_units, resolve_support, safe_mode_message,
                                    uniform_lengths)
 from lightning_dcp.watchdog import ShutdownWatchdog
@@ -267,7 +267,7 @@ class DCPStrategy(DDPStrategy):
         global_batch_tokens: alternatively, a token budget per step.
         loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
             ``"sample"`` (mean over samples of each sample's token mean); see
-            :mod:`lightning_dcp.sharding` for what ``training_step`` must return.
+            :mod:`lightning_dcp.sp.sharding` for what ``training_step`` must return.
         zero1: shard optimizer state over the world (``ZeroRedundancyOptimizer``).
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.

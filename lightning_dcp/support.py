@@ -8,7 +8,7 @@ Three levels, each a superset of the one before:
   rank accumulates and which samples go together (similar lengths pad less).
 - ``"packed"``: the model attends within samples of a packed micro-batch (it reads
   ``cu_seqlens`` / ``segment_ids`` / ``position_ids``): samples are packed with
-  :func:`~lightning_dcp.packing.pack_samples`; SP size 1.
+  :func:`~lightning_dcp.sp.packing.pack_samples`; SP size 1.
 - ``"sp"``: also sequence parallel: attention through :func:`~lightning_dcp.ulysses_attention`
   (or a Hugging Face model prepared by :func:`lightning_dcp.hf.adapt`), repeated layers in
   :class:`~lightning_dcp.RecomputeLayers` or exposed by ``dcp_repeated_layers()``.
@@ -32,7 +32,7 @@ SUPPORT_LEVELS = ("safe", "packed", "sp")
 
 
 def _has_layer_stack(module: Any) -> bool:
-    from lightning_dcp.recompute import find_recompute_layers
+    from lightning_dcp.sp.recompute import find_recompute_layers
 
     if find_recompute_layers(module):
         return True

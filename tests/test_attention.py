@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dcp.attention import BACKENDS, _group_segments, attention_backend, varlen_attention
+from lightning_dcp.sp.attention import BACKENDS, _group_segments, attention_backend, varlen_attention
 
 
 def naive_varlen(q, k, v, cu_seqlens, causal=False, scale=None):

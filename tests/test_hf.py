@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_dcp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, POSITION_IDS, SPContext, sp_context  # noqa: E402
+from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, POSITION_IDS, SPContext, sp_context  # noqa: E402
 from lightning_dcp.hf import SHIFT_LABELS, CausalLMModule, adapt, prepare_causal_lm_batch  # noqa: E402
 from lightning_dcp.hf.attention import kv_repeat_before_all_to_all  # noqa: E402
-from lightning_dcp.packing import pack_samples  # noqa: E402
-from lightning_dcp.sharding import shard_batch  # noqa: E402
+from lightning_dcp.sp.packing import pack_samples  # noqa: E402
+from lightning_dcp.sp.sharding import shard_batch  # noqa: E402
 
 try:
     from _dist import run_distributed
@@ -214,7 +214,7 @@ def test_prepare_shifts_inside_samples():
 
 def test_module_refuses_unprepared_dcp_batches():
     """A DCP micro-batch the strategy did not pass through dcp_prepare_batch is refused, not silently mis-shifted."""
-    from lightning_dcp.context import TOKEN_WEIGHT
+    from lightning_dcp.sp.context import TOKEN_WEIGHT
 
     module = CausalLMModule(make_model("llama"))
     batch = pack_samples(make_samples([5, 3]), pad_to_multiple=2)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_dcp.context import (
+from lightning_dcp.sp.context import (
     CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, NUM_TOKENS, POSITION_IDS, SAMPLE_INDICES, SEGMENT_IDS, SPContext, sp_context,
 )
 from lightning_dcp.data import (

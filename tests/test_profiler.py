@@ -208,7 +208,7 @@ def _profile_sp2(rank, world_size):
     torch.manual_seed(0)
     module = DCPTransformerModule("tiny-1d")
     seen = []
-    from lightning_dcp.context import active_context
+    from lightning_dcp.sp.context import active_context
 
     module.model.layers.register_forward_pre_hook(lambda m, a: seen.append(active_context().size))
     sp_sizes = [1, 2] if world_size == 3 else None  # W=3: blocks (0, 1) and (2,) -- rank 2 sits SP-2 points out
@@ -298,7 +298,7 @@ def test_profile_module_measures_a_stack_exposed_by_dcp_repeated_layers():
 
 
 def test_generic_checkpoint_recomputes_under_the_forward_sp_context():
-    from lightning_dcp.context import SPContext, active_context, sp_context
+    from lightning_dcp.sp.context import SPContext, active_context, sp_context
     from lightning_dcp.profiling import find_layer_stack
 
     module = _LoopModule()

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dcp.context import CU_SEQLENS, MAX_SEQLEN, SPContext, active_context, sp_context
-from lightning_dcp.recompute import RecomputeLayers, find_recompute_layers
-from lightning_dcp.ulysses import ulysses_attention
+from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, SPContext, active_context, sp_context
+from lightning_dcp.sp.recompute import RecomputeLayers, find_recompute_layers
+from lightning_dcp.sp.ulysses import ulysses_attention
 
 try:
     from _dist import run_distributed

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from _dcp_helpers import TinyLM
-from lightning_dcp.context import LOSS_MASK, TOKEN_WEIGHT
+from lightning_dcp.sp.context import LOSS_MASK, TOKEN_WEIGHT
 from lightning_dcp.data import pack_samples
 from lightning_dcp.groups import SPGroups, aligned_blocks
 from lightning_dcp.metrics import step_metrics
-from lightning_dcp.sharding import add_token_weights, is_weighted, shard_batch, weighted_loss
+from lightning_dcp.sp.sharding import add_token_weights, is_weighted, shard_batch, weighted_loss
 from lightning_dcp.strategy import DCPStrategy, _GradBuckets, find_num_heads
 
 

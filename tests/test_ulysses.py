@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dcp.attention import varlen_attention
-from lightning_dcp.context import CU_SEQLENS, MAX_SEQLEN, SPContext, sp_context
-from lightning_dcp.ulysses import seq_all_to_all, ulysses_attention
+from lightning_dcp.sp.attention import varlen_attention
+from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, SPContext, sp_context
+from lightning_dcp.sp.ulysses import seq_all_to_all, ulysses_attention
 
 try:
     from _dist import run_distributed

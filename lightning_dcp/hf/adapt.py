@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from lightning_dcp.hf.attention import ATTN_IMPLEMENTATION, register_attention
-from lightning_dcp.recompute import LayerRecompute, install_layer_recompute
+from lightning_dcp.sp.recompute import LayerRecompute, install_layer_recompute
 
 __all__ = ["adapt", "find_decoder_layers", "is_adapted"]
 
@@ -87,7 +87,7 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
       the active SP group, varlen causal attention per packed sample, GQA/MQA with fewer
       key/value heads than SP ranks). No model class is patched; no dense mask is built.
     * recompute: every decoder layer gets the per-call switch of one
-      :class:`~lightning_dcp.recompute.LayerRecompute` through transformers' own
+      :class:`~lightning_dcp.sp.recompute.LayerRecompute` through transformers' own
       ``GradientCheckpointingLayer`` hook: layer ``i`` recomputes iff ``i < active_context().recompute``
       (or ``model.dcp_recompute.recompute_override`` when set), decided at each forward in
       training mode. Module paths and ``state_dict`` keys are unchanged.

@@ -2,7 +2,7 @@
 
 A model adapted by :func:`lightning_dcp.hf.adapt` runs every attention layer through
 :func:`dcp_attention`: Ulysses sequence parallelism over the active SP group
-(:func:`lightning_dcp.context.active_context`), variable-length causal attention inside each
+(:func:`lightning_dcp.sp.context.active_context`), variable-length causal attention inside each
 packed sample, grouped-query attention without repeating key/value heads more than the SP size
 needs.
 
@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dcp.attention import varlen_attention
-from lightning_dcp.context import active_context
-from lightning_dcp.ulysses import seq_all_to_all
+from lightning_dcp.sp.attention import varlen_attention
+from lightning_dcp.sp.context import active_context
+from lightning_dcp.sp.ulysses import seq_all_to_all
 
 __all__ = ["ATTN_IMPLEMENTATION", "dcp_attention", "kv_repeat_before_all_to_all", "packed_gqa_attention",
            "register_attention"]
@@ -87,7 +87,7 @@ def packed_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         k, v: ``[local_tokens, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``
             (query head ``j`` uses key/value head ``j // (heads / kv_heads)``, as transformers' ``repeat_kv``).
         cu_seqlens, max_seqlen: segment boundaries over the whole padded packed sequence.
-        causal, scale: as in :func:`~lightning_dcp.attention.varlen_attention`.
+        causal, scale: as in :func:`~lightning_dcp.sp.attention.varlen_attention`.
 
     Returns:
         This rank's shard of the output, ``[local_tokens, heads, head_dim]``.
@@ -152,7 +152,7 @@ def _check_call(module: nn.Module, query: torch.Tensor, attention_mask: Any, dro
     name = type(module).__name__
     if query.shape[0] != 1:
         raise ValueError(f"lightning_dcp attention in {name}: batch size {query.shape[0]}; a packed micro-batch is one "
-                         "row [1, tokens]: concatenate the samples (lightning_dcp.packing.pack_samples) and pass "
+                         "row [1, tokens]: concatenate the samples (lightning_dcp.sp.packing.pack_samples) and pass "
                          "cu_seq_lens_q/max_length_q (CausalLMModule does).")
     if attention_mask is not None:
         raise ValueError(f"lightning_dcp attention in {name} got an attention mask of shape "

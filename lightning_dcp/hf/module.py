@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dcp.context import (
+from lightning_dcp.sp.context import (
     CU_SEQLENS,
     LOSS_MASK,
     MAX_SEQLEN,
@@ -33,8 +33,8 @@ from lightning_dcp.context import (
     active_context,
 )
 from lightning_dcp.hf.adapt import adapt, is_adapted
-from lightning_dcp.packing import IGNORE_INDEX, pack_samples
-from lightning_dcp.sharding import weighted_loss
+from lightning_dcp.sp.packing import IGNORE_INDEX, pack_samples
+from lightning_dcp.sp.sharding import weighted_loss
 
 __all__ = ["IGNORE_INDEX", "SHIFT_LABELS", "CausalLMModule", "collate_causal_lm", "pack_padded_batch",
            "prepare_causal_lm_batch"]
@@ -47,7 +47,7 @@ def prepare_causal_lm_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     """Shift labels inside each packed sample; recompute ``LOSS_MASK`` for the shifted targets.
 
     ``batch`` is a whole (unsharded) packed micro-batch from
-    :func:`~lightning_dcp.packing.pack_samples` with ``input_ids`` and optional ``labels``
+    :func:`~lightning_dcp.sp.packing.pack_samples` with ``input_ids`` and optional ``labels``
     (default: ``input_ids``; ``-100`` = no loss). Returns a new dict with
     ``shift_labels[t] = labels[t + 1]`` inside a sample, ``-100`` on each sample's last token and
     on padding; ``labels`` is dropped and ``LOSS_MASK = real token & shift_labels != -100``
@@ -59,7 +59,7 @@ def prepare_causal_lm_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
         return dict(batch)
     if CU_SEQLENS not in batch or "input_ids" not in batch:
         raise KeyError(f"prepare_causal_lm_batch needs a packed batch with 'input_ids' and {CU_SEQLENS!r} "
-                       f"(lightning_dcp.packing.pack_samples, or CausalLMModule.collate); got keys {sorted(batch)}")
+                       f"(lightning_dcp.sp.packing.pack_samples, or CausalLMModule.collate); got keys {sorted(batch)}")
     labels = batch.get("labels", batch["input_ids"])
     total = labels.shape[0]
     cu = batch[CU_SEQLENS].to(device=labels.device, dtype=torch.long)

@@ -2,9 +2,9 @@
 and :class:`DCPTransformerModule`, a LightningModule that trains either.
 
 Built from :class:`~lightning_dcp.planning.models.ModelSpec` (``get_model("tiny-1d")`` etc.), on
-the model-side helpers :func:`~lightning_dcp.ulysses.ulysses_attention`,
-:func:`~lightning_dcp.ulysses.seq_all_to_all`, :func:`~lightning_dcp.attention.varlen_attention`
-and :class:`~lightning_dcp.recompute.RecomputeLayers`.
+the model-side helpers :func:`~lightning_dcp.sp.ulysses.ulysses_attention`,
+:func:`~lightning_dcp.sp.ulysses.seq_all_to_all`, :func:`~lightning_dcp.sp.attention.varlen_attention`
+and :class:`~lightning_dcp.sp.recompute.RecomputeLayers`.
 
 ``DCPTransformerModule`` is imported on first use, so the plain models load without Lightning
 (cheaper start-up for spawned workers and the profiler).

@@ -8,11 +8,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from lightning_dcp.context import LOSS_MASK, SEGMENT_IDS, TOKEN_WEIGHT
+from lightning_dcp.sp.context import LOSS_MASK, SEGMENT_IDS, TOKEN_WEIGHT
 from lightning_dcp.models import build_model, resolve_spec
 from lightning_dcp.models.transformer2d import shard_video_batch, video_shapes
 from lightning_dcp.planning.models import ModelSpec
-from lightning_dcp.sharding import weighted_loss
+from lightning_dcp.sp.sharding import weighted_loss
 
 __all__ = ["DCPTransformerModule", "resolve_spec"]  # resolve_spec re-exported from lightning_dcp.models
 
@@ -22,7 +22,7 @@ class DCPTransformerModule(pl.LightningModule):
     :class:`~lightning_dcp.models.Transformer2D` (masked MSE to ``batch["targets"]``).
 
     Works with the DCP strategy and equally as a plain LightningModule (single device, DDP) fed
-    by ``DataLoader(..., collate_fn=lightning_dcp.packing.plain_collate)``.
+    by ``DataLoader(..., collate_fn=lightning_dcp.sp.packing.plain_collate)``.
 
     Args:
         model: registry name (``"tiny-1d"``, ``"tiny-2d"``, ``"transformer-1d"``, ``"transformer-2d"``),
@@ -32,7 +32,7 @@ class DCPTransformerModule(pl.LightningModule):
 
     ``training_step`` returns the mean loss over this rank's local loss tokens (non-padding, and
     for 1d labels != -100) -- or, when the DCP strategy put ``TOKEN_WEIGHT`` in the batch,
-    :func:`lightning_dcp.sharding.weighted_loss` of the per-token losses (exact for the
+    :func:`lightning_dcp.sp.sharding.weighted_loss` of the per-token losses (exact for the
     strategy's ``"token"`` and ``"sample"`` reductions); it logs the local mean as
     ``"train_loss"``. :meth:`token_losses` gives the per-token values and mask. For ``"2d"`` models the module has a
     ``dcp_shard_batch(batch, sp_rank, sp_size)`` hook (whole frames per SP rank, see

@@ -2,7 +2,7 @@
 
 Compared with a plain PyTorch decoder, the DCP-specific parts are:
 
-1. attention calls :func:`lightning_dcp.ulysses.ulysses_attention` with the batch (its
+1. attention calls :func:`lightning_dcp.sp.ulysses.ulysses_attention` with the batch (its
    ``cu_seqlens`` keep packed samples apart; the active SP group, if any, is used for the
    Ulysses all-to-all) instead of ``scaled_dot_product_attention``;
 2. RoPE reads positions from ``batch[POSITION_IDS]`` (restarting at 0 for every packed sample,
@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dcp.context import CU_SEQLENS, MAX_SEQLEN, POSITION_IDS, active_context
+from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, POSITION_IDS, active_context
 from lightning_dcp.planning.models import ModelSpec, get_model
-from lightning_dcp.recompute import RecomputeLayers
-from lightning_dcp.ulysses import ulysses_attention
+from lightning_dcp.sp.recompute import RecomputeLayers
+from lightning_dcp.sp.ulysses import ulysses_attention
 
 __all__ = ["DecoderLayer", "SwiGLU", "Transformer1D", "apply_rope", "rope_tables"]
 
@@ -88,14 +88,14 @@ class Transformer1D(nn.Module):
     """Decoder-only LM from a ``"1d"`` :class:`~lightning_dcp.planning.models.ModelSpec` (or its name).
 
     ``forward(batch)`` takes a packed micro-batch dict with ``batch["input_ids"]`` (int64, local
-    shard ``[local_tokens]``) and the packing keys of :mod:`lightning_dcp.context`, and returns
+    shard ``[local_tokens]``) and the packing keys of :mod:`lightning_dcp.sp.context`, and returns
     logits ``[local_tokens, vocab_size]``. Without ``CU_SEQLENS``/``POSITION_IDS`` (one plain
     sequence, SP size 1) it treats the input as a single sample.
 
     ``embed_inputs(batch) -> (x, layer_args)``, ``layers(x, *layer_args)`` and
     ``final(x, *layer_args)`` are the pieces of ``forward`` (profilers can run ``layers`` alone).
 
-    Attributes: ``embed``, ``layers`` (a :class:`~lightning_dcp.recompute.RecomputeLayers` of
+    Attributes: ``embed``, ``layers`` (a :class:`~lightning_dcp.sp.recompute.RecomputeLayers` of
     :class:`DecoderLayer`, each called ``layer(x, batch)``), ``norm``, ``head``.
     """
 
@@ -145,7 +145,7 @@ def _single_sequence_defaults(batch: Mapping[str, Any], tokens: int, device: tor
         return batch
     if active_context().size > 1:
         raise ValueError("a batch under sequence parallelism needs CU_SEQLENS and POSITION_IDS; pack it with "
-                         "lightning_dcp.packing.pack_samples (the DCP strategy's collate does)")
+                         "lightning_dcp.sp.packing.pack_samples (the DCP strategy's collate does)")
     out = dict(batch)
     if CU_SEQLENS not in out:
         out[CU_SEQLENS] = torch.tensor([0, tokens], dtype=torch.int32, device=device)

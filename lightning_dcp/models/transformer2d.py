@@ -44,13 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dcp.attention import varlen_attention
-from lightning_dcp.context import CU_SEQLENS, MAX_SEQLEN, active_context
-from lightning_dcp.packing import DEFAULT_PAD_VALUES
+from lightning_dcp.sp.attention import varlen_attention
+from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
+from lightning_dcp.sp.packing import DEFAULT_PAD_VALUES
 from lightning_dcp.models.transformer1d import _init_weights, apply_rope, rope_tables
 from lightning_dcp.planning.models import ModelSpec, get_model
-from lightning_dcp.recompute import RecomputeLayers
-from lightning_dcp.ulysses import seq_all_to_all
+from lightning_dcp.sp.recompute import RecomputeLayers
+from lightning_dcp.sp.ulysses import seq_all_to_all
 
 __all__ = [
     "FRAME_LAYOUT", "FrameLayout", "Transformer2D", "VideoBlock", "VideoLayer", "frame_layout", "partition_frames",
@@ -220,10 +220,10 @@ def shard_video_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int,
                       pad_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Give rank ``sp_rank`` of an SP group of ``sp_size`` its whole frames of a packed video batch.
 
-    ``batch`` is the full packed micro-batch (as :func:`~lightning_dcp.packing.pack_samples` makes
+    ``batch`` is the full packed micro-batch (as :func:`~lightning_dcp.sp.packing.pack_samples` makes
     it; trailing padding allowed). Every tensor whose first dimension is the packed token
     dimension is re-laid out: the real tokens of this rank's frame chunk, then padding up to
-    ``tokens_per_rank`` (pad values: :data:`~lightning_dcp.packing.DEFAULT_PAD_VALUES`, overridden
+    ``tokens_per_rank`` (pad values: :data:`~lightning_dcp.sp.packing.DEFAULT_PAD_VALUES`, overridden
     by ``pad_values``, else 0). ``CU_SEQLENS``/``MAX_SEQLEN`` are replaced by the spatial
     segments (frames and pad blocks) of the whole layout; :data:`FRAME_LAYOUT` records
     ``(sp_size, tokens_per_rank)``. Metadata (``shapes``, ``timesteps``, ints, lists) is kept.

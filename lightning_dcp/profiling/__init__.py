@@ -5,7 +5,7 @@ Rooms:
 * :mod:`~lightning_dcp.profiling.grid` — which ``(length, micro-batch, SP)`` points to measure
   (pure Python);
 * :mod:`~lightning_dcp.profiling.layers` — where the model keeps its repeated layers
-  (:class:`~lightning_dcp.recompute.RecomputeLayers` or a ``dcp_repeated_layers()`` method);
+  (:class:`~lightning_dcp.sp.recompute.RecomputeLayers` or a ``dcp_repeated_layers()`` method);
 * :mod:`~lightning_dcp.profiling.measure` — timers, saved-bytes counters, one grid point, the
   constant parts, the collectives that make ranks agree;
 * :mod:`~lightning_dcp.profiling.harness` — driving a user's module without changing it;
@@ -21,10 +21,10 @@ What one grid point ``(seq_len l, micro_batch b, sp p)`` measures, generically:
 1. **Input.** ``b`` dataset samples of length exactly ``l`` (the grid lengths are taken *from*
    the dataset's lengths; with fewer than ``b`` such samples the same samples repeat; a requested
    length the data lacks is replaced by the nearest length it has, and the entry records the
-   length actually run). They are packed with :func:`lightning_dcp.packing.pack_samples`
+   length actually run). They are packed with :func:`lightning_dcp.sp.packing.pack_samples`
    (``pad_to_multiple=p``), sharded for this rank of its SP group, and moved to the device.
 2. **Capture.** The module's own step (``training_step`` by default) runs under the SP context
-   until the :class:`~lightning_dcp.recompute.RecomputeLayers` is called (or, for a model that
+   until the :class:`~lightning_dcp.sp.recompute.RecomputeLayers` is called (or, for a model that
    exposes ``dcp_repeated_layers()``, its first layer); a forward pre-hook records that call's
    ``(args, kwargs)`` and stops the step. Nothing else about the model is assumed.
 3. **Two layers**, no checkpointing, the SP context of the group active: ``layers[0]`` forward +
@@ -33,7 +33,7 @@ What one grid point ``(seq_len l, micro_batch b, sp p)`` measures, generically:
    times and until 50 ms were measured, at most 10): the medians are kept, on every device (training
    runs at the typical time: on a shared CPU the minimum predicted micro-batches 7-15% too fast).
    Then ``layers[1]`` once more, fwd + bwd under
-   :class:`~lightning_dcp.recompute.RecomputeLayers` checkpointing (as a recomputed layer runs
+   :class:`~lightning_dcp.sp.recompute.RecomputeLayers` checkpointing (as a recomputed layer runs
    in training; for ``dcp_repeated_layers()`` models, ``torch.utils.checkpoint.checkpoint(...,
    use_reentrant=False)`` under the same SP context): ``recompute_s`` (added optional field) = that time - ``forward_s`` -
    ``backward_s``, the real extra cost of recomputing one layer (its forward again plus the

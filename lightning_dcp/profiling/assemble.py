@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dcp.context import SPContext, sp_context
+from lightning_dcp.sp.context import SPContext, sp_context
 from lightning_dcp.planning.profile import PROFILE_SCHEMA, validate_profile
 from lightning_dcp.profiling import harness, measure
 from lightning_dcp.profiling.grid import (DENSITIES, GridPoint, ProfileGrid, Samples, build_grid, check_sp_sizes,
@@ -89,7 +89,7 @@ _MEASURED = ("forward_s", "backward_s", "recompute_s", "activation_bytes", "inpu
 
 def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tuple[int, dict[str, float]]:
     """(length actually run, this rank's measurement) for one grid point on its SP group."""
-    from lightning_dcp.packing import pack_samples
+    from lightning_dcp.sp.packing import pack_samples
 
     p = point.sp
     block = run.rank // p * p
@@ -156,7 +156,7 @@ def _model_states(module: nn.Module, states_module: nn.Module | None, optimizer:
 def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _States) -> dict[str, float]:
     """The ``constant`` section's measured fields: a two-point line ``c0 + c1 * tokens`` of the step
     with the layers bypassed (smallest and largest grid length, SP 1), optimizer and all-reduce time."""
-    from lightning_dcp.packing import pack_samples
+    from lightning_dcp.sp.packing import pack_samples
 
     const, host = [], []
     for n in sorted({grid.lengths[0], grid.lengths[-1]}):
@@ -186,8 +186,8 @@ def _host_time(run: _Run, idx: list[int], repeats: int = 5) -> float:
     """Seconds of the host's work for one micro-batch, as the runtime does it: load and pack the
     samples, the module's ``dcp_prepare_batch``, token weights, the shard, the copy to the device
     (the median of ``repeats``, as the layer timings)."""
-    from lightning_dcp.packing import pack_samples
-    from lightning_dcp.sharding import add_token_weights
+    from lightning_dcp.sp.packing import pack_samples
+    from lightning_dcp.sp.sharding import add_token_weights
 
     times = []
     for _ in range(repeats):
@@ -269,7 +269,7 @@ def profile_module(
 
     Args:
         module: the model (a LightningModule, or any module ``step_fn`` can drive) holding one
-            :class:`~lightning_dcp.recompute.RecomputeLayers` or defining ``dcp_repeated_layers()``
+            :class:`~lightning_dcp.sp.recompute.RecomputeLayers` or defining ``dcp_repeated_layers()``
             (see :mod:`lightning_dcp.profiling.layers`); already on ``device``.
         data: a dataset with ``.lengths`` and ``__getitem__``, or a list of sample dicts.
         device: where to measure (default: the device of the module's first parameter).

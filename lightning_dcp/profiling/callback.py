@@ -37,7 +37,7 @@ class DCPProfiler(Callback):
     :attr:`cache_status` and :attr:`profiling_s`. Rank 0 prints one line when profiling starts
     and one when it ends (or one for a cache hit).
 
-    A module without repeated layers (no :class:`~lightning_dcp.recompute.RecomputeLayers`, no
+    A module without repeated layers (no :class:`~lightning_dcp.sp.recompute.RecomputeLayers`, no
     ``dcp_repeated_layers()``) is not profiled: one line says so on rank 0, :attr:`cache_status`
     is ``"no-layers"`` and no cost model is set (the strategy keeps its own).
 

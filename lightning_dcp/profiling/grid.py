@@ -106,7 +106,7 @@ class Samples:
     """Lengths plus random access to samples, from a dataset with ``.lengths`` or a list of samples."""
 
     def __init__(self, data: Any):
-        from lightning_dcp.packing import sample_length
+        from lightning_dcp.sp.packing import sample_length
 
         self.data = data
         lengths = getattr(data, "lengths", None)

@@ -27,7 +27,7 @@ def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequen
 def shard_batch(module: nn.Module, batch: dict, sp: int, sp_rank: int) -> dict:
     """This rank's shard of a packed micro-batch, as :class:`~lightning_dcp.DCPStrategy` builds it:
     the module's ``dcp_prepare_batch`` hook first (e.g. the per-sample label shift), then its
-    ``dcp_shard_batch`` hook if it has one, else :mod:`lightning_dcp.sharding`'s function."""
+    ``dcp_shard_batch`` hook if it has one, else :mod:`lightning_dcp.sp.sharding`'s function."""
     prepare = getattr(module, "dcp_prepare_batch", None)
     if callable(prepare):
         batch = prepare(batch)
@@ -36,7 +36,7 @@ def shard_batch(module: nn.Module, batch: dict, sp: int, sp_rank: int) -> dict:
     hook = getattr(module, "dcp_shard_batch", None)  # (batch, sp_rank, sp_size), as DCPStrategy calls it
     if callable(hook):
         return hook(batch, sp_rank, sp)
-    from lightning_dcp.sharding import shard_batch as _shard
+    from lightning_dcp.sp.sharding import shard_batch as _shard
 
     return _shard(batch, sp_rank, sp)
 

@@ -2,7 +2,7 @@
 
 Two ways for a model to show its layer stack to the profiler:
 
-* a :class:`~lightning_dcp.recompute.RecomputeLayers` anywhere in the module (the stack runs the
+* a :class:`~lightning_dcp.sp.recompute.RecomputeLayers` anywhere in the module (the stack runs the
   layers; the strategy switches its recomputation per micro-batch);
 * a method ``dcp_repeated_layers()`` on the LightningModule or any submodule, returning the
   repeated layers in call order, for models that loop over their layers themselves (Hugging Face
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_dcp.context import active_context, sp_context
+from lightning_dcp.sp.context import active_context, sp_context
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class LayerStack:
     def checkpointed(self, layer: nn.Module) -> Callable[..., Any]:
         """``fn(x, *args, **kwargs)`` running ``layer`` the way a recomputed layer runs in training."""
         if self.recompute is not None:
-            from lightning_dcp.recompute import RecomputeLayers
+            from lightning_dcp.sp.recompute import RecomputeLayers
 
             return RecomputeLayers(nn.ModuleList([layer]), recompute_override=1)
 
@@ -120,7 +120,7 @@ def _module_name(module: nn.Module, target: nn.Module) -> str:
 
 
 def _from_recompute_layers(module: nn.Module, layers_attr: str | None) -> LayerStack | None:
-    from lightning_dcp.recompute import RecomputeLayers, find_recompute_layers
+    from lightning_dcp.sp.recompute import RecomputeLayers, find_recompute_layers
 
     if layers_attr is not None:
         try:

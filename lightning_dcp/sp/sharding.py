@@ -1,0 +1,142 @@
+"""Token-dimension sharding of a packed micro-batch, token weights, and :func:`weighted_loss`.
+
+A packed micro-batch (from :func:`lightning_dcp.sp.packing.pack_samples`) has a *token dimension*
+of length ``T`` (padded to a multiple of the SP size): ``LOSS_MASK`` spans it, and so does
+every sequence tensor. For an SP group of size ``P``, rank ``i`` of the group keeps tokens
+``[i*T/P, (i+1)*T/P)`` of every tensor whose first dimension is ``T``; ``CU_SEQLENS`` and
+``MAX_SEQLEN`` stay whole (they describe the whole packed sequence, as Ulysses attention needs),
+lists and scalars are kept as they are.
+
+Loss reductions (``DCPStrategy(loss_reduction=...)``). A *loss token* is one whose
+``LOSS_MASK`` is True: not padding and, for integer ``labels``, ``labels != -100`` (prompt
+masking in fine-tuning). With ``n_i`` loss tokens in sample ``i`` of the step's *global* batch:
+
+- ``"token"`` (default): global loss ``= sum over all loss tokens of token_loss / sum_i n_i``.
+- ``"sample"``: global loss ``= mean over the samples with n_i > 0 of (their token_loss sum / n_i)``.
+
+The global divisor (``sum_i n_i``, or the number of samples with a loss) is only known once every
+rank has counted its own micro-batches, so the strategy works with *sums*: each micro-batch
+contributes ``sum(token_loss * TOKEN_WEIGHT)`` (``TOKEN_WEIGHT`` is 1 per loss token in token
+mode and ``1/n_i`` in sample mode), every rank counts its *loss units* on the host before the
+batch moves to the device (:func:`prepare_item`), the counts ride on the step-end all-gather that
+already exists, and the summed gradient is divided by the global count once, before the optimizer
+step. No device-to-host sync per micro-batch.
+
+A ``training_step`` can return either :func:`weighted_loss` of its per-token losses (exact for
+both reductions, any packing) or, as usual, the mean over its local loss tokens
+(``cross_entropy(..., ignore_index=-100)``); the strategy multiplies a plain mean by the local
+loss-token count (token mode; sample mode only for single-sample micro-batches).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, SEGMENT_IDS, TOKEN_WEIGHT
+
+__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "is_weighted", "local_loss_tokens", "shard_batch", "token_dim", "weighted_loss"]
+
+LOSS_REDUCTIONS = ("token", "sample")
+
+#: Attribute set on the tensor :func:`weighted_loss` returns.
+_WEIGHTED_ATTR = "_dcp_weighted"
+
+#: Keys never chunked even if their first dimension happens to equal the token count.
+_WHOLE_KEYS = (CU_SEQLENS, MAX_SEQLEN)
+
+
+def token_dim(batch: Mapping[str, Any]) -> int:
+    """Length ``T`` of the packed (padded) token dimension of ``batch``."""
+    if LOSS_MASK in batch:
+        return int(batch[LOSS_MASK].shape[0])
+    if CU_SEQLENS in batch:
+        return int(batch[CU_SEQLENS][-1])
+    raise KeyError(f"a packed micro-batch needs {LOSS_MASK!r} or {CU_SEQLENS!r} to know its token dimension; "
+                   f"got keys {sorted(batch)} (pack samples with lightning_dcp.sp.packing.pack_samples)")
+
+
+def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
+    """This SP rank's shard of a packed micro-batch (see the module docstring for the rule).
+
+    Raises:
+        ValueError: the token dimension is not a multiple of ``sp_size``.
+    """
+    if sp_size == 1:
+        return dict(batch)
+    total = token_dim(batch)
+    if total % sp_size:
+        raise ValueError(f"the packed micro-batch has {total} tokens, not a multiple of the SP size {sp_size}; "
+                         f"pack it with pack_samples(..., pad_to_multiple={sp_size})")
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} is outside an SP group of size {sp_size}")
+    local = total // sp_size
+    lo, hi = sp_rank * local, (sp_rank + 1) * local
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key not in _WHOLE_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total:
+            out[key] = value[lo:hi]
+        else:
+            out[key] = value
+    return out
+
+
+def add_token_weights(batch: dict[str, Any], reduction: str) -> int:
+    """Add ``TOKEN_WEIGHT`` to an *unsharded* packed batch; return the item's loss units.
+
+    ``TOKEN_WEIGHT`` (float32, the token dimension of ``LOSS_MASK``) is 1 on loss tokens in token
+    mode and ``1/n_i`` on the loss tokens of sample ``i`` in sample mode; 0 elsewhere. The loss
+    units are the item's loss tokens (token mode) or its samples with at least one loss token
+    (sample mode): summed over the step's items they are the global divisor.
+    """
+    mask = batch[LOSS_MASK]
+    if reduction == "token":
+        batch[TOKEN_WEIGHT] = mask.to(torch.float32)
+        return int(mask.sum())
+    if reduction != "sample":
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {reduction!r}")
+    seg = batch[SEGMENT_IDS]
+    num = int(seg.max()) + 1 if seg.numel() else 0
+    ids = torch.where(mask & (seg >= 0), seg, torch.full_like(seg, num))
+    counts = torch.bincount(ids, minlength=num + 1)[:num].to(torch.float64)
+    per_sample = torch.cat([torch.where(counts > 0, 1.0 / counts.clamp_min(1), torch.zeros_like(counts)),
+                            torch.zeros(1, dtype=torch.float64)])
+    batch[TOKEN_WEIGHT] = per_sample[ids].to(torch.float32)
+    return int((counts > 0).sum())
+
+
+def local_loss_tokens(local: Mapping[str, Any]) -> int:
+    """Loss tokens in a (sharded) packed batch, counted on the host."""
+    return int(local[LOSS_MASK].sum()) if LOSS_MASK in local else 0
+
+
+def weighted_loss(token_loss: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """``(token_loss * batch[TOKEN_WEIGHT]).sum()``, marked so the strategy applies no factor but the global divisor.
+
+    Args:
+        token_loss: per-token loss of this rank's shard, shape ``[local_tokens]`` (e.g.
+            ``F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)``); padding
+            tokens have weight 0, so their value does not matter.
+        batch: the micro-batch the strategy passed to ``training_step``.
+
+    Outside a DCP training step (no ``TOKEN_WEIGHT`` in the batch: validation, plain
+    DataLoader) it returns the mean over ``LOSS_MASK`` tokens (or over all tokens), unmarked.
+    """
+    if TOKEN_WEIGHT not in batch:
+        if LOSS_MASK in batch:
+            mask = batch[LOSS_MASK].to(token_loss.dtype)
+            return (token_loss * mask).sum() / mask.sum().clamp_min(1)
+        return token_loss.mean()
+    weight = batch[TOKEN_WEIGHT]
+    if token_loss.shape != weight.shape:
+        raise ValueError(f"weighted_loss: token_loss has shape {tuple(token_loss.shape)} but batch[{TOKEN_WEIGHT!r}] "
+                         f"has {tuple(weight.shape)}; pass the per-token loss of this rank's shard (reduction='none')")
+    out = (token_loss * weight.to(token_loss.dtype)).sum()
+    setattr(out, _WEIGHTED_ATTR, True)
+    return out
+
+
+def is_weighted(loss: Any) -> bool:
+    """Whether ``loss`` came from :func:`weighted_loss` (in a DCP step)."""
+    return bool(getattr(loss, _WEIGHTED_ATTR, False))
