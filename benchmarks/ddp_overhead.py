@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_dcp.data import SyntheticTokenDataset, plain_collate
 from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.plan import StepPlan, WorkItem
-from lightning_dcp.strategy import DCPStrategy
+from lightning_dcp import DCPStrategy
 
 
 class UniformPlanner:

@@ -75,8 +75,8 @@ class BenchmarkModule(DCPTransformerModule):
         num_threads: ``torch.set_num_threads`` in every process at ``setup`` (None: leave it).
         record_dir: where each rank writes ``rank{r}.json`` at the end of the fit (None: keep the
             records in memory only, :attr:`records`).
-        log_loss: log ``train_loss`` per micro-batch as the base module does (off by default:
-            the benchmark measures the strategy, not the logger).
+        log_loss: log the step's ``train/loss`` as the base module does (off by default: the
+            benchmark measures the strategy, not the logger).
     """
 
     def __init__(self, model: str | ModelSpec = "tiny-2d", lr: float = 1e-3, num_threads: int | None = None,
@@ -85,6 +85,7 @@ class BenchmarkModule(DCPTransformerModule):
         self.num_threads = num_threads
         self.record_dir = record_dir
         self.log_loss = log_loss
+        self.train_loss_key = "train/loss" if log_loss else None
         self.records: list[dict[str, Any]] = []
         self._t0: float | None = None
         self._items: list[list[float]] = []
@@ -114,10 +115,7 @@ class BenchmarkModule(DCPTransformerModule):
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         if self._t0 is not None:
             self._items.append([self._now() - self._t0, float("nan"), time.thread_time() - self._c0, float("nan")])
-        loss = self._mean_loss(batch)
-        if self.log_loss:
-            self.log("train_loss", loss, prog_bar=True, batch_size=self._batch_size(batch))
-        return loss
+        return self._mean_loss(batch)
 
     def on_after_backward(self) -> None:
         if self._t0 is not None and self._items and self._items[-1][1] != self._items[-1][1]:  # NaN: open item

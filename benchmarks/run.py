@@ -65,7 +65,7 @@ def build_trainer_parts(policy: str, args: argparse.Namespace, record_dir: Path)
     from benchmarks.data import BenchDataModule
     from benchmarks.models import BenchmarkModule, bench_spec
     from lightning_dcp.profiling import DCPProfiler
-    from lightning_dcp.strategy import DCPStrategy
+    from lightning_dcp import DCPStrategy
 
     spec = bench_spec(args.model)
     pl.seed_everything(args.seed, workers=True, verbose=False)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dcp.data import SyntheticTokenDataset, plain_collate, tiny_lengths
 from lightning_dcp.models.module import DCPTransformerModule
-from lightning_dcp.strategy import DCPStrategy
+from lightning_dcp import DCPStrategy
 
 if __name__ == "__main__":
     dataset = SyntheticTokenDataset(tiny_lengths(512, seed=0, min_len=16, max_len=512))  # has .lengths

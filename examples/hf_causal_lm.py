@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dcp.hf import CausalLMModule
-from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+from lightning_dcp import DCPStrategy, DefaultCostModel
 
 
 class TokenDataset(Dataset):

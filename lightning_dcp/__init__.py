@@ -7,7 +7,7 @@ training on the same global batch.
 
 Imports are lazy (PEP 562): ``import lightning_dcp`` loads neither torch nor Lightning; each
 public name below is imported from its module on first use (``lightning_dcp.DCPStrategy`` imports
-:mod:`lightning_dcp.strategy`). The planner (:mod:`lightning_dcp.planning`) and the ``plan`` /
+:mod:`lightning_dcp.runtime.strategy`). The planner (:mod:`lightning_dcp.planning`) and the ``plan`` /
 ``simulate`` commands stay free of torch.
 
 Importing the package registers the strategy names ``"dcp"`` and ``"dcp_spawn"`` with Lightning,
@@ -27,18 +27,19 @@ from lightning_dcp._version import __version__
 
 #: Public name -> module that defines it.
 _EXPORTS = {
-    "AgreementError": "lightning_dcp.agreement",
-    "CollectiveError": "lightning_dcp.faults",
-    "StepOutOfMemoryError": "lightning_dcp.oom",
-    "DCPBatchSampler": "lightning_dcp.sampler",
-    "DCPDataLoader": "lightning_dcp.sampler",
+    "AgreementError": "lightning_dcp.runtime.agreement",
+    "CollectiveError": "lightning_dcp.runtime.faults",
+    "StepOutOfMemoryError": "lightning_dcp.runtime.oom",
+    "DCPBatchSampler": "lightning_dcp.runtime.sampler",
+    "DCPDataLoader": "lightning_dcp.runtime.loader",
     "DCPProfiler": "lightning_dcp.profiling",
-    "DCPStrategy": "lightning_dcp.strategy",
-    "DefaultCostModel": "lightning_dcp.strategy",
+    "DCPStrategy": "lightning_dcp.runtime.strategy",
+    "DefaultCostModel": "lightning_dcp.planning.default_cost",
     "RecomputeLayers": "lightning_dcp.sp.recompute",
     "SPContext": "lightning_dcp.sp.context",
-    "SPGroups": "lightning_dcp.groups",
-    "StepMetrics": "lightning_dcp.metrics",
+    "SPGroups": "lightning_dcp.runtime.groups",
+    "StepLossLogging": "lightning_dcp.step_loss",
+    "StepMetrics": "lightning_dcp.runtime.metrics",
     "active_context": "lightning_dcp.sp.context",
     "pack_samples": "lightning_dcp.sp.packing",
     "profile_module": "lightning_dcp.profiling",
@@ -52,19 +53,22 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from lightning_dcp.agreement import AgreementError
-    from lightning_dcp.faults import CollectiveError
-    from lightning_dcp.oom import StepOutOfMemoryError
+    from lightning_dcp.runtime.agreement import AgreementError
+    from lightning_dcp.runtime.faults import CollectiveError
+    from lightning_dcp.runtime.oom import StepOutOfMemoryError
     from lightning_dcp.sp.attention import varlen_attention
     from lightning_dcp.sp.context import SPContext, active_context, sp_context
-    from lightning_dcp.groups import SPGroups
-    from lightning_dcp.metrics import StepMetrics
+    from lightning_dcp.runtime.groups import SPGroups
+    from lightning_dcp.runtime.metrics import StepMetrics
     from lightning_dcp.sp.packing import pack_samples
     from lightning_dcp.profiling import DCPProfiler, profile_module
     from lightning_dcp.sp.recompute import RecomputeLayers
-    from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader
+    from lightning_dcp.runtime.loader import DCPDataLoader
+    from lightning_dcp.runtime.sampler import DCPBatchSampler
     from lightning_dcp.sp.sharding import weighted_loss
-    from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+    from lightning_dcp.step_loss import StepLossLogging
+    from lightning_dcp.planning.default_cost import DefaultCostModel
+    from lightning_dcp.runtime.strategy import DCPStrategy
     from lightning_dcp.sp.ulysses import seq_all_to_all, ulysses_attention
 
 

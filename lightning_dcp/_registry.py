@@ -11,8 +11,10 @@ built. :func:`install` does it at the cheapest moment:
   ``lightning.pytorch.strategies`` to be imported and registers right after it has run.
 
 What is registered is a small factory, not the class: ``StrategyRegistry.get("dcp")`` calls it,
-and only then is :mod:`lightning_dcp.strategy` imported (never while Lightning is still half
-initialised). The factory returns a :class:`~lightning_dcp.strategy.DCPStrategy` instance.
+and only then is the strategy imported (never while Lightning is still half initialised), through
+the package's lazy ``lightning_dcp.DCPStrategy``: this module names no runtime module, so the
+strategy (which registers itself the same way, ``DCPStrategy.register_strategies``) and this module
+do not import each other.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from typing import Any
 
 #: The module whose import the hook waits for, and the registry name inside it.
 _TARGET = "lightning.pytorch.strategies"
+#: Strategy names and the start method each selects (the same as ``DCPStrategy.registry_names``, tested).
 _NAMES = (("dcp", "popen"), ("dcp_spawn", "spawn"))
 
 
 def _make_strategy(start_method: str, **kwargs: Any) -> Any:
-    from lightning_dcp.strategy import DCPStrategy
+    import lightning_dcp
 
-    return DCPStrategy(start_method=start_method, **kwargs)
+    return lightning_dcp.DCPStrategy(start_method=start_method, **kwargs)
 
 
 def register(registry: Any) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_dataset, make_trainer  # noqa: E402
 from lightning_dcp.sp.context import active_context  # noqa: E402
-from lightning_dcp.strategy import DCPStrategy  # noqa: E402
+from lightning_dcp import DCPStrategy  # noqa: E402
 
 
 class ErrorFile(pl.Callback):

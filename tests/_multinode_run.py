@@ -18,7 +18,7 @@ from _dcp_helpers import Dump, RandomPlanner, TinyLM  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 
-from lightning_dcp.strategy import DCPStrategy  # noqa: E402
+from lightning_dcp import DCPStrategy  # noqa: E402
 
 STEPS = 4
 

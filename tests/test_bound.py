@@ -87,10 +87,12 @@ def test_bound_errors_name_the_values_and_the_fix():
 
 def test_step_metrics_logs_the_bound_fraction_only_when_known():
     torch = pytest.importorskip("torch")
-    from lightning_dcp.metrics import step_metrics
+    from lightning_dcp.runtime.metrics import step_metrics
 
     plan = {"items": [{"ranks": [0], "samples": [0], "lengths": [10], "recompute": 0}]}
-    gathered = torch.tensor([[1.0, 0.0, 10.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
+    from lightning_dcp.runtime.row import StepRow
+
+    gathered = [StepRow(1.0, 0.0, 10, 1, 0, 1.0, 0.0), StepRow(0.5, 0.0, 0, 0, 0, 1.0, 0.0)]
     m = step_metrics(gathered, epoch=0, step=0, step_s=2.0, plan=plan, global_tokens=10)
     assert "dcp/step_bound_fraction" not in m.as_log_dict() and math.isnan(m.step_bound_s)
     m = step_metrics(gathered, epoch=0, step=0, step_s=2.0, plan=plan, global_tokens=10, step_bound_s=1.5)

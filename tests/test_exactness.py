@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
-from lightning_dcp.strategy import DCPStrategy
+from lightning_dcp import DCPStrategy
 
 
 def _fit(tmp_path, world: int, steps: int, weights_at, reduction: str = "token", log_sync: bool = False,

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.sampler import DCPBatchSampler, check_lengths, resolve_lengths
-from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+from lightning_dcp.runtime.lengths import check_lengths, resolve_lengths
+from lightning_dcp.runtime.sampler import DCPBatchSampler
+from lightning_dcp import DCPStrategy, DefaultCostModel
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,15 +62,15 @@ def test_integer_like_lengths_are_accepted():
 
 
 def test_heads_without_power_of_two_factor_cap_sp_once_and_errors_do_not_suggest_max_sp_size():
-    s = DCPStrategy()
-    s.num_heads = 3
+    from lightning_dcp.runtime.model import resolve_sp_cap
+    from lightning_dcp.runtime.planners import PlannerFactory
+
     with pytest.warns(UserWarning, match="the model has 3 attention heads: SP sizes must divide it, so SP is capped at 1"):
-        s._resolve_max_sp(world_size=2)
-    assert s.max_sp_size == 1
-    s.support = "sp"
-    s._cost_model = DefaultCostModel(num_layers=2, num_heads=3, max_tokens=100)
+        cap = resolve_sp_cap(None, world_size=2, heads=3)
+    assert cap.size == 1
+    planners = PlannerFactory(DCPStrategy().settings, 2, cap, num_heads=3, support="sp")
     with pytest.raises(PlanningError) as info:
-        s._make_planner([10, 1000])
+        planners.planner(DefaultCostModel(num_layers=2, num_heads=3, max_tokens=100), [10, 1000])
     msg = str(info.value)
     assert "sample 1 has length 1000" in msg and "capped by the model's 3 attention heads" in msg
     assert "max_sp_size" not in msg and "more ranks" not in msg
@@ -123,7 +124,7 @@ def test_rank_dependent_sp2_plans_stop_one_step_ahead_without_a_hang(tmp_path):
 
 
 def test_agreement_fingerprints_and_messages():
-    from lightning_dcp.agreement import AgreementError, check_column, check_setup, plan_fingerprint, setup_row
+    from lightning_dcp.runtime.agreement import AgreementError, check_column, check_setup, plan_fingerprint, setup_row
 
     plan = {"items": [{"ranks": [0, 1], "samples": [3], "lengths": [9], "recompute": 1}]}
     assert plan_fingerprint(plan, 0, 1) == plan_fingerprint(dict(plan), 0, 1) != plan_fingerprint(plan, 0, 2)
@@ -235,7 +236,7 @@ def test_out_of_memory_at_sp1_replans_the_step_and_trains_exactly(tmp_path):
 
 
 def test_lowered_memory_replans_a_failed_item_smaller():
-    from lightning_dcp.oom import LoweredMemory, lowered_limit
+    from lightning_dcp.planning.lowered import LoweredMemory, lowered_limit
     from lightning_dcp.planning.planner import Planner
 
     base = DefaultCostModel(num_layers=2, num_heads=4, max_tokens=400)
@@ -302,7 +303,7 @@ def test_out_of_memory_at_sp2_stops_with_a_checkpoint_that_resumes_exactly(tmp_p
 
 
 def test_out_of_memory_at_sp2_without_a_checkpoint_names_why():
-    from lightning_dcp.oom import sp_oom_message
+    from lightning_dcp.runtime.oom import sp_oom_message
 
     msg = sp_oom_message("step 3 of epoch 0", "item 2", 1, 300.0, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
     assert "No checkpoint was written (DCPStrategy(oom_checkpoint=False))" in msg and "resume" in msg

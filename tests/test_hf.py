@@ -435,7 +435,7 @@ def test_dcp_trainer_equals_plain_training(tmp_path, family, policy, world):
 
     import lightning.pytorch as pl
 
-    from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+    from lightning_dcp import DCPStrategy, DefaultCostModel
 
     try:
         from _dcp_helpers import RandomPlanner

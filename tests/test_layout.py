@@ -82,7 +82,7 @@ def test_strategy_names_registered_whatever_the_import_order(first):
         import {first}
         import {second}
         from lightning.pytorch.strategies import StrategyRegistry
-        from lightning_dcp.strategy import DCPStrategy
+        from lightning_dcp import DCPStrategy
         dcp, spawn = StrategyRegistry.get("dcp"), StrategyRegistry.get("dcp_spawn")
         assert isinstance(dcp, DCPStrategy) and isinstance(spawn, DCPStrategy)
         print(dcp._start_method, spawn._start_method)

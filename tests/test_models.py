@@ -229,7 +229,7 @@ def test_plain_lightning_trainer_single_device(tmp_path):
                              default_root_dir=tmp_path)
         loader = DataLoader(ds, batch_size=4, collate_fn=plain_collate)
         trainer.fit(module, loader, loader)
-        assert torch.isfinite(trainer.callback_metrics["train_loss"]) and "val_loss" in trainer.callback_metrics
+        assert torch.isfinite(trainer.callback_metrics["train/loss"]) and "val_loss" in trainer.callback_metrics
 
 
 def test_2d_rejects_unsharded_batch_under_sp():

@@ -350,7 +350,7 @@ def test_measured_runs_log_the_step_bound_fraction(tmp_path, monkeypatch):
     import lightning.pytorch as pl
 
     from _dist import find_free_port
-    from lightning_dcp.strategy import DCPStrategy
+    from lightning_dcp import DCPStrategy
 
     # one in-process rank: its process group must not leave MASTER_PORT taken for later spawned tests
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):

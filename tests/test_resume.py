@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_trainer, max_rel_err
-from lightning_dcp.strategy import DCPStrategy
+from lightning_dcp import DCPStrategy
 
 K = 4
 

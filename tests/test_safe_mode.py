@@ -29,8 +29,9 @@ from _dcp_helpers import make_trainer, max_rel_err
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
-from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
-from lightning_dcp.support import PaddedCostModel, PaddedPlanner, micro_batch_loss_units, resolve_support
+from lightning_dcp import DCPStrategy, DefaultCostModel
+from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
+from lightning_dcp.runtime.support import micro_batch_loss_units, resolve_support
 
 VOCAB = 24
 
@@ -226,7 +227,7 @@ def test_padded_planner_splits_oversized_micro_batches():
 
 
 def test_tuple_samples_outside_safe_mode_name_the_fix():
-    from lightning_dcp.sampler import StepDataset
+    from lightning_dcp.runtime.loader import StepDataset
 
     ds = StepDataset(TensorDataset(torch.zeros(4, 3), torch.zeros(4)))
     with pytest.raises(TypeError, match=r"sample 1 is a tuple, but packing needs dict samples.*support='safe'"):

@@ -9,7 +9,9 @@ from _dcp_helpers import RandomPlanner, make_dataset
 from _fakes import FakeCostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepPlan, WorkItem
-from lightning_dcp.sampler import DCPBatchSampler, DCPDataLoader, resolve_lengths
+from lightning_dcp.runtime.lengths import resolve_lengths
+from lightning_dcp.runtime.loader import DCPDataLoader
+from lightning_dcp.runtime.sampler import DCPBatchSampler
 
 
 def _sampler(rank=0, world=2, **kw):

@@ -8,10 +8,13 @@ import torch
 from _dcp_helpers import TinyLM
 from lightning_dcp.sp.context import LOSS_MASK, TOKEN_WEIGHT
 from lightning_dcp.data import pack_samples
-from lightning_dcp.groups import SPGroups, aligned_blocks
-from lightning_dcp.metrics import step_metrics
+from lightning_dcp.runtime.groups import SPGroups, aligned_blocks
+from lightning_dcp.runtime.metrics import step_metrics
 from lightning_dcp.sp.sharding import add_token_weights, is_weighted, shard_batch, weighted_loss
-from lightning_dcp.strategy import DCPStrategy, _GradBuckets, find_num_heads
+from lightning_dcp.runtime.buckets import GradBuckets
+from lightning_dcp.runtime.model import SPCap, find_num_heads, resolve_sp_cap
+from lightning_dcp.runtime.row import GatheredStep, StepRow
+from lightning_dcp.runtime.strategy import DCPStrategy
 
 
 def _packed(lengths, sp):
@@ -82,18 +85,41 @@ def test_weighted_loss_marks_and_falls_back_outside_dcp():
 
 
 def test_heads_check_names_both_values():
-    s = DCPStrategy(max_sp_size=8)
-    s.num_heads = 4
     with pytest.raises(ValueError, match=r"max_sp_size=8 allows SP size 8, which does not divide the model's 4 attention heads"):
-        s._resolve_max_sp(world_size=8)
+        resolve_sp_cap(8, world_size=8, heads=4)
     assert find_num_heads(TinyLM()) == 4
 
 
 def test_default_max_sp_follows_heads_and_world():
-    s = DCPStrategy()
-    s.num_heads = 2
-    s._resolve_max_sp(world_size=8)
-    assert s.max_sp_size == 2
+    assert resolve_sp_cap(None, world_size=8, heads=2) == SPCap(2, heads_cap=2)
+    assert resolve_sp_cap(None, world_size=8, heads=16) == SPCap(8)
+    with pytest.warns(UserWarning, match="exceeds the world"):
+        assert resolve_sp_cap(8, world_size=4, heads=16) == SPCap(4)
+
+
+def test_misspelled_arguments_name_the_closest_valid_one():
+    with pytest.raises(TypeError, match=r"'global_batchsize' \(did you mean 'global_batch_size'\?\)"):
+        DCPStrategy(global_batchsize=8)
+    with pytest.raises(TypeError, match=r"'polcy' \(did you mean 'policy'\?\)"):
+        DCPStrategy(polcy="bucket")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'xyzzy'; valid arguments: .*policy"):
+        DCPStrategy(xyzzy=1)
+    with pytest.raises(TypeError):
+        DCPStrategy("dcp")  # keyword-only: a positional policy is refused, not taken as something else
+
+
+def test_settings_are_frozen_and_validated():
+    s = DCPStrategy(seed=3, planner_options={"fallback": False}, timeout=12)
+    with pytest.raises(AttributeError):
+        s.settings.seed = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        s.settings.planner_options["fallback"] = True  # type: ignore[index]
+    assert s.settings.timeout.total_seconds() == 12.0
+    for bad in ({"max_sp_size": 3}, {"global_batch_size": 0}, {"timeout": -1}, {"support": "full"},
+                {"max_oom_replans": -1}, {"bucket_cap_mb": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DCPStrategy(**bad)
+    assert s.settings.agreement(world_size=2)["seed"] == 3
 
 
 def test_constructor_errors_and_ddp_wrapper_args():
@@ -108,16 +134,26 @@ def test_constructor_errors_and_ddp_wrapper_args():
 def test_registry():
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_dcp import _registry
+
     DCPStrategy.register_strategies(StrategyRegistry)
     assert "dcp" in StrategyRegistry and "dcp_spawn" in StrategyRegistry
     assert isinstance(StrategyRegistry.get("dcp_spawn"), DCPStrategy)
+    assert StrategyRegistry.get("dcp_spawn")._start_method == "spawn"
+    assert tuple(DCPStrategy.registry_names) == tuple(_registry._NAMES)
+    assert "ddp" not in [n for n, _ in DCPStrategy.registry_names]
+
+
+def _rows(*values):
+    return [StepRow(busy_s=b, loss=l, tokens=t, items=i, loss_units=0, plan_hash=1.0, next_plan_hash=0.0)
+            for b, l, t, i in values]
 
 
 def test_step_metrics_imbalance():
-    g = torch.tensor([[1.0, 0.5, 100, 2], [0.5, 0.25, 50, 1]], dtype=torch.float64)
     plan = {"items": [{"ranks": [0], "samples": [0], "lengths": [100], "recompute": 1},
                       {"ranks": [0, 1], "samples": [1], "lengths": [100], "recompute": 0}]}
-    m = step_metrics(g, epoch=0, step=3, step_s=2.0, plan=plan, global_tokens=200)
+    m = step_metrics(_rows((1.0, 0.5, 100, 2), (0.5, 0.25, 50, 1)), epoch=0, step=3, step_s=2.0, plan=plan,
+                     global_tokens=200, loss=0.75)
     assert m.idle_s == [0.0, 0.5] and abs(m.imbalance - 0.25) < 1e-12
     assert m.tokens_per_s == 100.0 and m.sp_sizes == [1, 2] and m.loss == 0.75
     assert m.as_log_dict()["dcp/microbatches_max"] == 2.0
@@ -125,10 +161,19 @@ def test_step_metrics_imbalance():
 
 def test_grad_buckets_park_and_restore():
     ps = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(torch.randn(5))]
-    b = _GradBuckets(ps, cap_bytes=24)
+    b = GradBuckets(ps, cap_bytes=24)
     assert len(b.buffers) == 3
     ps[0].grad, ps[1].grad = torch.ones(3), torch.full((2, 2), 2.0)
     b.park()
     assert all(p.grad is None for p in ps) and b.has_grad.tolist() == [1, 1, 0]
     b.reduce(None)
     assert torch.equal(ps[1].grad, torch.full((2, 2), 2.0)) and ps[2].grad is None
+
+
+def test_step_row_round_trips_through_the_gathered_table():
+    a = StepRow(busy_s=1.5, loss=2.0, tokens=10, items=2, loss_units=7, plan_hash=123.0, next_plan_hash=0.0, oom_item=3)
+    b = StepRow(busy_s=0.5, loss=1.0, tokens=4, items=1, loss_units=5, plan_hash=123.0, next_plan_hash=0.0)
+    table = torch.stack([a.to_tensor(torch.tensor([1.0, 0.0])), b.to_tensor(torch.tensor([1.0, 1.0]))])
+    g = GatheredStep(table)
+    assert g.rows == [a, b] and g.loss_units == 12.0 and g.failed_items == [2]
+    assert g.has_grad.tolist() == [2.0, 1.0] and g.column("plan_hash") == [123.0, 123.0]

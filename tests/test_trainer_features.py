@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from _dcp_helpers import RandomPlanner, TinyLM, make_dataset, max_rel_err
 from _dist import run_distributed
 from lightning_dcp.data import plain_collate
-from lightning_dcp.strategy import DCPStrategy
+from lightning_dcp import DCPStrategy
 
 CLIP = 1e-3  # far below the tiny model's gradient norm, so clipping always acts
 

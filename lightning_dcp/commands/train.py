@@ -80,28 +80,18 @@ def _quiet_nonzero_rank() -> None:
 
 
 def _progress_bar() -> Any:
-    """Lightning's default bar, with the epoch shown as ``Epoch 0`` rather than ``Epoch 0/-2`` in a
-    step-bounded run (``max_epochs=-1``; Lightning < 2.7, issue Lightning-AI/pytorch-lightning#21925)."""
+    """Lightning's default bar (Rich when installed); DCPStrategy shows its epoch as ``Epoch 0``, not
+    ``Epoch 0/-2``, in this step-bounded run (:mod:`lightning_dcp.runtime.progress`)."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
     from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-    if not _RICH_AVAILABLE:
-        return TQDMProgressBar()
-
-    class StepBoundedRichProgressBar(RichProgressBar):
-        def _get_train_description(self, current_epoch: int) -> str:
-            description = super()._get_train_description(current_epoch)
-            if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
-                description = description.replace(f"/{self.trainer.max_epochs - 1}", "")
-            return description
-
-    return StepBoundedRichProgressBar()
+    return RichProgressBar() if _RICH_AVAILABLE else TQDMProgressBar()
 
 
 def _plan_printer(quiet: bool) -> Any:
     import lightning.pytorch as pl
 
-    from lightning_dcp.metrics import format_plan
+    from lightning_dcp.runtime.metrics import format_plan
 
     class PlanPrinter(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -133,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_dcp.data import SyntheticTokenDataset, SyntheticVideoDataset, plain_collate, tiny_lengths
     from lightning_dcp.models.module import DCPTransformerModule
-    from lightning_dcp.strategy import DCPStrategy
+    from lightning_dcp.runtime.strategy import DCPStrategy
 
     cuda = torch.cuda.is_available()
     devices = args.devices or (torch.cuda.device_count() if cuda else 2)

@@ -13,11 +13,12 @@ from lightning_dcp.models import build_model, resolve_spec
 from lightning_dcp.models.transformer2d import shard_video_batch, video_shapes
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.sp.sharding import weighted_loss
+from lightning_dcp.step_loss import StepLossLogging
 
 __all__ = ["DCPTransformerModule", "resolve_spec"]  # resolve_spec re-exported from lightning_dcp.models
 
 
-class DCPTransformerModule(pl.LightningModule):
+class DCPTransformerModule(StepLossLogging, pl.LightningModule):
     """Trains :class:`~lightning_dcp.models.Transformer1D` (next-token cross-entropy) or
     :class:`~lightning_dcp.models.Transformer2D` (masked MSE to ``batch["targets"]``).
 
@@ -33,8 +34,9 @@ class DCPTransformerModule(pl.LightningModule):
     ``training_step`` returns the mean loss over this rank's local loss tokens (non-padding, and
     for 1d labels != -100) -- or, when the DCP strategy put ``TOKEN_WEIGHT`` in the batch,
     :func:`lightning_dcp.sp.sharding.weighted_loss` of the per-token losses (exact for the
-    strategy's ``"token"`` and ``"sample"`` reductions); it logs the local mean as
-    ``"train_loss"``. :meth:`token_losses` gives the per-token values and mask. For ``"2d"`` models the module has a
+    strategy's ``"token"`` and ``"sample"`` reductions). The step's loss is logged as ``train/loss``
+    (:class:`~lightning_dcp.step_loss.StepLossLogging`): the global mean under DCPStrategy, the batch
+    mean under a plain Trainer. :meth:`token_losses` gives the per-token values and mask. For ``"2d"`` models the module has a
     ``dcp_shard_batch(batch, sp_rank, sp_size)`` hook (whole frames per SP rank, see
     :func:`~lightning_dcp.models.transformer2d.shard_video_batch`); ``"1d"`` models have none
     (``hasattr`` is False), so the strategy's generic token chunking applies.
@@ -96,11 +98,9 @@ class DCPTransformerModule(pl.LightningModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         loss, mask = self.token_losses(batch)
-        mean = loss.sum() / mask.sum().clamp_min(1)
-        self.log("train_loss", mean.detach(), prog_bar=True, batch_size=self._batch_size(batch))
         if TOKEN_WEIGHT in batch:  # under DCPStrategy: exact for both loss reductions, packed or not
             return weighted_loss(loss, batch)
-        return mean
+        return loss.sum() / mask.sum().clamp_min(1)
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         loss = self._mean_loss(batch)

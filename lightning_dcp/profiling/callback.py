@@ -27,7 +27,9 @@ class DCPProfiler(Callback):
     """Profile (or load the cached profile) at fit start and hand the cost model to the strategy.
 
     At ``on_fit_start`` (after ``strategy.setup``, before the dataloaders and the DCP sampler
-    exist): compute the cache key (model signature, device name, precision, world size, package
+    exist): under :class:`~lightning_dcp.DCPStrategy`, first the agreement check (every rank must
+    have the same sample lengths, settings and profiler inputs; else every rank stops with one
+    :class:`~lightning_dcp.AgreementError` before any profiling collective); compute the cache key (model signature, device name, precision, world size, package
     version); rank 0 looks it up in the cache; on a hit the profile is broadcast to every rank;
     otherwise every rank runs :func:`~lightning_dcp.profiling.profile_module` together (SP sizes
     above 1 on the strategy's real groups) and rank 0 writes the file. A corrupt or foreign cache
@@ -116,6 +118,14 @@ class DCPProfiler(Callback):
             return [p for p in sp_groups.sizes if heads is None or heads % p == 0]
         return None
 
+    def _inputs(self, key: profile_cache.ProfileKey) -> dict:
+        """What the profile depends on besides the data: every rank must have the same (the strategy
+        compares it before profiling, :meth:`~lightning_dcp.DCPStrategy.check_agreement_before_profiling`)."""
+        return {"key": key.to_dict(), "density": self.density, "lengths": self.lengths,
+                "micro_batch_sizes": self.micro_batch_sizes, "sp_sizes": self.sp_sizes,
+                "memory_limit_bytes": self.memory_limit_bytes, "layers_attr": self.layers_attr,
+                "time_budget_s": self.time_budget_s, "use_cache": self.use_cache}
+
     def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack) -> dict:
         strategy = trainer.strategy
         path = profile_cache.profile_path(key, self.cache_dir) if self.use_cache else None
@@ -169,6 +179,9 @@ class DCPProfiler(Callback):
         t0 = time.perf_counter()
         strategy = trainer.strategy
         key = self._key(trainer, pl_module)
+        agree = getattr(strategy, "check_agreement_before_profiling", None)
+        if callable(agree):  # before any collective: ranks that disagree stop with one clear error
+            agree(self._dataset(trainer), self._inputs(key))
         lookup = profile_cache.load_cached(key, self.cache_dir) if self.use_cache and trainer.is_global_zero else None
         status, profile = strategy.broadcast((lookup.status, lookup.profile) if lookup else ("off", None), src=0)
         self.cache_status = status

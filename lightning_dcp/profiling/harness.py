@@ -14,12 +14,12 @@ __all__ = ["default_step", "find_int_attr", "make_sp_groups", "muted_logging", "
 
 
 def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequence[int]], Any]:
-    """Create the SP groups of every aligned block up to ``max(sp_sizes)`` (:class:`lightning_dcp.groups.SPGroups`;
+    """Create the SP groups of every aligned block up to ``max(sp_sizes)`` (:class:`lightning_dcp.runtime.groups.SPGroups`;
     a collective: every rank calls it with the same arguments) and return their ``group_for``.
 
     For use outside :class:`~lightning_dcp.DCPStrategy`, which has its own ``sp_groups``.
     """
-    from lightning_dcp.groups import SPGroups
+    from lightning_dcp.runtime.groups import SPGroups
 
     return SPGroups(world_size, dist.get_rank(), max_sp_size=max(sp_sizes)).group_for
 

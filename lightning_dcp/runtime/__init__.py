@@ -1,0 +1,22 @@
+"""The DCP runtime: executes step plans inside Lightning, and decides nothing.
+
+One concept per module:
+
+- :mod:`~lightning_dcp.runtime.strategy`: :class:`DCPStrategy`, the Lightning hooks only;
+- :mod:`~lightning_dcp.runtime.settings`: the frozen, validated ``DCPStrategy(...)`` arguments;
+- :mod:`~lightning_dcp.runtime.executor`: one step -- prepare on the host, the micro-batch loop, the
+  step-end gather (:mod:`~lightning_dcp.runtime.row`), the gradient reduction
+  (:mod:`~lightning_dcp.runtime.buckets`);
+- :mod:`~lightning_dcp.runtime.oom`: out-of-memory recovery, one object;
+- :mod:`~lightning_dcp.runtime.sampler`, :mod:`~lightning_dcp.runtime.loader`,
+  :mod:`~lightning_dcp.runtime.lengths`: steps, their micro-batches, and the sample lengths;
+- :mod:`~lightning_dcp.runtime.planners`, :mod:`~lightning_dcp.runtime.model`,
+  :mod:`~lightning_dcp.runtime.support`: which planner, what the module allows, its support level;
+- :mod:`~lightning_dcp.runtime.groups`, :mod:`~lightning_dcp.runtime.agreement`,
+  :mod:`~lightning_dcp.runtime.faults`, :mod:`~lightning_dcp.runtime.watchdog`: process groups, ranks
+  that must agree, collectives that fail, and SIGTERM;
+- :mod:`~lightning_dcp.runtime.metrics`, :mod:`~lightning_dcp.runtime.progress`: what a step did,
+  and the progress bar.
+
+Planning lives in :mod:`lightning_dcp.planning` (pure Python); the model side in :mod:`lightning_dcp.sp`.
+"""

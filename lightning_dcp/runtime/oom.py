@@ -1,0 +1,237 @@
+"""Out-of-memory inside a step: re-plan the step without the shape that failed, or stop cleanly.
+
+What happens when ``torch.OutOfMemoryError`` hits a work item (:class:`OOMRecovery` holds it all; the
+executor, :mod:`lightning_dcp.runtime.executor`, calls it):
+
+- **SP 1 item** (no partner waits on this rank inside a collective): the rank frees the item,
+  skips its other SP-1 items (it still runs its SP > 1 items, whose partners need it), and flags
+  the failed item on the step-end all-gather. Every rank then discards the step's gradients, the
+  step is re-planned with a :class:`~lightning_dcp.planning.lowered.LoweredMemory` cost model whose limit sits just below the
+  failed item's estimated memory (so the planner packs fewer samples, recomputes more layers or
+  uses more SP for that shape) and run again: the same samples, each exactly once, so the weights
+  equal those of a run without the fault. Each re-plan counts in ``dcp/oom_replans``; after
+  ``max_oom_replans`` failures of the same step a :class:`StepOutOfMemoryError` stops the run.
+- **SP > 1 item**: a partner may already wait inside the group's all-to-all, so the step cannot
+  be retried in process. The failing rank writes a checkpoint of the state before the step (the
+  optimizer has not stepped; model, optimizer, loops and sampler position are those of the step's
+  start) to ``<default_root_dir>/dcp_oom/`` with the lowered memory limit for that step, then
+  raises :class:`StepOutOfMemoryError` naming the file; its partners' collectives fail (peer gone)
+  or time out (``DCPStrategy(timeout=...)``) and the run ends. ``trainer.fit(..., ckpt_path=that
+  file)`` resumes at the failed step, re-planned with the lowered limit: the same samples, so the
+  weights equal those of a run without the fault. No file is written with ``zero1=True`` (the
+  optimizer state is sharded; gathering it needs every rank) or ``DCPStrategy(oom_checkpoint=False)``.
+
+The planner stays pure: a re-plan is a new planner over a lowered cost model, deterministic on
+every rank, built from what every rank agreed on (the step plan and the gathered failure flags).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.lowered import LoweredMemory, lowered_limit
+from lightning_dcp.planning.padded import PaddedCostModel
+from lightning_dcp.runtime.faults import describe_item
+
+__all__ = ["CHECKPOINT_KEY", "OOM_ERRORS", "OOMRecovery", "StepOutOfMemoryError", "sp_oom_message"]
+
+#: ``replan(batch, planner, seed_offset) -> (meta, items, plan hash)``: the step's samples planned
+#: again by ``planner``, loaded and prepared (the executor provides it).
+Replan = Callable[[dict, Any, int], "tuple[dict, list, float]"]
+
+#: What counts as an out-of-memory error (``torch.cuda.OutOfMemoryError`` is the same class).
+OOM_ERRORS: tuple[type[BaseException], ...] = tuple({getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
+                                                     torch.cuda.OutOfMemoryError})
+
+class StepOutOfMemoryError(RuntimeError):
+    """A step ran out of memory and could not be re-planned (SP > 1, or too many attempts).
+
+    ``this_rank_only`` is true where only the rank that hit the error raises it (SP > 1; its
+    partners fail in a collective): that rank's message is the one to show."""
+
+    def __init__(self, message: str, *, this_rank_only: bool = False) -> None:
+        super().__init__(message)
+        self.this_rank_only = this_rank_only
+
+
+#: The key of an out-of-memory checkpoint's own entry: ``{"epoch", "step", "memory_limit", "item"}``.
+CHECKPOINT_KEY = "dcp_oom"
+
+
+def sp_oom_message(where: str, item: str, rank: int, timeout_s: float | None, checkpoint: str | None = None,
+                   memory_limit: float | None = None, no_checkpoint: str = "") -> str:
+    """The error for an out-of-memory error in an SP > 1 item (the step cannot be retried in process)."""
+    limit = f"{timeout_s:g} s" if timeout_s is not None else "the backend's time-out"
+    head = (f"{where}: {item} ran out of memory on rank {rank}. Its SP partners may already wait inside the group's "
+            f"collectives, so the step cannot be retried in process; the run stops (the partners fail when this rank "
+            f"exits, at the latest after the collective time-out of {limit}). ")
+    if checkpoint is not None:
+        lowered = (f"re-planned with the memory limit lowered to {memory_limit / 2**30:.3g} GiB"
+                   if memory_limit is not None else "re-planned by your planner with another step seed")
+        return (head + f"The state before this step is saved in {checkpoint}: resume with trainer.fit(..., "
+                f"ckpt_path={checkpoint!r}) and this step is {lowered}; no sample is skipped or trained twice")
+    return (head + (f"No checkpoint was written ({no_checkpoint}). " if no_checkpoint else "")
+            + "Lower the planner's memory limit (profile with a smaller DCPProfiler(memory_limit_bytes=...), or a cost "
+            "model with a lower memory_limit) and resume: a checkpoint resumes from the last step saved before this one")
+
+
+def _free_cuda_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class OOMRecovery:
+    """Everything the runtime does about out-of-memory errors, and the state it keeps for it.
+
+    Args:
+        max_replans: how often one step may be re-planned (``DCPStrategy(max_oom_replans=...)``).
+        write_checkpoint: write the state before the step after an SP > 1 failure
+            (``DCPStrategy(oom_checkpoint=...)``).
+        planners: the fit's :class:`~lightning_dcp.runtime.planners.PlannerFactory` (re-plans use it).
+    """
+
+    def __init__(self, max_replans: int, write_checkpoint: bool, planners: Any = None) -> None:
+        self.max_replans = int(max_replans)
+        self.write_checkpoint = bool(write_checkpoint)
+        self.planners = planners
+        self.replans = 0
+        """Steps re-planned after an out-of-memory error this fit (logged as ``dcp/oom_replans``)."""
+        self.resume_entry: dict | None = None
+        """An out-of-memory checkpoint's entry, until its step is re-planned."""
+        self.attempts = 0
+        """Earlier out-of-memory stops of the current step (from a resumed checkpoint)."""
+        self.lowered: CostModel | None = None
+        """The lowered cost model of the current step's re-plans."""
+
+    # -- per step ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step: a lowered limit applies to the re-plans of one step only."""
+        self.lowered = None
+        self.attempts = 0
+
+    def resume_due(self, meta: Mapping[str, Any]) -> bool:
+        """Whether ``meta``'s step is the one a loaded out-of-memory checkpoint stopped in."""
+        entry = self.resume_entry
+        return entry is not None and (entry["epoch"], entry["step"]) == (meta["epoch"], meta["step"])
+
+    def _seed_offset(self, attempt: int) -> int:
+        """Step-seed offset for a user planner's re-plan: a new one for every attempt, across resumes."""
+        return 7919 * (self.attempts + attempt + 1)
+
+    def replan_resumed(self, batch: dict, cost_model: CostModel, replan: Replan) -> tuple[dict, list, float]:
+        """The step that ran out of memory in an SP > 1 item before the resume, planned again with the
+        checkpoint's lowered memory limit (a user's planner: with another step seed)."""
+        entry, self.resume_entry = self.resume_entry, None
+        meta = batch["meta"]
+        self.attempts = int(entry.get("attempts", 1))
+        self.replans += 1
+        rank_zero_info(f"resuming after an out-of-memory error in step {meta['step']} of epoch {meta['epoch']} "
+                       f"({entry['item']}): re-planning the step with less memory")
+        lengths = [n for it in meta["plan"]["items"] for n in it["lengths"]]
+        user_planner = self.planners.settings.planner
+        try:
+            if user_planner is not None or entry.get("memory_limit") is None:
+                planner = user_planner if user_planner is not None else self.planners.planner(cost_model, lengths)
+                return replan(batch, planner, self._seed_offset(0))
+            self.lowered = LoweredMemory(cost_model, min(float(entry["memory_limit"]), float(cost_model.memory_limit)))
+            return replan(batch, self.planners.planner(self.lowered, lengths), 0)
+        except PlanningError as err:
+            raise StepOutOfMemoryError(f"step {meta['step']} of epoch {meta['epoch']} ran out of memory before the "
+                                       f"resume ({entry['item']}), and cannot be re-planned with less memory: {err}. "
+                                       "Resume from an earlier checkpoint with a smaller memory limit or more ranks, or "
+                                       "split or drop the longest samples") from err
+
+    def replan_failed(self, batch: dict, failed_items: list[int], attempt: int, cost_model: CostModel,
+                      replan: Replan) -> tuple[dict, list, float]:
+        """Every rank saw these plan items run out of memory at SP 1: re-plan the step's samples with the
+        memory limit just below the failed items' estimate; (meta, items, plan hash) of the next attempt."""
+        meta = batch["meta"]
+        epoch, step, plan = meta["epoch"], meta["step"], meta["plan"]
+        failed = [dict(plan["items"][i], index=i) for i in failed_items]
+        what = "; ".join(describe_item(it) for it in failed)
+        self.replans += 1
+        if attempt >= self.max_replans:
+            raise StepOutOfMemoryError(
+                f"step {step} of epoch {epoch} ran out of memory {attempt + 1} time(s) at SP 1 ({what}) and was re-planned "
+                f"{attempt} time(s) with less memory; stopping. Lower the cost model's memory limit (profile with "
+                "DCPProfiler(memory_limit_bytes=...)), split or drop long samples, or raise max_oom_replans")
+        rank_zero_warn(f"step {step} of epoch {epoch}: {what} ran out of memory; re-planning the step with less memory "
+                       f"(attempt {attempt + 1} of {self.max_replans}); no sample is skipped or trained twice")
+        try:
+            planner, offset = self._lowered_planner(plan, failed, attempt, cost_model)
+            return replan(batch, planner, offset)
+        except PlanningError as err:
+            raise StepOutOfMemoryError(f"step {step} of epoch {epoch}: {what} ran out of memory, and the step cannot be "
+                                       f"re-planned with less memory: {err}") from err
+
+    def _lowered_planner(self, plan: Mapping[str, Any], failed: list[dict], attempt: int,
+                         cost_model: CostModel) -> tuple[Any, int]:
+        """(planner, step-seed offset) for a re-plan: the fit's planner over a cost model whose limit sits
+        below the failed items; a user's planner is asked again with another step seed."""
+        user_planner = self.planners.settings.planner
+        if user_planner is not None:
+            return user_planner, self._seed_offset(attempt + 1 if self.attempts else attempt)
+        base = self.lowered if self.lowered is not None else cost_model
+        batch_lengths = [n for it in plan["items"] for n in it["lengths"]]
+        if isinstance(base, PaddedCostModel):
+            limit = min(base.max_padded_tokens, min(PaddedCostModel.padded_tokens(it["lengths"]) for it in failed) - 1)
+            lowered: CostModel = PaddedCostModel(base.base, max(1, limit))
+        else:
+            lowered = LoweredMemory(base, lowered_limit(base, failed))
+        self.lowered = lowered
+        return self.planners.planner(lowered, batch_lengths), 0
+
+    # -- SP > 1: stop with a checkpoint ----------------------------------------------------------
+    def sp_stop_message(self, meta: Mapping[str, Any], it: Mapping[str, Any], *, rank: int, timeout_s: float | None,
+                        cost_model: CostModel | None, trainer: Any, checkpoint_io: Any,
+                        no_checkpoint_reason: str | None = None) -> str:
+        """Out of memory in an SP > 1 item: write the state before the step (unless
+        ``no_checkpoint_reason`` or ``oom_checkpoint=False`` says not to) and return the error message.
+        The caller has already dropped the step's partial gradients."""
+        _free_cuda_cache()
+        args = (f"step {meta['step']} of epoch {meta['epoch']}", describe_item(it), rank, timeout_s)
+        if not self.write_checkpoint:
+            return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
+        if no_checkpoint_reason:
+            return sp_oom_message(*args, no_checkpoint=no_checkpoint_reason)
+        attempts = self.attempts + 1
+        if attempts > self.max_replans:
+            return sp_oom_message(*args, no_checkpoint=f"this step ran out of memory {attempts} times, across resumes; "
+                                  f"max_oom_replans is {self.max_replans}")
+        limit = None
+        if self.planners.settings.planner is None:
+            limit = lowered_limit(self.lowered if self.lowered is not None else cost_model, [it])
+        path = os.path.join(trainer.default_root_dir, "dcp_oom", f"epoch={meta['epoch']}-step={meta['step']}-rank={rank}.ckpt")
+        entry = {"epoch": int(meta["epoch"]), "step": int(meta["step"]), "memory_limit": limit,
+                 "item": describe_item(it), "attempts": attempts}
+        try:
+            self._save(trainer, checkpoint_io, path, entry)
+        except Exception as save_err:  # never hide the out-of-memory error behind a failed save
+            return sp_oom_message(*args, no_checkpoint=f"saving {path} failed: {type(save_err).__name__}: {save_err}")
+        return sp_oom_message(*args, checkpoint=path, memory_limit=limit)
+
+    @staticmethod
+    def _save(trainer: Any, checkpoint_io: Any, path: str, entry: dict) -> None:
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint[CHECKPOINT_KEY] = entry
+        # Lightning counts a restart as if saved at a batch's end (+1 logger step); this step did not end
+        epoch_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict")
+        if isinstance(epoch_loop, dict) and epoch_loop.get("_batches_that_stepped", 0) > 0:
+            epoch_loop["_batches_that_stepped"] -= 1
+        checkpoint_io.save_checkpoint(checkpoint, path)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def load(self, checkpoint: Mapping[str, Any]) -> None:
+        """Take an out-of-memory checkpoint's entry (if any): its step is re-planned when it comes."""
+        self.resume_entry = checkpoint.get(CHECKPOINT_KEY)
+
+    def clear(self) -> None:
+        """At teardown: an out-of-memory checkpoint's entry lives for the one fit that loaded it."""
+        self.resume_entry = None
+

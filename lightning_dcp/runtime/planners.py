@@ -1,0 +1,83 @@
+"""Which planner a fit plans with: the settings, the cost model and the module's limits put together.
+
+The planner itself is pure (:mod:`lightning_dcp.planning`); this module only chooses its inputs:
+the user's planner as given; else a :class:`~lightning_dcp.planning.planner.Planner` over the cost
+model the strategy holds (given, measured by the profiler, or -- warned once --
+:class:`~lightning_dcp.planning.default_cost.DefaultCostModel`), capped at the SP size the world and
+the heads allow; in safe mode wrapped in the padded cost model and planner
+(:mod:`lightning_dcp.planning.padded`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.default_cost import DefaultCostModel
+from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
+from lightning_dcp.planning.planner import Planner
+from lightning_dcp.runtime.model import SPCap
+from lightning_dcp.runtime.settings import DCPSettings
+
+__all__ = ["PlannerFactory"]
+
+
+class PlannerFactory:
+    """Builds the fit's planner (and re-plan planners) from fixed inputs.
+
+    Args:
+        settings: the strategy's settings (policy, seed, planner options, a user planner).
+        world_size: ranks in the world.
+        sp_cap: the SP cap the runtime created groups for.
+        num_heads: the model's attention heads (named in the planner's SP-cap errors), if known.
+        support: the module's support level (``"safe"`` plans padded micro-batches).
+    """
+
+    def __init__(self, settings: DCPSettings, world_size: int, sp_cap: SPCap, num_heads: int | None,
+                 support: str) -> None:
+        self.settings = settings
+        self.world_size = world_size
+        self.sp_cap = sp_cap
+        self.num_heads = num_heads
+        self.support = support
+        self._warned_default = False
+
+    def cost_model(self, given: CostModel | None, lengths: list[int], num_layers: int,
+                   micro_batch_size: int = 1) -> CostModel:
+        """The cost model to plan ``lengths`` with: ``given`` (profiled or the user's), padded in safe
+        mode; a :class:`DefaultCostModel` when there is none (warned once)."""
+        if self.support == "safe":
+            base = given if given is not None else DefaultCostModel(0, 1, 4 * max(lengths))
+            return base if isinstance(base, PaddedCostModel) else PaddedCostModel(base, micro_batch_size * max(lengths))
+        if given is not None:
+            return given
+        if not self._warned_default:
+            self._warned_default = True
+            rank_zero_warn("DCPStrategy has no cost model (pass cost_model=, or add lightning_dcp's DCPProfiler); using "
+                           "DefaultCostModel: SP size 1 for every sample, ranks balanced by gradient accumulation only")
+        return DefaultCostModel(num_layers, self.num_heads or 1, 4 * max(lengths))
+
+    def planner(self, cost_model: CostModel, lengths: list[int]) -> Any:
+        """A planner over ``cost_model`` (the user's planner, when one was given, is returned as is)."""
+        if self.settings.planner is not None:
+            return self.settings.planner
+        opts = dict(self.settings.planner_options)
+        opts.setdefault("max_sp_size", self.sp_cap.size)
+        if self.sp_cap.heads_cap is not None and opts["max_sp_size"] == self.sp_cap.heads_cap:
+            opts.setdefault("sp_cap_reason", f"the model's {self.num_heads} attention heads (SP sizes must divide them)")
+        planner = Planner(self.world_size, cost_model, policy=self.settings.policy, seed=self.settings.seed,
+                          dataset_lengths=lengths, **opts)
+        return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
+
+    def bounder(self, cost_model: CostModel | None) -> Any:
+        """The per-step achievable bound (``dcp/step_bound_fraction``), for measured cost models only:
+        its seconds mean nothing beside wall time for an analytic or default model."""
+        from lightning_dcp.planning.profiled import ProfiledCostModel
+
+        if not isinstance(cost_model, ProfiledCostModel):
+            return None
+        from lightning_dcp.planning.bound import StepBounder
+
+        return StepBounder(cost_model, self.world_size, self.sp_cap.size)

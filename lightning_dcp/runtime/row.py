@@ -1,0 +1,83 @@
+"""The step-end row: what each rank tells every other rank once per step, in one all-gather.
+
+After its last micro-batch every rank contributes one :class:`StepRow` (a few float64 numbers) plus
+one has-gradient flag per parameter; the gathered table (:class:`GatheredStep`) is what the rest of
+the step reads: the global loss divisor, which plan items ran out of memory, the plan-agreement
+columns, and the per-rank busy time and tokens that :mod:`lightning_dcp.runtime.metrics` turns into
+``dcp/*`` metrics. One typed row, so the executor, the agreement check and the metrics never index
+columns by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["GatheredStep", "StepRow"]
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One rank's numbers for one step (every field travels as a float64)."""
+
+    busy_s: float
+    """Wall seconds inside this rank's micro-batch loop (forward and backward of all its items)."""
+    loss: float
+    """This rank's summed loss (a sum over its loss units, before the global divisor)."""
+    tokens: int
+    """Real (non-padding) tokens this rank ran."""
+    items: int
+    """Micro-batches this rank ran."""
+    loss_units: int
+    """Loss units this rank counts toward the global divisor (each item counted by its first SP rank)."""
+    plan_hash: float
+    """Fingerprint of the plan this rank ran (:func:`~lightning_dcp.runtime.agreement.plan_fingerprint`)."""
+    next_plan_hash: float
+    """Fingerprint of the plan this rank will run next step (0 at an epoch's end)."""
+    oom_item: int = 0
+    """1 + the plan index of an SP-1 item that ran out of memory on this rank, else 0."""
+
+    @classmethod
+    def width(cls) -> int:
+        return len(fields(cls))
+
+    def to_tensor(self, flags: Tensor | None = None) -> Tensor:
+        """The row as float64, followed by ``flags`` (the per-parameter has-gradient flags)."""
+        row = torch.tensor([float(v) for v in astuple(self)], dtype=torch.float64)
+        return row if flags is None else torch.cat([row, flags.to(torch.float64)])
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> "StepRow":
+        kinds = [f.type for f in fields(cls)]
+        return cls(*(int(v) if kind == "int" else float(v) for v, kind in zip(values, kinds)))
+
+
+class GatheredStep:
+    """The all-gathered ``[world, StepRow.width() + params]`` table of one step, read by field.
+
+    Args:
+        table: what the step-end all-gather returned (one row per rank, in rank order).
+    """
+
+    def __init__(self, table: Tensor) -> None:
+        width = StepRow.width()
+        table = table.double().cpu()
+        self.rows = [StepRow.from_values(r) for r in table[:, :width].tolist()]
+        self.has_grad = table[:, width:].sum(0)
+        """Per parameter: how many ranks produced a gradient for it (0: none did, its ``.grad`` stays ``None``)."""
+
+    def column(self, name: str) -> list[float]:
+        return [float(getattr(r, name)) for r in self.rows]
+
+    @property
+    def loss_units(self) -> float:
+        """The step's global loss divisor: loss units over every rank."""
+        return float(sum(r.loss_units for r in self.rows))
+
+    @property
+    def failed_items(self) -> list[int]:
+        """Plan indices of SP-1 items that ran out of memory on some rank this attempt."""
+        return sorted({r.oom_item - 1 for r in self.rows if r.oom_item > 0})

@@ -1,0 +1,154 @@
+"""What the user asked of :class:`~lightning_dcp.DCPStrategy`: one frozen, validated settings object.
+
+Every ``DCPStrategy(...)`` argument lands here, checked once, with errors that name the value and the
+fix; a misspelled argument is a ``TypeError`` naming the closest valid one (never a run that
+silently trains with defaults). The strategy reads its settings from :class:`DCPSettings` and never
+changes them; what it derives at run time (the resolved SP cap, the support level, the measured
+cost model) lives on the strategy. :meth:`DCPSettings.agreement` is what every rank must share --
+the setup agreement check (:mod:`lightning_dcp.runtime.agreement`) compares it across ranks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from lightning_dcp.runtime.support import SUPPORT_LEVELS
+from lightning_dcp.sp.sharding import LOSS_REDUCTIONS
+
+__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "DCPSettings", "split_strategy_kwargs"]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
+
+#: ``DDPStrategy.__init__`` arguments DCPStrategy passes on (launchers, cluster environments, plugins).
+DDP_STRATEGY_ARGS = frozenset({
+    "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "ddp_comm_state",
+    "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period", "process_group_backend", "start_method",
+})
+
+
+class _ReadOnlyOptions(Mapping):
+    """A read-only (and, unlike ``MappingProxyType``, picklable) copy of the planner options."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._options = dict(options)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._options[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def __repr__(self) -> str:
+        return repr(self._options)
+
+
+@dataclass(frozen=True)
+class DCPSettings:
+    """The validated arguments of :class:`~lightning_dcp.DCPStrategy` (see its docstring for each)."""
+
+    policy: str = "dcp"
+    cost_model: Any = None
+    planner: Any = None
+    profile: bool | None = None
+    global_batch_size: int | None = None
+    global_batch_tokens: int | None = None
+    loss_reduction: str = "token"
+    zero1: bool = False
+    seed: int = 0
+    plan_ahead: bool = True
+    max_sp_size: int | None = None
+    lengths: Sequence[int] | Callable[[Any], Sequence[int]] | None = None
+    shuffle: bool = True
+    drop_last: bool = True
+    planner_options: Mapping[str, Any] = field(default_factory=dict)
+    log_metrics: bool = True
+    bucket_cap_mb: float = 25.0
+    support: str | None = None
+    timeout: float | timedelta | None = DEFAULT_TIMEOUT_S
+    sigterm_grace_s: float | None = 30.0
+    max_oom_replans: int = 3
+    oom_checkpoint: bool = True
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout
+        if timeout is not None and not isinstance(timeout, timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise ValueError(f"timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
+            object.__setattr__(self, "timeout", timedelta(seconds=float(timeout)))
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
+        sp = self.max_sp_size
+        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or sp & (sp - 1)):
+            raise ValueError(f"max_sp_size must be a power of two >= 1, got {sp!r}")
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise ValueError(f"give global_batch_size ({self.global_batch_size}) or global_batch_tokens "
+                             f"({self.global_batch_tokens}), not both")
+        for name in ("global_batch_size", "global_batch_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.support is not None and self.support not in SUPPORT_LEVELS:
+            raise ValueError(f"support must be one of {SUPPORT_LEVELS} (or None to detect), got {self.support!r}")
+        if not isinstance(self.max_oom_replans, int) or self.max_oom_replans < 0:
+            raise ValueError(f"max_oom_replans must be an int >= 0, got {self.max_oom_replans!r}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
+            raise ValueError(f"sigterm_grace_s must be >= 0 or None, got {self.sigterm_grace_s!r}")
+        if not isinstance(self.planner_options, Mapping):
+            raise ValueError(f"planner_options must be a mapping of Planner keyword arguments, got "
+                             f"{type(self.planner_options).__name__}")
+        object.__setattr__(self, "planner_options", _ReadOnlyOptions(self.planner_options))
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """Size of a gradient reduction bucket in bytes."""
+        return int(self.bucket_cap_mb * 2**20)
+
+    def agreement(self, **resolved: Any) -> dict[str, Any]:
+        """What every rank must share: the data order and batching, the reductions and the policy (a
+        user's planner is compared through its own settings), plus the values the strategy resolved at
+        run time (``resolved``: the world size, the SP cap, the support level...)."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in (
+            "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens")}
+        out["policy"] = self.policy if self.planner is None else None
+        out.update(resolved)
+        return out
+
+
+def _ddp_wrapper_args() -> frozenset[str]:
+    """Keyword arguments of torch's ``DistributedDataParallel`` (DDPStrategy passes them to the wrapper)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return frozenset(name for name in params if name not in ("self", "module"))
+
+
+def split_strategy_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Split ``DCPStrategy(**kwargs)`` extras into the ``DDPStrategy`` arguments to pass on and the DDP
+    *wrapper* arguments to ignore (DCPStrategy runs without the wrapper).
+
+    Raises:
+        TypeError: an argument that is neither: a misspelling, named with the closest valid argument.
+    """
+    wrapper = _ddp_wrapper_args()
+    passed = {k: v for k, v in kwargs.items() if k in DDP_STRATEGY_ARGS}
+    ignored = sorted(k for k in kwargs if k in wrapper and k not in DDP_STRATEGY_ARGS)
+    unknown = sorted(set(kwargs) - set(passed) - set(ignored))
+    if unknown:
+        valid = sorted({f.name for f in fields(DCPSettings)} | DDP_STRATEGY_ARGS)
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(f"DCPStrategy got unexpected keyword argument(s) {', '.join(hints)}; valid arguments: "
+                        f"{', '.join(valid)}")
+    return passed, ignored

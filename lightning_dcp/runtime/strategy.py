@@ -1,0 +1,503 @@
+"""DCPStrategy: Data-Centric Parallel training as a Lightning strategy -- the Lightning hooks only.
+
+What each hook does (the work is done by the runtime's other rooms):
+
+- ``__init__``: the arguments become a frozen :class:`~lightning_dcp.runtime.settings.DCPSettings`
+  (validated; a misspelled argument is a ``TypeError`` naming the closest valid one).
+- ``setup_environment``: after DDP's process-group setup, the support level
+  (:mod:`~lightning_dcp.runtime.support`), the SP cap (:mod:`~lightning_dcp.runtime.model`) and the SP
+  groups of every aligned power-of-two block (:class:`~lightning_dcp.runtime.groups.SPGroups`), once,
+  in the same order on every rank; the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
+- ``setup``: checks the module and the Trainer, adds the profiler, no DDP wrapper (``configure_ddp``
+  only broadcasts rank 0's weights), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
+- ``process_dataloader`` (train only): the planner (:mod:`~lightning_dcp.runtime.planners`), the
+  :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and
+  :class:`~lightning_dcp.runtime.loader.DCPDataLoader` (one item per optimizer step), the setup
+  agreement check (:mod:`~lightning_dcp.runtime.agreement`) and the step executor
+  (:class:`~lightning_dcp.runtime.executor.StepExecutor`). Validation, test and predict loaders
+  keep Lightning's distributed sampling (SP size 1).
+- ``batch_to_device``: the executor builds this rank's shards on the host; only they move.
+- ``training_step`` (called by Lightning's closure once per optimizer step): the executor runs this
+  rank's micro-batches and the step-end gather, and returns the step's exact global loss (detached);
+  ``backward`` then skips it (backward already ran per micro-batch).
+- ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients
+  (one SUM all-reduce per bucket); only then does the precision plugin call
+  ``on_before_optimizer_step``, clip gradients, and the optimizer step.
+- ``reduce``, ``barrier``, ``all_gather``, ``reduce_boolean_decision``: a world collective from user
+  code inside the micro-batch loop would hang (ranks run different item counts): ``reduce`` returns
+  the local value there (warned once), the others raise with the fix.
+
+Why the result is exact, the agreement checks, time-outs, and out-of-memory recovery: see
+:mod:`~lightning_dcp.runtime.executor`, :mod:`~lightning_dcp.runtime.agreement`,
+:mod:`~lightning_dcp.runtime.faults` and :mod:`~lightning_dcp.runtime.oom`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.runtime.agreement import check_setup, planner_settings, setup_row
+from lightning_dcp.runtime.executor import StepExecutor, is_step_batch, world_all_gather
+from lightning_dcp.runtime.groups import SPGroups
+from lightning_dcp.runtime.lengths import resolve_lengths
+from lightning_dcp.runtime.loader import DCPDataLoader
+from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker
+from lightning_dcp.runtime.model import SPCap, count_recompute_layers, find_num_heads, resolve_sp_cap
+from lightning_dcp.runtime.oom import OOMRecovery
+from lightning_dcp.runtime.planners import PlannerFactory
+from lightning_dcp.runtime.progress import mend_progress_bars
+from lightning_dcp.runtime.sampler import DCPBatchSampler
+from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, DCPSettings, split_strategy_kwargs
+from lightning_dcp.runtime.support import resolve_support, support_message, uniform_lengths
+from lightning_dcp.runtime.watchdog import ShutdownWatchdog
+
+__all__ = ["DCPStrategy"]
+
+
+class DCPStrategy(DDPStrategy):
+    """Data-Centric Parallel: per step, the data chooses SP groups, micro-batches per rank and recomputation.
+
+    Gradients equal those of plain data-parallel training on the same global batch (fp32, up
+    to summation order). Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`
+    (launchers, cluster environments, rank setup) without the DDP wrapper.
+
+    What the user's ``training_step`` returns is the loss of *one micro-batch on this rank* (its mean
+    over its local loss tokens, or a :func:`~lightning_dcp.sp.sharding.weighted_loss` sum); what the
+    strategy hands back to Lightning -- ``outputs["loss"]`` in ``on_train_batch_end`` -- is the step's
+    global mean loss, the value plain data-parallel training would report (log it there; the shipped
+    modules do, as ``train/loss``, through :class:`~lightning_dcp.step_loss.StepLossLogging`).
+
+    Args:
+        policy: planner policy name for :class:`lightning_dcp.planning.planner.Planner`
+            (``"dcp"``, ``"bucket"``, ``"packed"``, ``"static"``...); ignored with ``planner=``.
+        cost_model: a :class:`~lightning_dcp.planning.cost_model.CostModel`; else the one a
+            profiler gives through :meth:`set_cost_model`; else :class:`~lightning_dcp.planning.default_cost.DefaultCostModel` (warned).
+        planner: any object with ``plan_batch(samples, lengths, step=0)`` and
+            ``one_step_per_batch``; overrides ``policy`` / ``cost_model``.
+        profile: add ``lightning_dcp.profiling.DCPProfiler`` to the trainer's callbacks (measures
+            the model at fit start). ``None``: only when no cost model or planner is given and
+            the profiler is importable.
+        global_batch_size: samples per optimizer step, over all ranks. Default: the train
+            DataLoader's ``batch_size`` times the world size (what DDP would train on).
+        global_batch_tokens: alternatively, a token budget per step.
+        loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
+            ``"sample"`` (mean over samples of each sample's token mean); see
+            :mod:`lightning_dcp.sp.sharding` for what ``training_step`` must return.
+        zero1: shard optimizer state over the world (``ZeroRedundancyOptimizer``).
+        seed: data-order seed (the epoch is added each epoch); the same on every rank.
+        plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
+        max_sp_size: largest SP size (a power of two) to create groups for; default the largest
+            power of two that fits the world and divides the model's head count.
+        lengths: sample lengths (a list, or a callable taking the dataset) when the dataset
+            has no ``lengths`` attribute.
+        shuffle, drop_last: data order per epoch, and whether to drop the last partial batch.
+        planner_options: extra keyword arguments for the ``Planner``.
+        log_metrics: log ``dcp/*`` step metrics through the LightningModule's logger.
+        bucket_cap_mb: size of a gradient all-reduce bucket.
+        support: what the module supports, ``"safe"``, ``"packed"`` or ``"sp"`` (see
+            :mod:`lightning_dcp.runtime.support`); default the module's ``dcp_support`` attribute, else
+            detected: a module without ``RecomputeLayers`` / ``dcp_repeated_layers()`` runs in
+            safe mode (SP 1, its own ``collate_fn``, no packing across samples).
+        timeout: seconds (or a ``timedelta``) a collective of the world or of any SP group may wait
+            before it fails; default 300 (5 minutes). A stuck collective then ends the run with an
+            error naming the step, the item and the group.
+        max_oom_replans: how often one step may be re-planned after ``torch.OutOfMemoryError`` in an
+            SP-1 item before the run stops (see :mod:`lightning_dcp.runtime.oom`).
+        oom_checkpoint: after ``torch.OutOfMemoryError`` in an SP > 1 item (the step cannot be
+            retried in process), the failing rank writes the state before the step to
+            ``<default_root_dir>/dcp_oom/``; resuming from it re-plans that step with less memory.
+        sigterm_grace_s: after SIGTERM, seconds before a rank still blocked in a collective exits
+            (and kills the ranks it launched); ``None`` leaves SIGTERM to Lightning alone.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
+            (``start_method``, ``process_group_backend``, ``cluster_environment``...). Arguments of
+            the DDP *wrapper* (``find_unused_parameters``, ``static_graph``...) are ignored with a
+            warning (there is no wrapper); any other name is a ``TypeError`` that names the closest
+            valid argument.
+    """
+
+    strategy_name = "dcp"
+
+    def __init__(
+        self,
+        *,
+        policy: str = "dcp",
+        cost_model: CostModel | None = None,
+        planner: Any = None,
+        profile: bool | None = None,
+        global_batch_size: int | None = None,
+        global_batch_tokens: int | None = None,
+        loss_reduction: str = "token",
+        zero1: bool = False,
+        seed: int = 0,
+        plan_ahead: bool = True,
+        max_sp_size: int | None = None,
+        lengths: Sequence[int] | Callable[[Any], Sequence[int]] | None = None,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        planner_options: Mapping[str, Any] | None = None,
+        log_metrics: bool = True,
+        bucket_cap_mb: float = 25.0,
+        support: str | None = None,
+        timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+        sigterm_grace_s: float | None = 30.0,
+        max_oom_replans: int = 3,
+        oom_checkpoint: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        ddp_kwargs, ignored = split_strategy_kwargs(kwargs)
+        self.settings = DCPSettings(
+            policy=policy, cost_model=cost_model, planner=planner, profile=profile, global_batch_size=global_batch_size,
+            global_batch_tokens=global_batch_tokens, loss_reduction=loss_reduction, zero1=zero1, seed=seed,
+            plan_ahead=plan_ahead, max_sp_size=max_sp_size, lengths=lengths, shuffle=shuffle, drop_last=drop_last,
+            planner_options=planner_options or {}, log_metrics=log_metrics, bucket_cap_mb=bucket_cap_mb,
+            support=support, timeout=timeout, sigterm_grace_s=sigterm_grace_s, max_oom_replans=max_oom_replans,
+            oom_checkpoint=oom_checkpoint)
+        if ignored:
+            rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {ignored}")
+        timeout = self.settings.timeout
+        super().__init__(timeout=timeout if timeout is not None else default_pg_timeout, **ddp_kwargs)
+        self._cost_model: CostModel | None = cost_model
+        self.support: str | None = None
+        self.num_heads: int | None = None
+        self.sp_cap = SPCap(1)
+        self.sp_groups: SPGroups | None = None
+        self.batch_sampler: DCPBatchSampler | None = None
+        self.oom = OOMRecovery(max_oom_replans, oom_checkpoint)
+        self.executor: StepExecutor | None = None
+        self.last_step_metrics: StepMetrics | None = None
+        self.last_step_plan: dict | None = None
+        self.metrics_tracker = StepMetricsTracker()
+        self._watchdog: ShutdownWatchdog | None = None
+        self._warned_sync = False
+
+    @property
+    def max_sp_size(self) -> int:
+        """The largest SP size the runtime creates groups for (resolved at setup from the world, the heads
+        and ``DCPStrategy(max_sp_size=...)``)."""
+        return self.sp_cap.size
+
+    @property
+    def oom_replans(self) -> int:
+        """Steps re-planned after an out-of-memory error this fit (``dcp/oom_replans``)."""
+        return self.oom.replans
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model the planner uses (given, measured by the profiler, or the fallback)."""
+        return self._cost_model
+
+    # ------------------------------------------------------------------ registration
+    #: The names this strategy is registered under, with the launcher's start method each selects.
+    #: ``import lightning_dcp`` registers the same names without importing torch (:mod:`lightning_dcp._registry`).
+    registry_names = (("dcp", "popen"), ("dcp_spawn", "spawn"))
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"dcp"`` (popen launcher, for scripts/CLIs) and ``"dcp_spawn"`` in ``strategy_registry``
+        (names already there are left alone; DDP's own names are never taken over)."""
+        for name, start_method in cls.registry_names:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"Data-Centric Parallel strategy "
+                                           f"(start_method={start_method!r})", start_method=start_method)
+
+    # ------------------------------------------------------------------ environment and setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        self.num_heads = find_num_heads(module) if module is not None else None
+        self.support = resolve_support(module, self.settings.support) if module is not None else "sp"
+        requested = self.settings.max_sp_size
+        if self.support != "sp":
+            if requested not in (None, 1):
+                rank_zero_warn(f"max_sp_size={requested} ignored: the module runs at support level {self.support!r}, "
+                               "which has no sequence parallelism (SP size 1)")
+            requested = 1
+        self.sp_cap = resolve_sp_cap(requested, self.world_size, self.num_heads)
+        create = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.sp_cap.size, create=create,
+                                  timeout=self._timeout)
+        if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
+        blocked in a collective; a launched rank exits when its launcher is gone."""
+        launcher = self.launcher
+        is_launcher = isinstance(launcher, _SubprocessScriptLauncher) and not self.cluster_environment.creates_processes_externally
+        children = (lambda: list(launcher.procs)) if is_launcher else (lambda: ())
+        self._watchdog = ShutdownWatchdog(self.settings.sigterm_grace_s, watch_parent=not is_launcher,
+                                          children=children, name=f"rank {self.global_rank}").start()
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_fit(trainer, module)
+            message = support_message(module, self.support)
+            if message:
+                rank_zero_info(message)
+            mend_progress_bars(trainer)
+            self._maybe_add_profiler(trainer)
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.settings.zero1 and self.world_size > 1:
+            self._wrap_zero1()
+
+    @staticmethod
+    def _check_fit(trainer: Any, module: Any) -> None:
+        if not module.automatic_optimization:
+            raise ValueError(
+                "DCPStrategy runs the micro-batch accumulation loop itself and needs automatic optimization; "
+                f"{type(module).__name__}.automatic_optimization is False. Let training_step return the loss "
+                "(the strategy does backward, gradient reduction and the optimizer step)")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with DCPStrategy: the strategy "
+                "accumulates per rank as the plan says; set accumulate_grad_batches=1 and make the global batch larger "
+                "instead (DCPStrategy(global_batch_size=...))")
+
+    def _maybe_add_profiler(self, trainer: Any) -> None:
+        """Append a :class:`~lightning_dcp.profiling.DCPProfiler` unless the trainer has one, ``profile=False``,
+        or (``profile=None``) a cost model or planner was given."""
+        s = self.settings
+        if s.profile is False or (s.profile is None and (self._cost_model is not None or s.planner is not None)):
+            return
+        if self.support == "safe":  # nothing to profile: no repeated layers to measure
+            return
+        from lightning_dcp.profiling import DCPProfiler
+
+        if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
+            trainer.callbacks.append(DCPProfiler())
+
+    def _wrap_zero1(self) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        new = []
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroRedundancyOptimizer):
+                new.append(opt)
+                continue
+            groups = [dict(g) for g in opt.param_groups]
+            # ``defaults`` can hold keys the constructor does not take (torch's AdamW records
+            # ``decoupled_weight_decay``); the param groups keep every per-group value anyway.
+            accepted = inspect.signature(type(opt).__init__).parameters
+            defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
+            for cfg in self.lr_scheduler_configs:
+                if getattr(cfg.scheduler, "optimizer", None) is opt:
+                    cfg.scheduler.optimizer = zero
+            new.append(zero)
+        self.optimizers = new
+
+    def unsaveable_reason(self) -> str | None:
+        """Why one rank alone cannot write a full checkpoint (``None``: it can); an out-of-memory stop
+        in an SP > 1 item writes one only when it can."""
+        if self.settings.zero1 and self.world_size > 1:
+            return "zero1=True shards the optimizer state; gathering it needs every rank"
+        return None
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: broadcast rank 0's parameters and buffers instead."""
+        if self.world_size > 1 and dist.is_initialized():
+            from lightning.pytorch.overrides.distributed import _sync_module_states
+
+            _sync_module_states(self.model)
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
+        self._cost_model = cost_model
+        if self.batch_sampler is not None and self.settings.planner is None:
+            rank_zero_warn("set_cost_model after the train dataloader was built: the new cost model applies from "
+                           "the next time the dataloader is built (next fit or reload)")
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        if isinstance(dataloader, DCPDataLoader):
+            return dataloader
+        dataset = dataloader.dataset
+        if not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
+                             f"{type(dataset).__name__}")
+        lengths = self.train_lengths(dataset)
+        s = self.settings
+        gbs, gbt = s.global_batch_size, s.global_batch_tokens
+        per_rank = dataloader.batch_size or 1
+        if gbs is None and gbt is None:
+            gbs = per_rank * self.world_size
+        planners = PlannerFactory(s, self.world_size, self.sp_cap, self.num_heads, self.support)
+        if s.planner is None:
+            self._cost_model = planners.cost_model(self._cost_model, lengths, count_recompute_layers(self.lightning_module),
+                                                   per_rank)
+        planner = planners.planner(self._cost_model, lengths)
+        self.batch_sampler = DCPBatchSampler(
+            lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,
+            rank=self.global_rank, seed=s.seed, shuffle=s.shuffle, drop_last=s.drop_last, plan_ahead=s.plan_ahead)
+        self._check_setup_agreement(lengths, planner, global_batch_size=gbs, global_batch_tokens=gbt)
+        if len(self.batch_sampler) == 0:
+            raise ValueError(f"the train dataset ({len(lengths)} samples) gives no full global batch of "
+                             f"{gbs if gbs is not None else str(gbt) + ' tokens'}; lower the global batch or set drop_last=False")
+        loader = self._loader(dataloader)
+        self.oom.planners = planners
+        self.executor = StepExecutor(self, self.batch_sampler, loader.dataset, self._cost_model, self.oom,
+                                     bounder=planners.bounder(self._cost_model))
+        return loader
+
+    def _loader(self, dataloader: DataLoader) -> DCPDataLoader:
+        """The DCP train loader over ``dataloader``'s dataset, keeping its worker settings (and, in safe
+        mode, its ``collate_fn``)."""
+        kwargs: dict[str, Any] = {}
+        if dataloader.num_workers > 0:
+            kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
+                          multiprocessing_context=dataloader.multiprocessing_context)
+        collate_fn = None
+        if self.support == "safe":
+            from torch.utils.data import default_collate
+
+            collate_fn = dataloader.collate_fn or default_collate
+        return DCPDataLoader(dataloader.dataset, self.batch_sampler, collate_fn=collate_fn,
+                             num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
+                             timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn, **kwargs)
+
+    def _agreement_settings(self, planner: Any, **resolved: Any) -> dict:
+        resolved.update(world_size=self.world_size, max_sp_size=self.max_sp_size, support=self.support)
+        return planner_settings(planner, **self.settings.agreement(**resolved))
+
+    def _check_setup_agreement(self, lengths: list[int], planner: Any, **resolved: Any) -> None:
+        """One world all-gather at setup: every rank must have the same lengths, planner settings and
+        cost model (:mod:`lightning_dcp.runtime.agreement`); else every rank raises the same error."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        cost_model = self._cost_model if self.settings.planner is None else getattr(planner, "cost_model", None)
+        row = setup_row(lengths, self._agreement_settings(planner, **resolved), cost_model)
+        check_setup(self._world_gather(torch.tensor(row, dtype=torch.float64)).tolist())
+
+    def check_agreement_before_profiling(self, dataset: Any, profiler_inputs: Mapping[str, Any]) -> None:
+        """The setup agreement check, run by the profiler before its first collective: lengths, settings
+        and the profiler's own inputs (its grid, memory limit, cache key). Ranks that disagree would
+        otherwise profile different grids in lock-step collectives and crash or hang; now every rank
+        raises the same :class:`~lightning_dcp.runtime.agreement.AgreementError` instead."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        lengths = self.train_lengths(dataset)
+        settings = self._agreement_settings(None, profiler=dict(profiler_inputs))
+        row = setup_row(lengths, settings, None)
+        check_setup(self._world_gather(torch.tensor(row, dtype=torch.float64)).tolist(),
+                    where="at fit start, before profiling")
+
+    def _world_gather(self, t: Tensor) -> Tensor:
+        return world_all_gather(t, world_size=self.world_size, device=self.root_device)
+
+    def train_lengths(self, dataset: Any) -> list[int]:
+        """Every train sample's length, without loading samples (safe mode: equal lengths when none are given)."""
+        if self.support != "safe" or self.settings.lengths is not None or getattr(dataset, "lengths", None) is not None:
+            return resolve_lengths(dataset, self.settings.lengths)
+        rank_zero_info(f"DCPStrategy (safe mode): {type(dataset).__name__} gives no sample lengths; treating samples as "
+                       "equally long (ranks balanced by sample count). Give the dataset a `lengths` attribute or pass "
+                       "DCPStrategy(lengths=...) to balance by length")
+        return uniform_lengths(dataset)
+
+    # ------------------------------------------------------------------ the step
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Before a DCP step batch moves to the device, the executor builds this rank's micro-batches on
+        the host; only the local shards move."""
+        if is_step_batch(batch) and not batch["meta"].get("prepared") and self.executor is not None:
+            self.executor.prepare(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def training_step(self, batch: Any = None, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+        """Run this rank's micro-batches of one optimizer step; return the step's global loss (detached)."""
+        if self.executor is None:
+            raise RuntimeError("DCPStrategy.training_step ran before the train dataloader was built "
+                               "(process_dataloader); train through Trainer.fit")
+        return self.executor.run_step(batch, batch_idx)
+
+    def micro_backward(self, loss: Tensor) -> None:
+        """Backward of one micro-batch's loss through the precision plugin (the executor calls it)."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        super().backward(loss, optimizer)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Skipped for the loss a DCP ``training_step`` returned (backward already ran per micro-batch)."""
+        if self.executor is not None and self.executor.grads_parked:
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Reduce the parked gradients right after the closure, before clipping and the step."""
+
+        def dcp_closure() -> Any:
+            result = closure()
+            if self.executor is not None:
+                self.executor.reduce_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's checkpoint load; an out-of-memory checkpoint's step is re-planned with its lowered limit."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self.oom.load(checkpoint)
+        return checkpoint
+
+    # ------------------------------------------------------------------ collectives from user code
+    @property
+    def _in_micro_loop(self) -> bool:
+        return self.executor is not None and self.executor.in_micro_loop
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a
+        world collective would hang; return the local value (on-step sync is deferred, epoch-end sync still happens)."""
+        if self._in_micro_loop:
+            if not self._warned_sync:
+                self._warned_sync = True
+                rank_zero_warn("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run "
+                               "different numbers of micro-batches, so on-step values are not synced (each rank logs "
+                               "its own); epoch-level values are still synced at epoch end")
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._in_micro_loop:
+            raise RuntimeError("a world barrier inside training_step under DCPStrategy would hang (ranks run different "
+                               "numbers of micro-batches); move it to a hook outside training_step")
+        super().barrier(*args, **kwargs)
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if self._in_micro_loop:
+            raise RuntimeError("self.all_gather inside training_step under DCPStrategy would hang (ranks run different "
+                               "numbers of micro-batches); gather in on_train_batch_end or an epoch-end hook instead")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._in_micro_loop:
+            raise RuntimeError("reduce_boolean_decision inside training_step under DCPStrategy would hang; call it "
+                               "outside training_step")
+        return super().reduce_boolean_decision(decision, all=all)
+
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self.batch_sampler is not None:
+            self.batch_sampler.shutdown()
+        self.executor = None
+        self.oom.clear()
+        super().teardown()
