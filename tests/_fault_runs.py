@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +163,24 @@ def _lengths(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
 
 
+def _profiler(out: str) -> Any:
+    from lightning_dcp import DCPProfiler
+
+    return DCPProfiler(cache_dir=os.path.join(out, "profiles"), time_budget_s=5.0)
+
+
+def _profile_fill(out: str) -> None:
+    """Profile on agreeing ranks (fills the cache in ``out/profiles``); one step."""
+    make_trainer(2, DCPStrategy(global_batch_size=8, start_method="popen"), [ErrorFile(out), _profiler(out)],
+                 max_steps=1).fit(TinyLM())
+
+
+def _lengths_profiled(out: str) -> None:
+    """Rank-dependent dataset filtering with profiling on (SP 2 possible): the agreement error, not a crash."""
+    make_trainer(2, DCPStrategy(global_batch_size=8, start_method="popen"), [ErrorFile(out), _profiler(out)],
+                 max_steps=3).fit(RankFilteredLM())
+
+
 def _plan_sp2(out: str) -> None:
     strategy = DCPStrategy(planner=RankDivergingPlanner(2, seed=2, force_mix=True), global_batch_size=8,
                            start_method="popen")
@@ -198,7 +217,8 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=45.0))
 
 
-SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "oom_sp2_resume": _oom_sp2_resume, "sigterm": _sigterm, "lengths": _lengths, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,
+SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "oom_sp2_resume": _oom_sp2_resume, "sigterm": _sigterm, "lengths": _lengths,
+             "profile_fill": _profile_fill, "lengths_profiled": _lengths_profiled, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,
              "killed_rank1": lambda out: _killed(out, 1), "killed_rank0": lambda out: _killed(out, 0)}
 
 if __name__ == "__main__":

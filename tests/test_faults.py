@@ -115,6 +115,25 @@ def test_rank_dependent_dataset_stops_every_rank_at_setup(tmp_path):
         assert "rank-dependent dataset filtering" in msg
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["profiling", "cached-profile"])
+def test_rank_dependent_dataset_stops_every_rank_before_profiling(tmp_path, cached):
+    """Profiling on (the default), SP 2 possible: the same one-line agreement error on every rank, before
+    any profiling collective, whether the profile is measured now or loaded from the cache."""
+    if cached:
+        code, _ = _run("profile_fill", str(tmp_path))
+        assert code == 0, open(os.path.join(str(tmp_path), "output.txt")).read()[-3000:]
+        assert os.listdir(os.path.join(str(tmp_path), "profiles"))
+        os.remove(os.path.join(str(tmp_path), "output.txt"))
+    code, _ = _run("lengths_profiled", str(tmp_path))
+    assert code != 0
+    for msg in _errors(str(tmp_path)):
+        assert msg.startswith("AgreementError: ranks disagree on the train dataset's sample count (at fit start, "
+                              "before profiling): rank 0 has 48; rank 1 has 47"), msg
+        assert "rank-dependent dataset filtering" in msg
+    output = open(os.path.join(str(tmp_path), "output.txt")).read()
+    assert "DCP profil" not in output  # no rank started measuring or loaded the profile
+
+
 def test_rank_dependent_sp2_plans_stop_one_step_ahead_without_a_hang(tmp_path):
     code, _ = _run("plan_sp2", str(tmp_path))
     assert code != 0

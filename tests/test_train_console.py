@@ -24,10 +24,21 @@ def test_help_explains_every_field_of_the_step_line(capsys):
 
 @pytest.mark.parametrize("max_epochs,label", [(-1, "Epoch 0"), (3, "Epoch 0/2")])
 def test_progress_bar_shows_no_negative_epoch_total(max_epochs, label):
+    """DCPStrategy mends the Rich bars of any Trainer at setup (the CLI's too): no ``Epoch 0/-2``."""
     pytest.importorskip("rich")
-    bar = train._progress_bar()
-    bar._trainer = types.SimpleNamespace(max_epochs=max_epochs)
-    assert bar._get_train_description(0).strip() == label
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lightning_dcp.runtime.progress import mend_progress_bars
+
+    class OwnDescription(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            return "mine"
+
+    bar, own = train._progress_bar(), OwnDescription()
+    trainer = types.SimpleNamespace(max_epochs=max_epochs, callbacks=[bar, own])
+    assert mend_progress_bars(trainer) == 1 and mend_progress_bars(trainer) == 0  # once; the user's own bar is left alone
+    bar._trainer = own._trainer = trainer
+    assert bar._get_train_description(0).strip() == label and own._get_train_description(0) == "mine"
 
 
 def test_deprecation_warnings_dropped_on_nonzero_ranks_only(monkeypatch):
