@@ -299,6 +299,26 @@ def test_module_loss_and_grads_match_reference(reduction, scheme):
     assert worst < 1e-5
 
 
+def test_module_refuses_unprepared_dcp_batches_and_a_second_reduction():
+    """A DCP micro-batch the strategy did not pass through dcp_prepare_batch is refused (its noise must be drawn
+    before sharding); a module reduction that differs from the strategy's is refused at setup."""
+    from types import SimpleNamespace
+
+    from lightning_dcp.sp.context import TOKEN_WEIGHT
+
+    module = VideoDiffusionModule(make_wan())
+    samples = [video_sample(lat, t, PATCH, text_len=None) for lat, t in raw_videos(GRIDS)]
+    batch = pack_samples(samples, pad_to_multiple=2)
+    with pytest.raises(RuntimeError, match="dcp_prepare_batch"):
+        module.training_step(shard_batch(batch, 0, 2), 0)
+    with pytest.raises(RuntimeError, match="dcp_prepare_batch"):
+        module.training_step(dict(batch, **{TOKEN_WEIGHT: batch["loss_mask"].float()}), 0)
+    module = VideoDiffusionModule(make_wan(), loss_reduction="sample")
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(loss_reduction="token"))
+    with pytest.raises(ValueError, match="loss_reduction='sample'.* the strategy reduces by 'token'"):
+        module.setup("fit")
+
+
 def test_noise_is_a_function_of_seed_epoch_and_index():
     """The same sample gets the same noise and timestep in any packing; another epoch or seed changes them."""
     flow = FlowMatching(PATCH, seed=3)
@@ -405,7 +425,7 @@ def test_profiler_measures_an_adapted_wan():
 _SP_GRIDS = [(2, 3, 2), (1, 2, 1), (3, 2, 2), (1, 1, 1), (1, 2, 3)]  # 12 + 2 + 12 + 1 + 6 = 33 tokens -> 36
 
 
-def _sp_case(rank, layout, groups, recompute):
+def _sp_case(rank, layout, groups, recompute, grids=_SP_GRIDS):
     """Forward + backward of this rank's SP shard (gathered, grads summed over the group) == the whole batch at SP 1."""
     (gi,) = [i for i, ranks in enumerate(layout) if rank in ranks]
     ranks, group = layout[gi], groups[gi]
@@ -414,8 +434,8 @@ def _sp_case(rank, layout, groups, recompute):
     g = torch.Generator().manual_seed(gi)
     kw = (lambda lat: dict(encoder_hidden_states_image=torch.randn(3, 6, generator=g),
                            condition_latents=torch.randn(4, *lat.shape[1:], generator=g))) if gi == 1 else (lambda lat: {})
-    samples = [video_sample(lat, t, PATCH, text_len=None, **kw(lat)) for lat, t in raw_videos(_SP_GRIDS, seed=gi)]
-    batch = _with_inputs(pack_samples(samples, pad_to_multiple=4), [900.0, 10.0, 500.0, 1.0, 250.0])
+    samples = [video_sample(lat, t, PATCH, text_len=None, **kw(lat)) for lat, t in raw_videos(grids, seed=gi)]
+    batch = _with_inputs(pack_samples(samples, pad_to_multiple=4), [900.0, 10.0, 500.0, 1.0, 250.0][:len(grids)])
     if gi == 1:
         batch[HIDDEN_STATES] = torch.cat([batch[LATENTS], batch["condition_latents"]], dim=-1)
     T = batch[POSITION_IDS].shape[0]
@@ -437,8 +457,8 @@ def _sp_case(rank, layout, groups, recompute):
         errs[n] = ((grad - ref_grads[n]).abs().max().item(), ref_grads[n].abs().max().item())
     worst = max(e / max(m, 1e-12) for e, m in errs.values())
     if sp_rank == 0:
-        print(f"SP {sp} ({'i2v' if gi == 1 else 't2v'}, recompute {recompute}): max rel err output/grads {worst:.2e}",
-              flush=True)
+        print(f"SP {sp} ({'i2v' if gi == 1 else 't2v'}, {T} tokens, recompute {recompute}): max rel err output/grads "
+              f"{worst:.2e}", flush=True)
     bad = {n: e for n, (e, m) in errs.items() if e > 1e-5 * max(1.0, m)}
     assert not bad, f"rank {rank} SP {sp}: errors {bad}"
 
@@ -496,6 +516,7 @@ def _world_worker(rank, world, out_dir):
     for layout in layouts:
         groups = [dist.new_group(r) for r in layout]
         _sp_case(rank, layout, groups, recompute=1)
+        _sp_case(rank, layout, groups, recompute=0, grids=[(1, 1, 1), (1, 1, 2)])  # 3 tokens: a shard of padding only
     from _dcp_helpers import RandomPlanner
 
     # a cost model under which the longer samples need SP > 1 and recomputation (2 blocks, 8 tokens per rank)

@@ -138,12 +138,13 @@ def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     local = _local_segments([math.prod(g) for g in grids], x.shape[0], ctx.size, ctx.rank)
 
     texts, images = batch[TEXT], batch.get(IMAGE)
-    texts = [per_sample_embeds(t) for t in texts]
+    dtype = model.patch_embedding.weight.dtype  # the model's compute dtype: inputs are cast to it, as diffusers' pipelines do
+    texts = [per_sample_embeds(t).to(dtype) for t in texts]
     text, text_bounds = _concat([texts[j] for j, _, _ in local], texts[0])
     if images is None:
         image, image_bounds = None, [0] * (len(local) + 1)
     else:
-        images = [per_sample_embeds(im) for im in images]
+        images = [per_sample_embeds(im).to(dtype) for im in images]
         image, image_bounds = _concat([images[j] for j, _, _ in local], images[0])
     segments = tuple((a, b, text_bounds[i], text_bounds[i + 1], image_bounds[i], image_bounds[i + 1])
                      for i, (_, a, b) in enumerate(local))
@@ -154,7 +155,7 @@ def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     timestep_proj = timestep_proj.unflatten(2, (6, -1))  # [1, tokens, 6, dim]: the block's 4-D temb path
 
     conv = model.patch_embedding
-    hidden = F.linear(x.to(conv.weight.dtype), conv.weight.flatten(1), conv.bias).unsqueeze(0)
+    hidden = F.linear(x.to(dtype), conv.weight.flatten(1), conv.bias).unsqueeze(0)
     cos, sin = packed_rotary(model.rope, batch[VIDEO_POS])
     self_info = PackedSelfAttention(cos, sin, batch[CU_SEQLENS].to(hidden.device), int(batch[MAX_SEQLEN]))
     text_info = PackedText(text, image, segments)
