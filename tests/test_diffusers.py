@@ -139,8 +139,8 @@ def test_packed_equals_per_sample(variant):
             t = per_token[start:start + n][None] if per_token is not None else torch.tensor([timesteps[i]])
             extra = {"encoder_hidden_states_image": kw["encoder_hidden_states_image"][None]} if variant == "i2v" else {}
             want = ref(x[None], t, per_sample_embeds(sample[TEXT]), **extra).sample[0]
-            own = model(x[None], t, per_sample_embeds(sample[TEXT]), **extra).sample[0]  # the adapted model's own forward is unchanged
-            assert torch.equal(own, want)
+            own = model(x[None], t, per_sample_embeds(sample[TEXT]), **extra).sample[0]
+            assert torch.equal(own, want)  # the adapted model's own forward is unchanged
             worst = max(worst, (got[i] - want).abs().max().item())
             start += n
     print(f"{variant}: packed vs per-sample max abs err {worst:.2e}")

@@ -54,6 +54,7 @@ __all__ = [
     "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
     "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",
-    "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed", "unpack_output", "unpatchify",
+    "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed",
+    "unpack_output", "unpatchify",
     "video_sample",
 ]

@@ -138,7 +138,7 @@ def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     local = _local_segments([math.prod(g) for g in grids], x.shape[0], ctx.size, ctx.rank)
 
     texts, images = batch[TEXT], batch.get(IMAGE)
-    dtype = model.patch_embedding.weight.dtype  # the model's compute dtype: inputs are cast to it, as diffusers' pipelines do
+    dtype = model.patch_embedding.weight.dtype  # inputs are cast to the model's dtype, as diffusers' pipelines do
     texts = [per_sample_embeds(t).to(dtype) for t in texts]
     text, text_bounds = _concat([texts[j] for j, _, _ in local], texts[0])
     if images is None:

@@ -127,7 +127,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         if HIDDEN_STATES in batch:
             return batch
         latents = batch.get(LATENTS)
-        sharded = CU_SEQLENS in batch and isinstance(latents, torch.Tensor) and latents.shape[0] != int(batch[CU_SEQLENS][-1])
+        sharded = (CU_SEQLENS in batch and isinstance(latents, torch.Tensor)
+                   and latents.shape[0] != int(batch[CU_SEQLENS][-1]))
         if sharded or TOKEN_WEIGHT in batch or active_context().size > 1:
             raise RuntimeError(
                 f"{type(self).__name__}.training_step got a DCP micro-batch without {HIDDEN_STATES!r}: the noise must "

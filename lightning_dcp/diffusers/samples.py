@@ -196,7 +196,7 @@ def _per_sample_embeds(x: Any, name: str, where: str, pad_to: int | None, requir
 
 
 def collate_video(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``collate_fn`` for a plain DataLoader over :func:`video_sample` dicts: :func:`~lightning_dcp.sp.packing.pack_samples`."""
+    """``collate_fn`` for a plain DataLoader over :func:`video_sample` dicts (:func:`~lightning_dcp.sp.packing.pack_samples`)."""
     return pack_samples(samples)
 
 
@@ -206,7 +206,8 @@ def per_sample_embeds(value: Any) -> torch.Tensor:
     if isinstance(value, (tuple, list)) and len(value) == 1:
         value = value[0]
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
-        raise ValueError(f"expected per-sample embeddings (a 1-tuple holding a [tokens, dim] tensor), got {type(value).__name__}")
+        raise ValueError("expected per-sample embeddings (a 1-tuple holding a [tokens, dim] tensor), got "
+                         f"{type(value).__name__}")
     return value.reshape(1, *value.shape[-2:])
 
 
@@ -220,7 +221,7 @@ def sample_labels(batch: Mapping[str, Any]) -> list[str]:
 
 
 def unpack_output(output: torch.Tensor, batch: Mapping[str, Any], patch_size: Sequence[int]) -> list[torch.Tensor]:
-    """The model's packed output ``[tokens, pt*ph*pw*C]`` of a whole (unsharded) micro-batch -> one ``[C, F, H, W]`` per sample."""
+    """The model's packed output ``[tokens, pt*ph*pw*C]`` of a whole (unsharded) micro-batch -> ``[C, F, H, W]`` per sample."""
     out, start = [], 0
     for grid in batch[GRID]:
         n = math.prod(int(v) for v in grid)
