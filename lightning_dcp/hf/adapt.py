@@ -7,23 +7,9 @@ from typing import Any
 from torch import nn
 
 from lightning_dcp.hf.attention import ATTN_IMPLEMENTATION, register_attention
-from lightning_dcp.sp.recompute import LayerRecompute, install_layer_recompute
+from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers, install_layer_recompute
 
 __all__ = ["adapt", "find_decoder_layers", "is_adapted"]
-
-
-class _RepeatedLayers:
-    """The adapted model's ``dcp_repeated_layers()``: its decoder layers in call order.
-
-    A class holding the ``ModuleList`` rather than a bound method or closure, so the model still
-    pickles (spawned processes) and deep-copies.
-    """
-
-    def __init__(self, layers: nn.ModuleList) -> None:
-        self.layers = layers
-
-    def __call__(self) -> list[nn.Module]:
-        return list(self.layers)
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -125,7 +111,7 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
         switch = install_layer_recompute(layers, recompute_override=recompute_override)
     model.dcp_recompute = switch
     model.dcp_num_heads = int(model.config.num_attention_heads)
-    model.dcp_repeated_layers = _RepeatedLayers(layers)
+    model.dcp_repeated_layers = RepeatedLayers(layers)
     return model
 
 

@@ -125,11 +125,23 @@ def _first_tensor(out: Any) -> torch.Tensor:
 
 
 def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Detached copies of floating tensors that required grad (x among them), requiring grad again."""
+    """Detached copies of floating tensors that required grad (x among them), requiring grad again.
+
+    Tensors inside tuples (named tuples included), lists and dicts are refreshed too: a layer may
+    take a bundle such as the packed text of a cross-attention (:mod:`lightning_dcp.diffusers`),
+    whose tensor would otherwise keep the step's graph and fail the second timed backward.
+    """
 
     def fresh(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-            return v.detach().requires_grad_(True)
+        if isinstance(v, torch.Tensor):
+            return v.detach().requires_grad_(True) if v.is_floating_point() and v.requires_grad else v
+        if isinstance(v, tuple):
+            items = [fresh(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+        if isinstance(v, list):
+            return [fresh(x) for x in v]
+        if isinstance(v, dict):
+            return {k: fresh(x) for k, x in v.items()}
         return v
 
     return tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}

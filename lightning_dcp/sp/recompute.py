@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_dcp.sp.context import SPContext, active_context, sp_context
 
-__all__ = ["LayerRecompute", "RecomputeLayers", "find_recompute_layers", "install_layer_recompute"]
+__all__ = ["LayerRecompute", "RecomputeLayers", "RepeatedLayers", "find_recompute_layers", "install_layer_recompute"]
 
 
 def _run_in_context(layer: nn.Module, ctx: SPContext, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -160,6 +160,21 @@ class _LayerCheckpointFunction:
 
     def __repr__(self) -> str:
         return f"<layer {self.index} of {self.switch!r}>"
+
+
+class RepeatedLayers:
+    """A model's ``dcp_repeated_layers()`` for layers it loops over itself: the layers in call order.
+
+    An object holding the ``ModuleList`` rather than a bound method or closure, so the model still
+    pickles (spawned processes) and deep-copies. Used by :func:`lightning_dcp.hf.adapt` and
+    :func:`lightning_dcp.diffusers.adapt`; the profiler and the strategy find the layers through it.
+    """
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+
+    def __call__(self) -> list[nn.Module]:
+        return list(self.layers)
 
 
 def install_layer_recompute(layers: Sequence[nn.Module], *, flag_attr: str = "gradient_checkpointing",

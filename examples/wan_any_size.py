@@ -1,0 +1,141 @@
+"""Train a diffusers Wan video transformer with DCPStrategy on videos of any size: mixed frame counts
+and resolutions packed into one micro-batch, per-step Ulysses SP groups, per-block recompute --
+the model's code unchanged.
+
+CPU demo (default): a tiny random-config ``WanTransformer3DModel`` (4 blocks, 4 heads), no download,
+2 CPU processes, images and videos of 1-5 latent frames at 8 resolutions, a few steps::
+
+    python examples/wan_any_size.py
+    python examples/wan_any_size.py --profile     # measure two Wan blocks at fit start instead
+
+Real checkpoint on GPUs (bf16, all visible GPUs; a diffusers repo id or local path)::
+
+    python examples/wan_any_size.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --steps 100 --global-batch 32 --profile
+
+With ``--model`` the script loads ``WanTransformer3DModel.from_pretrained(path, subfolder="transformer",
+torch_dtype=bfloat16)`` and trains on random latents of Wan's VAE shapes (16 channels, (frames - 1)/4 + 1
+latent frames, pixels/8) with random 512 x 4096 "T5" embeddings: it shows the mechanics and the
+throughput, not a useful fine-tune. For real training, precompute each video's latent with the
+pipeline's VAE (``AutoencoderKLWan``, normalised as the pipeline does) and its prompt's T5
+embeddings, and return ``lightning_dcp.diffusers.video_sample(latent, embeds, patch, index=i)`` from
+``__getitem__``; the dataset's ``lengths`` are the video tokens ``(F/1) * (H/2) * (W/2)`` of each
+latent, known without loading it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_dcp.diffusers import VideoDiffusionModule, video_sample
+from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+
+
+class LatentVideos(Dataset):
+    """Random latent videos of the given ``(frames, height, width)`` latent shapes with random text
+    embeddings, made on demand; ``lengths`` are their video tokens, computed from the shapes alone."""
+
+    def __init__(self, shapes: list[tuple[int, int, int]], channels: int, patch: tuple[int, int, int], text_dim: int,
+                 text_len: int, seed: int = 0) -> None:
+        self.shapes, self.channels, self.patch = list(shapes), channels, tuple(patch)
+        self.text_dim, self.text_len, self.seed = text_dim, text_len, seed
+        self.lengths = [math.prod(n // p for n, p in zip(s, self.patch)) for s in self.shapes]
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        latent = torch.randn(self.channels, *self.shapes[i], generator=g)
+        prompt_tokens = 1 + int(torch.randint(self.text_len, (1,), generator=g))
+        text = torch.randn(prompt_tokens, self.text_dim, generator=g)
+        return video_sample(latent, text, self.patch, text_len=self.text_len, index=i)
+
+
+def cpu_shapes(n: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    """Latent (frames, height, width): images (1 frame) and short clips at 8 small resolutions."""
+    rng = random.Random(seed)
+    sizes = [(4, 4), (4, 8), (8, 4), (6, 6), (8, 8), (8, 12), (12, 8), (12, 12)]
+    return [(rng.choice([1, 1, 2, 3, 5]), *rng.choice(sizes)) for _ in range(n)]
+
+
+def wan_shapes(n: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    """Latent shapes of Wan's VAE (frames (f - 1)/4 + 1, pixels / 8) for images and 17-81 frame clips
+    at 256p to 720p, several aspect ratios."""
+    rng = random.Random(seed)
+    resolutions = [(256, 256), (480, 480), (480, 832), (832, 480), (720, 1280), (1280, 720), (512, 768)]
+    frames = [1, 1, 17, 33, 49, 81]
+    return [((f - 1) // 4 + 1, h // 8, w // 8) for f, (h, w) in
+            ((rng.choice(frames), rng.choice(resolutions)) for _ in range(n))]
+
+
+def tiny_wan() -> torch.nn.Module:
+    """A random-config Wan small enough for CPU: 4 blocks of 4 heads x 16, patch (1, 2, 2), 4 latent channels."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4, rope_max_seq_len=64)
+
+
+class PrintSteps(pl.Callback):
+    """Prints, on rank 0, each step's loss, SP sizes, micro-batches per rank and the samples' shapes."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        m = getattr(trainer.strategy, "last_step_metrics", None)
+        if trainer.is_global_zero and m is not None:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            dataset = trainer.train_dataloader.dataset
+            dataset = getattr(dataset, "dataset", dataset)
+            items = batch["meta"]["plan"]["items"]
+            shapes = sorted({dataset.shapes[s] for it in items for s in it["samples"]})
+            print(f"step {trainer.global_step}: loss {float(loss):.4f}, SP sizes {m.sp_sizes}, micro-batches per rank "
+                  f"{m.microbatches}, recompute {sorted({it['recompute'] for it in items})}, {len(shapes)} latent shapes "
+                  f"(frames, h, w) e.g. {shapes[:4]}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="diffusers Wan repo id or path (GPU path); default: tiny Wan on CPU")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--profile", action="store_true", help="measure two Wan blocks at fit start (DCPProfiler)")
+    args = parser.parse_args()
+
+    if args.model is None:
+        model = tiny_wan()
+        dataset = LatentVideos(cpu_shapes(16 * args.global_batch), 4, (1, 2, 2), text_dim=32, text_len=16)
+        trainer_kw = dict(accelerator="cpu", devices=2, precision="32-true")
+    else:
+        from diffusers import WanTransformer3DModel
+
+        model = WanTransformer3DModel.from_pretrained(args.model, subfolder="transformer", torch_dtype=torch.bfloat16)
+        config = model.config
+        dataset = LatentVideos(wan_shapes(16 * args.global_batch), config.in_channels, tuple(config.patch_size),
+                               text_dim=config.text_dim, text_len=512)
+        # bf16 weights as loaded; "32-true" leaves them as they are, so the modules diffusers keeps in fp32
+        # (rotary tables, time embedder, norms, modulation tables) stay fp32 ("bf16-true" would cast them too).
+        trainer_kw = dict(accelerator="gpu", devices=-1, precision="32-true")
+    module = VideoDiffusionModule(model, lr=args.lr)  # adapts the model in place (attention, recompute switch)
+    config = model.config
+    # Without --profile: the analytic fallback cost model. On the CPU demo its per-rank token budget is
+    # small, so the longest videos need SP 2 (and recomputation) -- the demo exercises Ulysses.
+    budget = {"max_tokens": 32} if args.model is None else {}
+    cost = None if args.profile else DefaultCostModel(num_layers=config.num_layers,
+                                                      num_heads=config.num_attention_heads, **budget)
+    strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token", cost_model=cost,
+                           profile=args.profile or None)
+    trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, enable_progress_bar=False, gradient_clip_val=1.0,
+                         callbacks=[PrintSteps()], **trainer_kw)
+    trainer.fit(module, DataLoader(dataset, batch_size=4, collate_fn=VideoDiffusionModule.collate))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2) on any-size videos under DCP.
+
+* :func:`adapt` prepares a ``WanTransformer3DModel`` in place: a packed, sequence-parallel
+  attention processor (Ulysses self-attention within each sample, cross-attention of each sample
+  to its own text), the per-block recompute switch, ``dcp_num_heads`` and ``dcp_repeated_layers()``;
+  ``state_dict`` keys and the model's own ``forward`` are unchanged.
+* :func:`packed_forward` runs it on a packed micro-batch of videos of different frame counts and
+  resolutions (or on this rank's SP shard of one).
+* :func:`video_sample` turns a latent ``[C, F, H, W]`` and its text embeddings into the token-first
+  sample DCP packs; :func:`unpatchify` / :func:`unpack_output` go back.
+* :class:`VideoDiffusionModule` trains it with flow matching (``dcp_support = "sp"``).
+
+CogVideoX and HunyuanVideo are not supported yet: :func:`adapt` says what is missing.
+
+Needs ``diffusers>=0.35`` (``pip install "lightning-dcp[diffusers]"``); importing this package
+without it raises an ImportError saying so. ``import lightning_dcp`` never imports it.
+"""
+
+from __future__ import annotations
+
+try:
+    import diffusers as _diffusers  # noqa: F401
+except ImportError as _err:  # pragma: no cover - exercised only without diffusers
+    raise ImportError(
+        "lightning_dcp.diffusers needs Hugging Face diffusers>=0.35, which is not installed; install it with "
+        '`pip install "lightning-dcp[diffusers]"` (or `pip install "diffusers>=0.35"`).'
+    ) from _err
+
+from lightning_dcp.diffusers.adapt import SUPPORTED_MODELS, adapt, is_adapted
+from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
+from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, packed_forward
+from lightning_dcp.diffusers.module import VideoDiffusionModule
+from lightning_dcp.diffusers.samples import (
+    CONDITION,
+    GRID,
+    IMAGE,
+    LATENTS,
+    SAMPLE_INDEX,
+    TEXT,
+    VIDEO_POS,
+    check_latent_shape,
+    collate_video,
+    grid_positions,
+    input_to_output_layout,
+    patchify,
+    per_sample_embeds,
+    unpack_output,
+    unpatchify,
+    video_sample,
+)
+
+__all__ = [
+    "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
+    "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
+    "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",
+    "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed",
+    "unpack_output", "unpatchify",
+    "video_sample",
+]

@@ -1,0 +1,127 @@
+"""Flow-matching training targets as diffusers trains its flow models (Wan, SD3, Flux): :class:`FlowMatching`.
+
+For a clean latent ``x0`` and Gaussian ``noise``: draw ``u`` (uniform, or as
+``diffusers.training_utils.compute_density_for_timestep_sampling`` draws it for
+``weighting_scheme="logit_normal"``/``"mode"``), take the training timestep and sigma at index
+``int(u * num_train_timesteps)`` of a ``FlowMatchEulerDiscreteScheduler(shift=shift)`` schedule
+(``sigma = shift*s / (1 + (shift-1)*s)``, ``timestep = sigma * num_train_timesteps``), and train
+the model on ``x_t = (1 - sigma) * x0 + sigma * noise`` at that timestep to predict the velocity
+``noise - x0``; per-sample loss weights from ``compute_loss_weighting_for_sd3`` (1 unless
+``"sigma_sqrt"``/``"cosmap"``).
+
+**Determinism.** Noise, ``u`` and hence sigma are a pure function of ``(seed, epoch, dataset
+index)``: one ``torch.Generator`` per sample, seeded from a hash of the three, on the host. So a
+sample gets the same noise whatever rank, micro-batch, SP size or packing it lands in, and
+DCP training equals plain single-process training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
+from lightning_dcp.diffusers.samples import CONDITION, GRID, LATENTS, SAMPLE_INDEX, input_to_output_layout
+from lightning_dcp.sp.context import CU_SEQLENS, SAMPLE_INDICES
+
+__all__ = ["LOSS_SCALE", "TARGET", "WEIGHTING_SCHEMES", "FlowMatching", "sample_seed"]
+
+#: Per-token velocity target ``noise - x0`` in the model's output layout.
+TARGET = "target"
+#: Per-token loss weight of the sample's sigma (``compute_loss_weighting_for_sd3``; 1 by default).
+LOSS_SCALE = "loss_scale"
+#: ``weighting_scheme`` values, as diffusers' flow-matching training scripts name them.
+WEIGHTING_SCHEMES = ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap")
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit generator seed from ``(seed, epoch, index)`` (a hash: the same in every process)."""
+    digest = hashlib.sha256(f"lightning-dcp/flow/{int(seed)}/{int(epoch)}/{int(index)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class FlowMatching:
+    """The flow-matching noising of a packed video micro-batch (see the module docstring).
+
+    Args:
+        patch_size: the model's ``config.patch_size`` (the target is put in its output layout).
+        seed: base seed of the per-sample noise.
+        shift: the schedule's shift (Wan's pipelines use 5.0 at 720p, 3.0 at 480p).
+        num_train_timesteps: the schedule's length (1000 for Wan).
+        weighting_scheme: one of :data:`WEIGHTING_SCHEMES`.
+        logit_mean, logit_std, mode_scale: parameters of the ``"logit_normal"`` / ``"mode"`` densities.
+    """
+
+    patch_size: Sequence[int]
+    seed: int = 0
+    shift: float = 5.0
+    num_train_timesteps: int = 1000
+    weighting_scheme: str = "none"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+
+    def __post_init__(self) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if self.weighting_scheme not in WEIGHTING_SCHEMES:
+            raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {self.weighting_scheme!r}")
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.num_train_timesteps, shift=self.shift)
+        self.timesteps = scheduler.timesteps.clone().float()
+        self.sigmas = scheduler.sigmas[: len(self.timesteps)].clone().float()
+
+    def draw(self, index: int, epoch: int, num_tokens: int, features: int) -> tuple[float, float, float, torch.Tensor]:
+        """``(sigma, timestep, loss_weight, noise [num_tokens, features])`` of dataset sample ``index`` in ``epoch``."""
+        from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+        g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, index))
+        u = compute_density_for_timestep_sampling(self.weighting_scheme, 1, logit_mean=self.logit_mean,
+                                                  logit_std=self.logit_std, mode_scale=self.mode_scale, generator=g)
+        i = min(int(u.item() * self.num_train_timesteps), self.num_train_timesteps - 1)
+        sigma = self.sigmas[i]
+        weight = compute_loss_weighting_for_sd3(self.weighting_scheme, sigma.reshape(1))
+        noise = torch.randn(num_tokens, features, generator=g)
+        return float(sigma), float(self.timesteps[i]), float(weight.reshape(-1)[0]), noise
+
+    def prepare(self, batch: Mapping[str, Any], epoch: int) -> dict[str, Any]:
+        """Add :data:`~lightning_dcp.diffusers.forward.HIDDEN_STATES`, :data:`~lightning_dcp.diffusers.forward.TIMESTEP`,
+        :data:`TARGET` and :data:`LOSS_SCALE` (per token) to a whole packed micro-batch of clean latents.
+
+        Sample indices: :data:`~lightning_dcp.diffusers.samples.SAMPLE_INDEX` when the samples carry
+        it, else the DCP sampler's ``sample_indices``; with neither (a plain DataLoader over samples
+        made without ``index=``) the noise comes from the global torch RNG instead -- valid training,
+        but not reproducible across strategies. Padding tokens get zeros and weight 0.
+        """
+        x0 = batch[LATENTS]
+        total, features = x0.shape
+        cu = batch[CU_SEQLENS].tolist()
+        indices = batch.get(SAMPLE_INDEX) or batch.get(SAMPLE_INDICES)
+        noise = torch.zeros(total, features, dtype=torch.float32)
+        sigma = torch.zeros(total, 1, dtype=torch.float32)
+        timestep = torch.zeros(total, dtype=torch.float32)
+        scale = torch.zeros(total, dtype=torch.float32)
+        for j in range(len(batch[GRID])):  # the real samples; a trailing padding segment keeps zeros
+            a, b = int(cu[j]), int(cu[j + 1])
+            if indices is not None:
+                s, t, w, eps = self.draw(int(indices[j]), epoch, b - a, features)
+            else:
+                s, t, w, eps = self._draw_global(b - a, features)
+            noise[a:b], sigma[a:b], timestep[a:b], scale[a:b] = eps, s, t, w
+        noise, sigma, timestep, scale = (v.to(x0.device) for v in (noise, sigma, timestep, scale))
+        x0f = x0.float()
+        noisy = (1.0 - sigma) * x0f + sigma * noise
+        out = dict(batch)
+        condition = batch.get(CONDITION)
+        out[HIDDEN_STATES] = noisy if condition is None else torch.cat([noisy, condition.float()], dim=-1)
+        out[TIMESTEP] = timestep
+        out[TARGET] = input_to_output_layout(noise - x0f, self.patch_size)
+        out[LOSS_SCALE] = scale
+        return out
+
+    def _draw_global(self, num_tokens: int, features: int) -> tuple[float, float, float, torch.Tensor]:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        return self.draw(seed, 0, num_tokens, features)
