@@ -476,6 +476,8 @@ class DCPStrategy(DDPStrategy):
                     "global batch larger instead (DCPStrategy(global_batch_size=...))")
             if self.support == "safe":
                 rank_zero_info(safe_mode_message(module))
+            elif callable(getattr(module, "dcp_support_message", None)) and module.dcp_support_message(self.support):
+                rank_zero_info(module.dcp_support_message(self.support))  # e.g. lightning_dcp.hf.CausalLMModule
             self._maybe_add_profiler(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.zero1 and self.world_size > 1:
