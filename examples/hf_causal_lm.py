@@ -2,16 +2,23 @@
 Ulysses SP groups, per-layer recompute -- the model's code unchanged.
 
 CPU demo (default): a tiny random-config Llama with grouped-query attention (4 query heads,
-2 key/value heads), no download, 2 CPU processes, a few steps (under 2 minutes on 2 cores)::
+2 key/value heads), no download, 2 CPU processes, a few steps (about a minute on 2 cores)::
 
     python examples/hf_causal_lm.py
+
+At fit start ``DCPProfiler`` measures the model's decoder layers on the 2 processes (a few seconds;
+cached under ``--cache-dir``) with a per-process memory budget of ``--memory-limit-mib`` (default on
+CPU: 4 MiB, a little above the model's weights, gradients and AdamW state), so that the longest
+samples need an SP group of 2 and recomputed layers, as on a GPU at real sizes. Each step then
+prints its plan as ``lightning-dcp train`` does (SP sizes, micro-batches per rank, recompute; see
+``lightning-dcp train --help``), and the run ends with the imbalance ratio.
 
 Real checkpoint on GPUs (bf16, all visible GPUs; a local path or a hub id)::
 
     python examples/hf_causal_lm.py --model Qwen/Qwen2.5-0.5B --steps 200 --global-batch 64 --max-len 8192
 
 With ``--model`` the script loads ``AutoModelForCausalLM.from_pretrained(path, dtype=bfloat16)``,
-uses ``precision="bf16-true"`` and ``devices=-1``; plug your own tokenized dataset in
+uses ``precision="bf16-true"``, ``devices=-1`` and the GPUs' own memory; plug your own tokenized dataset in
 ``make_dataset`` (each sample a dict with ``input_ids`` and optionally ``labels``, -100 = no loss;
 the dataset needs a ``lengths`` attribute: tokens per sample, without loading them).
 """
@@ -20,13 +27,21 @@ from __future__ import annotations
 
 import argparse
 import random
+import warnings
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dcp import DCPStrategy
+from lightning_dcp.commands.console import PlanPrinter, training_summary
 from lightning_dcp.hf import CausalLMModule
-from lightning_dcp import DCPStrategy, DefaultCostModel
+from lightning_dcp.profiling import DCPProfiler
+
+#: Per-process memory budget of the CPU demo: the tiny Llama's static memory (weights, gradients,
+#: AdamW state) is 2.8 MiB, so under the measured profile SP 1 holds at most 177 tokens even with
+#: every layer recomputed: 256-token samples need SP 2 (and recompute all 4 layers there).
+CPU_MEMORY_LIMIT_MIB = 4.0
 
 
 class TokenDataset(Dataset):
@@ -63,17 +78,6 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-class PrintSteps(pl.Callback):
-    """Prints, on rank 0, each step's loss, SP sizes and micro-batches per rank."""
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        m = getattr(trainer.strategy, "last_step_metrics", None)
-        if trainer.is_global_zero and m is not None:
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            print(f"step {trainer.global_step}: loss {float(loss):.4f}, SP sizes {m.sp_sizes}, "
-                  f"micro-batches per rank {m.microbatches}, imbalance {m.imbalance:.3f}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local path or hub id of a causal LM (GPU path); default: tiny Llama on CPU")
@@ -81,31 +85,38 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--profile", action="store_true", help="measure the model at fit start (GPU runs)")
+    parser.add_argument("--memory-limit-mib", type=float, default=None,
+                        help=f"per-process memory the planner may use (default: the GPU's; on CPU {CPU_MEMORY_LIMIT_MIB:g} "
+                             "MiB, so that long samples need SP 2 or recompute)")
+    parser.add_argument("--cache-dir", default=None, help="profile cache (default ~/.cache/lightning-dcp/profiles)")
     args = parser.parse_args()
+    # CausalLMModule has a validation_step; this demo trains without validation on purpose
+    warnings.filterwarnings("ignore", message=".*`validation_step` but have no `val_dataloader`")
 
     if args.model is None:
         model = tiny_llama()
         trainer_kw = dict(accelerator="cpu", devices=2, precision="32-true")
+        torch.set_num_threads(1)  # 2 processes on a small machine
     else:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
         trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-true")
     module = CausalLMModule(model, lr=args.lr)  # adapts the model in place (attention, recompute switch)
-    config = model.config
-    # Without --profile: the analytic fallback cost model. On the CPU demo its per-rank token budget is
-    # tiny, so the long samples need SP 2 (and recomputation) -- the demo exercises Ulysses.
-    budget = {"max_tokens": 32} if args.model is None else {}
-    cost = None if args.profile else DefaultCostModel(num_layers=config.num_hidden_layers,
-                                                      num_heads=config.num_attention_heads, **budget)
-    strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token", cost_model=cost,
-                           profile=args.profile or None)
-    dataset = make_dataset(16 * args.global_batch, args.max_len, config.vocab_size)
+    limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (
+        CPU_MEMORY_LIMIT_MIB if args.model is None else None)
+    # Measures the decoder layers at fit start (SP 1 and 2, several lengths) and hands the strategy a cost
+    # model; the planner then keeps every micro-batch within the memory budget.
+    profiler = DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20, density="coarse",
+                           cache_dir=args.cache_dir)
+    strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token")
+    dataset = make_dataset(16 * args.global_batch, args.max_len, model.config.vocab_size)
     trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=False, gradient_clip_val=1.0,
-                         callbacks=[PrintSteps()], **trainer_kw)
+                         callbacks=[profiler, PlanPrinter()], **trainer_kw)
     trainer.fit(module, DataLoader(dataset, batch_size=4, collate_fn=CausalLMModule.collate))
+    if trainer.is_global_zero:
+        print(training_summary(trainer))
 
 
 if __name__ == "__main__":

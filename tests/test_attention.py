@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from lightning_dcp.sp.attention import BACKENDS, _group_segments, attention_backend, varlen_attention
 
 
-def naive_varlen(q, k, v, cu_seqlens, causal=False, scale=None):
-    """Per segment, per head: softmax(q k^T * scale [+ causal mask]) v."""
+def naive_varlen(q, k, v, cu_seqlens, causal=False, scale=None, softcap=None):
+    """Per segment, per head: softmax(q k^T * scale [soft-capped] [+ causal mask]) v."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = []
     bounds = cu_seqlens.tolist()
@@ -22,6 +22,8 @@ def naive_varlen(q, k, v, cu_seqlens, causal=False, scale=None):
             continue
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, d]
         scores = qs @ ks.transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         if causal:
             n = b - a
             scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
@@ -37,12 +39,12 @@ def _inputs(lengths, heads=3, dim=4, dtype=torch.float64, seed=0):
     return q, k, v, cu, max(lengths)
 
 
-def _check(lengths, causal, scale=None, dtype=torch.float64, atol=1e-10):
+def _check(lengths, causal, scale=None, dtype=torch.float64, atol=1e-10, softcap=None):
     q, k, v, cu, mx = _inputs(lengths, dtype=dtype)
     g = torch.randn(q.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    out = varlen_attention(q, k, v, cu, mx, causal=causal, scale=scale, backend="sdpa")
+    out = varlen_attention(q, k, v, cu, mx, causal=causal, scale=scale, softcap=softcap, backend="sdpa")
     grads = torch.autograd.grad(out, (q, k, v), g)
-    ref = naive_varlen(q, k, v, cu, causal=causal, scale=scale)
+    ref = naive_varlen(q, k, v, cu, causal=causal, scale=scale, softcap=softcap)
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
@@ -69,6 +71,25 @@ def test_sdpa_matches_naive(layout, causal):
 def test_scale_and_float32():
     _check([3, 5, 2], causal=True, scale=0.37)
     _check([3, 5, 2], causal=False, dtype=torch.float32, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["single", "mixed", "with_empty", "one_long_many_short"])
+def test_softcap_matches_naive(layout, causal):
+    """Logit soft-capping (Gemma 2): scores -> cap * tanh(scores / cap) before the mask and softmax, forward and grads."""
+    _check(LAYOUTS[layout], causal, softcap=0.7)
+    _check(LAYOUTS[layout], causal, scale=0.37, softcap=2.0)
+
+
+def test_softcap_changes_the_result_and_bad_values_raise():
+    q, k, v, cu, mx = _inputs([5, 3])
+    capped = varlen_attention(q, k, v, cu, mx, causal=True, softcap=0.5)
+    assert (capped - varlen_attention(q, k, v, cu, mx, causal=True)).abs().max() > 1e-2
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, mx, softcap=0.0), varlen_attention(q, k, v, cu, mx))
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        varlen_attention(q, k, v, cu, mx, softcap=-1.0)
+    with pytest.raises(RuntimeError, match="no logit soft-capping"):
+        varlen_attention(q, k, v, cu, mx, softcap=0.5, backend="torch-varlen")
 
 
 def test_gradcheck_float64():

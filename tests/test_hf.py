@@ -1,11 +1,17 @@
 """Hugging Face path: lightning_dcp.hf.adapt and CausalLMModule against plain transformers.
 
 * packed micro-batches through an adapted model equal each sample alone through the unadapted
-  one (Llama with GQA, Qwen2, Qwen3, Mistral): no cross-sample attention, positions restart;
+  one, for every tested family (Llama with GQA, Qwen2 with MQA, Qwen3, Mistral, Gemma, Gemma 2
+  with attention and final logit soft-capping, Phi-3's fused qkv, GPT-NeoX's partial rotary,
+  OLMo, OLMo 2): no cross-sample attention, positions restart;
 * the per-layer recompute switch checkpoints exactly the first ``k`` decoder layers, same grads;
 * SP 2 and SP 4 (spawned gloo processes) equal the single-process forward and backward,
-  GQA/MQA with fewer key/value heads than SP ranks included;
-* label shifting inside samples, the plain-Trainer path, and the errors for unsupported models.
+  GQA/MQA with fewer key/value heads than SP ranks included, every family at SP 2;
+* CausalLMModule under DCPStrategy (2 and 4 CPU processes, SP > 1, recompute) ends with the weights
+  of plain single-process transformers training, every family in one 2-process run; its logged
+  ``train/loss`` is each step's global-batch loss;
+* label shifting inside samples, the plain-Trainer path, the support-level line, and the errors
+  for unsupported models and misnamed sample keys.
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, POSITION_IDS, SPContext, sp_context  # noqa: E402
-from lightning_dcp.hf import SHIFT_LABELS, CausalLMModule, adapt, prepare_causal_lm_batch  # noqa: E402
+from lightning_dcp.hf import (  # noqa: E402
+    SHIFT_LABELS,
+    TESTED_MODEL_TYPES,
+    CausalLMModule,
+    adapt,
+    causal_lm_logits,
+    prepare_causal_lm_batch,
+)
 from lightning_dcp.hf.attention import kv_repeat_before_all_to_all  # noqa: E402
 from lightning_dcp.sp.packing import pack_samples  # noqa: E402
 from lightning_dcp.sp.sharding import shard_batch  # noqa: E402
@@ -31,20 +44,35 @@ except ImportError:  # tests/ imported as a package
     from tests._dist import run_distributed
 
 VOCAB = 61
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt_neox", "olmo", "olmo2"]
+#: key/value heads per family for 4 query heads: GQA, MQA (1 < SP 2), and MHA where the family has no GQA
+KV_HEADS = {"llama": 2, "qwen2": 1, "qwen3": 2, "mistral": 2, "gemma": 1, "gemma2": 2, "phi3": 2, "gpt_neox": 4,
+            "olmo": 4, "olmo2": 2}
+#: what makes a family differ from Llama, set so that it matters in these tiny models
+_FAMILY_CONFIG = {
+    # soft-capping that bites: scores of the 0.3-initialised weights reach several times the caps
+    "gemma2": dict(attn_logit_softcapping=1.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16,
+                   sliding_window=64, initializer_range=0.3),
+    "gemma": dict(tie_word_embeddings=True),
+    "phi3": dict(pad_token_id=0),  # its default pad id 32000 is outside the tiny vocabulary
+    "gpt_neox": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "olmo": dict(clip_qkv=0.5),
+}
 
 
-def make_model(family: str = "llama", heads: int = 4, kv_heads: int = 2, layers: int = 3, seed: int = 0):
-    """A tiny random-config causal LM of ``family`` (fp32, no download)."""
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
-    config_cls = getattr(transformers, f"{name}Config", None)
-    if config_cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {name}Config")
-    config = config_cls(vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=40, num_hidden_layers=layers,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-                        max_position_embeddings=256, tie_word_embeddings=False)
+def make_model(family: str = "llama", heads: int = 4, kv_heads: int | None = None, layers: int = 3, seed: int = 0):
+    """A tiny random-config causal LM of ``family`` (a ``config.model_type``; fp32, no download)."""
+    kv_heads = KV_HEADS[family] if kv_heads is None else kv_heads
+    kw = dict(vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=40, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=256,
+              tie_word_embeddings=False)
+    kw.update(_FAMILY_CONFIG.get(family, {}))
+    try:
+        config = transformers.AutoConfig.for_model(family, **kw)
+    except ValueError:
+        pytest.skip(f"transformers {transformers.__version__} has no {family!r} model type")
     torch.manual_seed(seed)
-    return getattr(transformers, f"{name}ForCausalLM")(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def make_samples(lengths, seed: int = 1, labels: bool = False):
@@ -71,11 +99,15 @@ def packed_logits(model, batch, with_boundaries: bool = True):
 
 # ----------------------------------------------------------------------------- single process
 
+def test_every_tested_family_is_tested_here():
+    assert sorted(FAMILIES) == sorted(TESTED_MODEL_TYPES)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_equals_per_sample(family):
     """Several samples packed (plus padding) through the adapted model == each alone through plain transformers."""
-    heads, kv = (4, 2) if family != "qwen2" else (4, 1)
-    ref = make_model(family, heads, kv).eval()
+    heads = 4
+    ref = make_model(family, heads).eval()
     model = adapt(copy.deepcopy(ref)).eval()
     assert model.config._attn_implementation == "lightning_dcp" and ref.config._attn_implementation != "lightning_dcp"
     assert model.dcp_num_heads == heads and len(model.dcp_repeated_layers()) == 3
@@ -93,6 +125,13 @@ def test_packed_equals_per_sample(family):
         # the boundaries really reach the attention function: one segment over everything differs
         whole = dict(batch, **{CU_SEQLENS: torch.tensor([0, 40], dtype=torch.int32), MAX_SEQLEN: 40})
         assert (packed_logits(model, whole)[: sum(lengths)] - want).abs().max() > 1e-3
+        # CausalLMModule's own logits (fp32 head, final soft-capping) are the model's
+        got = causal_lm_logits(model, prepare_causal_lm_batch(batch))[: sum(lengths)]
+        assert (got - want).abs().max() < 1e-5
+        if family == "gemma2":  # the soft-capping is applied, not skipped: without it the logits differ
+            for layer in model.dcp_repeated_layers():
+                layer.self_attn.attn_logit_softcapping = None
+            assert (packed_logits(model, batch)[: sum(lengths)] - want).abs().max() > 1e-2
 
 
 def test_repeated_layers_in_call_order_and_pickle():
@@ -186,6 +225,50 @@ def test_unsupported_models_raise():
         adapt(dropout)
 
 
+def test_support_line_says_what_runs():
+    """The line DCPStrategy prints at fit start for CausalLMModule (strategy: module.dcp_support_message(level))."""
+    sp = CausalLMModule(make_model("qwen2")).dcp_support_message("sp")
+    assert sp.startswith("DCPStrategy: CausalLMModule trains Qwen2ForCausalLM (model_type 'qwen2', a tested family) "
+                         "at support level 'sp': packed micro-batches") and "\n" not in sp
+    assert "dividing its 4 attention heads (1 key/value heads)" in sp and "recompute of its 3 decoder layers" in sp
+    packed = CausalLMModule(make_model("gemma2")).dcp_support_message("packed")
+    assert "SP size 1 (support='packed')" in packed and "Ulysses" not in packed
+    assert "attention logit soft-capping 1.0, final logit soft-capping 3.0" in packed
+    assert "sliding window (64 tokens) are refused" in packed
+    assert CausalLMModule(make_model("llama")).dcp_support_message("safe") is None  # the strategy's own line
+
+    class _Untested(transformers.LlamaForCausalLM):
+        pass
+
+    model = _Untested(make_model("llama").config)
+    model.config.model_type = "my-llama"
+    assert "NOT among the tested families" in CausalLMModule(model).dcp_support_message("sp")
+
+
+@pytest.mark.parametrize("where", ["collate", "dcp", "padded"])
+def test_misnamed_token_key_names_the_rename(where):
+    """Samples with 'tokens' instead of 'input_ids': the error names the key and the rename, wherever it shows."""
+    samples = [{"tokens": s["input_ids"]} for s in make_samples([5, 3])]
+    module = CausalLMModule(make_model("llama"))
+    with pytest.raises(KeyError, match=r"samples have the keys \['tokens'\].*return \{'input_ids': sample\['tokens'\]\}"
+                                       r".*rename_column\('tokens', 'input_ids'\)"):
+        if where == "collate":
+            CausalLMModule.collate(samples)
+        elif where == "dcp":  # DCPStrategy packs (adding its own keys), then calls dcp_prepare_batch
+            module.dcp_prepare_batch(pack_samples(samples, sample_indices=[0, 1]))
+        else:
+            module.training_step({"tokens": torch.zeros(2, 4, dtype=torch.long)}, 0)
+    with pytest.raises(KeyError, match="pack the samples first"):
+        prepare_causal_lm_batch({"input_ids": torch.zeros(4, dtype=torch.long)})
+
+
+def test_unsupported_head_is_refused_at_once():
+    model = make_model("llama")
+    model.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match=r"config.logit_scale=0.5.*override forward"):
+        CausalLMModule(model)
+
+
 def test_sliding_window_longer_than_window_raises():
     model = make_model("mistral")
     model.config.sliding_window = 8
@@ -245,8 +328,10 @@ def _reference_loss(model, samples):
     return total / count
 
 
-def test_module_loss_and_grads_match_reference():
-    ref = make_model("llama", 4, 2)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_module_loss_and_grads_match_reference(family):
+    """CausalLMModule's loss and grads == plain transformers' (Gemma 2: both soft-cappings)."""
+    ref = make_model(family)
     module = CausalLMModule(copy.deepcopy(ref))
     module.train()
     samples = make_samples([6, 11, 2, 8], labels=True)
@@ -276,6 +361,8 @@ def test_module_loss_and_grads_match_reference():
 
 # (family, heads, kv heads, recompute, pass cu_seqlens) -- kv heads < SP size in several
 _SP_CASES = [("llama", 4, 2, 0, True), ("llama", 8, 2, 2, True), ("qwen2", 4, 1, 1, False), ("qwen3", 8, 4, 3, True)]
+# every other family, at SP 2 only (two groups side by side)
+_SP2_CASES = [(f, 4, None, 1 + i % 3, True) for i, f in enumerate(FAMILIES) if f not in ("llama", "qwen2", "qwen3")]
 _SP_LENGTHS = [7, 3, 10, 1, 5]  # 26 tokens: padded to 28 (SP 2, 4)
 
 
@@ -317,12 +404,13 @@ def _sp_case(rank, layout, groups, case):
 def _sp_world4_worker(rank, world_size):
     for layout in ([[0, 1, 2, 3]], [[0, 1], [2, 3]]):
         groups = [dist.new_group(r) for r in layout]
-        for case in _SP_CASES:
+        for case in _SP_CASES + (_SP2_CASES if len(layout) == 2 else []):
             _sp_case(rank, layout, groups, case)
 
 
 def test_sp2_sp4_equal_single_process():
-    """SP 4, then two SP 2 groups side by side: gathered logits and summed grads == the SP-1 result."""
+    """SP 4, then two SP 2 groups side by side: gathered logits and summed grads == the SP-1 result
+    (every family at SP 2)."""
     run_distributed(_sp_world4_worker, 4, timeout=600)
 
 
@@ -348,21 +436,29 @@ def _sgd_module(model, lr):
 
 
 def test_plain_trainer_matches_reference():
-    """CausalLMModule under an ordinary single-device Trainer == plain transformers + torch.optim."""
+    """CausalLMModule under an ordinary single-device Trainer == plain transformers + torch.optim;
+    train/loss is logged once per step: the batch's loss."""
     import lightning.pytorch as pl
 
     samples = make_samples([5, 9, 3, 12, 7, 4], labels=True)
     ref = make_model("llama", 4, 2, layers=2)
     module = _sgd_module(copy.deepcopy(ref), lr=0.1)
     loader = torch.utils.data.DataLoader(_ListDataset(samples), batch_size=3, collate_fn=CausalLMModule.collate)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    recorder = _LossRecorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=recorder, log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
     for step in range(2):
         opt.zero_grad()
-        _reference_loss(ref, samples[3 * step: 3 * step + 3]).backward()
+        loss = _reference_loss(ref, samples[3 * step: 3 * step + 3])
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
+    logged = [(step, m["train/loss"]) for step, m in recorder.rows if "train/loss" in m]
+    assert [step for step, _ in logged] == [0, 1], logged
+    assert max(abs(got - want) for (_, got), want in zip(logged, losses)) < 1e-5, (logged, losses)
     want = ref.state_dict()
     for n, w in module.model.state_dict().items():
         torch.testing.assert_close(w, want[n], atol=1e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
@@ -382,8 +478,31 @@ def _e2e_dataset(n: int = 32, seed: int = 11) -> _ListDataset:
     return _ListDataset(make_samples(lengths, seed=seed, labels=True))
 
 
+class _LossRecorder(__import__("lightning.pytorch", fromlist=["loggers"]).loggers.Logger):
+    """A Lightning logger that keeps what it is given: ``rows`` of ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list = []
+
+    @property
+    def name(self):
+        return "recorder"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+
 class _E2EDump(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
-    """Records each step's plan and, at the end, this rank's weights, to ``out_dir``."""
+    """Records each step's plan and, at the end, this rank's weights (per family) and what its
+    logger was given, to ``out_dir``."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir, self.plans = out_dir, []
@@ -394,11 +513,34 @@ class _E2EDump(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
     def on_train_end(self, trainer, pl_module):
         import os
 
-        state = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
-        torch.save({"plans": self.plans, "weights": state}, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+        state = {f: {k: v.detach().clone() for k, v in m.state_dict().items()} for f, m in pl_module.family_models()}
+        logged = getattr(trainer.logger, "rows", None)
+        torch.save({"plans": self.plans, "weights": state, "logged": logged},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
 class _SGDCausalLM(CausalLMModule):
+    """CausalLMModule with SGD, training one model per family side by side on the same batches (the
+    loss is the sum of theirs, so each model's gradient is its own): one process launch covers them all."""
+
+    def __init__(self, families, lr):
+        super().__init__(make_model(families[0], layers=3, seed=3), lr=lr)
+        self.families = list(families)
+        self.others = torch.nn.ModuleList(adapt(make_model(f, layers=3, seed=3)) for f in families[1:])
+
+    def family_models(self):
+        return zip(self.families, [self.model, *self.others])
+
+    def training_step(self, batch, batch_idx):
+        if not len(self.others):
+            return super().training_step(batch, batch_idx)
+        from lightning_dcp.sp.sharding import weighted_loss
+
+        batch = self._as_prepared(batch)
+        token_loss = sum(F.cross_entropy(causal_lm_logits(model, batch), batch[SHIFT_LABELS], reduction="none",
+                                         ignore_index=-100) for _, model in self.family_models())
+        return weighted_loss(token_loss, batch)  # one weighted sum: the strategy takes it as is
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -406,32 +548,38 @@ class _SGDCausalLM(CausalLMModule):
         torch.set_num_threads(1)
 
 
-def _e2e_reference(plans, dataset, family: str) -> dict:
+def _e2e_reference(plans, dataset, family: str):
     """Plain transformers, no lightning_dcp math: per sample, shifted CE summed over valid targets,
-    divided by the valid targets of the step's global batch; torch.optim.SGD."""
-    model = make_model(family, 4, _KV[family], layers=3, seed=3)
+    divided by the valid targets of the step's global batch; torch.optim.SGD. Returns the final
+    state dict and each step's loss."""
+    model = make_model(family, layers=3, seed=3)
     opt = torch.optim.SGD(model.parameters(), lr=_E2E_LR)
+    losses = []
     for plan in plans:
         samples = [dataset[s] for it in plan["items"] for s in it["samples"]]
         valid = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
         opt.zero_grad(set_to_none=True)
+        step_loss = 0.0
         for s in samples:
             logits = model(input_ids=s["input_ids"][None]).logits[0].float()
             loss = F.cross_entropy(logits[:-1], s["labels"][1:], reduction="sum", ignore_index=-100) / valid
             loss.backward()
+            step_loss += loss.item()
+        losses.append(step_loss)
         opt.step()
-    return model.state_dict()
+    return model.state_dict(), losses
 
 
-_KV = {"llama": 2, "qwen2": 1}  # GQA (2 kv heads for 4 heads) and MQA (1 kv head, fewer than the SP size)
-
-
-@pytest.mark.parametrize("family,policy,world", [("llama", "dcp", 2), ("qwen2", "dcp-intra", 2), ("llama", "bucket", 2),
-                                                 ("qwen2", "dcp", 4), ("llama", "random", 4)])
-def test_dcp_trainer_equals_plain_training(tmp_path, family, policy, world):
+@pytest.mark.parametrize("families,policy,world", [(("llama",), "dcp", 2), (("qwen2",), "dcp-intra", 2),
+                                                   (tuple(FAMILIES), "bucket", 2), (("qwen2",), "dcp", 4),
+                                                   (("llama",), "random", 4)],
+                         ids=["llama-dcp-2", "qwen2-dcp-intra-2", "all-families-bucket-2", "qwen2-dcp-4", "llama-random-4"])
+def test_dcp_trainer_equals_plain_training(tmp_path, capfd, families, policy, world):
     """CausalLMModule under DCPStrategy (2/4 CPU processes) == plain single-process transformers training,
-    with prompt-masked labels, SP > 1 and recompute > 0."""
+    with prompt-masked labels, SP > 1 and recompute > 0 (every family in the bucket run); the logged
+    train/loss of every step == the reference's loss of the step's global batch; the support line is printed."""
     import os
+    import sys
 
     import lightning.pytorch as pl
 
@@ -450,10 +598,16 @@ def test_dcp_trainer_equals_plain_training(tmp_path, family, policy, world):
     strategy = DCPStrategy(global_batch_size=8, loss_reduction="token", start_method="spawn", seed=1,
                            log_metrics=False, profile=False, **kw)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_E2E_STEPS,
-                         callbacks=[_E2EDump(str(tmp_path))], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    module = _SGDCausalLM(make_model(family, 4, _KV[family], layers=3, seed=3), lr=_E2E_LR)
+                         callbacks=[_E2EDump(str(tmp_path))], logger=_LossRecorder(), log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    module = _SGDCausalLM(families, lr=_E2E_LR)
     trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=CausalLMModule.collate))
+    out, err = capfd.readouterr()
+    sys.stdout.write(out), sys.stderr.write(err)
+    line = (f"DCPStrategy: _SGDCausalLM trains {type(module.model).__name__} (model_type {families[0]!r}, a tested "
+            "family) at support level 'sp'")
+    assert (out + err).count(line) == 1, "the support line is printed once, by rank 0"
     logs = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(world)]
     plans = logs[0]["plans"]
     assert len(plans) == _E2E_STEPS
@@ -461,14 +615,25 @@ def test_dcp_trainer_equals_plain_training(tmp_path, family, policy, world):
     recompute = sorted({it["recompute"] for p in plans for it in p["items"]})
     assert max(sizes) > 1, f"{policy}: the plans never used SP > 1 ({plans}); the test data must force it"
     assert max(recompute) > 0, f"{policy}: the plans never recomputed ({plans})"
-    want = _e2e_reference(plans, dataset, family)
-    worst = 0.0
-    for r, log in enumerate(logs):
-        for n, w in log["weights"].items():
-            rel = float((w - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12))
-            worst = max(worst, rel)
-            assert rel < 1e-5, f"{policy}: rank {r} weight {n} after {_E2E_STEPS} steps: relative error {rel:.2e}"
-    print(f"{family} {policy} world {world} (SP sizes {sizes}, recompute {recompute}): max rel weight err {worst:.2e}", flush=True)
+    want_losses = [0.0] * _E2E_STEPS
+    for family in families:
+        want, losses = _e2e_reference(plans, dataset, family)
+        want_losses = [a + b for a, b in zip(want_losses, losses)]
+        worst = 0.0
+        for r, log in enumerate(logs):
+            for n, w in log["weights"][family].items():
+                rel = float((w - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12))
+                worst = max(worst, rel)
+                assert rel < 1e-5, f"{family} {policy}: rank {r} weight {n} after {_E2E_STEPS} steps: relative error {rel:.2e}"
+        print(f"{family} {policy} world {world} (SP sizes {sizes}, recompute {recompute}): max rel weight err {worst:.2e}",
+              flush=True)
+    for r, log in enumerate(logs):  # train/loss: once per step, the global batch's loss on every rank
+        logged = [(step, m["train/loss"]) for step, m in log["logged"] if "train/loss" in m]
+        assert [step for step, _ in logged] == list(range(_E2E_STEPS)), logged
+        worst = max(abs(got - want) for (_, got), want in zip(logged, want_losses))
+        print(f"{'+'.join(families)} {policy} world {world} rank {r}: logged train/loss {[round(v, 6) for _, v in logged]}, "
+              f"max abs err vs plain training {worst:.2e}", flush=True)
+        assert worst < 1e-5, (r, logged, want_losses)
 
 
 def test_profiler_measures_an_adapted_model():

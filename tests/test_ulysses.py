@@ -1,4 +1,5 @@
-"""Ulysses attention on spawned gloo processes equals single-process varlen attention."""
+"""Ulysses attention on spawned gloo processes equals single-process varlen attention, with as
+many key/value heads as query heads, fewer (GQA), fewer than the SP ranks (MQA), and soft-capping."""
 
 from __future__ import annotations
 
@@ -18,20 +19,25 @@ except ImportError:  # tests/ imported as a package
 HEADS, DIM = 4, 3
 
 
-def _packed_problem(lengths, sp, seed):
-    """Full (unsharded) q, k, v, output-gradient and batch for ``lengths``, padded to a multiple of ``sp``."""
+def _packed_problem(lengths, sp, seed, kv_heads=HEADS):
+    """Full (unsharded) q, k, v, output-gradient and batch for ``lengths``, padded to a multiple of ``sp``
+    (k and v with ``kv_heads`` heads)."""
     total = sum(lengths)
     pad = (-total) % sp
     seg = list(lengths) + ([pad] if pad else [])
     g = torch.Generator().manual_seed(seed)
-    q, k, v, gout = (torch.randn(total + pad, HEADS, DIM, generator=g, dtype=torch.float64) for _ in range(4))
+    q, k, v, gout = (torch.randn(total + pad, HEADS if i in (0, 3) else kv_heads, DIM, generator=g, dtype=torch.float64)
+                     for i in range(4))
     cu = torch.tensor([0, *torch.tensor(seg).cumsum(0).tolist()], dtype=torch.int32)
     return q, k, v, gout, {CU_SEQLENS: cu, MAX_SEQLEN: max(seg)}
 
 
-def _reference(q, k, v, gout, batch, causal):
+def _reference(q, k, v, gout, batch, causal, softcap=None):
+    """Single process: key/value heads repeated to the query heads as transformers' ``repeat_kv`` does."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = varlen_attention(q, k, v, batch[CU_SEQLENS], batch[MAX_SEQLEN], causal=causal)
+    rep = q.shape[1] // k.shape[1]
+    out = varlen_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), batch[CU_SEQLENS],
+                           batch[MAX_SEQLEN], causal=causal, softcap=softcap)
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), gout))
 
 
@@ -45,17 +51,19 @@ def _check_layout(rank, layout):
     (gi,) = [i for i, ranks in enumerate(layout) if rank in ranks]
     ranks = layout[gi]
     sp, sp_rank, group = len(ranks), ranks.index(rank), groups[gi]
-    for causal in (False, True):
-        q, k, v, gout, batch = _packed_problem(_GROUP_LENGTHS[gi], sp, seed=10 * gi + causal)
-        ref = _reference(q, k, v, gout, batch, causal)
+    # (causal, key/value heads, softcap): MHA, GQA with 2 kv heads (< SP 4), MQA (< SP 2), soft-capped
+    for causal, kv_heads, softcap in ((False, HEADS, None), (True, HEADS, None), (True, 2, None), (True, 1, 0.8)):
+        q, k, v, gout, batch = _packed_problem(_GROUP_LENGTHS[gi], sp, seed=10 * gi + causal + kv_heads, kv_heads=kv_heads)
+        ref = _reference(q, k, v, gout, batch, causal, softcap)
         local = q.shape[0] // sp
         sl = slice(sp_rank * local, (sp_rank + 1) * local)
         ql, kl, vl = (t[sl].clone().requires_grad_() for t in (q, k, v))
         with sp_context(SPContext(group=group, size=sp, rank=sp_rank)):
-            out = ulysses_attention(ql, kl, vl, batch, causal=causal)
+            out = ulysses_attention(ql, kl, vl, batch, causal=causal, softcap=softcap)
         # Backward outside the context: the all-to-all must have captured its group in forward.
         grads = torch.autograd.grad(out, (ql, kl, vl), gout[sl])
-        tag = f"rank {rank} group {ranks} causal={causal}"
+        assert grads[1].shape == kl.shape
+        tag = f"rank {rank} group {ranks} causal={causal} kv_heads={kv_heads} softcap={softcap}"
         torch.testing.assert_close(out, ref[0][sl], atol=1e-10, rtol=1e-10, msg=lambda m: f"{tag} out: {m}")
         for name, got, want in zip("qkv", grads, ref[1:]):
             torch.testing.assert_close(got, want[sl], atol=1e-10, rtol=1e-10, msg=lambda m: f"{tag} d{name}: {m}")
@@ -118,6 +126,10 @@ def test_sp_size_one_is_plain_varlen_attention():
         ulysses_attention(q, k, v, batch, causal=True),
         varlen_attention(q, k, v, batch[CU_SEQLENS], batch[MAX_SEQLEN], causal=True),
     )
+    q, k, v, gout, batch = _packed_problem([4, 2, 5], 1, seed=3, kv_heads=2)  # GQA at SP 1
+    torch.testing.assert_close(ulysses_attention(q, k, v, batch, causal=True), _reference(q, k, v, gout, batch, True)[0])
+    with pytest.raises(ValueError, match="multiple of the key/value heads 3"):
+        ulysses_attention(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), batch)
     assert seq_all_to_all(q, 1, 0) is q
     with pytest.raises(KeyError, match="cu_seqlens"):
         ulysses_attention(q, k, v, {})

@@ -88,24 +88,6 @@ def _progress_bar() -> Any:
     return RichProgressBar() if _RICH_AVAILABLE else TQDMProgressBar()
 
 
-def _plan_printer(quiet: bool) -> Any:
-    import lightning.pytorch as pl
-
-    from lightning_dcp.runtime.metrics import format_plan
-
-    class PlanPrinter(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
-            m = trainer.strategy.last_step_metrics
-            if quiet or m is None:
-                return
-            plan = batch["meta"]["plan"]
-            pl_module.print(f"step {trainer.global_step:3d}: {format_plan(plan, trainer.world_size)} "
-                            f"imbalance={m.imbalance:.3f} time={m.step_s:.2f}s loss={m.loss:.4f}")
-
-    return PlanPrinter()
-
-
 def run(args: argparse.Namespace) -> int:
     from lightning_dcp.cli import CLIError
 
@@ -121,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from torch.utils.data import DataLoader
 
+    from lightning_dcp.commands.console import PlanPrinter, training_summary
     from lightning_dcp.data import SyntheticTokenDataset, SyntheticVideoDataset, plain_collate, tiny_lengths
     from lightning_dcp.models.module import DCPTransformerModule
     from lightning_dcp.runtime.strategy import DCPStrategy
@@ -140,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                                profile=args.profile, timeout=args.timeout)
     except ValueError as err:
         raise CLIError(str(err)) from None
-    callbacks = [_plan_printer(args.quiet_plans)] + ([] if args.no_progress_bar else [_progress_bar()])
+    callbacks = [PlanPrinter(args.quiet_plans)] + ([] if args.no_progress_bar else [_progress_bar()])
     if args.profile:
         from lightning_dcp.profiling import DCPProfiler
 
@@ -165,14 +148,5 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(str(err)) from None
         return 2
     if trainer.is_global_zero:
-        tracker = strategy.metrics_tracker
-        hist = tracker.history
-        warm = hist[1:] or hist
-        sizes = sorted({s for m in hist for s in m.sp_sizes})
-        mean_imb = sum(m.imbalance for m in warm) / max(1, len(warm))
-        tps = sum(m.tokens_per_s for m in warm) / max(1, len(warm))
-        print(f"\nDCP training done: {trainer.global_step} steps on {devices} {'GPU' if cuda else 'CPU'} processes, "
-              f"policy={args.policy}, SP sizes used {sizes}")
-        print(f"imbalance ratio (mean over steps after the first): {mean_imb:.3f}   tokens/s: {tps:,.0f}   "
-              f"last loss: {hist[-1].loss:.4f}" if hist else "no steps ran")
+        print(training_summary(trainer))
     return 0

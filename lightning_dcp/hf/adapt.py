@@ -9,7 +9,13 @@ from torch import nn
 from lightning_dcp.hf.attention import ATTN_IMPLEMENTATION, register_attention
 from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers, install_layer_recompute
 
-__all__ = ["adapt", "find_decoder_layers", "is_adapted"]
+__all__ = ["TESTED_MODEL_TYPES", "adapt", "find_decoder_layers", "is_adapted", "is_tested_family"]
+
+#: ``config.model_type`` of the families whose packed forward equals the per-sample forward and
+#: whose training under DCPStrategy (SP 2, recompute) equals plain single-process training, in
+#: ``tests/test_hf.py`` (tiny random configs of transformers' own config classes). Any other
+#: model with transformers' attention interface is adapted too, untested.
+TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt_neox", "olmo", "olmo2")
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -34,7 +40,7 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(
         f"lightning_dcp.hf.adapt: no decoder layer list found in {type(model).__name__} (looked for a non-empty "
         f"nn.ModuleList at {', '.join(name for name, _ in candidates)}); supported are transformers causal LMs "
-        "whose base model keeps its decoder layers in `.layers` (Llama, Qwen2, Qwen3, Mistral, ...).")
+        f"whose base model keeps its decoder layers in `.layers` (tested: {', '.join(TESTED_MODEL_TYPES)}).")
 
 
 def _check_supported(model: nn.Module, layers: nn.ModuleList) -> None:
@@ -48,8 +54,8 @@ def _check_supported(model: nn.Module, layers: nn.ModuleList) -> None:
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"lightning_dcp.hf.adapt: {name}'s attention modules do not use transformers' attention "
                          "interface (its class sets no `_supports_attention_backend`), so the 'lightning_dcp' "
-                         "attention function cannot be plugged in; use a model family that does (Llama, Qwen2, "
-                         "Qwen3, Mistral, ...).")
+                         "attention function cannot be plugged in; use a model family that does (tested: "
+                         f"{', '.join(TESTED_MODEL_TYPES)}).")
     bad = [type(layer).__name__ for layer in layers if not isinstance(layer, GradientCheckpointingLayer)]
     if bad:
         raise ValueError(f"lightning_dcp.hf.adapt: decoder layers of {name} ({sorted(set(bad))}) do not subclass "
@@ -65,13 +71,22 @@ def _check_supported(model: nn.Module, layers: nn.ModuleList) -> None:
                          "supported by the varlen kernels; set it to 0.0 before adapting.")
 
 
+def is_tested_family(model: nn.Module) -> bool:
+    """Whether ``model.config.model_type`` is one of :data:`TESTED_MODEL_TYPES`."""
+    return getattr(getattr(model, "config", None), "model_type", None) in TESTED_MODEL_TYPES
+
+
 def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
-    """Prepare a transformers causal LM (Llama, Qwen2, Qwen3, Mistral, ...) for DCP, in place.
+    """Prepare a transformers causal LM for DCP, in place.
+
+    Tested families (:data:`TESTED_MODEL_TYPES`): Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma 2
+    (attention logit soft-capping included), Phi-3, GPT-NeoX, OLMo, OLMo 2.
 
     * attention: registers :func:`~lightning_dcp.hf.attention.dcp_attention` in transformers'
       ``AttentionInterface`` as ``"lightning_dcp"`` and switches the model to it (Ulysses over
       the active SP group, varlen causal attention per packed sample, GQA/MQA with fewer
-      key/value heads than SP ranks). No model class is patched; no dense mask is built.
+      key/value heads than SP ranks, attention logit soft-capping). No model class is patched;
+      no dense mask is built.
     * recompute: every decoder layer gets the per-call switch of one
       :class:`~lightning_dcp.sp.recompute.LayerRecompute` through transformers' own
       ``GradientCheckpointingLayer`` hook: layer ``i`` recomputes iff ``i < active_context().recompute``

@@ -4,7 +4,8 @@ A model adapted by :func:`lightning_dcp.hf.adapt` runs every attention layer thr
 :func:`dcp_attention`: Ulysses sequence parallelism over the active SP group
 (:func:`lightning_dcp.sp.context.active_context`), variable-length causal attention inside each
 packed sample, grouped-query attention without repeating key/value heads more than the SP size
-needs.
+needs -- all of it :func:`lightning_dcp.sp.ulysses.ulysses_attention`; this module only translates
+transformers' calling convention.
 
 Packed boundaries reach it as forward keyword arguments, the names transformers itself uses for
 packed (flash-attention) batches, which every ``AttentionInterface`` model forwards unchanged
@@ -37,9 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dcp.sp.attention import varlen_attention
-from lightning_dcp.sp.context import active_context
-from lightning_dcp.sp.ulysses import seq_all_to_all
+from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
+from lightning_dcp.sp.ulysses import kv_repeat_before_all_to_all, ulysses_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "dcp_attention", "kv_repeat_before_all_to_all", "packed_gqa_attention",
            "register_attention"]
@@ -47,7 +47,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "dcp_attention", "kv_repeat_before_all_to_all"
 #: The name under which :func:`dcp_attention` is registered (``config._attn_implementation``).
 ATTN_IMPLEMENTATION = "lightning_dcp"
 
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks")
 
 
 def register_attention() -> None:
@@ -57,65 +57,17 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, dcp_attention)
 
 
-def kv_repeat_before_all_to_all(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
-    """How many times to repeat each key/value head before the all-to-all (1 when none is needed).
-
-    The smallest divisor ``f`` of ``num_heads / num_kv_heads`` with ``num_kv_heads * f``
-    divisible by ``sp_size``: every SP rank then receives whole key/value heads, exactly those
-    its query heads use, and repeats them locally by ``num_heads / (num_kv_heads * f)``.
-    """
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"attention heads {num_heads} must be a multiple of the key/value heads {num_kv_heads}")
-    if num_heads % sp_size:
-        raise ValueError(
-            f"{num_heads} attention heads are not divisible by the SP size {sp_size}: Ulysses gives each SP rank "
-            f"whole heads. Cap the SP size at a divisor of {num_heads} (DCPStrategy(max_sp_size=...)); the strategy "
-            f"reads the head count from the adapted model's dcp_num_heads.")
-    groups = num_heads // num_kv_heads
-    for f in range(1, groups + 1):
-        if groups % f == 0 and (num_kv_heads * f) % sp_size == 0:
-            return f
-    return groups  # unreachable: f = groups gives num_heads, divisible by sp_size
-
-
 def packed_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                         max_seqlen: int, *, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Ulysses varlen attention over the active SP group, with fewer key/value heads than query heads.
+                         max_seqlen: int, *, causal: bool = True, scale: float | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+    """:func:`~lightning_dcp.sp.ulysses.ulysses_attention` with the boundaries as arguments.
 
-    Args:
-        q: this rank's shard ``[local_tokens, heads, head_dim]``.
-        k, v: ``[local_tokens, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``
-            (query head ``j`` uses key/value head ``j // (heads / kv_heads)``, as transformers' ``repeat_kv``).
-        cu_seqlens, max_seqlen: segment boundaries over the whole padded packed sequence.
-        causal, scale: as in :func:`~lightning_dcp.sp.attention.varlen_attention`.
-
-    Returns:
-        This rank's shard of the output, ``[local_tokens, heads, head_dim]``.
-
-    Key/value heads are repeated only as far as the SP size needs before the all-to-all
-    (:func:`kv_repeat_before_all_to_all`), the rest after it, so GQA/MQA with fewer key/value heads
-    than SP ranks works and costs no more communication than necessary.
+    ``q`` ``[local_tokens, heads, head_dim]``, ``k``/``v`` ``[local_tokens, kv_heads, head_dim]``
+    (GQA/MQA: ``kv_heads`` dividing ``heads``), ``cu_seqlens``/``max_seqlen`` over the whole padded
+    packed sequence; returns this rank's ``[local_tokens, heads, head_dim]``.
     """
-    ctx = active_context()
-    group = ctx.group
-    size = 1 if group is None else dist.get_world_size(group)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    pre = kv_repeat_before_all_to_all(heads, kv_heads, size)
-    if pre > 1:
-        k, v = k.repeat_interleave(pre, dim=1), v.repeat_interleave(pre, dim=1)
-    if size > 1:
-        if cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != q.shape[0] * size:
-            raise ValueError(
-                f"cu_seqlens covers {int(cu_seqlens[-1])} tokens but the SP shards hold {q.shape[0]} x {size}; pass "
-                f"the boundaries of the whole padded packed sequence (batch['cu_seqlens']), not of this shard.")
-        q, k, v = (seq_all_to_all(t, scatter_dim=1, gather_dim=0, group=group) for t in (q, k, v))
-    post = q.shape[1] // k.shape[1]
-    if post > 1:
-        k, v = k.repeat_interleave(post, dim=1), v.repeat_interleave(post, dim=1)
-    out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
-    if size > 1:
-        out = seq_all_to_all(out, scatter_dim=0, gather_dim=1, group=group)
-    return out
+    return ulysses_attention(q, k, v, {CU_SEQLENS: cu_seqlens, MAX_SEQLEN: max_seqlen}, causal=causal, scale=scale,
+                             softcap=softcap)
 
 
 def _boundaries_from_positions(position_ids: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
@@ -184,7 +136,8 @@ def dcp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         attention_mask: must be ``None`` (packing is described by ``cu_seq_lens_q``).
         scaling: softmax scale (default ``head_dim ** -0.5``); dropout: must be 0.
         **kwargs: ``cu_seq_lens_q``/``max_length_q`` (see the module docstring), else ``position_ids``;
-            ``sliding_window`` is accepted when no packed sample is longer than it.
+            ``sliding_window`` is accepted when no packed sample is longer than it; ``softcap``
+            (Gemma 2's ``attn_logit_softcapping``) is applied to the scores.
 
     Returns:
         ``([1, local_tokens, heads, head_dim], None)``, as transformers' attention functions return.
@@ -195,7 +148,8 @@ def dcp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = packed_gqa_attention(q, k, v, cu.to(query.device), max_len, causal=causal, scale=scale)
+    batch = {CU_SEQLENS: cu.to(query.device), MAX_SEQLEN: max_len}
+    out = ulysses_attention(q, k, v, batch, causal=causal, scale=scale, softcap=kwargs.get("softcap"))
     return out.unsqueeze(0), None
 
 

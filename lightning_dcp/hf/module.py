@@ -28,19 +28,36 @@ from lightning_dcp.sp.context import (
     MAX_SEQLEN,
     NUM_TOKENS,
     POSITION_IDS,
+    SAMPLE_INDICES,
     SEGMENT_IDS,
     TOKEN_WEIGHT,
     active_context,
 )
-from lightning_dcp.hf.adapt import adapt, is_adapted
+from lightning_dcp.hf.adapt import TESTED_MODEL_TYPES, adapt, is_adapted, is_tested_family
 from lightning_dcp.sp.packing import IGNORE_INDEX, pack_samples
 from lightning_dcp.sp.sharding import weighted_loss
+from lightning_dcp.step_loss import StepLossLogging
 
-__all__ = ["IGNORE_INDEX", "SHIFT_LABELS", "CausalLMModule", "collate_causal_lm", "pack_padded_batch",
-           "prepare_causal_lm_batch"]
+__all__ = ["IGNORE_INDEX", "SHIFT_LABELS", "CausalLMModule", "causal_lm_logits", "check_causal_lm_head",
+           "collate_causal_lm", "pack_padded_batch", "prepare_causal_lm_batch"]
 
 #: Key of the per-token next-token targets added by :func:`prepare_causal_lm_batch`.
 SHIFT_LABELS = "shift_labels"
+
+#: Keys :func:`~lightning_dcp.sp.packing.pack_samples` adds (not the user's sample keys).
+_PACKED_KEYS = (CU_SEQLENS, MAX_SEQLEN, POSITION_IDS, LOSS_MASK, SEGMENT_IDS, NUM_TOKENS, SAMPLE_INDICES, TOKEN_WEIGHT,
+                SHIFT_LABELS)
+
+
+def _missing_input_ids(keys: Sequence[str]) -> KeyError:
+    """The error for samples without ``input_ids``: names their keys and the rename that fixes it."""
+    own = [k for k in keys if k not in _PACKED_KEYS and k != "labels" and not str(k).startswith("_")]
+    guess = own[0] if own else "<your token key>"
+    return KeyError(
+        f"CausalLMModule reads each sample's token ids from 'input_ids' (and optional 'labels', -100 = no loss, "
+        f"default input_ids), but the samples have the keys {sorted(own)}{' (and labels)' if 'labels' in keys else ''}. "
+        f"Rename the key in your dataset: return {{'input_ids': sample[{guess!r}]}} from its __getitem__ (a Hugging "
+        f"Face datasets.Dataset: dataset.rename_column({guess!r}, 'input_ids')).")
 
 
 def prepare_causal_lm_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,9 +74,12 @@ def prepare_causal_lm_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     """
     if SHIFT_LABELS in batch:
         return dict(batch)
-    if CU_SEQLENS not in batch or "input_ids" not in batch:
-        raise KeyError(f"prepare_causal_lm_batch needs a packed batch with 'input_ids' and {CU_SEQLENS!r} "
-                       f"(lightning_dcp.sp.packing.pack_samples, or CausalLMModule.collate); got keys {sorted(batch)}")
+    if "input_ids" not in batch:
+        raise _missing_input_ids(list(batch))
+    if CU_SEQLENS not in batch:
+        raise KeyError(f"prepare_causal_lm_batch needs a packed batch (with {CU_SEQLENS!r}); got keys {sorted(batch)}: "
+                       "pack the samples first with lightning_dcp.sp.packing.pack_samples, or give the DataLoader "
+                       "collate_fn=CausalLMModule.collate")
     labels = batch.get("labels", batch["input_ids"])
     total = labels.shape[0]
     cu = batch[CU_SEQLENS].to(device=labels.device, dtype=torch.long)
@@ -84,12 +104,16 @@ def _real_tokens(batch: Mapping[str, Any], total: int, device: torch.device) -> 
 
 def collate_causal_lm(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``collate_fn`` for a plain DataLoader: :func:`pack_samples` then :func:`prepare_causal_lm_batch`."""
+    if samples and isinstance(samples[0], Mapping) and "input_ids" not in samples[0]:
+        raise _missing_input_ids(list(samples[0]))
     return prepare_causal_lm_batch(pack_samples(samples))
 
 
 def pack_padded_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     """Repack a Hugging Face-style padded batch (``input_ids`` ``[B, T]``, optional ``attention_mask``
     and ``labels``) into one prepared packed micro-batch (the tokens where ``attention_mask`` is 1)."""
+    if "input_ids" not in batch:
+        raise _missing_input_ids(list(batch))
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
@@ -107,13 +131,55 @@ def pack_padded_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     return collate_causal_lm(samples)
 
 
-class CausalLMModule(pl.LightningModule):
+def check_causal_lm_head(model: nn.Module) -> None:
+    """Raise at once when :func:`causal_lm_logits` cannot reproduce ``model``'s own logits.
+
+    Supported: a plain ``nn.Linear`` output embedding (tied or not), optionally followed by
+    ``config.final_logit_softcapping`` (Gemma 2). Anything else (``config.logit_scale``, a custom
+    head) raises a ``ValueError`` naming the field and the fix.
+    """
+    head = model.get_output_embeddings()
+    config = model.config
+    name = type(model).__name__
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"CausalLMModule computes logits as a linear head on the last hidden state; {name}'s output "
+                         f"embedding is {type(head).__name__}, not nn.Linear: subclass CausalLMModule and override forward.")
+    if getattr(config, "logit_scale", None) not in (None, 1.0):
+        raise ValueError(f"CausalLMModule: {name} has config.logit_scale={config.logit_scale}, which it does not "
+                         "apply: subclass CausalLMModule and override forward (logits = head(hidden) * logit_scale).")
+
+
+def causal_lm_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """fp32 logits ``[local_tokens, vocab]`` of an adapted causal LM on a prepared packed batch.
+
+    Runs ``model.base_model`` on the (possibly SP-sharded) packed ``input_ids`` with this shard's
+    ``position_ids`` and the whole micro-batch's ``cu_seqlens``/``max_seqlen``, then the output
+    embedding in fp32, and ``config.final_logit_softcapping`` when set (Gemma 2: ``cap *
+    tanh(logits / cap)``), as the model's own ``forward`` does.
+    """
+    ids = batch["input_ids"]
+    hidden = model.base_model(
+        input_ids=ids.unsqueeze(0), position_ids=batch[POSITION_IDS].unsqueeze(0), use_cache=False,
+        cu_seq_lens_q=batch[CU_SEQLENS], cu_seq_lens_k=batch[CU_SEQLENS],
+        max_length_q=int(batch[MAX_SEQLEN]), max_length_k=int(batch[MAX_SEQLEN]),
+    ).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        logits = F.linear(hidden.float(), head.weight.float(), bias)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+class CausalLMModule(StepLossLogging, pl.LightningModule):
     """Trains a Hugging Face causal LM under :class:`~lightning_dcp.DCPStrategy` or a plain Trainer.
 
     Samples are dicts with ``input_ids`` (int64 ``[len]``) and optional ``labels`` (``-100`` =
     no loss; default ``input_ids``). The loss is next-token cross-entropy within each sample,
     averaged over every valid target token of the *global* batch (``loss_reduction="token"``);
-    logits and cross-entropy are computed in fp32.
+    logits and cross-entropy are computed in fp32. ``train/loss`` is logged once per optimizer
+    step (:class:`~lightning_dcp.step_loss.StepLossLogging`): the global batch's loss under
+    DCPStrategy, the batch's under a plain Trainer -- never one micro-batch's shard.
 
     Args:
         model: a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...);
@@ -134,32 +200,47 @@ class CausalLMModule(pl.LightningModule):
                  betas: tuple[float, float] = (0.9, 0.95)) -> None:
         super().__init__()
         self.model = model if is_adapted(model) else adapt(model)
+        check_causal_lm_head(self.model)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+
+    def dcp_support_message(self, support: str) -> str | None:
+        """The one line DCPStrategy prints at fit start: what this module runs with at ``support``.
+
+        ``support`` is the level the strategy resolved (``"sp"`` unless ``DCPStrategy(support=...)``
+        says otherwise); ``None`` for ``"safe"``, whose line the strategy prints itself.
+        """
+        if support == "safe":
+            return None
+        model, config = self.model, self.model.config
+        model_type = getattr(config, "model_type", "?")
+        family = (f"model_type {model_type!r}, a tested family" if is_tested_family(model) else
+                  f"model_type {model_type!r}, NOT among the tested families ({', '.join(TESTED_MODEL_TYPES)}): check "
+                  "that a packed batch gives each sample's own logits, as tests/test_hf.py does")
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        layers = len(model.dcp_repeated_layers())
+        extras = [f"attention logit soft-capping {config.attn_logit_softcapping}"] if getattr(
+            config, "attn_logit_softcapping", None) else []
+        if getattr(config, "final_logit_softcapping", None):
+            extras.append(f"final logit soft-capping {config.final_logit_softcapping}")
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True) is not False:
+            extras.append(f"samples longer than its sliding window ({window} tokens) are refused")
+        sp = (f"Ulysses SP groups of sizes dividing its {heads} attention heads ({kv_heads} key/value heads)"
+              if support == "sp" else "SP size 1 (support='packed')")
+        return (f"DCPStrategy: {type(self).__name__} trains {type(model).__name__} ({family}) at support level "
+                f"{support!r}: packed micro-batches (attention within each sample only, positions restart per sample), {sp}, "
+                f"per-layer recompute of its {layers} decoder layers"
+                + (f"; {', '.join(extras)}" if extras else "") + ".")
 
     def dcp_prepare_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """DCPStrategy hook, called on the whole packed micro-batch before sharding: shift labels per sample."""
         return prepare_causal_lm_batch(batch)
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """fp32 logits ``[local_tokens, vocab]`` of a prepared (possibly SP-sharded) packed batch."""
-        ids = batch["input_ids"]
-        hidden = self.model.base_model(
-            input_ids=ids.unsqueeze(0), position_ids=batch[POSITION_IDS].unsqueeze(0), use_cache=False,
-            cu_seq_lens_q=batch[CU_SEQLENS], cu_seq_lens_k=batch[CU_SEQLENS],
-            max_length_q=int(batch[MAX_SEQLEN]), max_length_k=int(batch[MAX_SEQLEN]),
-        ).last_hidden_state[0]
-        return self._logits(hidden)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.get_output_embeddings()
-        config = self.model.config
-        if not isinstance(head, nn.Linear) or getattr(config, "final_logit_softcapping", None) \
-                or getattr(config, "logit_scale", None) not in (None, 1.0):
-            raise ValueError(f"CausalLMModule computes logits as a plain linear head; {type(self.model).__name__} has "
-                             f"{type(head).__name__} with softcapping/scaling: override CausalLMModule._logits.")
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            return F.linear(hidden.float(), head.weight.float(), bias)
+        """fp32 logits ``[local_tokens, vocab]`` of a prepared (possibly SP-sharded) packed batch
+        (:func:`causal_lm_logits`)."""
+        return causal_lm_logits(self.model, batch)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         """Per-token CE against ``shift_labels``, reduced by :func:`~lightning_dcp.weighted_loss`."""

@@ -67,12 +67,14 @@ def safe_mode_message(module: Any) -> str:
 
 
 def support_message(module: Any, level: str) -> str | None:
-    """The one line the strategy prints at fit start about ``module``'s support level: the module's own
-    ``dcp_support_message()`` when it has one (e.g. :class:`~lightning_dcp.hf.CausalLMModule`), the
-    safe-mode explanation in safe mode, else ``None`` (nothing to say)."""
+    """The one line the strategy prints at fit start about ``module`` at support ``level``: the module's
+    own ``dcp_support_message(level)`` when it has one and it says something (e.g.
+    :class:`~lightning_dcp.hf.CausalLMModule`), else the safe-mode explanation in safe mode, else
+    ``None`` (nothing to say)."""
     own = getattr(module, "dcp_support_message", None)
-    if callable(own):
-        return own()
+    message = own(level) if callable(own) else None
+    if message:
+        return message
     return safe_mode_message(module) if level == "safe" else None
 
 

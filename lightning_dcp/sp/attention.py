@@ -13,6 +13,12 @@ kernel available:
   call (a key-padding mask only where lengths differ), so many short segments cost a few
   kernel calls instead of one per segment, and no block-diagonal ``total x total`` mask is
   ever built.
+
+Logit soft-capping (``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
+softmax, as Gemma 2 does) runs on ``"flash"`` (flash-attn's own ``softcap``) and on ``"sdpa"``,
+where it computes the scores explicitly per length group, as transformers' eager attention does
+(fp32 softmax; memory ``heads x L x L`` per segment of length ``L``, like SDPA's math kernel);
+``"torch-varlen"`` has no soft-capping, so ``"auto"`` skips it then.
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ def _flash_varlen_func() -> Any:
     except Exception:  # ImportError, or a broken build raising at import
         return None
     return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_varlen_params() -> frozenset[str]:
+    fn = _flash_varlen_func()
+    try:
+        return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return frozenset()
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,6 +121,7 @@ def varlen_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention inside each packed segment; no token attends across a boundary.
@@ -117,8 +133,10 @@ def varlen_attention(
         max_seqlen: the longest segment (int or a 0-d tensor); used by the fused kernels.
         causal: each token attends only to itself and earlier tokens *of its own segment*.
         scale: softmax scale; default ``head_dim ** -0.5``.
-        backend: ``"auto"`` (flash > torch-varlen > sdpa, see :func:`attention_backend`),
-            or one of ``"flash"``, ``"torch-varlen"``, ``"sdpa"`` to force it.
+        softcap: logit soft-capping: scaled scores ``s`` become ``softcap * tanh(s / softcap)``
+            before masking and softmax (Gemma 2's ``attn_logit_softcapping``); ``None`` or 0: none.
+        backend: ``"auto"`` (flash > torch-varlen > sdpa, see :func:`attention_backend`; with
+            ``softcap``, flash > sdpa), or one of ``"flash"``, ``"torch-varlen"``, ``"sdpa"`` to force it.
 
     Returns:
         ``[total_tokens, heads, head_dim]``, same dtype and device as ``q``.
@@ -141,9 +159,14 @@ def varlen_attention(
             f"varlen_attention: cu_seqlens must be 1-D [num_segments + 1], got shape {tuple(cu_seqlens.shape)}."
         )
     max_seqlen = int(max_seqlen)
+    softcap = float(softcap) if softcap else None
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"varlen_attention: softcap must be positive (or None for no soft-capping), got {softcap}")
 
     if backend == "auto":
         backend = attention_backend(q.device, q.dtype)
+        if softcap is not None and backend == "torch-varlen":
+            backend = "sdpa"
     if backend == "flash":
         fn = _flash_varlen_func()
         if fn is None:
@@ -153,8 +176,17 @@ def varlen_attention(
             )
         _require_cuda_half(q, "flash")
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal)
+        extra: dict[str, Any] = {}
+        if softcap is not None:
+            if "softcap" not in _flash_varlen_params():
+                raise RuntimeError("varlen_attention(softcap=...): the installed flash_attn.flash_attn_varlen_func has no "
+                                   "softcap argument; upgrade flash-attn (>= 2.6) or use backend='sdpa'.")
+            extra["softcap"] = softcap
+        return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
     if backend == "torch-varlen":
+        if softcap is not None:
+            raise RuntimeError("varlen_attention(backend='torch-varlen') has no logit soft-capping (softcap="
+                               f"{softcap}); use backend='auto', 'flash' or 'sdpa'.")
         if not _torch_varlen_usable():
             raise RuntimeError(
                 f"varlen_attention(backend='torch-varlen'): torch {torch.__version__} has no usable "
@@ -169,7 +201,7 @@ def varlen_attention(
             else:
                 kwargs["is_causal"] = True
         return _torch_varlen_func()(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
-    return _sdpa_varlen(q, k, v, cu_seqlens, causal=causal, scale=scale)
+    return _sdpa_varlen(q, k, v, cu_seqlens, causal=causal, scale=scale, softcap=softcap)
 
 
 def _require_cuda_half(q: torch.Tensor, name: str) -> None:
@@ -204,6 +236,24 @@ def _group_segments(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               scale: float | None, softcap: float | None) -> torch.Tensor:
+    """``[B, H, L, d]`` attention with a boolean ``mask`` (True = attend): SDPA, or without a fused
+    kernel for soft-capping, the scores written out as transformers' eager attention computes them."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        mask = tril if mask is None else mask & tril
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _sdpa_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -212,6 +262,7 @@ def _sdpa_varlen(
     *,
     causal: bool,
     scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     total = q.shape[0]
     bounds = [int(b) for b in cu_seqlens.tolist()]
@@ -221,12 +272,11 @@ def _sdpa_varlen(
             f"got {bounds if len(bounds) <= 16 else bounds[:8] + ['...'] + bounds[-4:]}."
         )
     if len(bounds) == 2:  # one segment: plain SDPA, no gather
-        out = F.scaled_dot_product_attention(
+        out = _attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            is_causal=causal,
-            scale=scale,
+            None, causal, scale, softcap,
         )
         return out.squeeze(0).transpose(0, 1)
 
@@ -252,7 +302,7 @@ def _sdpa_varlen(
                 mask = mask & torch.ones(width, width, dtype=torch.bool, device=device).tril()
             is_causal = False
             # Every query row keeps >= 1 key (its own segment's first token), so no NaN rows.
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale)
+        og = _attention(qg, kg, vg, mask, is_causal, scale, softcap)
         og = og.transpose(1, 2).reshape(len(group) * width, q.shape[1], v.shape[2])
         keep = valid.reshape(-1)
         outs.append(og[keep])

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from lightning_dcp.sp.attention import varlen_attention
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 
-__all__ = ["SUPPORTED_DEEPSPEED", "ensure_deepspeed_comm", "seq_all_to_all", "ulysses_attention"]
+__all__ = ["SUPPORTED_DEEPSPEED", "ensure_deepspeed_comm", "kv_repeat_before_all_to_all", "seq_all_to_all",
+           "ulysses_attention"]
 
 #: DeepSpeed versions whose private ``_SeqAllToAll`` (signature ``(group, input, scatter_idx,
 #: gather_idx, batch_dim_idx, ...)``) and ``deepspeed.comm`` set-up this module is tested with
@@ -222,6 +223,35 @@ def _ready_op() -> Any:
     return _SEQ_OP
 
 
+def kv_repeat_before_all_to_all(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many times to repeat each key/value head before the all-to-all (1 when none is needed).
+
+    Grouped-query (GQA) and multi-query (MQA) attention have fewer key/value heads than query
+    heads; query head ``j`` uses key/value head ``j // (num_heads / num_kv_heads)``. Ulysses gives
+    each of the ``sp_size`` ranks whole heads, so the key/value heads must divide by ``sp_size``.
+    This is the smallest divisor ``f`` of ``num_heads / num_kv_heads`` with ``num_kv_heads * f``
+    divisible by ``sp_size``: every SP rank then receives whole key/value heads, exactly those its
+    query heads use, and repeats them locally by the rest, ``num_heads / (num_kv_heads * f)``.
+
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``num_kv_heads``, or not divisible by ``sp_size``.
+    """
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"attention heads {num_heads} must be a multiple of the key/value heads {num_kv_heads} "
+                         "(query head j uses key/value head j // (heads / kv_heads))")
+    if num_heads % sp_size:
+        raise ValueError(
+            f"ulysses_attention: heads={num_heads} (key/value heads {num_kv_heads}) is not divisible by the SP size "
+            f"{sp_size}: Ulysses gives each SP rank whole heads. Cap the SP size at a divisor of {num_heads} "
+            f"(DCPStrategy(max_sp_size=...)); the strategy reads the head count from the model's dcp_num_heads / "
+            "num_heads.")
+    groups = num_heads // num_kv_heads
+    for f in range(1, groups + 1):
+        if groups % f == 0 and (num_kv_heads * f) % sp_size == 0:
+            return f
+    return groups  # unreachable: f = groups gives num_heads, divisible by sp_size
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,21 +260,29 @@ def ulysses_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Variable-length attention over a packed sequence sharded across the active SP group.
 
     Args:
-        q, k, v: this rank's shards ``[local_tokens, heads, head_dim]``; rank ``i`` of the group
-            holds tokens ``[i * local_tokens, (i + 1) * local_tokens)`` of the padded packed sequence.
+        q: this rank's shard ``[local_tokens, heads, head_dim]``; rank ``i`` of the group holds
+            tokens ``[i * local_tokens, (i + 1) * local_tokens)`` of the padded packed sequence.
+        k, v: ``[local_tokens, kv_heads, head_dim]``, ``kv_heads`` dividing ``heads`` (``kv_heads <
+            heads``: grouped-query / multi-query attention, query head ``j`` using key/value head
+            ``j // (heads / kv_heads)`` as transformers' ``repeat_kv``). Key/value heads are repeated
+            before the all-to-all only as far as the SP size needs
+            (:func:`kv_repeat_before_all_to_all`), the rest after it, so fewer key/value heads than
+            SP ranks work and cost no more communication than necessary.
         batch: the micro-batch dict; uses ``batch[CU_SEQLENS]`` (boundaries over the *whole*
             padded sequence, padding segment included) and ``batch[MAX_SEQLEN]``.
-        causal, scale, backend: as in :func:`~lightning_dcp.sp.attention.varlen_attention`.
+        causal, scale, softcap, backend: as in :func:`~lightning_dcp.sp.attention.varlen_attention`.
 
     Returns:
         This rank's shard of the attention output, ``[local_tokens, heads, head_dim]``.
 
-    With SP size 1 this is exactly :func:`~lightning_dcp.sp.attention.varlen_attention`.
+    With SP size 1 this is exactly :func:`~lightning_dcp.sp.attention.varlen_attention` (key/value
+    heads repeated to ``heads``).
     """
     try:
         cu_seqlens, max_seqlen = batch[CU_SEQLENS], batch[MAX_SEQLEN]
@@ -253,29 +291,30 @@ def ulysses_attention(
             f"ulysses_attention needs batch[{CU_SEQLENS!r}] and batch[{MAX_SEQLEN!r}] (added by the DCP collate "
             f"step); the batch has keys {sorted(batch)}."
         ) from err
-    ctx = active_context()
-    group = ctx.group
+    group = active_context().group
     size = _group_size(group)
-    if size == 1:
-        return varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale, backend=backend)
     heads = q.shape[1]
-    if heads % size != 0 or k.shape[1] % size != 0 or v.shape[1] % size != 0:
-        raise ValueError(
-            f"ulysses_attention: heads={heads} (k: {k.shape[1]}, v: {v.shape[1]}) is not divisible by the SP "
-            f"size {size}; use a head count divisible by every SP size the planner may pick (e.g. cap the "
-            f"planner's max SP size at a divisor of {heads})."
-        )
-    if cu_seqlens.device.type == "cpu":  # cheap check; on GPU it would cost a sync per layer
-        total = int(cu_seqlens[-1])
-        if total != q.shape[0] * size:
-            raise ValueError(
-                f"ulysses_attention: cu_seqlens covers {total} tokens but the shards hold "
-                f"{q.shape[0]} x SP size {size} = {q.shape[0] * size}; cu_seqlens must describe the whole "
-                f"padded packed sequence (trailing padding segment included) and every rank must hold "
-                f"an equal 1/{size} chunk."
-            )
-    # [local, H, d] -> [total, H/P, d]
-    qf, kf, vf = (seq_all_to_all(t, scatter_dim=1, gather_dim=0, group=group) for t in (q, k, v))
-    out = varlen_attention(qf, kf, vf, cu_seqlens, max_seqlen, causal=causal, scale=scale, backend=backend)
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"ulysses_attention: k has {k.shape[1]} heads but v has {v.shape[1]}; they must agree.")
+    pre = kv_repeat_before_all_to_all(heads, k.shape[1], size)
+    if pre > 1:
+        k, v = k.repeat_interleave(pre, dim=1), v.repeat_interleave(pre, dim=1)
+    if size > 1:
+        if cu_seqlens.device.type == "cpu":  # cheap check; on GPU it would cost a sync per layer
+            total = int(cu_seqlens[-1])
+            if total != q.shape[0] * size:
+                raise ValueError(
+                    f"ulysses_attention: cu_seqlens covers {total} tokens but the shards hold "
+                    f"{q.shape[0]} x SP size {size} = {q.shape[0] * size}; cu_seqlens must describe the whole "
+                    f"padded packed sequence (trailing padding segment included, batch[{CU_SEQLENS!r}], not this "
+                    f"shard's) and every rank must hold an equal 1/{size} chunk."
+                )
+        # [local, H, d] -> [total, H/P, d]
+        q, k, v = (seq_all_to_all(t, scatter_dim=1, gather_dim=0, group=group) for t in (q, k, v))
+    post = q.shape[1] // k.shape[1]
+    if post > 1:
+        k, v = k.repeat_interleave(post, dim=1), v.repeat_interleave(post, dim=1)
+    out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale, softcap=softcap,
+                           backend=backend)
     # [total, H/P, d] -> [local, H, d]
-    return seq_all_to_all(out, scatter_dim=0, gather_dim=1, group=group)
+    return seq_all_to_all(out, scatter_dim=0, gather_dim=1, group=group) if size > 1 else out

@@ -1,0 +1,64 @@
+"""What a DCP training run prints on rank 0, as ``lightning-dcp train`` shows it: one plan line per
+optimizer step (:class:`PlanPrinter`) and a closing summary with the imbalance (:func:`training_summary`).
+
+Any script can use the same output::
+
+    trainer = pl.Trainer(strategy=DCPStrategy(...), callbacks=[PlanPrinter()], ...)
+    trainer.fit(module, loader)
+    if trainer.is_global_zero:
+        print(training_summary(trainer))
+
+The fields of the step line are explained in ``lightning-dcp train --help``
+(:data:`lightning_dcp.commands.train.STEP_LINE_HELP`). Imports Lightning: the CLI imports this module
+only when ``train`` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_dcp.metrics import format_plan
+
+__all__ = ["PlanPrinter", "training_summary"]
+
+
+class PlanPrinter(pl.Callback):
+    """Prints, on rank 0, each optimizer step's plan under :class:`~lightning_dcp.DCPStrategy`::
+
+        step   4: items=9 sp={1:7, 2:2} mb/rank=[7, 4] recompute=[0, 2, 3, 4] imbalance=0.029 time=0.81s loss=5.4206
+
+    Args:
+        quiet: print nothing (the callback stays, so a command can switch it off by a flag).
+    """
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        m = getattr(trainer.strategy, "last_step_metrics", None)
+        if self.quiet or m is None:
+            return
+        plan = batch["meta"]["plan"]
+        pl_module.print(f"step {trainer.global_step:3d}: {format_plan(plan, trainer.world_size)} "
+                        f"imbalance={m.imbalance:.3f} time={m.step_s:.2f}s loss={m.loss:.4f}")
+
+
+def training_summary(trainer: pl.Trainer) -> str:
+    """Two lines after a DCP fit: steps, processes, policy and SP sizes used; then the mean imbalance
+    over the steps after the first (the first includes start-up), tokens/s and the last loss."""
+    strategy = trainer.strategy
+    hist = strategy.metrics_tracker.history
+    warm = hist[1:] or hist
+    sizes = sorted({s for m in hist for s in m.sp_sizes})
+    mean_imb = sum(m.imbalance for m in warm) / max(1, len(warm))
+    tps = sum(m.tokens_per_s for m in warm) / max(1, len(warm))
+    kind = "GPU" if strategy.root_device.type == "cuda" else "CPU"
+    head = (f"\nDCP training done: {trainer.global_step} steps on {trainer.world_size} {kind} processes, "
+            f"policy={getattr(strategy, 'policy', None)}, SP sizes used {sizes}")
+    if not hist:
+        return head + "\nno steps ran"
+    return head + (f"\nimbalance ratio (mean over steps after the first): {mean_imb:.3f}   tokens/s: {tps:,.0f}   "
+                   f"last loss: {hist[-1].loss:.4f}")
