@@ -27,10 +27,10 @@ class TinyLM(pl.LightningModule):
     """An unchanged-style LightningModule: training_step returns the mean CE over its tokens."""
 
     def __init__(self, lr: float = 0.05, reduction: str = "token", optimizer: str = "sgd", log_sync: bool = False,
-                 init_seed: int = 0, masked: bool = False) -> None:
+                 init_seed: int = 0, masked: bool = False, split_loss: bool = False) -> None:
         super().__init__()
         self.lr, self.reduction, self.optimizer_name, self.log_sync = lr, reduction, optimizer, log_sync
-        self.masked = masked
+        self.masked, self.split_loss = masked, split_loss
         torch.manual_seed(init_seed)
         self.model = Transformer1D(SPEC)
 
@@ -39,6 +39,10 @@ class TinyLM(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         logits = self.model(batch)
+        if self.split_loss and "token_weight" in batch:  # a sum of two weighted losses (it loses the marker)
+            tl = F.cross_entropy(logits.float(), batch["labels"], reduction="none", ignore_index=-100)
+            first = (torch.arange(tl.numel()) % 2 == 0).to(tl.dtype)
+            return weighted_loss(tl * first, batch) + weighted_loss(tl * (1 - first), batch)
         if self.reduction == "sample":
             tl = F.cross_entropy(logits.float(), batch["labels"], reduction="none", ignore_index=-100)
             return weighted_loss(tl, batch)

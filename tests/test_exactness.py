@@ -21,13 +21,13 @@ from lightning_dcp import DCPStrategy
 
 
 def _fit(tmp_path, world: int, steps: int, weights_at, reduction: str = "token", log_sync: bool = False,
-         masked: bool = False, **planner_kw):
+         masked: bool = False, split_loss: bool = False, **planner_kw):
     planner = RandomPlanner(world, seed=world, **planner_kw)
     strategy = DCPStrategy(planner=planner, global_batch_size=8, loss_reduction=reduction, start_method="spawn",
                            seed=1, log_metrics=True)
     dump = Dump(str(tmp_path), weights_at=weights_at)
     trainer = make_trainer(world, strategy, [dump], max_steps=steps)
-    trainer.fit(TinyLM(reduction=reduction, log_sync=log_sync, masked=masked))
+    trainer.fit(TinyLM(reduction=reduction, log_sync=log_sync, masked=masked, split_loss=split_loss))
     return torch.load(os.path.join(tmp_path, "log_rank0.pt"))
 
 
@@ -91,10 +91,12 @@ def test_exact_four_processes_30_random_plans(tmp_path):
     assert m["global_tokens"] == sum(sum(it["lengths"]) for it in plans[-1]["items"])
 
 
-@pytest.mark.parametrize("world,reduction", [(2, "token"), (4, "sample")])
-def test_exact_with_prompt_masked_labels(tmp_path, world, reduction):
+@pytest.mark.parametrize("world,reduction,split_loss", [(2, "token", True), (4, "sample", False)])
+def test_exact_with_prompt_masked_labels(tmp_path, world, reduction, split_loss):
     """SFT prompt masking (labels -100 inside samples, some samples without any loss token): the
-    token mean is over loss tokens of the global batch, counted on the host, not over all tokens."""
-    log = _fit(tmp_path, world, 8, (8,), reduction=reduction, masked=True)
+    token mean is over loss tokens of the global batch, counted on the host, not over all tokens.
+    With ``split_loss`` the module returns ``weighted_loss(a) + weighted_loss(b)``, a new tensor
+    without the weighted marker: the strategy still takes it as the sum it is."""
+    log = _fit(tmp_path, world, 8, (8,), reduction=reduction, masked=True, split_loss=split_loss)
     plans = _check(tmp_path, world, log, 8, reduction=reduction, masked=True)
     assert _mixes(plans, world)[0] == ([1, 2] if world == 2 else [1, 2, 4])

@@ -42,7 +42,7 @@ from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryEr
 from lightning_dcp.runtime.row import GatheredStep, StepRow
 from lightning_dcp.runtime.support import micro_batch_loss_units
 from lightning_dcp.sp.context import SEGMENT_IDS, SPContext, sp_context
-from lightning_dcp.sp.sharding import add_token_weights, is_weighted, local_loss_tokens, shard_batch
+from lightning_dcp.sp.sharding import add_token_weights, count_weighted_calls, is_weighted, local_loss_tokens, shard_batch
 
 __all__ = ["StepExecutor", "is_step_batch", "world_all_gather"]
 
@@ -274,25 +274,27 @@ class StepExecutor:
         if results is not None:  # what Lightning's self.log reads for the batch size
             results.batch, results.batch_size = local, len(it["samples"])
         with sp_context(ctx):
+            count_weighted_calls(reset=True)
             with self.strategy.precision_plugin.train_step_context():
                 out = module.training_step(local, batch_idx)
-            loss = self._summed_loss(out, it)
+            loss = self._summed_loss(out, it, weighted=count_weighted_calls(reset=True) > 0)
             self.strategy.micro_backward(loss)
         value = loss.detach().double()
         if it["local_loss_tokens"] == 0:  # a shard without loss tokens: its (0-weighted) loss may be NaN
             value = torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
         return value
 
-    def _summed_loss(self, out: Any, it: Mapping[str, Any]) -> Tensor:
+    def _summed_loss(self, out: Any, it: Mapping[str, Any], weighted: bool = False) -> Tensor:
         """The item's loss as a *sum* over its loss units (the divisor comes once, at the step's end):
-        :func:`~lightning_dcp.sp.sharding.weighted_loss` as is; a plain mean times its local count."""
+        :func:`~lightning_dcp.sp.sharding.weighted_loss` -- or anything built from it (``weighted``: the
+        step called it) -- as is; a plain mean times its local count."""
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             name = type(self.strategy.lightning_module).__name__
             shape = "" if not isinstance(loss, Tensor) else " of shape " + str(tuple(loss.shape))
             raise TypeError(f"{name}.training_step must return a scalar loss tensor (or a dict with 'loss') under "
                             f"DCPStrategy; got {type(loss).__name__}{shape}")
-        if is_weighted(loss):
+        if weighted or is_weighted(loss):
             return loss
         local = it["local_loss_tokens"]
         if local == 0:

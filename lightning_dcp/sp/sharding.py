@@ -36,12 +36,17 @@ import torch
 
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, SEGMENT_IDS, TOKEN_WEIGHT
 
-__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "is_weighted", "local_loss_tokens", "shard_batch", "token_dim", "weighted_loss"]
+__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "count_weighted_calls", "is_weighted", "local_loss_tokens", "shard_batch", "token_dim", "weighted_loss"]
 
 LOSS_REDUCTIONS = ("token", "sample")
 
 #: Attribute set on the tensor :func:`weighted_loss` returns.
 _WEIGHTED_ATTR = "_dcp_weighted"
+
+#: How many times :func:`weighted_loss` weighted a DCP micro-batch since :func:`count_weighted_calls` last
+#: reset it. The marker attribute does not survive arithmetic (``weighted_loss(a) + weighted_loss(b)``
+#: is a new tensor), so the runtime also counts the calls made while a micro-batch runs.
+_WEIGHTED_CALLS = [0]
 
 #: Keys never chunked even if their first dimension happens to equal the token count.
 _WHOLE_KEYS = (CU_SEQLENS, MAX_SEQLEN)
@@ -134,9 +139,22 @@ def weighted_loss(token_loss: torch.Tensor, batch: Mapping[str, Any]) -> torch.T
                          f"has {tuple(weight.shape)}; pass the per-token loss of this rank's shard (reduction='none')")
     out = (token_loss * weight.to(token_loss.dtype)).sum()
     setattr(out, _WEIGHTED_ATTR, True)
+    _WEIGHTED_CALLS[0] += 1
     return out
 
 
 def is_weighted(loss: Any) -> bool:
     """Whether ``loss`` came from :func:`weighted_loss` (in a DCP step)."""
     return bool(getattr(loss, _WEIGHTED_ATTR, False))
+
+
+def count_weighted_calls(reset: bool = False) -> int:
+    """How many DCP micro-batch losses :func:`weighted_loss` made since the last reset (then reset if asked).
+
+    The runtime resets it before each ``training_step`` and reads it after: a loss built from weighted
+    losses -- ``weighted_loss(a, batch) + weighted_loss(b, batch)``, which loses the marker -- is then
+    still taken as the sum it is, never re-scaled as if it were a plain mean."""
+    calls = _WEIGHTED_CALLS[0]
+    if reset:
+        _WEIGHTED_CALLS[0] = 0
+    return calls
