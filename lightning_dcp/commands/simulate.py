@@ -340,7 +340,7 @@ def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
         if title:
             fig.text(left, 1 - 0.06 / height, title, fontsize=10, weight="bold", va="top")
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+        fig.savefig(buf, format="png", dpi=80)  # the layout is set in inches above: one draw, no "tight" second pass
     plt.close(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
