@@ -99,11 +99,38 @@ def test_simulate_table_json_csv_plot(tmp_path, capsys):
                      "--global-batch-tokens", "2000000", "--policies", "bucket,static,dcp",
                      "--json", str(js), "--csv", str(cs), "--plot", str(png)])
     assert code == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "speedup" in out and "dcp" in out
     rows = json.loads(js.read_text())["rows"]
     assert [r["policy"] for r in rows] == ["bucket", "static", "dcp"] and rows[0]["speedup"] == 1.0
     assert cs.read_text().startswith("policy,") and png.read_bytes()[:4] == b"\x89PNG"
+    assert "[1/3] bucket" in err and "[3/3] dcp" in err and "drew" in err  # progress, one line per phase
+
+
+def test_simulate_runs_with_no_arguments_and_says_which_defaults(capsys):
+    assert cli.main(["simulate"]) == 0
+    cap = capsys.readouterr()
+    assert "using defaults --world-size 32 --dataset long" in cap.out
+    assert "32 GPUs" in cap.out and "model transformer-1d, sharding zero1" in cap.out
+    rows = [line.split()[0] for line in cap.out.splitlines()[4:10]]
+    assert rows == ["bucket", "packed", "static", "dcp-inter", "dcp-intra", "dcp"]
+    # bucket needs more optimizer steps than the run has global batches, and the output says why
+    assert "bucket:" in cap.out and "no gradient accumulation" in cap.out
+    progress = [line for line in cap.err.splitlines() if line.startswith("simulate: ")]
+    assert len(progress) == 7 and "[6/6] dcp" in progress[-1]  # not a line per step or per sample
+    # given explicitly, no defaults line; --quiet: no progress
+    assert cli.main(["simulate", "--world-size", "8", "--dataset", "short", "--num-steps", "1", "--policies", "dcp",
+                     "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "using defaults" not in cap.out and cap.err == ""
+
+
+def test_simulate_wan_model_with_sharding(capsys):
+    code = cli.main(["simulate", "--model", "wan-1.3b", "--dataset", "wan", "--world-size", "8", "--num-steps", "1",
+                     "--policies", "bucket,dcp", "--sharding", "fsdp", "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "model wan-1.3b, sharding fsdp" in out and "dcp" in out
 
 
 def test_simulate_errors(tmp_path, capsys):

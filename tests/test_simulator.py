@@ -60,3 +60,26 @@ def test_overlapping_groups_run_in_list_order():
     ta = CM.item_cost([3000], 2, 0).total
     starts = {(r, i): s for r, s, e, i, kind in res.timeline[0] if kind == "item"}
     assert all(starts[(r, 2)] == pytest.approx(ta) for r in range(4))
+
+
+def test_chart_bars_merge_back_to_back_micro_batches_and_keep_busy_time():
+    import numpy as np
+
+    from lightning_dcp.commands.simulate import _run_bars, _runs, steps_note
+
+    r, s, e = _runs(np.array([0, 0, 0, 1]), np.array([2.0, 0.0, 1.0, 0.0]), np.array([3.0, 1.0, 1.5, 1.0]), 1e-9)
+    assert (r.tolist(), s.tolist(), e.tolist()) == ([0, 0, 1], [0.0, 2.0, 0.0], [1.5, 3.0, 1.0])
+    lengths = [300, 2000, 9000, 15000, 100, 700, 40, 60, 80] * 6
+    p = plan(lengths, 4, CM, "static", global_batch_tokens=30000)
+    res = simulate(p, CM)
+    bars, allreduce, ends = _run_bars(p, res, eps=1e-12)
+    assert len(allreduce) == len(p.steps) and ends[-1] == pytest.approx(res.total_time)
+    n_items = sum(len(it.ranks) for st in p.steps for it in st.items)
+    assert sum(len(v[0]) for k, v in bars.items() if k != "recompute") < n_items  # merged
+    for rank in range(4):
+        drawn = sum(float(np.sum((v[2] - v[1])[v[0] == rank])) for k, v in bars.items() if k != "recompute")
+        assert drawn == pytest.approx(sum(b[rank] for b in res.busy))  # nothing lost, nothing doubled
+    row = {"policy": "bucket", "steps": 9, "global_batches": 4}
+    assert "9 steps for the samples of 4 global batches" in steps_note(row)
+    assert "no gradient accumulation" in steps_note(row)
+    assert steps_note({"policy": "dcp", "steps": 4, "global_batches": 4}) is None

@@ -26,15 +26,27 @@ from lightning_dcp.cli import CLIError
 HELP = "plan the steps (SP groups, micro-batches, recompute) for a list of sample lengths"
 
 
-def add_cost_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``plan`` and ``simulate``: how to build the cost model, and the seed."""
-    parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
+def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_default: int | None = None) -> None:
+    """Options shared by ``plan`` and ``simulate``: how to build the cost model, and the seed.
+
+    ``--world-size`` is required unless ``world_size_default`` is given; the option then
+    defaults to ``None`` and the command fills the default in (so it can say it did).
+    """
+    if world_size_default is None:
+        parser.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks)")
+    else:
+        parser.add_argument("--world-size", type=int, default=None,
+                            help=f"number of GPUs (ranks) (default {world_size_default})")
     parser.add_argument("--model", default=None,
                         help="model name (default transformer-1d; with --profile, checked against the profile's model)")
     parser.add_argument("--hardware", default="h100", help="hardware name for the analytic cost model (default h100)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
+    parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp"), default=None,
+                        help="how the model states are sharded over the world, as DCPStrategy(sharding=...): frees memory "
+                             "for activations (fsdp also costs weight traffic per micro-batch). Default: zero1 for the "
+                             "analytic model (the DCP paper's setting), none (as measured) with --profile")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
     parser.add_argument("--force", action="store_true",
                         help="use a --profile made for another model or a smaller world anyway (warns instead of failing)")
@@ -54,7 +66,8 @@ def build_cost_model(args: argparse.Namespace) -> Any:
         from lightning_dcp.planning.profile import ProfileError
         from lightning_dcp.planning.profiled import ProfiledCostModel
         try:
-            cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit)
+            cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit, sharding=getattr(args, "sharding", None),
+                                                     world_size=args.world_size)
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
         _check_profile_fits(args, json.loads(Path(args.profile).read_text()))
@@ -65,7 +78,7 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     try:
         model = get_model(args.model or "transformer-1d")
         hardware = get_hardware(args.hardware)
-        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit)
+        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=getattr(args, "sharding", None))
     except ValueError as err:
         raise CLIError(str(err)) from None
 

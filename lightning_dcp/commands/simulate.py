@@ -1,21 +1,27 @@
 """``lightning-dcp simulate``: compare the planning policies on a simulated cluster.
 
-Example::
+Example (every argument has a default; this is what a bare ``lightning-dcp simulate`` runs)::
 
-    lightning-dcp simulate --world-size 32 --dataset short --model transformer-1d --hardware h100
+    lightning-dcp simulate --world-size 32 --dataset long --model transformer-1d --hardware h100
 
-Draws a dataset from the named length distribution (``--dataset``; or a JSON list with
-``--lengths``), takes ``--num-steps`` global batches of ``--global-batch-tokens`` tokens from it
-(the same samples for every policy), plans them with each policy (every planner is given the
-dataset's lengths once, for candidate layouts and bucket tuning) and simulates the plans on the
-cost model. One row per policy: tokens/s, speedup over bucket, imbalance %, % of the ideal
+Draws a dataset from the named length distribution (``--dataset``, default ``long``; or a JSON
+list with ``--lengths``), takes ``--num-steps`` global batches of ``--global-batch-tokens`` tokens
+from it (the same samples for every policy), plans them with each policy (every planner is given
+the dataset's lengths once, for candidate layouts and bucket tuning) and simulates the plans on
+the cost model. A run that leaves ``--world-size`` or ``--dataset`` out says which defaults it
+used. One row per policy: tokens/s, speedup over bucket, imbalance %, % of the ideal
 bound, % of the step bound (the sum over the global batches of
 :func:`~lightning_dcp.planning.bound.step_bound` -- best-rate work spread over every rank, or the
 heaviest sample's best time, plus the all-reduce -- divided by the policy's simulated time: the
 same numerator for every policy, so bucket's extra steps count against it), planner milliseconds per step (``time.perf_counter`` around ``Planner.plan``, divided by
-the plan's steps). ``--plot out.png`` draws every policy's whole run (the same samples) as
-per-rank Gantt charts on one shared time axis -- colour SP size, hatched recompute, dark grey
-all-reduce, pale idle -- above a panel of tokens/s and % of step bound per policy;
+the plan's steps). Bucket runs more optimizer steps than there are global batches (see
+:func:`steps_note`); the table's footnote and the chart say so.
+
+Progress goes to stderr (``--quiet`` silences it): one line per policy as it finishes, a line
+per planned global batch at most every :data:`PROGRESS_INTERVAL_S` seconds while a policy is
+slow, and one line for the chart. ``--plot out.png`` draws every policy's whole run (the same
+samples) as per-rank Gantt charts on one shared time axis -- colour SP size, hatched recompute,
+dark grey all-reduce, pale idle -- above a panel of tokens/s and % of step bound per policy;
 ``--json`` / ``--csv`` write the rows.
 """
 
@@ -26,9 +32,13 @@ import csv
 import io
 import json
 import math
+import sys
+import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
+
+import numpy as np
 
 from lightning_dcp.cli import CLIError
 from lightning_dcp.commands.plan import add_cost_model_arguments, build_cost_model, check_policy, read_lengths, write_atomic
@@ -38,18 +48,54 @@ HELP = "simulate every planning policy on a length distribution and compare thro
 DATASET_SIZE = 50000
 """Samples drawn to stand for the whole dataset (candidate layouts, bucket tuning)."""
 
+DEFAULT_WORLD_SIZE = 32
+"""``--world-size`` when none is given: four 8-GPU nodes, the DCP paper's scale."""
+
+DEFAULT_DATASET = "long"
+"""``--dataset`` when neither it nor ``--lengths`` is given: the paper's long-dominated mixture."""
+
+PROGRESS_INTERVAL_S = 2.0
+"""While a policy plans, at most one progress line per this many seconds."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", help="length distribution: short, balanced, long, video or code")
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--dataset", help=f"length distribution: short, balanced, long, video or code (default {DEFAULT_DATASET})")
     src.add_argument("--lengths", type=Path, help="JSON list of sample lengths to use as the dataset instead")
-    add_cost_model_arguments(parser)
+    add_cost_model_arguments(parser, world_size_default=DEFAULT_WORLD_SIZE)
     parser.add_argument("--num-steps", type=int, default=4, help="global batches to simulate (default 4; more for steadier figures)")
     parser.add_argument("--policies", default="bucket,packed,static,dcp-inter,dcp-intra,dcp",
                         help="comma-separated policies (default: all; bucket first is the speedup baseline)")
     parser.add_argument("--plot", type=Path, default=None, help="write a chart of every policy's whole run on one time axis + tokens/s and %% of step bound (PNG)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
     parser.add_argument("--csv", type=Path, default=None, help="write the rows as CSV")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+class Progress:
+    """Progress lines on a stream (stderr): :meth:`line` always, :meth:`update` throttled.
+
+    ``update`` prints only when ``interval`` seconds have passed since the last line, so a fast
+    run prints one line per phase and a slow one a line every ``interval`` seconds at most.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, enabled: bool = True, interval: float = PROGRESS_INTERVAL_S,
+                 prefix: str = "simulate: "):
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = enabled
+        self.interval = interval
+        self.prefix = prefix
+        self._last = time.perf_counter()
+
+    def line(self, message: str) -> None:
+        if self.enabled:
+            sys.stdout.flush()  # keep the order of stdout and stderr lines when both go to one terminal or file
+            print(self.prefix + message, file=self.stream, flush=True)
+        self._last = time.perf_counter()
+
+    def update(self, message: str) -> None:
+        if time.perf_counter() - self._last >= self.interval:
+            self.line(message)
 
 
 def draw_run(lengths_pool: list[int], target_tokens: int) -> list[int]:
@@ -70,24 +116,38 @@ def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]
 
 
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
-            global_batch_tokens: int, seed: int = 0, timeline: bool = False) -> list[dict[str, Any]]:
-    """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result)."""
+            global_batch_tokens: int, seed: int = 0, timeline: bool = False,
+            progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result).
+
+    ``progress``: where to report each policy as it finishes (and slow planning as it goes).
+    The run's step bound and every simulation share one cached
+    :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
+    """
+    from lightning_dcp.planning.bound import step_bound
     from lightning_dcp.planning.planner import Planner
     from lightning_dcp.planning.simulator import simulate
 
-    from lightning_dcp.planning.bound import StepBounder
-
-    bounder = StepBounder(cost_model, world_size)
-    bound_time = sum(bounder.seconds(b) for b in cut_batches(run_lengths, global_batch_tokens))
+    batches = cut_batches(run_lengths, global_batch_tokens)
+    bound_time = sum(step_bound(b, cost_model, world_size) for b in batches)
     rows = []
-    for name in policies:
+    for k, name in enumerate(policies):
+        tag = f"[{k + 1}/{len(policies)}] {name}"
         planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset)
         t0 = time.perf_counter()
-        plan = planner.plan(run_lengths, global_batch_tokens=global_batch_tokens)
+        report: Callable[[int, int], None] | None = None
+        if progress is not None:
+            def report(done: int, total: int, tag: str = tag, t0: float = t0) -> None:
+                progress.update(f"{tag}: planned {done}/{total} global batches ({time.perf_counter() - t0:.1f} s)")
+        plan = planner.plan(run_lengths, global_batch_tokens=global_batch_tokens, progress=report)
         elapsed = time.perf_counter() - t0
         sim = simulate(plan, cost_model, timeline=timeline)
+        if progress is not None:
+            progress.line(f"{tag}: {len(plan.steps)} steps planned in {elapsed:.2f} s, simulated in "
+                          f"{time.perf_counter() - t0 - elapsed:.2f} s")
         rows.append({
-            "policy": name, "steps": len(plan.steps), "tokens": sim.tokens, "total_time_s": sim.total_time,
+            "policy": name, "steps": len(plan.steps), "global_batches": len(batches), "tokens": sim.tokens,
+            "total_time_s": sim.total_time,
             "tokens_per_s": sim.tokens_per_s, "imbalance": sim.imbalance, "fraction_of_ideal": sim.fraction_of_ideal,
             "fraction_of_bound": bound_time / sim.total_time if sim.total_time > 0 else 0.0,
             "mean_step_bound_fraction": sim.mean_step_bound_fraction,
@@ -120,85 +180,172 @@ def public(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 SP_COLOURS = {1: "#4c72b0", 2: "#55a868", 4: "#dd8452", 8: "#c44e52", 16: "#8172b3", 32: "#937860", 64: "#da8bc3"}
 """Colour of each SP size in the chart (larger sizes cycle through these)."""
 
+IDLE_COLOUR = "#f6e8e8"
 
-def _run_bars(plan: Any, sim: Any) -> tuple[dict, list[tuple[float, float]], list[float]]:
-    """Bars of a whole run on one time axis: ``{(rank, sp, recomputes): [(start, width)]}``, all-reduce bars, step ends."""
-    bars: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
+NOTE_WIDTH = 150
+"""Characters per line of a policy's note under its chart title."""
+
+
+def steps_note(row: dict[str, Any]) -> str | None:
+    """Why a policy ran more optimizer steps than the run has global batches, or ``None``.
+
+    Only ``bucket`` does (``Planner.one_step_per_batch`` is false for it): it plans the run's
+    samples as one epoch, cuts each length bucket into micro-batches of that bucket's own batch
+    size and deals them out one per SP group per step, with no gradient accumulation -- so the
+    same samples take ``ceil(micro-batches / groups)`` optimizer steps, each paying the all-reduce.
+    """
+    batches = row.get("global_batches")
+    if batches is None or row["steps"] <= batches:
+        return None
+    if row["policy"] == "bucket":
+        return (f"bucket: {row['steps']} steps for the samples of {batches} global batches: it deals its micro-batches "
+                f"(each length bucket has its own batch size) one per SP group per step, with no gradient accumulation, "
+                f"and every step pays the all-reduce")
+    return f"{row['policy']}: {row['steps']} steps for the same samples as {batches} global batches"
+
+
+def _runs(rank: np.ndarray, start: np.ndarray, end: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bars merged into maximal runs per rank: back-to-back bars (gap <= ``eps``) become one.
+
+    A rank runs one item at a time, so sorted by (rank, start) its ends increase too.
+    """
+    if not len(rank):
+        return rank, start, end
+    order = np.lexsort((start, rank))
+    r, s, e = rank[order], start[order], end[order]
+    new = np.ones(len(r), dtype=bool)
+    new[1:] = (r[1:] != r[:-1]) | (s[1:] > e[:-1] + eps)
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(r)) - 1
+    return r[first], s[first], e[last]
+
+
+def _run_bars(plan: Any, sim: Any, eps: float = 0.0) -> tuple[dict[Any, tuple[np.ndarray, ...]], list[tuple[float, float]], list[float]]:
+    """A whole run's bars on one time axis, merged into runs (drawn as one collection each).
+
+    Returns ``({sp: (rank, start, end)}, (rank, start, end) of recomputing micro-batches under
+    key ``"recompute"``, [(start, width)] of the step-end all-reduces, step ends)``. Back-to-back
+    micro-batches of one rank with the same SP size (or, for ``"recompute"``, that both
+    recompute) are one bar: the chart draws no edges, so nothing visible is lost, and a run of
+    thousands of tiny micro-batches costs one rectangle instead of thousands.
+    """
+    parts: dict[Any, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     allreduce: list[tuple[float, float]] = []
     ends, t0 = [], 0.0
     for step, line, t in zip(plan.steps, sim.timeline, sim.step_times):
-        for rank, start, end, idx, kind in line:
-            if kind == "allreduce":
-                if rank == 0:
-                    allreduce.append((t0 + start, end - start))
-                continue
-            item = step.items[idx]
-            bars.setdefault((rank, item.sp_size, item.recompute > 0), []).append((t0 + start, end - start))
+        if line:
+            rank, start, end, idx, kind = zip(*line)
+            item = np.asarray(kind) == "item"
+            rank, idx = np.asarray(rank)[item], np.asarray(idx)[item]
+            start, end = np.asarray(start)[item] + t0, np.asarray(end)[item] + t0
+            sp = np.array([it.sp_size for it in step.items], dtype=np.int64)[idx]
+            rec = np.array([it.recompute > 0 for it in step.items], dtype=bool)[idx]
+            for p in np.unique(sp).tolist():
+                m = sp == p
+                parts.setdefault(p, []).append((rank[m], start[m], end[m]))
+            if rec.any():
+                parts.setdefault("recompute", []).append((rank[rec], start[rec], end[rec]))
+            allreduce.extend((t0 + a, b - a) for r, a, b, _, k in line if k == "allreduce" and r == 0)
         t0 += t
         ends.append(t0)
+    bars = {k: _runs(*(np.concatenate([v[j] for v in vs]) for j in range(3)), eps) for k, vs in parts.items()}
     return bars, allreduce, ends
 
 
-def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+def _rects(rank: np.ndarray, start: np.ndarray, end: np.ndarray, height: float = 1.0) -> np.ndarray:
+    """Vertices ``(n, 4, 2)`` of rectangles ``[start, end] x [rank - height/2, rank + height/2]``."""
+    y0, y1 = rank - height / 2, rank + height / 2
+    return np.stack([np.stack([start, y0], -1), np.stack([start, y1], -1),
+                     np.stack([end, y1], -1), np.stack([end, y0], -1)], axis=1)
+
+
+def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
     """Every policy's whole run (the same samples) as per-rank Gantt charts on one shared time axis,
-    plus a panel of tokens/s and % of the step bound per policy.
+    plus a panel of tokens/s and % of the step bound per policy. Returns the number of bars drawn.
 
     Colour: SP size of the micro-batch (legend); hatched: the micro-batch recomputes layers; dark
     grey: the step-end all-reduce + optimizer step (every rank); pale background: idle; white:
-    the policy's run is over; thin vertical lines: step ends.
+    the policy's run is over; thin vertical lines: step ends. A policy that needs more optimizer
+    steps than the run has global batches (bucket) says why under its title (:func:`steps_note`).
+    Each (policy, SP size) is one collection of merged bars (:func:`_run_bars`), so drawing
+    costs about the same for a hundred micro-batches as for a hundred thousand.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     n = len(rows)
     W = rows[0]["_plan"].world_size if rows else 1
-    gantt_h = min(2.6, 0.9 + 0.05 * W)
-    fig = plt.figure(figsize=(11, gantt_h * n + 2.4))
-    grid = fig.add_gridspec(n + 1, 1, height_ratios=[gantt_h] * n + [2.0], hspace=0.45)
+    gantt_h, rates_h = min(2.6, 0.9 + 0.05 * W), 2.0
+    notes = [textwrap.wrap(steps_note(r) or "", NOTE_WIDTH) for r in rows]
+    gap = 0.45 + 0.12 * max((len(x) for x in notes), default=0)  # inches above each panel: title (+ note)
+    header = 0.4  # inches for the figure title and the legend, above the first panel's title
+    height = n * gantt_h + rates_h + (n + 1) * gap + header + 0.2
+    fig = plt.figure(figsize=(11, height))
+    left = 0.08
+    grid = fig.add_gridspec(n + 1, 1, height_ratios=[gantt_h] * n + [rates_h], left=left, right=0.98,
+                            top=1 - (header + gap) / height, bottom=0.6 / height,
+                            hspace=gap / ((n * gantt_h + rates_h) / (n + 1)))
     axes = [fig.add_subplot(grid[0, 0])]
     axes += [fig.add_subplot(grid[i, 0], sharex=axes[0]) for i in range(1, n)]
     sizes: set[int] = set()
-    horizon = max((r["_sim"].total_time for r in rows), default=1.0)
-    for ax, r in zip(axes, rows):
-        sim, plan = r["_sim"], r["_plan"]
-        ax.set_facecolor("#f6e8e8")  # idle: what no bar covers
-        if sim.timeline:
-            bars, allreduce, ends = _run_bars(plan, sim)
-            for (rank, sp, rec), spans in bars.items():
-                sizes.add(sp)
-                ax.broken_barh(spans, (rank - 0.5, 1.0), facecolors=SP_COLOURS.get(sp, "0.4"), edgecolor="none",
-                               hatch="////" if rec else None, linewidth=0)
-            ax.broken_barh(allreduce, (-0.5, W), facecolors="0.25", edgecolor="none")
-            for t in ends:
-                ax.axvline(t, color="black", linewidth=0.4)
-            ax.axvspan(sim.total_time, horizon * 1.01, facecolor="white", edgecolor="none")  # run over
-        ax.set_ylim(W - 0.5, -0.5)
-        ax.set_ylabel("rank", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.set_title(f"{r['policy']}: {r['steps']} steps, {r['total_time_s']:.1f} s, idle {100 * r['imbalance']:.0f}%, "
-                     f"{100 * r['fraction_of_bound']:.0f}% of step bound", fontsize=9, loc="left")
-        if ax is not axes[-1]:
-            plt.setp(ax.get_xticklabels(), visible=False)
-    axes[-1].set_xlim(0, horizon * 1.01)
-    axes[-1].set_xlabel("seconds (whole run, every policy on the same samples)", fontsize=8)
-    plt.rcParams["hatch.linewidth"] = 0.6
-    handles = [Patch(facecolor=SP_COLOURS.get(p, "0.4"), label=f"SP {p}") for p in sorted(sizes)]
-    handles += [Patch(facecolor="white", edgecolor="0.3", hatch="////", label="recomputes layers"),
-                Patch(facecolor="0.25", label="all-reduce + optimizer"), Patch(facecolor="#f6e8e8", label="idle"),
-                Patch(facecolor="white", edgecolor="0.6", label="run finished")]
-    axes[0].legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.12), ncol=len(handles), fontsize=7,
-                   frameon=False, handlelength=1.5, columnspacing=1.0)
-    _plot_rates(fig.add_subplot(grid[n, 0]), rows)
-    if title:
-        axes[0].text(0.0, 1.32 + 0.05 * (n > 4), title, transform=axes[0].transAxes, fontsize=10, weight="bold")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    horizon = max((r["_sim"].total_time for r in rows), default=1.0) or 1.0
+    drawn = 0
+    with plt.rc_context({"hatch.linewidth": 0.6}):
+        for ax, r, note in zip(axes, rows, notes):
+            sim, plan = r["_sim"], r["_plan"]
+            ax.set_facecolor(IDLE_COLOUR)  # idle: what no bar covers
+            if sim.timeline:
+                bars, allreduce, ends = _run_bars(plan, sim, eps=1e-9 * horizon)
+                for key in sorted((k for k in bars if k != "recompute"), key=int):
+                    sizes.add(key)
+                    verts = _rects(*bars[key])
+                    ax.add_collection(PolyCollection(verts, facecolors=SP_COLOURS.get(key, "0.4"), edgecolors="none",
+                                                     linewidths=0), autolim=False)
+                    drawn += len(verts)
+                if "recompute" in bars:
+                    verts = _rects(*bars["recompute"])
+                    ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors="none", hatch="////",
+                                                     hatchcolor="black", linewidths=0), autolim=False)
+                    drawn += len(verts)
+                if allreduce:
+                    a = np.asarray(allreduce)
+                    verts = _rects(np.full(len(a), (W - 1) / 2), a[:, 0], a[:, 0] + a[:, 1], height=W)
+                    ax.add_collection(PolyCollection(verts, facecolors="0.25", edgecolors="none", linewidths=0), autolim=False)
+                    drawn += len(verts)
+                ax.vlines(ends, -0.5, W - 0.5, colors="black", linewidth=0.4)
+                ax.axvspan(sim.total_time, horizon * 1.01, facecolor="white", edgecolor="none")  # run over
+            ax.set_ylim(W - 0.5, -0.5)
+            ax.set_ylabel("rank", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.set_title(f"{r['policy']}: {r['steps']} steps, {r['total_time_s']:.1f} s, idle {100 * r['imbalance']:.0f}%, "
+                         f"{100 * r['fraction_of_bound']:.0f}% of step bound", fontsize=9, loc="left",
+                         pad=4 + 9 * len(note))
+            if note:
+                ax.text(0.0, 1.02, "\n".join(note), transform=ax.transAxes, fontsize=7, style="italic", color="0.2",
+                        va="bottom", linespacing=1.2)
+            if ax is not axes[-1]:
+                plt.setp(ax.get_xticklabels(), visible=False)
+        axes[-1].set_xlim(0, horizon * 1.01)
+        axes[-1].set_xlabel("seconds (whole run, every policy on the same samples)", fontsize=8)
+        handles = [Patch(facecolor=SP_COLOURS.get(p, "0.4"), label=f"SP {p}") for p in sorted(sizes)]
+        handles += [Patch(facecolor="white", edgecolor="0.3", hatch="////", label="recomputes layers"),
+                    Patch(facecolor="0.25", label="all-reduce + optimizer"), Patch(facecolor=IDLE_COLOUR, label="idle"),
+                    Patch(facecolor="white", edgecolor="0.6", label="run finished")]
+        fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(left, 1 - 0.28 / height), ncol=len(handles),
+                   fontsize=7, frameon=False, handlelength=1.5, columnspacing=1.0, borderaxespad=0.0)
+        _plot_rates(fig.add_subplot(grid[n, 0]), rows)
+        if title:
+            fig.text(left, 1 - 0.06 / height, title, fontsize=10, weight="bold", va="top")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=80)  # the layout is set in inches above: one draw, no "tight" second pass
     plt.close(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(buf.getvalue())
+    return drawn
 
 
 def _plot_rates(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -221,6 +368,13 @@ def run(args: argparse.Namespace) -> int:
     from lightning_dcp.planning.errors import PlanningError
     from lightning_dcp.planning.planner import default_global_batch_tokens
 
+    defaults = []
+    if args.world_size is None:
+        args.world_size = DEFAULT_WORLD_SIZE
+        defaults.append(f"--world-size {DEFAULT_WORLD_SIZE}")
+    if args.dataset is None and args.lengths is None:
+        args.dataset = DEFAULT_DATASET
+        defaults.append(f"--dataset {DEFAULT_DATASET}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise CLIError("--policies is empty; name at least one policy")
@@ -233,6 +387,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CLIError(f"--plot writes a PNG; give a path ending in .png, got {args.plot}")
     cost_model = build_cost_model(args)
+    if defaults:
+        print(f"using defaults {' '.join(defaults)} (pass them to change)")
+    progress = Progress(enabled=not args.quiet)
     if args.dataset is not None:
         from lightning_dcp.planning.distributions import get_distribution
         try:
@@ -250,14 +407,20 @@ def run(args: argparse.Namespace) -> int:
         pool = dataset
         source = str(args.lengths)
     run_lengths = draw_run(pool, args.num_steps * gbt)
+    progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
-                       seed=args.seed, timeline=args.plot is not None)
+                       seed=args.seed, timeline=args.plot is not None, progress=progress)
     except PlanningError as err:
         raise CLIError(str(err)) from None
-    print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {args.num_steps} global batches of "
-          f"{gbt:,} tokens, {args.world_size} GPUs, model {(args.model or 'transformer-1d') if args.profile is None else args.profile}")
+    model = (args.model or "transformer-1d") if args.profile is None else args.profile
+    print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {rows[0]['global_batches']} global batches of "
+          f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(cost_model)}")
     print(format_table(rows))
+    for r in rows:
+        note = steps_note(r)
+        if note:
+            print(textwrap.fill(note, 100, initial_indent="  ", subsequent_indent="    "))
     if args.json is not None:
         write_atomic(args.json, json.dumps({"source": source, "world_size": args.world_size, "global_batch_tokens": gbt,
                                              "samples": len(run_lengths), "rows": public(rows)}, indent=2) + "\n")
@@ -269,6 +432,15 @@ def run(args: argparse.Namespace) -> int:
         writer.writerows(pub)
         write_atomic(args.csv, out.getvalue())
     if args.plot is not None:
-        plot_gantt(rows, args.plot, f"{source}, {args.world_size} GPUs")
+        t0 = time.perf_counter()
+        progress.line(f"drawing {args.plot} ...")
+        bars = plot_gantt(rows, args.plot, f"{source}, {args.world_size} GPUs")
+        progress.line(f"drew {bars:,} bars in {time.perf_counter() - t0:.1f} s")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _sharding_note(cost_model: Any) -> str:
+    """``, sharding zero1`` for the header line (empty when the cost model does not say)."""
+    mode = getattr(cost_model, "sharding", None)
+    return f", sharding {mode}" if mode else ""

@@ -49,6 +49,9 @@ def build_model(model: str | ModelSpec | Mapping[str, Any]) -> nn.Module:
         return Transformer1D(spec)
     if spec.kind == "2d":
         return Transformer2D(spec)
+    if spec.kind == "3d":
+        raise ValueError(f"model {spec.name!r} is a '3d' (Wan-like) shape for planning and simulation only; train it "
+                         "with diffusers' WanTransformer3DModel (and profile that module for a measured cost model)")
     raise ValueError(f"model {spec.name!r} has kind {spec.kind!r}; expected '1d' or '2d'")
 
 

@@ -17,6 +17,7 @@ from typing import Sequence
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
+from lightning_dcp.planning.state_sharding import SHARDING_MODES, fsdp_micro_batch_seconds, resolve_sharding, state_bytes
 
 # FlashAttention's backward recomputes the score matrix: 5 matmuls against the forward's 2, so the
 # backward kernel does 2.5x the forward FLOPs (Dao 2023, FlashAttention-2 §3.1/§4).
@@ -55,23 +56,26 @@ def default_activation_factor(model: ModelSpec, dtype_bytes: int = 2) -> float:
 
     * attention half: norm output (h), q, k, v (3h), attention output (h), residual sum (h),
       second norm output (h) = 7h elements;
-    * MLP: SwiGLU (1d) keeps gate, up, silu(gate), silu(gate)*up = 4 x ffn; GELU (2d) keeps
-      fc1 output and gelu output = 2 x ffn.
+    * MLP: SwiGLU (1d) keeps gate, up, silu(gate), silu(gate)*up = 4 x ffn; GELU (2d, 3d) keeps
+      fc1 output and gelu output = 2 x ffn;
+    * 3d only: the timestep-modulated copies of the two modulated norm outputs (2h), and with
+      cross-attention its norm output, q, attention output and residual sum (4h).
 
     For the Transformer-1D (h=3072, ffn=8192, bf16) that is 2*(7 + 4*8192/3072) = 35.3 bytes per
     hidden unit, next to the 34 of Korthikanti et al. 2022 (their 4h GELU MLP with dropout masks,
     flash attention removing the 5as term).
     """
     mlp = 4 if model.kind == "1d" else 2
-    return dtype_bytes * (7 + mlp * model.ffn_hidden_size / model.hidden_size)
+    extra = (2 if model.kind == "3d" else 0) + (4 if model.cross_attention else 0)
+    return dtype_bytes * (7 + extra + mlp * model.ffn_hidden_size / model.hidden_size)
 
 
 class AnalyticCostModel(CostModel):
-    """Closed-form time and memory of a DCP micro-batch: Ulysses SP, ZeRO data parallel, flash attention.
+    """Closed-form time and memory of a DCP micro-batch: Ulysses SP, sharded data parallel, flash attention.
 
     Time of one micro-batch with ``T`` tokens, per-rank tokens ``t = T / sp``, attention work ``W``
-    (``sum l_i^2`` over the packed samples for 1d; see :meth:`attention_work` for 2d) on an SP group
-    of ``sp`` ranks with ``r`` recomputed layers::
+    (``sum l_i^2`` over the packed samples for 1d and 3d; see :meth:`attention_work` for 2d), ``n``
+    samples, on an SP group of ``sp`` ranks with ``r`` recomputed layers::
 
         item = L * (fwd + bwd) + r * fwd + (2 L + r) * a2a + head
 
@@ -92,25 +96,48 @@ class AnalyticCostModel(CostModel):
       backward does the same, every recomputed layer repeats its forward's. Zero for ``sp == 1``.
       Not overlapped with compute (DeepSpeed Ulysses does not overlap them).
     * recompute: one extra forward (compute and its all-to-alls) per recomputed layer.
+    * 3d (Wan-like) cross-attention, per layer: every video token attends to its sample's
+      ``text_len`` text tokens: ``2 * 2 * t * text_len * h`` FLOPs forward (``QK^T`` and ``AV``,
+      all heads, the rank's own tokens), ``ATTN_BWD_RATIO`` x that backward, at
+      ``attn_max_efficiency``; its q and o projections are in the per-token GEMMs
+      (``2 * (layer_params - 2 h^2) * t``). The key and value projections act on the text, once
+      per sample: ``2 * 2 h^2 * (text_len + gemm_half_tokens)`` FLOPs forward per sample, on every
+      rank of the SP group (the text is not split: cross-attention runs sequence-parallel on each
+      rank's own query tokens with the whole text, no all-to-all -- as diffusers' Wan
+      context-parallel plan does). The timestep modulation is element-wise, per token.
     * head: for 1d the vocabulary GEMM (``2 t h V`` forward, 3x with backward) and the loss's
-      element-wise passes over ``t x V`` logits; for 2d the patch embedding and output
-      projection; plus ``HEAD_LAUNCHES`` kernel launches.
+      element-wise passes over ``t x V`` logits; for 2d and 3d the patch embedding and output
+      projection (3d adds the text-projection MLP, ``text_dim -> h -> h`` over ``text_len``
+      tokens, once per sample on every rank of the group); plus ``HEAD_LAUNCHES`` kernel launches.
+    * fsdp only: each micro-batch all-gathers every weight before forward and again before
+      backward and reduce-scatters its gradients
+      (:func:`~lightning_dcp.planning.state_sharding.fsdp_micro_batch_seconds`, charged to
+      ``ItemCost.comm``, not overlapped): a constant per micro-batch, so under fsdp the planner
+      prefers fewer, larger micro-batches. A recomputed layer's forward runs inside its unit's
+      backward, when the weights are already gathered: no extra traffic.
 
     Memory per rank::
 
         M = states + workspace + t * (L * inp + (L - r) * act + max(act, head_act))
 
-    * ``states`` (mixed-precision Adam): ``dtype_bytes`` params and grads replicated, fp32 master
-      weights and Adam m, v (4+4+4 bytes/param) sharded over ``world_size`` under ZeRO-1; ZeRO-2 also
-      shards the grads; ZeRO-0 shards nothing. The fp32 gradient partition DeepSpeed builds exists
-      only inside the optimizer step, when activations are freed, so it is not in the peak.
+    * ``states`` (mixed-precision Adam): ``dtype_bytes`` weights and grads, fp32 master weights
+      and Adam m, v (4+4+4 bytes/param), per rank as ``sharding`` leaves them
+      (:func:`~lightning_dcp.planning.state_sharding.state_bytes`, the peak during a step):
+      ``none`` replicates everything; ``zero1`` and ``zero2`` shard the master and Adam states
+      over ``world_size`` (zero2's gradients accumulate in full during the step and are only
+      sharded at rest, so its peak is zero1's); ``fsdp`` shards everything and holds two gathered
+      units (the largest of one layer and the embedding + head) in full. The fp32 gradient
+      partition of the optimizer step exists only inside that step, when activations are freed,
+      so it is not in the peak.
     * ``inp = h * dtype_bytes``: each layer's input, kept whether checkpointed or not (paper eq. 6).
     * ``act = activation_factor * h * blocks_per_layer``: stashed activations of an un-checkpointed
       layer (see :func:`default_activation_factor`).
     * transient: the larger of one layer's activations rematerialized/gradients in flight during
       backward, and (1d) the logits: ``V * (dtype_bytes + 4)`` per token (bf16 logits and the fp32
       log-softmax of the loss).
-    * ``workspace``: ``WORKSPACE_BYTES``.
+    * ``workspace``: ``WORKSPACE_BYTES``. It also covers, for 3d, each sample's text keys and
+      values (``text_len * 2h`` per layer per sample, on every rank of the group; memory here is a
+      function of tokens only): 94 MB per sample for Wan-1.3B, as much as 41 video tokens.
 
     Everything is linear in ``T`` and ``W`` and in ``r``, which gives the closed forms of
     :meth:`min_recompute` and :meth:`max_length`.
@@ -122,40 +149,47 @@ class AnalyticCostModel(CostModel):
     ``ATTN_BWD_RATIO`` x forward), the memory-bound element-wise passes at ``hbm_bandwidth`` and
     the head's per-token GEMM and loss passes -- with no all-to-all, no recomputation, no
     per-micro-batch constant (launch latency, head constant), no all-reduce, divided by ``sp``.
-    It is linear in ``T`` and ``W`` only, so the ideal of a set of samples does not depend on how
-    they are packed: ``ideal = L (fW + bW) W + (L (fT + bT) + oT) T`` with the per-rank
-    coefficients above at ``sp``.
+    It is linear in ``T``, ``W`` and (3d: the text's key/value projections and text MLP, counted
+    once per sample) ``n`` only, so the ideal of a set of samples does not depend on how they are
+    packed: ``ideal = L (fW + bW) W + (L (fT + bT) + oT) T + (L (fN + bN) + oN) n`` with the
+    per-rank coefficients above at ``sp``.
 
     Args:
         model: the model shape.
         hardware: the accelerator.
-        world_size: ranks sharing the ZeRO-sharded states (all ranks: SP groups are data-parallel
+        world_size: ranks sharing the sharded states (all ranks: SP groups are data-parallel
             replicas of one model).
         memory_limit: bytes per device the planner may use; default ``hardware.usable_memory_bytes``.
         dtype_bytes: bytes per parameter/activation element of the compute dtype (2 for bf16).
-        zero_stage: 0, 1 or 2.
+        sharding: ``"none"``, ``"zero1"`` (default), ``"zero2"`` or ``"fsdp"``: how the model states
+            are sharded over the world (see ``states`` above and
+            :mod:`~lightning_dcp.planning.state_sharding`). The default is zero1, the DCP paper's
+            setting; ``DCPStrategy``'s own default is ``none``.
+        zero_stage: older alias: 0, 1, 2 for ``"none"``, ``"zero1"``, ``"zero2"``.
         activation_factor: override :func:`default_activation_factor` (bytes per token per block
             divided by ``hidden_size``).
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, world_size: int, *,
-                 memory_limit: float | None = None, dtype_bytes: int = 2, zero_stage: int = 1,
-                 activation_factor: float | None = None) -> None:
+                 memory_limit: float | None = None, dtype_bytes: int = 2, sharding: str | None = None,
+                 zero_stage: int | None = None, activation_factor: float | None = None) -> None:
         world_size = _positive_int(world_size, "world_size")
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r} (ZeRO-3 re-gathers parameters per "
-                             "layer and is not modelled; use a measured profile)")
+        self.sharding = resolve_sharding(sharding, zero_stage)
         if dtype_bytes not in (1, 2, 4):
             raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
-        if model.kind not in ("1d", "2d"):
-            raise ValueError(f"model {model.name!r} has kind {model.kind!r}; the analytic model knows '1d' and '2d'")
+        if model.kind not in ("1d", "2d", "3d"):
+            raise ValueError(f"model {model.name!r} has kind {model.kind!r}; the analytic model knows '1d', '2d' and '3d'")
         if model.kind == "2d" and model.spatial_tokens <= 0:
             raise ValueError(f"2d model {model.name!r} needs spatial_tokens > 0 to split a length into frames")
+        if model.kind == "3d" and (model.text_len < 0 or (model.text_len > 0) != (model.text_dim > 0)):
+            raise ValueError(f"3d model {model.name!r}: text_len ({model.text_len}) and text_dim ({model.text_dim}) must "
+                             "both be positive (cross-attention to the text) or both 0 (none)")
         self.model = model
         self.hardware = hardware
         self.world_size = world_size
         self.dtype_bytes = dtype_bytes
-        self.zero_stage = zero_stage
+        self.zero_stage = SHARDING_MODES.index(self.sharding)
+        """0-3 for none, zero1, zero2, fsdp (fsdp is ZeRO-3-like)."""
         self.num_layers = model.num_layers
         self.num_heads = model.num_heads
         self.gpus_per_node = hardware.gpus_per_node
@@ -172,15 +206,24 @@ class AnalyticCostModel(CostModel):
         peak = hw.peak_flops
         self._causal = model.causal
         self._is_1d = model.kind == "1d"
+        self._square_work = model.kind != "2d"  # attention work l^2 (1d, 3d) or spatial + temporal (2d)
         self._spatial = float(model.spatial_tokens)
 
         # --- per-layer, per-rank time coefficients (sp-independent parts) ---
         layer_params = model.layer_params()
-        self._gemm_s_per_token = 2.0 * layer_params / (peak * hw.gemm_max_efficiency)  # fwd, per rank-token
+        kv = model.cross_kv_params()  # 3d: cross-attention k, v projections, on the text
+        text = float(model.text_len)
+        self._gemm_s_per_token = 2.0 * (layer_params - kv) / (peak * hw.gemm_max_efficiency)  # fwd, per rank-token
         self._gemm_half = float(hw.gemm_half_tokens)
         attn_flops_per_work = 4.0 * h * (0.5 if model.causal else 1.0)  # forward, all blocks share W
         self._attn_flops_per_work = attn_flops_per_work
         self._attn_s_per_work = attn_flops_per_work / (peak * hw.attn_max_efficiency)
+        # 3d cross-attention: QK^T and AV of each video token against text_len text tokens (forward)
+        self._cross_flops_per_token = 4.0 * text * h
+        self._cross_s_per_token = self._cross_flops_per_token / (peak * hw.attn_max_efficiency)
+        # 3d text keys/values, once per sample on every rank of the group (forward; with the GEMM constant)
+        self._kv_s_per_sample = 2.0 * kv * (text + self._gemm_half) / (peak * hw.gemm_max_efficiency) if kv else 0.0
+        self._kv_ideal_per_sample = 2.0 * kv * text / (peak * hw.gemm_max_efficiency)
         self.act_bytes_per_token = self.activation_factor * h * blocks       # per layer, per rank-token
         self.input_bytes_per_token = float(h * dtype_bytes)                  # per layer, per rank-token
         self._elem_s_per_token = 2.0 * self.act_bytes_per_token / hw.hbm_bandwidth  # forward
@@ -202,6 +245,10 @@ class AnalyticCostModel(CostModel):
         head_gemm = 3.0 * 2.0 * head_params / (peak * hw.gemm_max_efficiency)
         self._head_s_per_token = head_gemm + head_elem
         self._head_const = head_gemm * self._gemm_half + HEAD_LAUNCHES * hw.kernel_launch_overhead
+        # 3d text MLP (text_dim -> h -> h) over the sample's text tokens, forward + backward, per sample
+        self._text_params = (model.text_dim + h) * h if model.cross_attention else 0
+        text_gemm = 3.0 * 2.0 * self._text_params / (peak * hw.gemm_max_efficiency)
+        self._head_s_per_sample = text_gemm * (text + self._gemm_half) if self._text_params else 0.0
 
         # --- ideal (the simulator's bound; see the class docstring): per sample, on one device ---
         # every layer's forward + backward GEMMs at gemm_max_efficiency with no small-GEMM penalty,
@@ -209,22 +256,31 @@ class AnalyticCostModel(CostModel):
         # passes at hbm_bandwidth, and the head's per-token GEMM + loss passes; no all-to-all, no
         # recompute, no launch/per-micro-batch constant, no all-reduce. Divided by sp below.
         self._ideal_s_per_token = (L * 3.0 * (self._gemm_s_per_token + self._elem_s_per_token)
-                                   + self._head_s_per_token)
+                                   + L * (1.0 + ATTN_BWD_RATIO) * self._cross_s_per_token + self._head_s_per_token)
         self._ideal_s_per_work = L * (1.0 + ATTN_BWD_RATIO) * self._attn_s_per_work
+        self._ideal_s_per_sample = L * 3.0 * self._kv_ideal_per_sample + text_gemm * text
 
         # --- memory ---
         P = model.params()
         self.param_count = P
         db = dtype_bytes
         master = 4.0 if dtype_bytes < 4 else 0.0
-        sharded_opt = (master + 8.0) * P  # fp32 master + Adam m, v
-        if zero_stage == 0:
-            states = db * P + db * P + sharded_opt
-        elif zero_stage == 1:
-            states = db * P + db * P + sharded_opt / world_size
-        else:
-            states = db * P + (db * P + sharded_opt) / world_size
+        unit = max(model.layer_params(), model.edge_params())  # largest FSDP unit: a layer, or embedding + head
+        self.full_state_parts = {"weights": db * P, "grads": db * P, "optimizer": (master + 8.0) * P,
+                                 "unit": 2.0 * db * unit}  # fp32 master + Adam m, v; unit: weights + grads
+        """One replica's state bytes (and the largest FSDP unit's weights + grads), for reports."""
+        states = state_bytes(self.sharding, world_size, **self.full_state_parts)
         self.state_bytes = states
+        """Model-state bytes per rank at the peak of a step (what the planner budgets)."""
+        self.state_bytes_at_rest = state_bytes(self.sharding, world_size, at_rest=True, **self.full_state_parts)
+        """Model-state bytes per rank between steps (zero2 and fsdp hold less there)."""
+        # fsdp: two all-gathers and a reduce-scatter of every weight per micro-batch (over the world)
+        self._fsdp_s = 0.0
+        if self.sharding == "fsdp":
+            intra = world_size <= hw.gpus_per_node
+            self._fsdp_s = fsdp_micro_batch_seconds(
+                db * P, world_size, hw.allreduce_bw_intra if intra else hw.allreduce_bw_inter,
+                hw.collective_latency if intra else hw.collective_latency_inter, units=L + 1)
         self.workspace_bytes = float(WORKSPACE_BYTES)
         self._mem_base = states + self.workspace_bytes
         self._transient_per_token = max(self.act_bytes_per_token, self.head_bytes_per_token)
@@ -236,14 +292,14 @@ class AnalyticCostModel(CostModel):
     # ------------------------------------------------------------------ helpers
 
     def attention_work(self, length: int) -> float:
-        """Attention work of one sample: ``l^2`` for 1d; for 2d spatial + temporal attention.
+        """Attention work of one sample: ``l^2`` for 1d and 3d; for 2d spatial + temporal attention.
 
         2d approximation: a sample of ``l`` tokens is ``frames = max(1, l / spatial_tokens)`` frames
         of ``l / frames`` tokens (continuous, not rounded). Spatial attention within each frame costs
         ``frames * (l/frames)^2 = l^2 / frames``; temporal attention across frames at each spatial
         position costs ``(l/frames) * frames^2 = l * frames``. Sum: ``l^2/frames + l*frames``.
         """
-        if self._is_1d:
+        if self._square_work:
             return float(length) * length
         fr = length / self._spatial
         if fr < 1.0:
@@ -253,7 +309,7 @@ class AnalyticCostModel(CostModel):
     def _sums(self, lengths: Sequence[int]) -> tuple[int, float]:
         tokens = 0
         work = 0.0
-        if self._is_1d:
+        if self._square_work:
             for n in lengths:
                 tokens += n
                 work += n * n
@@ -281,11 +337,14 @@ class AnalyticCostModel(CostModel):
         g, half, la = self._gemm_s_per_token, self._gemm_half, self._launch
         # forward compute per layer: fW*W + fT*T + fC
         fW = self._attn_s_per_work * inv
-        fT = (g + self._elem_s_per_token) * inv
+        cross = self._cross_s_per_token * inv
+        fT = (g + self._elem_s_per_token) * inv + cross
         fC = g * half + la
+        fN = self._kv_s_per_sample  # per sample, not split over the group
         bW = ATTN_BWD_RATIO * fW
-        bT = 2.0 * fT
+        bT = 2.0 * (fT - cross) + ATTN_BWD_RATIO * cross
         bC = 2.0 * fC
+        bN = 2.0 * fN
         # all-to-all per layer forward: aT*T + aC
         if sp == 1:
             aT = aC = 0.0
@@ -298,15 +357,21 @@ class AnalyticCostModel(CostModel):
             aC = n * lat
         oT = self._head_s_per_token * inv
         oC = self._head_const
+        oN = self._head_s_per_sample
+        fs = self._fsdp_s
         c = (
             fW, fT, fC, bW, bT, bC, aT, aC, oT, oC,
             # item-time coefficients, r = 0 and per recomputed layer
-            L * (fW + bW), L * (fT + bT + 2 * aT) + oT, L * (fC + bC + 2 * aC) + oC,
+            L * (fW + bW), L * (fT + bT + 2 * aT) + oT, L * (fC + bC + 2 * aC) + oC + fs,
             fW, fT + aT, fC + aC,
             # memory per global token: base + T * (m0 - r * m1)
             self._mem_per_token_r0 * inv, self.act_bytes_per_token * inv,
             # ideal
             self._ideal_s_per_work * inv, self._ideal_s_per_token * inv,
+            # per sample (3d text): forward per layer, item time r = 0 and per recomputed layer, ideal
+            fN, L * (fN + bN) + oN, fN, self._ideal_s_per_sample * inv,
+            # fsdp traffic per micro-batch
+            fs,
         )
         self._coef[sp] = c
         return c
@@ -317,11 +382,11 @@ class AnalyticCostModel(CostModel):
         """Item time from precomputed sums: ``tokens`` = sum of lengths, ``sq_sum`` = sum of
         :meth:`attention_work` over the samples (``sum l^2`` for 1d models), ``n`` samples.
 
-        Same value as ``item_time(lengths, sp, recompute)``; costs six multiplications.
+        Same value as ``item_time(lengths, sp, recompute)``; costs eight multiplications.
         """
         c = self._coef.get(sp) or self._coefficients(sp)
         r = recompute
-        return (c[10] + r * c[13]) * sq_sum + (c[11] + r * c[14]) * tokens + c[12] + r * c[15]
+        return (c[10] + r * c[13]) * sq_sum + (c[11] + r * c[14]) * tokens + c[12] + r * c[15] + (c[21] + r * c[22]) * n
 
     def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
         """Peak bytes per device of a micro-batch of ``tokens`` total tokens (memory depends on nothing else)."""
@@ -360,38 +425,41 @@ class AnalyticCostModel(CostModel):
             raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
         c = self._coefficients(sp)
         T, W = self._sums(lengths)
+        n = len(lengths)
         L, r = self.num_layers, recompute
         fW, fT, fC, bW, bT, bC, aT, aC, oT, oC = c[:10]
-        fwd = fW * W + fT * T + fC
-        bwd = bW * W + bT * T + bC
+        fN = c[20]
+        fwd = fW * W + fT * T + fC + fN * n
+        bwd = bW * W + bT * T + bC + 2.0 * fN * n
         a2a = aT * T + aC
         return ItemCost(
             compute=L * (fwd + bwd),
             recompute=r * fwd,
-            comm=(2 * L + r) * a2a,
-            overhead=oT * T + oC,
-            ideal=c[18] * W + c[19] * T,
+            comm=(2 * L + r) * a2a + c[24],
+            overhead=oT * T + oC + self._head_s_per_sample * n,
+            ideal=c[18] * W + c[19] * T + c[23] * n,
         )
 
     def step_overhead(self, world_size: int) -> float:
         """Gradient reduction over ``world_size`` ranks plus the optimizer step.
 
         Reduction: ring all-reduce of the ``dtype_bytes`` gradients, ``2 (W-1)/W * bytes / busbw``
-        (ZeRO-1/2 do a reduce-scatter of gradients and an all-gather of updated parameters: the same
-        volume), inter-node bus bandwidth when ``W > gpus_per_node``, plus one collective latency per
-        500 MB bucket. Optimizer: memory-bound Adam over the local shard,
-        ``OPTIMIZER_BYTES_PER_PARAM * params / W / hbm_bandwidth`` (unsharded for ZeRO-0).
+        (zero1/zero2 do a reduce-scatter of gradients and an all-gather of updated parameters: the
+        same volume), inter-node bus bandwidth when ``W > gpus_per_node``, plus one collective
+        latency per 500 MB bucket; none under fsdp (each micro-batch reduce-scatters its own
+        gradients, see ``ItemCost.comm``). Optimizer: memory-bound Adam over the local shard,
+        ``OPTIMIZER_BYTES_PER_PARAM * params / W / hbm_bandwidth`` (unsharded for ``none``).
         """
         hw, W = self.hardware, _positive_int(world_size, "world_size")
         grad_bytes = self.param_count * self.dtype_bytes
         comm = 0.0
-        if W > 1:
+        if W > 1 and self.sharding != "fsdp":
             intra = W <= hw.gpus_per_node
             bw = hw.allreduce_bw_intra if intra else hw.allreduce_bw_inter
             lat = hw.collective_latency if intra else hw.collective_latency_inter
             buckets = math.ceil(grad_bytes / GRAD_BUCKET_BYTES)
-            comm = 2.0 * (W - 1) / W * grad_bytes / bw + (2 if self.zero_stage else 1) * buckets * lat
-        shard = self.param_count / (W if self.zero_stage else 1)
+            comm = 2.0 * (W - 1) / W * grad_bytes / bw + (2 if self.sharding != "none" else 1) * buckets * lat
+        shard = self.param_count / (W if self.sharding != "none" else 1)
         return comm + OPTIMIZER_BYTES_PER_PARAM * shard / hw.hbm_bandwidth
 
     def signature(self) -> dict:
@@ -402,6 +470,7 @@ class AnalyticCostModel(CostModel):
             "world_size": self.world_size,
             "memory_limit": self.memory_limit,
             "dtype_bytes": self.dtype_bytes,
+            "sharding": self.sharding,
             "zero_stage": self.zero_stage,
             "activation_factor": self.activation_factor,
         }
@@ -430,10 +499,13 @@ class AnalyticCostModel(CostModel):
     # ------------------------------------------------------------------ reporting helpers
 
     def model_flops(self, lengths: Sequence[int]) -> float:
-        """Model FLOPs of one training pass over ``lengths`` (forward + 2x backward, causal attention halved)."""
+        """Model FLOPs of one training pass over ``lengths`` (forward + 2x backward, causal attention halved;
+        3d: cross-attention per token, text keys/values and text MLP once per sample)."""
         T, W = self._sums(lengths)
-        L = self.num_layers
-        fwd = L * (2.0 * self.model.layer_params() * T + self._attn_flops_per_work * W) + 2.0 * self._head_params * T
+        n, L, m = len(lengths), self.num_layers, self.model
+        kv, text = m.cross_kv_params(), m.text_len
+        layer = 2.0 * (m.layer_params() - kv) * T + self._attn_flops_per_work * W + self._cross_flops_per_token * T
+        fwd = L * (layer + 2.0 * kv * text * n) + 2.0 * self._head_params * T + 2.0 * self._text_params * text * n
         return 3.0 * fwd
 
     def mfu(self, lengths: Sequence[int], sp: int = 1, recompute: int = 0) -> float:

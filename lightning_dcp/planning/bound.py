@@ -88,7 +88,7 @@ class StepBounder:
             else CostView(cost_model, max_sp)
         self.overhead = float(cost_model.step_overhead(self.world_size))
         self._gpu_s: dict[int, float] = {}
-        self._alone: dict[int, float] = {}
+        self._alone: dict[int, np.ndarray] = {}
 
     def _best_gpu_seconds(self, lengths: list[int]) -> None:
         """Fill ``_gpu_s`` for ``lengths`` (new, distinct): min over (p, r) of p x amortized share.
@@ -125,17 +125,22 @@ class StepBounder:
             out.append(self.cost_model.item_time([ell] * k, p, int(rk)) * c / k)
         return np.array(out, dtype=np.float64)
 
-    def best_alone(self, length: int) -> float:
-        """Fastest time of one sample of ``length`` tokens alone, over the usable SP sizes (inf if none holds it)."""
+    def alone_times(self, length: int) -> np.ndarray:
+        """Time of one sample of ``length`` tokens alone on each usable SP size (``view.sp_sizes``), with
+        the fewest recomputed layers that fit; ``inf`` where it does not fit. Cached per length."""
         got = self._alone.get(length)
         if got is None:
-            got = math.inf
-            for p in self.view.sp_sizes:
+            got = np.full(len(self.view.sp_sizes), np.inf)
+            for k, p in enumerate(self.view.sp_sizes):
                 r = self.view.min_recompute(length, p)
                 if r is not None:
-                    got = min(got, self.view.time([length], p, r))
+                    got[k] = self.view.time([length], p, r)
             self._alone[length] = got
         return got
+
+    def best_alone(self, length: int) -> float:
+        """Fastest time of one sample of ``length`` tokens alone, over the usable SP sizes (inf if none holds it)."""
+        return float(self.alone_times(length).min())
 
     def parts(self, lengths: Sequence[int]) -> StepBound:
         """The bound of one step that runs the samples of ``lengths`` (tokens)."""

@@ -24,6 +24,12 @@
   8x spatial VAE and a 2x2 patchify give ``tokens = (1 + (f-1)//4) * (H/16) * (W/16)``.
   :meth:`VideoDistribution.sample_shapes` returns the latent token grids.
 
+* ``wan``: Wan 2.1 text-to-video training shapes: its sizes 832x480, 480x832 (480p) and
+  1280x720, 720x1280 (720p) at 1 (image), 17, 33, 49, 65 or 81 frames (``4k+1``, 81 = 5 s at
+  16 fps); the (4, 8, 8)-stride VAE and the (1, 2, 2) patch give
+  ``tokens = (1 + (f-1)//4) * (H/16) * (W/16)``: 1,560 (a 480p image) .. 75,600 (81 frames of
+  720p). :meth:`WanVideoDistribution.sample_shapes` returns the latent token grids.
+
 * ``code``: real data: the token counts of this machine's Python standard-library ``.py`` files
   (``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded), tokens approximated by the
   regex ``\\w+|[^\\w\\s]`` (identifiers/numbers and single punctuation characters); samples are
@@ -201,6 +207,33 @@ class VideoDistribution(LengthDistribution):
         return [f * h * w for f, h, w in self._shapes(n, rng)]
 
 
+# Wan 2.1's supported training/generation sizes (height, width) in pixels (Wan-Video/Wan2.1
+# SUPPORTED_SIZES: 480*832, 832*480 for T2V-1.3B; also 720*1280, 1280*720 for T2V-14B), with
+# sampling weights (ours: landscape more common, 480p more than 720p).
+WAN_SIZES: dict[tuple[int, int], float] = {(480, 832): 0.40, (832, 480): 0.15, (720, 1280): 0.30, (1280, 720): 0.15}
+# Frame counts 4k+1 up to Wan's 81 (1 = image, trained jointly), with sampling weights (ours).
+WAN_FRAMES: dict[int, float] = {1: 0.20, 17: 0.10, 33: 0.15, 49: 0.15, 65: 0.15, 81: 0.25}
+
+
+class WanVideoDistribution(VideoDistribution):
+    """Wan-2.1-like video: :data:`WAN_SIZES` x :data:`WAN_FRAMES`; lengths are latent tokens after
+    the (4, 8, 8) VAE and the (1, 2, 2) patch, as :func:`video_tokens` counts them."""
+
+    def __init__(self, name: str = "wan"):
+        self.name = name
+        self.description = ("Wan 2.1 video: 832x480 / 1280x720 (either orientation) x {1,17,33,49,65,81} frames; "
+                            "tokens = (1+(f-1)//4) * H/16 * W/16 (1,560 .. 75,600)")
+        self._sizes = list(WAN_SIZES)
+        self._sizes_p = _normalized([WAN_SIZES[x] for x in self._sizes])
+        self._frames = list(WAN_FRAMES)
+        self._frames_p = _normalized([WAN_FRAMES[f] for f in self._frames])
+
+    def _shapes(self, n: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
+        si = rng.choice(len(self._sizes), size=n, p=self._sizes_p)
+        fi = rng.choice(len(self._frames), size=n, p=self._frames_p)
+        return [video_tokens(self._frames[f], *self._sizes[k]) for k, f in zip(si.tolist(), fi.tolist())]
+
+
 def _normalized(w: Sequence[float]) -> list[float]:
     s = float(sum(w))
     return [x / s for x in w]
@@ -279,6 +312,7 @@ DISTRIBUTIONS: dict[str, LengthDistribution] = {
     "long": MixtureDistribution("long", BANDS, MIXTURES["long"],
                                 "long-dominated (by compute): the ~6% of sequences over 64k take ~90% of the time"),
     "video": VideoDistribution("video"),
+    "wan": WanVideoDistribution("wan"),
     "code": CodeDistribution("code"),
 }
 

@@ -1,12 +1,18 @@
-"""Named model descriptions: the paper's Transformer-1D / Transformer-2D (Table 1) and tiny CPU sizes.
+"""Named model descriptions: the paper's Transformer-1D / Transformer-2D (Table 1), a Llama-2-7B
+shape, Wan 2.1 text-to-video DiTs (1.3B, 14B) and tiny CPU sizes.
 
 A :class:`ModelSpec` is what the analytic cost model reasons about and what the reference
-models in :mod:`lightning_dcp.models` are built from. Pure Python.
+models in :mod:`lightning_dcp.models` are built from (kinds ``"1d"`` and ``"2d"``; the ``"3d"``
+Wan shapes are for planning and simulation: train them with diffusers'
+``WanTransformer3DModel`` and plan with its measured profile). Pure Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+TIMESTEP_FREQ_DIM = 256
+"""Sinusoidal timestep features fed to a 3d model's timestep MLP (Wan's ``freq_dim``)."""
 
 
 @dataclass(frozen=True)
@@ -15,9 +21,12 @@ class ModelSpec:
 
     Args:
         name: registry name.
-        kind: ``"1d"`` (one attention per layer over the whole sequence) or ``"2d"`` (video
+        kind: ``"1d"`` (one attention per layer over the whole sequence), ``"2d"`` (video
             DiT-like: spatial attention within each frame, then temporal attention across
-            frames, each with its own MLP; one "layer" is that pair of blocks).
+            frames, each with its own MLP; one "layer" is that pair of blocks) or ``"3d"``
+            (video DiT like Wan 2.1: per layer full self-attention over all of a sample's video
+            tokens, then cross-attention of every video token to the sample's ``text_len`` text
+            tokens, then a GELU MLP, each modulated by the sample's timestep embedding).
         num_layers: repeated layers (the ModuleList that recomputation and profiling act on).
         hidden_size: model width.
         num_heads: attention heads; SP sizes must divide it.
@@ -27,6 +36,10 @@ class ModelSpec:
         in_channels: latent channels per token after patchify (2d); 0 for token models.
         spatial_tokens: 2d only: tokens per frame the analytic cost model assumes when it
             only knows a sample's total length (``frames = length / spatial_tokens``).
+        text_len: 3d only: text tokens per sample that every video token cross-attends to
+            (the text encoder's padded length, 512 for Wan's umT5).
+        text_dim: 3d only: width of the text encoder's output, projected to ``hidden_size``
+            once per sample (4096 for umT5-XXL).
     """
 
     name: str
@@ -39,6 +52,8 @@ class ModelSpec:
     vocab_size: int = 0
     in_channels: int = 0
     spatial_tokens: int = 0
+    text_len: int = 0
+    text_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -54,20 +69,46 @@ class ModelSpec:
         """Weight matrices of hidden x ffn in one MLP (3 for SwiGLU, 2 for GELU)."""
         return 3 if self.kind == "1d" else 2
 
+    @property
+    def cross_attention(self) -> bool:
+        """Whether each layer cross-attends to the sample's text (3d with ``text_len > 0``)."""
+        return self.kind == "3d" and self.text_len > 0
+
+    def cross_kv_params(self) -> int:
+        """Parameters of one layer's cross-attention key and value projections (0 without cross-attention).
+
+        They act on the sample's ``text_len`` text tokens, not on its video tokens.
+        """
+        return 2 * self.hidden_size * self.hidden_size if self.cross_attention else 0
+
     def layer_params(self) -> int:
-        """Parameters of one repeated layer (norm weights ignored)."""
+        """Parameters of one repeated layer (norm weights, biases and modulation tables ignored).
+
+        Per block: q, k, v, o projections (``4 h^2``) and the MLP; a layer with cross-attention
+        adds its q, k, v, o (another ``4 h^2``).
+        """
         h = self.hidden_size
         block = 4 * h * h + self.mlp_matrices * h * self.ffn_hidden_size
+        if self.cross_attention:
+            block += 4 * h * h
         return self.blocks_per_layer * block
 
-    def params(self) -> int:
-        """All parameters: layers plus embedding and output head."""
+    def edge_params(self) -> int:
+        """Parameters outside the repeated layers: embedding and output head (and for video
+        models the patch embedding, un-patchify, timestep and text-projection MLPs)."""
         h = self.hidden_size
         if self.kind == "1d":
-            edge = 2 * self.vocab_size * h
-        else:
-            edge = 2 * self.in_channels * h + 6 * h * h  # patch embed, un-patchify, timestep/adaLN MLPs
-        return self.num_layers * self.layer_params() + edge
+            return 2 * self.vocab_size * h
+        if self.kind == "3d":
+            # patch embed + un-patchify; timestep MLP (freq -> h -> h) and its projection to the six
+            # modulation vectors; text MLP (text_dim -> h -> h) when the layers cross-attend to text
+            text = (self.text_dim + h) * h if self.cross_attention else 0
+            return 2 * self.in_channels * h + (TIMESTEP_FREQ_DIM + h) * h + 6 * h * h + text
+        return 2 * self.in_channels * h + 6 * h * h  # patch embed, un-patchify, timestep/adaLN MLPs
+
+    def params(self) -> int:
+        """All parameters: layers plus :meth:`edge_params`."""
+        return self.num_layers * self.layer_params() + self.edge_params()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +123,15 @@ MODELS: dict[str, ModelSpec] = {
     # CPU sizes for tests, the demo and measured multi-process benchmarks.
     "tiny-1d": ModelSpec("tiny-1d", "1d", 4, 64, 4, True, 176, vocab_size=256),
     "tiny-2d": ModelSpec("tiny-2d", "2d", 4, 64, 4, False, 256, in_channels=16, spatial_tokens=64),
+    # Llama-2-7B's shape (Touvron et al. 2023): 32 layers, 4096 hidden, 32 heads, SwiGLU 11008,
+    # 32000 vocabulary, untied embedding and head: 6.74B parameters.
+    "llama-7b": ModelSpec("llama-7b", "1d", 32, 4096, 32, True, 11008, vocab_size=32000),
+    # Wan 2.1 text-to-video (Wan-Video/Wan2.1 configs, diffusers' WanTransformer3DModel): patch
+    # (1, 2, 2) over a 16-channel latent of a (4, 8, 8)-stride VAE (in_channels = 16 * 1 * 2 * 2),
+    # umT5-XXL text of 512 tokens x 4096, 128-dim heads. 1.3B: dim 1536, 30 layers, 12 heads,
+    # ffn 8960 (1.42B parameters counted here). 14B: dim 5120, 40 layers, 40 heads, ffn 13824.
+    "wan-1.3b": ModelSpec("wan-1.3b", "3d", 30, 1536, 12, False, 8960, in_channels=64, text_len=512, text_dim=4096),
+    "wan-14b": ModelSpec("wan-14b", "3d", 40, 5120, 40, False, 13824, in_channels=64, text_len=512, text_dim=4096),
 }
 
 

@@ -26,7 +26,7 @@ import contextlib
 import gc
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
@@ -322,11 +322,12 @@ class Planner:
         return cut_by_tokens(lengths, tokens)
 
     def plan(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
-             global_batch_size: int | None = None) -> Plan:
+             global_batch_size: int | None = None, progress: Callable[[int, int], None] | None = None) -> Plan:
         """Plan every sample of ``lengths`` (sample ``i`` has length ``lengths[i]``).
 
         The list is cut in order into global batches (see :meth:`batches`); batch ``k`` is
         planned as step ``k`` (seeding). ``bucket`` plans the whole list as one set.
+        ``progress(done, total)``, when given, is called after each planned batch.
         """
         lengths = _check_lengths(lengths)
         self._check_fit(range(len(lengths)), lengths)
@@ -337,6 +338,8 @@ class Planner:
         steps: list[StepPlan] = []
         for k, idx in enumerate(batches):
             steps.extend(self.plan_batch(idx, [lengths[i] for i in idx], step=k).steps)
+            if progress is not None:
+                progress(k + 1, len(batches))
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from lightning_dcp.planning.analytic import _positive_int
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
+from lightning_dcp.planning.state_sharding import resolve_sharding, state_bytes
 
 # All-reduce bus bandwidth assumed when a profile made on one device must predict the gradient
 # reduction of a larger world (it measured none): 45 GB/s, the inter-node figure of the h100
@@ -105,8 +106,22 @@ class ProfiledCostModel(CostModel):
     optional ``constant.time_per_token_s`` / ``constant.activation_bytes_per_token`` (embedding,
     head, loss per local token) count as 0 when absent.
 
+    Sharding (``sharding=``, default ``"none"``: the profile as measured, one full replica of the
+    model states per rank): the profile's ``constant.memory_bytes`` holds one replica's weights,
+    gradients and optimizer states; under ``zero1`` / ``zero2`` / ``fsdp`` the states that mode
+    shards over ``world_size`` ranks (:func:`~lightning_dcp.planning.state_sharding.state_bytes`)
+    are taken off it -- :attr:`freed_bytes`, which the planner then has for activations. That
+    needs ``constant.param_bytes`` (trainable weight bytes = gradient bytes) and
+    ``constant.optimizer_bytes`` (one replica's optimizer states, fp32 master included), and for
+    fsdp ``constant.unit_param_bytes`` (the largest FSDP unit's trainable weight bytes); a
+    profile without them raises :class:`ProfileError` for a sharded mode. Frozen weights and
+    buffers stay replicated. Time: zero1/zero2/fsdp step the optimizer on ``1/W`` of the weights
+    (``optimizer_s / W``); fsdp reduces no gradients at the step end but moves two all-gathers
+    and a reduce-scatter of every weight per micro-batch, 1.5x the measured (or rescaled)
+    all-reduce, charged as ``ItemCost.comm`` of every micro-batch.
+
     Communication is inside the measured layer times, so :class:`ItemCost` reports ``comm = 0``
-    and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
+    (fsdp: only its per-micro-batch traffic) and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
     without the fit's constant term (a per-micro-batch constant), divided by ``p`` (if sp=1 was not
     measured: the smallest measured ``p0``'s, times ``p0``); no recompute, no constant time.
     Only measured SP sizes are usable: :meth:`sp_sizes` returns those and item methods raise for others.
@@ -114,9 +129,12 @@ class ProfiledCostModel(CostModel):
     Args:
         profile: a v1 profile dict (see :mod:`lightning_dcp.planning.profile`).
         memory_limit: bytes per device the planner may use; default ``device.memory_limit_bytes``.
+        sharding: ``"none"`` (default), ``"zero1"``, ``"zero2"`` or ``"fsdp"``, as ``DCPStrategy(sharding=...)``.
+        world_size: ranks the states are sharded over; default the profile's ``key.world_size`` (or 1).
     """
 
-    def __init__(self, profile: dict, *, memory_limit: float | None = None) -> None:
+    def __init__(self, profile: dict, *, memory_limit: float | None = None, sharding: str | None = None,
+                 world_size: int | None = None) -> None:
         data = validate_profile(profile)
         self.profile = data
         model, device, const = data["model"], data["device"], data["constant"]
@@ -142,6 +160,12 @@ class ProfiledCostModel(CostModel):
         self.param_bytes = float(pb) if isinstance(pb, (int, float)) and not isinstance(pb, bool) and pb > 0 else None
         ws = data["key"].get("world_size") if isinstance(data["key"], dict) else None
         self.profile_world_size = ws if isinstance(ws, int) and ws >= 1 else None
+        self.sharding = resolve_sharding(sharding, default="none")
+        self.world_size = _positive_int(world_size if world_size is not None else (self.profile_world_size or 1), "world_size")
+        self.freed_bytes = self._freed_by_sharding(const)
+        """State bytes per rank that ``sharding`` frees from the measured ``constant.memory_bytes``."""
+        self.constant_memory -= self.freed_bytes
+        self._fsdp_s = 1.5 * self._allreduce_seconds(self.world_size) if self.sharding == "fsdp" else 0.0
 
         by_sp: dict[int, list[dict]] = {}
         for e in data["entries"]:
@@ -192,7 +216,7 @@ class ProfiledCostModel(CostModel):
                 fa, fb, fc, ba, bb, bc,
                 # item time: (A0 + r A1) sq + (B0 + r B1) T + (C0 + r C1)
                 L * (fa + ba), L * (fb + bb) + self.time_per_token / p + self.host_per_token,
-                L * (fc + bc) + self.constant_time + self.host_time, ra, rb, rc,
+                L * (fc + bc) + self.constant_time + self.host_time + self._fsdp_s, ra, rb, rc,
                 # memory: base0 + T*m0 - r*(ma + T*ka)   with the transient layer counted
                 self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka + self.memory_per_token / p, ma, ka,
                 # ideal / p
@@ -200,15 +224,46 @@ class ProfiledCostModel(CostModel):
             )
 
     @classmethod
-    def from_file(cls, path: str | Path, *, memory_limit: float | None = None) -> "ProfiledCostModel":
+    def from_file(cls, path: str | Path, *, memory_limit: float | None = None, sharding: str | None = None,
+                  world_size: int | None = None) -> "ProfiledCostModel":
         """Load, validate and fit a profile file; :class:`ProfileError` names the file on problems."""
         data = load_profile(path)
         try:
-            return cls(data, memory_limit=memory_limit)
+            return cls(data, memory_limit=memory_limit, sharding=sharding, world_size=world_size)
         except ProfileError as err:
             raise ProfileError(f"profile file {path}: {err}") from None
 
     # ------------------------------------------------------------------ helpers
+
+    def _freed_by_sharding(self, const: dict) -> float:
+        """Bytes per rank that ``self.sharding`` takes off one replica's measured states."""
+        if self.sharding == "none":
+            return 0.0
+        need = ["param_bytes", "optimizer_bytes"] + (["unit_param_bytes"] if self.sharding == "fsdp" else [])
+        missing = [f for f in need if not const.get(f)]
+        if missing:
+            raise ProfileError(
+                f"sharding={self.sharding!r} needs the profile's constant.{', constant.'.join(missing)} (one replica's "
+                f"trainable weight / optimizer-state / largest-FSDP-unit bytes) to know what it frees, and this profile "
+                f"lacks them; re-profile with a profiler that records them, or plan with sharding='none'")
+        weights = grads = float(const["param_bytes"])
+        parts = {"weights": weights, "grads": grads, "optimizer": float(const["optimizer_bytes"])}
+        unit = 2.0 * float(const.get("unit_param_bytes") or 0.0)  # the unit's weights + gradients
+        full = sum(parts.values())
+        return full - state_bytes(self.sharding, self.world_size, unit=unit, **parts)
+
+    def _allreduce_seconds(self, W: int) -> float:
+        """Step-end gradient all-reduce over ``W`` ranks: measured, or rescaled from the profile's world."""
+        W0 = self.profile_world_size
+        if W == 1:
+            return 0.0
+        if W0 is None or W0 == W:
+            return self.allreduce_s
+        if W0 > 1:
+            return self.allreduce_s * ((W - 1) / W) / ((W0 - 1) / W0)
+        if self.param_bytes is not None:
+            return 2.0 * (W - 1) / W * self.param_bytes / FALLBACK_ALLREDUCE_BW
+        return self.allreduce_s
 
     def _c(self, sp: int) -> tuple:
         c = self._coef.get(sp)
@@ -281,7 +336,7 @@ class ProfiledCostModel(CostModel):
         return ItemCost(
             compute=self.num_layers * (fwd + bwd),
             recompute=recompute * rec,
-            comm=0.0,
+            comm=self._fsdp_s,
             overhead=self.constant_time + self.time_per_token * T / sp + self.host_time + self.host_per_token * T,
             ideal=c[16] * W + c[17] * T + c[18],
         )
@@ -291,20 +346,13 @@ class ProfiledCostModel(CostModel):
 
         Ring reduction volume scales with ``(W-1)/W``; a profile made on one device (no all-reduce
         measured) uses ``2 (W-1)/W * param_bytes / FALLBACK_ALLREDUCE_BW`` when ``param_bytes`` is
-        recorded. The optimizer time is kept as measured.
+        recorded. The optimizer time is kept as measured for ``sharding="none"`` and divided by
+        ``world_size`` for the sharded modes (each rank steps its shard); fsdp has no step-end
+        reduction (its micro-batches reduce-scatter their gradients).
         """
-        W, W0 = _positive_int(world_size, "world_size"), self.profile_world_size
-        if W == 1:
-            comm = 0.0
-        elif W0 is None or W0 == W:
-            comm = self.allreduce_s
-        elif W0 > 1:
-            comm = self.allreduce_s * ((W - 1) / W) / ((W0 - 1) / W0)
-        elif self.param_bytes is not None:
-            comm = 2.0 * (W - 1) / W * self.param_bytes / FALLBACK_ALLREDUCE_BW
-        else:
-            comm = self.allreduce_s
-        return comm + self.optimizer_s
+        W = _positive_int(world_size, "world_size")
+        comm = 0.0 if self.sharding == "fsdp" else self._allreduce_seconds(W)
+        return comm + (self.optimizer_s if self.sharding == "none" else self.optimizer_s / W)
 
     def signature(self) -> dict:
         return {
@@ -313,6 +361,8 @@ class ProfiledCostModel(CostModel):
             "model": dict(self.profile["model"]),
             "memory_limit": self.memory_limit,
             "measured_sp": list(self.measured_sp),
+            "sharding": self.sharding,
+            "world_size": self.world_size,
         }
 
     # ------------------------------------------------------------------ closed forms

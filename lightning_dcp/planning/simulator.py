@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_dcp.planning.bound import StepBounder
+from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.plan import Plan, PlanError, check_deadlock_free
 
@@ -141,7 +141,6 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     for step in plan.steps:
         for item in step.items:
             for n in item.lengths:
-                k = (n,)
                 c = cache.get(("ideal", n))
                 if c is None:
                     c = cost_model.item_cost([n], 1, 0).ideal
@@ -157,8 +156,10 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         "recompute_fraction": rec / busy_total if busy_total > 0 else 0.0,
         "allreduce_fraction": overhead * len(step_times) / total if total > 0 else 0.0,
     }
-    bounder = StepBounder(cost_model, W, max_sp_size) if W else None
-    bounds = [bounder.seconds([n for it in st.items for n in it.lengths]) if bounder else 0.0 for st in plan.steps]
+    # step_bound keeps one StepBounder per (cost model, world size, SP cap): the simulator, the
+    # simulate command's run bound and every policy simulated on this cost model share it
+    bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size) if W else 0.0
+              for st in plan.steps]
     bound_time = sum(bounds)
     per_step = [b / t for b, t in zip(bounds, step_times) if t > 0]
     return SimulationResult(

@@ -89,7 +89,6 @@ class DCPPolicy(Policy):
         self._bounder: StepBounder | None = None
         self.candidates: dict[int, list[Layout]] = {}
         self._work_cache: dict[int, float] = {}  # attention work per length (recurs across steps)
-        self._alone: dict[int, np.ndarray] = {}  # time of a length alone per SP class
         self._Ll: list[int] = []
         self._Wl: list[float] = []
         self._Erows: dict[int, list[float]] = {}
@@ -168,9 +167,7 @@ class DCPPolicy(Policy):
         """
         if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size:
             return plan
-        if self._bounder is None:
-            self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view)
-        bound = self._bounder.parts(lengths)
+        bound = self._step_bounder().parts(lengths)
         best, best_span = plan, step_span(plan, self.view)
         if best_span <= max(bound.work_s, bound.heaviest_s) * 1.01:
             return plan
@@ -304,15 +301,13 @@ class DCPPolicy(Policy):
 
     def _alone_times(self, length: int, classes: Sequence[int]) -> np.ndarray:
         """Time of one sample of ``length`` alone on each SP size of ``classes`` (inf where it does not fit)."""
-        got = self._alone.get(length)
-        if got is None:
-            got = np.full(len(self.classes), np.inf)
-            for k, p in enumerate(self.classes):
-                r = self.view.min_recompute(length, p)
-                if r is not None:
-                    got[k] = self.view.time([length], p, r)
-            self._alone[length] = got
-        return got[: len(classes)]
+        return self._step_bounder().alone_times(length)[: len(classes)]
+
+    def _step_bounder(self) -> StepBounder:
+        """The step bounder on this policy's cost view (its SP sizes are ``self.classes``), built once."""
+        if self._bounder is None:
+            self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view)
+        return self._bounder
 
     def _group(self, mem: list[int], ranks: tuple[int, ...], ctx) -> tuple[list, float]:
         """Items and estimated time of one group running the (local) samples ``mem``."""
