@@ -330,6 +330,34 @@ def test_profiled_item_formulas():
     assert PM.step_overhead(64) == pytest.approx(0.05 * (63 / 64) / (7 / 8) + 0.02)
 
 
+def test_profiled_per_sample_term_for_models_that_declare_it():
+    """A video DiT projects each sample's text in every block: the profile says ``per_sample_cost`` and the
+    fit gets a per-sample term ``d``, which the item time charges per sample (fast path included); any other
+    profile's fit has ``d = 0``, as before."""
+    d_f, d_b = 3e-4, 5e-4
+    profile = make_profile()
+    profile["model"]["per_sample_cost"] = True
+    for e in profile["entries"]:
+        e["forward_s"] += d_f * e["micro_batch"]
+        e["backward_s"] += d_b * e["micro_batch"]
+    pm = ProfiledCostModel(profile)
+    assert pm.per_sample and not PM.per_sample
+    L, lengths = 42, [3000, 500, 500]
+    sq, tok = sum(n * n for n in lengths), sum(lengths)
+    for sp in TRUTH:
+        assert pm.fit_summary()[sp]["forward"][3] == pytest.approx(d_f, rel=0.01)
+        assert pm.fit_summary()[sp]["backward"][3] == pytest.approx(d_b, rel=0.01)
+        assert PM.fit_summary()[sp]["forward"][3] == 0.0
+        for r in (0, 7):
+            extra = (L * (d_f + d_b) + r * d_f) * len(lengths)
+            assert pm.item_time(lengths, sp, r) == pytest.approx(PM.item_time(lengths, sp, r) + extra, rel=1e-3)
+            assert pm.item_time_sum(tok, sq, 3, sp, r) == pytest.approx(pm.item_time(lengths, sp, r), rel=1e-12)
+            assert pm.item_cost(lengths, sp, r).total == pytest.approx(pm.item_time(lengths, sp, r), rel=1e-12)
+    # three samples cost more than one of the same total length: packing many short samples is not free
+    assert pm.item_time([1000, 1000, 1000], 1, 0) - PM.item_time([1000, 1000, 1000], 1, 0) > \
+        pm.item_time([3000], 1, 0) - PM.item_time([3000], 1, 0)
+
+
 def test_profiled_sp_sizes_and_closed_forms():
     assert PM.sp_sizes(64) == [1, 2, 4]
     assert PM.sp_sizes(2) == [1, 2]

@@ -411,6 +411,7 @@ def test_profiler_measures_an_adapted_wan():
     hook.remove()
     assert profile["entries"] and all(e["forward_s"] > 0 and e["activation_bytes"] > 0 for e in profile["entries"])
     assert {e["seq_len"] for e in profile["entries"]} <= set(data.lengths)  # lengths are video tokens
+    assert profile["model"]["per_sample_cost"] is True  # each sample's text: a per-sample term in the fit
     text_lens = {n: {int(data[i][TEXT][0].shape[0]) for i in range(len(data)) if data.lengths[i] == n} for n in data.lengths}
     single = [(tokens, text) for tokens, text, samples in seen if samples == 1]  # micro-batch 1: one sample
     assert single and all(text in text_lens[tokens] for tokens, text in single), (seen, text_lens)

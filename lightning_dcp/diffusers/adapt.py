@@ -75,6 +75,9 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
       are unchanged.
     * ``model.dcp_num_heads`` (SP sizes must divide it) and ``model.dcp_repeated_layers()`` (the blocks
       in call order, for the profiler and the strategy).
+    * ``model.dcp_cost_per_sample = True``: every sample's cross-attention projects its text whatever the
+      video's length, so the profile's time fit gets a per-sample term
+      (:class:`~lightning_dcp.planning.profiled.ProfiledCostModel`).
 
     Calling it again is a no-op apart from a new ``recompute_override``.
 
@@ -94,6 +97,9 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
         switch = LayerRecompute(len(model.blocks), recompute_override=recompute_override)
     model.dcp_recompute = switch
     model.dcp_num_heads = int(model.config.num_attention_heads)
+    # every sample's cross-attention projects its text (text_len tokens) whatever the video's length:
+    # the profiled cost model fits a per-sample term for it (lightning_dcp.planning.profiled)
+    model.dcp_cost_per_sample = True
     model.dcp_repeated_layers = RepeatedLayers(model.blocks)
     return model
 

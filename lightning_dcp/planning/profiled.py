@@ -2,8 +2,10 @@
 
 Per SP size present in the profile, the per-layer forward and backward times are fitted as
 ``t = a * sum(l^2) + b * tokens + c`` (the Hydraulis latency model, App. B.2, on packed
-micro-batches), and the per-layer activation and input bytes as ``k * tokens + m``; all
-coefficients non-negative. Item time and memory then follow the DCP paper's eqs. 4-6.
+micro-batches) -- plus ``d * samples`` for a model that does work per sample whatever its length
+(``model.per_sample_cost`` in the profile: a video DiT's cross-attention projects each sample's
+text) -- and the per-layer activation and input bytes as ``k * tokens + m``; all coefficients
+non-negative. Item time and memory then follow the DCP paper's eqs. 4-6.
 
 Pure Python + numpy: no torch.
 """
@@ -90,6 +92,7 @@ class ProfiledCostModel(CostModel):
     length counts) of::
 
         t_f, t_b = a * sum(l^2) + b * tokens + c        # one layer, per rank, all-to-alls included
+                   (+ d * samples with model.per_sample_cost)
         act, inp = k * tokens + m                       # bytes per layer, per rank
 
     Small grids work: with fewer distinct points than terms the fit drops terms (a single entry
@@ -140,6 +143,8 @@ class ProfiledCostModel(CostModel):
         model, device, const = data["model"], data["device"], data["constant"]
         self.num_layers = int(model["num_layers"])
         self.num_heads = int(model["num_heads"])
+        self.per_sample = bool(model.get("per_sample_cost", False))
+        """Whether the fit has a per-sample time term (see the module docstring)."""
         gpn = device.get("gpus_per_node", 8)
         if not isinstance(gpn, int) or gpn < 1:
             raise ProfileError(f"device.gpus_per_node must be a positive integer, got {gpn!r}")
@@ -180,6 +185,11 @@ class ProfiledCostModel(CostModel):
             tok = np.array([float(e["micro_batch"] * e["seq_len"]) for e in entries])
             X3 = np.stack([sq, tok, np.ones_like(tok)], axis=1)
             X2 = X3[:, 1:]
+            if self.per_sample:  # (a, b, c, d): d per sample of the micro-batch
+                X4 = np.concatenate([X3, np.array([[float(e["micro_batch"])] for e in entries])], axis=1)
+                time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X4, y))  # noqa: E731
+            else:
+                time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X3, y)) + (0.0,)  # noqa: E731
             f = np.array([float(e["forward_s"]) for e in entries])
             b = np.array([float(e["backward_s"]) for e in entries])
             if not np.any(f > 0) or not np.any(b > 0):
@@ -188,11 +198,11 @@ class ProfiledCostModel(CostModel):
             act = np.array([float(e["activation_bytes"]) for e in entries])
             inp = np.array([float(e["input_bytes"]) for e in entries])
             fit = {
-                "forward": tuple(float(v) for v in nonneg_fit(X3, f)),
+                "forward": time_fit(f),
                 # measured extra time of one checkpointed layer when every entry has it, else t_f (eq. 5)
-                "recompute": (tuple(float(v) for v in nonneg_fit(X3, np.array([float(e["recompute_s"]) for e in entries])))
+                "recompute": (time_fit(np.array([float(e["recompute_s"]) for e in entries]))
                               if all(e.get("recompute_s") is not None for e in entries) else None),
-                "backward": tuple(float(v) for v in nonneg_fit(X3, b)),
+                "backward": time_fit(b),
                 "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
                 "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
             }
@@ -204,12 +214,13 @@ class ProfiledCostModel(CostModel):
         # ideal on one device: L*(t_f + t_b) of the smallest measured SP size, times p0, without
         # the fit's constant term (a per-micro-batch constant, not the samples' compute)
         # (plus the per-token time outside the layers, when the profile has it)
-        self._ideal = (L * (f0[0] + b0[0]) * p0, L * (f0[1] + b0[1]) * p0 + self.time_per_token, 0.0)
+        self._ideal = (L * (f0[0] + b0[0]) * p0, L * (f0[1] + b0[1]) * p0 + self.time_per_token, 0.0,
+                       L * (f0[3] + b0[3]) * p0)
         self._coef: dict[int, tuple] = {}
         for p, fit in self.fits_by_sp.items():
-            fa, fb, fc = fit["forward"]
-            ba, bb, bc = fit["backward"]
-            ra, rb, rc = fit["recompute"] or fit["forward"]
+            fa, fb, fc, fd = fit["forward"]
+            ba, bb, bc, bd = fit["backward"]
+            ra, rb, rc, rd = fit["recompute"] or fit["forward"]
             ka, ma = fit["activation"]
             ki, mi = fit["input"]
             self._coef[p] = (
@@ -221,6 +232,8 @@ class ProfiledCostModel(CostModel):
                 self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka + self.memory_per_token / p, ma, ka,
                 # ideal / p
                 self._ideal[0] / p, self._ideal[1] / p, self._ideal[2] / p,
+                # per sample: item time (D0 + r D1) n, ideal / p
+                L * (fd + bd), rd, self._ideal[3] / p,
             )
 
     @classmethod
@@ -283,7 +296,7 @@ class ProfiledCostModel(CostModel):
         """Item time from ``tokens = sum(l)`` and ``sq_sum = sum(l^2)`` of the ``n`` samples."""
         c = self._c(sp)
         r = recompute
-        return (c[6] + r * c[9]) * sq_sum + (c[7] + r * c[10]) * tokens + c[8] + r * c[11]
+        return (c[6] + r * c[9]) * sq_sum + (c[7] + r * c[10]) * tokens + c[8] + r * c[11] + (c[19] + r * c[20]) * n
 
     def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
         """Peak bytes per device of a micro-batch of ``tokens`` total tokens."""
@@ -330,15 +343,16 @@ class ProfiledCostModel(CostModel):
         c = self._c(sp)
         T = sum(lengths)
         W = sum(n * n for n in lengths)
+        n = len(lengths)
         fwd = c[0] * W + c[1] * T + c[2]
         bwd = c[3] * W + c[4] * T + c[5]
-        rec = c[9] * W + c[10] * T + c[11]
+        rec = c[9] * W + c[10] * T + c[11] + c[20] * n
         return ItemCost(
-            compute=self.num_layers * (fwd + bwd),
+            compute=self.num_layers * (fwd + bwd) + c[19] * n,
             recompute=recompute * rec,
             comm=self._fsdp_s,
             overhead=self.constant_time + self.time_per_token * T / sp + self.host_time + self.host_per_token * T,
-            ideal=c[16] * W + c[17] * T + c[18],
+            ideal=c[16] * W + c[17] * T + c[18] + c[21] * n,
         )
 
     def step_overhead(self, world_size: int) -> float:
@@ -390,5 +404,6 @@ class ProfiledCostModel(CostModel):
         return n if n >= sp else 0
 
     def fit_summary(self) -> dict[int, dict[str, Any]]:
-        """The fitted coefficients per SP size: ``forward``/``backward`` ``(a, b, c)``, ``activation``/``input`` ``(k, m)``."""
+        """The fitted coefficients per SP size: ``forward``/``backward``/``recompute`` ``(a, b, c, d)`` (``d``, per
+        sample, is 0 unless the profile has ``model.per_sample_cost``), ``activation``/``input`` ``(k, m)``."""
         return {p: dict(fit) for p, fit in self.fits_by_sp.items()}

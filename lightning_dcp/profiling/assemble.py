@@ -216,6 +216,12 @@ def default_key(module: nn.Module, device: torch.device, precision: str, world_s
     return ProfileKey(model_signature(module), device_name(device), precision, world_size, __version__).to_dict()
 
 
+def _has_per_sample_cost(module: nn.Module) -> bool:
+    """Whether the model does work per sample whatever its length (a submodule's ``dcp_cost_per_sample``,
+    e.g. an adapted video DiT projecting each sample's text): the cost model then fits a per-sample term."""
+    return any(getattr(m, "dcp_cost_per_sample", False) is True for m in module.modules())
+
+
 def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[GridPoint], constant: dict[str, float],
               states: _States, *, key: Mapping[str, Any], num_layers: int | None, memory_limit_bytes: float,
               density: str, time_budget_s: float | None, profiling_s: float) -> dict:
@@ -225,7 +231,8 @@ def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[G
         "schema": PROFILE_SCHEMA,
         "key": dict(key),
         "model": {"num_layers": int(num_layers or len(run.stack)), "num_heads": int(run.heads or max(grid.sp_sizes)),
-                  **({"hidden_size": hidden} if hidden else {})},
+                  **({"hidden_size": hidden} if hidden else {}),
+                  **({"per_sample_cost": True} if _has_per_sample_cost(run.module) else {})},
         "device": {"memory_limit_bytes": float(memory_limit_bytes),
                    "gpus_per_node": torch.cuda.device_count() if device.type == "cuda" else 1},
         "constant": {**constant, "memory_bytes": float(states.memory_bytes), "param_bytes": float(states.param_bytes)},
