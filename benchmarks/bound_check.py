@@ -43,8 +43,10 @@ much of a gap below the step bound no plan can close; the step bound itself is u
 idle time, SP-size excess, recompute excess and partial micro-batches.
 
     python benchmarks/bound_check.py --model transformer-1d --dist video --tokens 524288 --seeds 4 --steps 8
+    python benchmarks/bound_check.py --model transformer-1d,transformer-2d --dist video,long \
+        --tokens 524288,786432,1048576 --seeds 4 --steps 8        # one table row per cell
 
-Prints one line per step and a summary per cell; writes nothing.
+Prints one line per step and a summary (one cell), or a markdown table (several); writes nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel
 
@@ -170,34 +174,41 @@ class FirstPrinciplesBounder:
         self._per_len[n] = got = SampleCosts(g, bare, alone)
         return got
 
-    def _relaxed(self, per: list[SampleCosts], S: float, bare: bool) -> float:
+    def _arrays(self, lengths: Sequence[int]):
+        """Per distinct length (rows) and usable SP size (columns): GPU-seconds, bare GPU-seconds, time
+        alone (``inf`` where the size does not hold it), and each length's count."""
+        counts: dict[int, int] = {}
+        for n in lengths:
+            counts[int(n)] = counts.get(int(n), 0) + 1
+        rows = [self.sample(n) for n in counts]
+        inf = math.inf
+        G = np.array([[sc.gpu_s.get(p, inf) for p in self.sps] for sc in rows])
+        B = np.array([[sc.bare.get(p, inf) for p in self.sps] for sc in rows])
+        A = np.array([[sc.alone.get(p, inf) for p in self.sps] for sc in rows])
+        return G, B, A, np.array(list(counts.values()), dtype=np.float64)
+
+    def _relaxed(self, G, A, mult, S: float, extra: np.ndarray | None) -> float:
         """Lower bound on the GPU-seconds of any plan with compute span ``S`` (inf: none exists).
 
-        ``max over lambda`` of the Lagrangian of the stacking constraint (module docstring);
-        ``lambda = 0`` is the moldable bound. ``bare``: GPU-seconds without micro-batch constants,
-        except that a long sample's ranks pay their SP size's smallest constant beyond ``c_min``
-        (its micro-batch is its ranks' own; the caller charges every rank ``c_min``).
+        ``max over lambda`` of the Lagrangian of the stacking constraint (module docstring) with
+        per-sample costs ``G``; ``lambda = 0`` is the moldable bound. ``extra`` (per SP size): what
+        a long sample's ranks pay beyond the caller's per-rank charge (their smallest constant
+        minus ``c_min`` in the bare form; its micro-batch is its ranks' own).
         """
-        opts = []
-        for sc in per:
-            cost = sc.bare if bare else sc.gpu_s
-            o = []
-            for p in sc.gpu_s:
-                if sc.alone[p] > S * (1 + 1e-12):
-                    continue
-                if sc.alone[p] > 0.5 * (S + self.c_max[p]):  # long: its own ranks, their constants
-                    o.append((cost[p] + (p * (self.c_low[p] - self.c_min) if bare else 0.0), p))
-                else:
-                    o.append((cost[p], 0))
-            if not o:
-                return math.inf
-            opts.append(o)
+        ok = A <= S * (1 + 1e-12)
+        if not ok.any(axis=1).all():
+            return math.inf
+        sp = np.array(self.sps, dtype=np.float64)
+        cmax = np.array([self.c_max.get(p, math.inf) for p in self.sps])
+        long = A > 0.5 * (S + cmax)
+        base = np.where(ok, G + (extra * long if extra is not None else 0.0), np.inf)
+        width = sp * long
 
         def f(lam: float) -> float:
-            return math.fsum(min(c + lam * w for c, w in o) for o in opts) - lam * self.W
+            return float(mult @ np.min(base + lam * width, axis=1)) - lam * self.W
 
-        top = max((c for o in opts for c, _ in o), default=0.0) / 1.0 + 1e-12  # past it no long option pays
-        lo, hi = 0.0, top
+        hi = float(np.max(np.where(ok, G, 0.0))) + 1e-12  # past it no long option pays
+        lo = 0.0
         best = f(0.0)
         for _ in range(40):  # f is concave: ternary search
             a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
@@ -211,21 +222,20 @@ class FirstPrinciplesBounder:
 
     def check(self, lengths: Sequence[int]) -> CheckedBound:
         """All bounds of one step that runs ``lengths``."""
-        W = self.W
-        per = [self.sample(int(n)) for n in lengths]
-        work = math.fsum(min(sc.gpu_s.values()) for sc in per) / W
-        heaviest = max(min(sc.alone.values()) for sc in per)
+        W, cmin = self.W, self.c_min
+        G, B, A, mult = self._arrays(lengths)
+        work = float(mult @ G.min(axis=1)) / W
+        heaviest = float(A.min(axis=1).max())
         floor = max(work, heaviest)
 
-        def need(S: float, bare: bool) -> float:
-            return math.fsum(min(c for p, c in (sc.bare if bare else sc.gpu_s).items()
-                                 if sc.alone[p] <= S * (1 + 1e-12)) for sc in per)
+        def need(C: np.ndarray, S: float) -> float:
+            return float(mult @ np.where(A <= S * (1 + 1e-12), C, np.inf).min(axis=1))
 
-        moldable = _smallest(lambda S: need(S, False) <= W * S, floor)
-        prc = math.fsum(min(sc.bare.values()) for sc in per) / W + self.c_min
-        prc = _smallest(lambda S: need(S, True) <= W * (S - self.c_min), max(floor, prc))
-        stacking = _smallest(lambda S: self._relaxed(per, S, False) <= W * S
-                             and self._relaxed(per, S, True) <= W * (S - self.c_min), max(moldable, prc))
+        moldable = _smallest(lambda S: need(G, S) <= W * S, floor)
+        prc = _smallest(lambda S: need(B, S) <= W * (S - cmin), max(floor, float(mult @ B.min(axis=1)) / W + cmin))
+        extra = np.array([self.sps[k] * (self.c_low.get(p, cmin) - cmin) for k, p in enumerate(self.sps)])
+        stacking = _smallest(lambda S: self._relaxed(G, A, mult, S, None) <= W * S
+                             and self._relaxed(B, A, mult, S, extra) <= W * (S - cmin), max(moldable, prc))
         return CheckedBound(work, heaviest, float(self.cm.step_overhead(W)), moldable, prc, stacking)
 
 
@@ -268,12 +278,33 @@ def gap_parts(step, cm: CostModel, fp: FirstPrinciplesBounder) -> dict[str, floa
             "partial": partial / W}
 
 
+def full_run(dist, seed: int, steps: int, tokens: int, mean: float) -> list[int]:
+    """Sample lengths (drawn with ``seed``) holding at least ``steps`` *full* global batches of ``tokens``.
+
+    ``lightning-dcp simulate`` draws exactly ``steps x tokens`` tokens, so its last batch is
+    usually short (each batch closes once it holds ``tokens`` or more); here the run is drawn
+    longer until ``steps`` batches are full. ``mean``: the distribution's mean length.
+    """
+    from lightning_dcp.commands.simulate import draw_run
+    from lightning_dcp.planning.planner import cut_by_tokens
+
+    extra = 1
+    while True:
+        want = (steps + extra) * tokens
+        run = draw_run(dist.sample(int(want / mean * 1.5) + 100, seed), want)
+        if sum(1 for b in cut_by_tokens(run, tokens) if sum(run[i] for i in b) >= tokens) >= steps:
+            return run
+        extra *= 2
+
+
 def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seeds: int = 1, steps: int = 4,
                policy: str = "dcp", out: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Plan and simulate ``seeds x steps`` global batches as benchmarks/step_bound.py does (seed ``s`` draws
-    the dataset with seed ``s`` and the run with ``s + 1``); check every step. Returns the cell's figures
-    (percentages) and, per part of :func:`gap_parts`, its mean share of the step time."""
-    from lightning_dcp.commands.simulate import DATASET_SIZE, draw_run
+    """Plan and simulate ``seeds x steps`` full global batches as benchmarks/step_bound.py does (seed ``s``
+    draws the dataset with seed ``s`` and the run with ``s + 1``); check every step. Returns the cell's mean
+    figures (fractions): of the step bound, of the tight bound, the ceiling, the compute-only fraction (all-reduce
+    left out of both sides), the fraction of the ideal, the worst step of each, and per part of :func:`gap_parts`
+    its share of the step time."""
+    from lightning_dcp.commands.simulate import DATASET_SIZE
     from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.bound import StepBounder
     from lightning_dcp.planning.distributions import get_distribution
@@ -290,7 +321,7 @@ def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seed
     for seed in range(seeds):
         dataset = dist.sample(DATASET_SIZE, seed)
         mean = sum(dataset) / len(dataset)
-        run = draw_run(dist.sample(int(steps * tokens / mean * 1.5) + 100, seed + 1), steps * tokens)
+        run = full_run(dist, seed + 1, steps, tokens, mean)
         planner = Planner(world, cm, policy, seed=seed, dataset_lengths=dataset)
         batches = planner.batches(run, global_batch_tokens=tokens)[:steps]
         plan = planner.plan([run[i] for b in batches for i in b], global_batch_tokens=tokens)
@@ -301,9 +332,11 @@ def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seed
             ours = sb.seconds(lengths)
             g = gap_parts(step, cm, fp)
             rows.append({"fraction": c.step_bound_s / t, "tight": c.tight_s / t, "ceiling": c.step_bound_s / c.tight_s,
+                         "compute_only": (c.step_bound_s - c.overhead) / (t - c.overhead),
+                         "ideal": sum(cm.ideal_time([n]) for n in lengths) / world / t,
                          "diff": abs(c.step_bound_s - ours) / ours, "limited": float(c.heaviest > c.work),
                          **{key: g[key] / t for key in ("idle", "sp", "recompute", "partial")},
-                         "floor_gap": (g["work"] - max(c.work, c.heaviest)) / t, "allreduce": c.overhead / t})
+                         "allreduce": c.overhead / t})
             if out is not None:
                 out(f"seed {seed} step {k}: {len(lengths)} samples, longest {max(lengths):,}; bound "
                     f"{c.step_bound_s:.3f}s (StepBounder {ours:.3f}s: work {c.work:.3f} heaviest {c.heaviest:.3f} "
@@ -314,7 +347,9 @@ def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seed
                     f"{g['sp']:.3f} + recompute {g['recompute']:.3f} + partial micro-batches {g['partial']:.3f}")
     keys = rows[0].keys()
     cell = {k: statistics.mean(r[k] for r in rows) for k in keys}
-    cell["worst"] = min(r["fraction"] for r in rows)
+    for k in ("fraction", "tight", "compute_only", "ideal"):
+        cell["worst_" + k] = min(r[k] for r in rows)
+    cell["worst"] = cell["worst_fraction"]
     cell["diff"] = max(r["diff"] for r in rows)
     cell["steps"] = len(rows)
     return cell
@@ -322,23 +357,37 @@ def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seed
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="transformer-1d")
-    ap.add_argument("--dist", default="video")
+    ap.add_argument("--model", default="transformer-1d", help="comma-separated: one table row per combination")
+    ap.add_argument("--dist", default="video", help="comma-separated")
     ap.add_argument("--world", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=524288)
+    ap.add_argument("--tokens", default="524288", help="comma-separated tokens per step")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--policy", default="dcp")
-    ap.add_argument("--quiet", action="store_true", help="summary only")
+    ap.add_argument("--quiet", action="store_true", help="summary only (always, with several cells)")
     args = ap.parse_args(argv)
-    c = check_cell(args.model, args.dist, args.tokens, world=args.world, seeds=args.seeds, steps=args.steps,
-                   policy=args.policy, out=None if args.quiet else print)
-    print(f"{args.model} {args.world} GPUs {args.tokens:,} tokens {args.dist} ({args.policy}, {c['steps']} steps): "
-          f"% of step bound mean {100 * c['fraction']:.1f} worst {100 * c['worst']:.1f}; % of tight bound mean "
-          f"{100 * c['tight']:.1f}; ceiling (step bound / tight bound) {100 * c['ceiling']:.1f}; step time shares: "
-          f"idle {100 * c['idle']:.1f}%, SP size {100 * c['sp']:.1f}%, recompute {100 * c['recompute']:.1f}%, partial "
-          f"micro-batches {100 * c['partial']:.1f}%, all-reduce {100 * c['allreduce']:.1f}%; first-principles vs "
-          f"StepBounder: max rel. diff {c['diff']:.1e}")
+    combos = [(m, d, int(t)) for m in args.model.split(",") for t in args.tokens.split(",") for d in args.dist.split(",")]
+    if len(combos) > 1:
+        print(f"| model | tokens/step | dataset | steps | % of step bound: mean | worst step | compute only (no all-reduce): "
+              f"mean | worst | % of ideal: mean | worst | ceiling | idle | SP size | partial micro-batches | all-reduce |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model, dist, tokens in combos:
+        c = check_cell(model, dist, tokens, world=args.world, seeds=args.seeds, steps=args.steps, policy=args.policy,
+                       out=None if args.quiet or len(combos) > 1 else print)
+        if len(combos) > 1:
+            cols = [c["fraction"], c["worst"], c["compute_only"], c["worst_compute_only"], c["ideal"], c["worst_ideal"],
+                    c["ceiling"], c["idle"], c["sp"], c["partial"], c["allreduce"]]
+            print(f"| {model} | {tokens:,} | {dist} | {c['steps']} | " + " | ".join(f"{100 * x:.1f}%" for x in cols) + " |",
+                  flush=True)
+            continue
+        print(f"{model} {args.world} GPUs {tokens:,} tokens {dist} ({args.policy}, {c['steps']} steps): "
+              f"% of step bound mean {100 * c['fraction']:.1f} worst {100 * c['worst']:.1f}; compute only (no all-reduce) "
+              f"mean {100 * c['compute_only']:.1f} worst {100 * c['worst_compute_only']:.1f}; % of tight bound mean "
+              f"{100 * c['tight']:.1f}; ceiling (step bound / tight bound) {100 * c['ceiling']:.1f}; % of ideal mean "
+              f"{100 * c['ideal']:.1f} worst {100 * c['worst_ideal']:.1f}; step time shares: "
+              f"idle {100 * c['idle']:.1f}%, SP size {100 * c['sp']:.1f}%, recompute {100 * c['recompute']:.1f}%, partial "
+              f"micro-batches {100 * c['partial']:.1f}%, all-reduce {100 * c['allreduce']:.1f}%; first-principles vs "
+              f"StepBounder: max rel. diff {c['diff']:.1e}")
     return 0
 
 
