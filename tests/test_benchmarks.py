@@ -131,6 +131,34 @@ def test_simulate_scaling_tiny_grid(tmp_path):
     assert "| 8 | balanced |" in text and out.with_suffix(".png").exists()
 
 
+def test_step_bound_tiny_grid_with_before_after(tmp_path):
+    import json as _json
+
+    from benchmarks import step_bound
+
+    out, saved = tmp_path / "sb.md", tmp_path / "sb.json"
+    args = ["--steps", "2", "--models", "transformer-1d", "--cells", "32:524288", "--dists", "video",
+            "--policies", "dcp,dcp-intra", "--out", str(out), "--save-json", str(saved)]
+    assert step_bound.main(args) == 0
+    figures = _json.loads(saved.read_text())
+    cell = figures["transformer-1d|32|524288|video"]
+    assert 0 < cell["dcp"] <= 1 + 1e-9 and cell["dcp_worst"] <= cell["dcp"] + 1e-12 and cell["ceiling"] <= 1 + 1e-9
+    assert cell["steps"] == 2
+    assert step_bound.main(args + ["--before", str(saved), "--before-label", "same"]) == 0
+    text = out.read_text()
+    assert "| transformer-1d | 32 | 524,288 | video |" in text and "## Before / after (same -> this table)" in text
+
+
+def test_bound_check_table(capsys):
+    from benchmarks import bound_check
+
+    assert bound_check.main(["--model", "transformer-1d", "--dist", "video,long", "--tokens", "524288",
+                             "--seeds", "1", "--steps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| model |") and len(lines) == 4
+    assert lines[2].startswith("| transformer-1d | 524,288 | video | 1 |")
+
+
 def test_run_two_processes_one_step(tmp_path):
     """The whole run.py on 2 spawned gloo processes: 2 policies, one step each, no profiling (fast)."""
     out = tmp_path / "res"

@@ -98,3 +98,78 @@ def test_step_metrics_logs_the_bound_fraction_only_when_known():
     m = step_metrics(gathered, epoch=0, step=0, step_s=2.0, plan=plan, global_tokens=10, step_bound_s=1.5)
     assert m.as_log_dict()["dcp/step_bound_fraction"] == pytest.approx(0.75)
     assert m.to_dict()["step_bound_s"] == 1.5
+
+
+# ---------------------------------------------------------------- the independent check (benchmarks/bound_check.py)
+
+def _bound_check():
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import bound_check
+
+    return bound_check
+
+
+def _analytic(model: str, world: int, memory: float):
+    from lightning_dcp.planning.analytic import AnalyticCostModel
+    from lightning_dcp.planning.hardware import get_hardware
+    from lightning_dcp.planning.models import get_model
+
+    base = AnalyticCostModel(get_model(model), get_hardware("h100"), world)
+    return AnalyticCostModel(get_model(model), get_hardware("h100"), world, memory_limit=base.memory_limit * memory)
+
+
+CHECK = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@CHECK
+@given(model=st.sampled_from(["transformer-1d", "transformer-2d"]), world=st.sampled_from([2, 4, 6, 8, 32]),
+       memory=st.sampled_from([0.6, 1.0]), fractions=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30),
+       scale=st.sampled_from([0.02, 0.2, 1.0]))
+def test_first_principles_bound_equals_step_bounder(model, world, memory, fractions, scale):
+    """The step bound recomputed from the CostModel interface alone (real lists of lengths, capacities by
+    bisection on ``fits``) equals StepBounder's (CostView tables, fast paths)."""
+    bc = _bound_check()
+    cm = _analytic(model, world, memory)
+    try:
+        cap = Planner(world, cm).longest_fitting()
+    except PlanningError:  # the model does not fit this memory at all
+        return
+    lengths = [max(1, int(cap * scale * f)) for f in fractions]
+    got = bc.FirstPrinciplesBounder(cm, world).check(lengths)
+    assert got.step_bound_s == pytest.approx(step_bound(lengths, cm, world), rel=1e-9)
+    assert got.tight_s >= got.step_bound_s
+
+
+@CHECK
+@given(model=st.sampled_from(["transformer-1d", "transformer-2d"]), world=st.sampled_from([4, 8, 16]),
+       memory=st.sampled_from([0.6, 1.0]), fractions=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=24),
+       scale=st.sampled_from([0.05, 0.3, 1.0]), policy=st.sampled_from(sorted(POLICIES)))
+def test_no_plan_beats_the_tight_bounds(model, world, memory, fractions, scale, policy):
+    """The tighter diagnostics (moldable, per-rank constant, stacking) stay lower bounds: no policy's simulated
+    step beats them (bucket's steps each checked on their own samples)."""
+    bc = _bound_check()
+    cm = _analytic(model, world, memory)
+    cap = Planner(world, cm).longest_fitting()
+    lengths = [max(1, int(cap * scale * f)) for f in fractions]
+    fp = bc.FirstPrinciplesBounder(cm, world)
+    plan = Planner(world, cm, policy).plan(lengths, global_batch_tokens=sum(lengths))
+    sim = simulate(plan, cm, timeline=False)
+    for step, span in zip(plan.steps, sim.compute_spans):
+        c = fp.check([n for it in step.items for n in it.lengths])
+        assert c.tight_s - c.overhead <= span * (1 + 1e-9), (c, span)
+
+
+def test_gap_parts_add_up_to_the_span():
+    bc = _bound_check()
+    cm = _analytic("transformer-1d", 8, 1.0)
+    lengths = [200_000, 60_000, 9_000, 3_000, 3_000, 800]
+    fp = bc.FirstPrinciplesBounder(cm, 8)
+    step = Planner(8, cm).plan_batch(list(range(len(lengths))), lengths).steps[0]
+    g = bc.gap_parts(step, cm, fp)
+    assert g["span"] == pytest.approx(g["work"] + g["idle"] + g["sp"] + g["recompute"] + g["partial"], rel=1e-9)
+    assert min(g["idle"], g["sp"], g["recompute"], g["partial"]) >= -1e-12

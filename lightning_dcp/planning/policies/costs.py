@@ -148,6 +148,45 @@ class CostView:
         k = max(1, int(round(count)))
         return self.cm.item_time([int(length)] * k, sp, recompute) * (count / k)
 
+    def constant(self, sp: int, recompute: int) -> float:
+        """Per-micro-batch constant on ``sp`` ranks: what a micro-batch costs beyond its samples' own terms.
+
+        With a fast path, the time of an empty micro-batch; otherwise ``2 t([1]) - t([1, 1])``
+        (exact for costs linear in the samples, never negative).
+        """
+        if self._time_fast is not None:
+            return float(self._time_fast(0, 0.0, 0, sp, recompute))
+        return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute) - self.cm.item_time([1, 1], sp, recompute))
+
+    def split_costs(self, lengths: np.ndarray, sp: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch, and the
+        per-micro-batch constant it pays when it opens one.
+
+        The recompute is the one a micro-batch of ``max(l, pack_target(sp))`` tokens needs (of
+        ``l`` tokens alone if that does not fit), as in :meth:`estimator`; ``own = t([l]) -
+        const`` at that recompute. ``inf`` own time where the sample does not fit ``sp`` ranks.
+        """
+        L = np.asarray(lengths, dtype=np.int64)
+        P = np.maximum(L, self.pack_target(sp))
+        r = self.min_recompute_many(P, sp)
+        alone = r < 0
+        if alone.any():
+            r[alone] = self.min_recompute_many(L[alone], sp)
+        ok = r >= 0
+        own = np.full(len(L), np.inf)
+        const = np.zeros(len(L))
+        if not ok.any():
+            return own, const
+        consts = {int(x): self.constant(sp, int(x)) for x in np.unique(r[ok]).tolist()}
+        const[ok] = [consts[x] for x in r[ok].tolist()]
+        if self._time_fast is not None:
+            work = np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64)
+            t = self.time_many(L[ok], work, np.ones(int(ok.sum())), sp, r[ok])
+        else:
+            t = np.array([self.cm.item_time([int(n)], sp, int(x)) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
+        own[ok] = np.maximum(t - const[ok], 0.0)
+        return own, const
+
     # -- amortized per-sample estimates used for dispatch ---------------------------------
     def pack_target(self, sp: int, recompute_free: bool = False) -> int:
         """Token budget of a well-packed micro-batch on ``sp`` ranks.

@@ -20,6 +20,18 @@
    fit it. A group's gradient accumulation count is its number of micro-batches.
 5. *Refinement.* With exact item times, samples move from the slowest group to the group that
    finishes them earliest while that lowers the step's makespan (a few rounds).
+6. *Buddy trees* (:mod:`~lightning_dcp.planning.policies.tree`). When that plan is more than
+   0.5% above the step's bound (:class:`~lightning_dcp.planning.bound.StepBounder`) and the
+   batch has at most 64 samples per rank, dcp also plans the step as a tree of aligned
+   blocks that split over the step -- a block runs its own micro-batches on all its ranks,
+   then its two halves go on independently, to any depth -- by a deadline greedy (each
+   sample on the cheapest SP size that still ends by a deadline just above the bound, a few
+   deadlines tried), and refines it and the layout plan (itself such a tree, two levels
+   deep) by moving and swapping samples off the critical path with exact times. The fastest
+   of the three plans wins (the layout plan on ties). This is what balances steps of few,
+   long samples (video, long documents at 0.5-1M tokens on 32 GPUs): a long sample's SP
+   group, once done, splits into smaller groups for the short samples instead of running
+   them at its own size or idling.
 
 ``dcp-inter`` / ``dcp-intra`` follow the DCP paper (see :class:`AlgorithmOnePolicy`): samples
 are bucketed by length (2 per octave); for every bucket Algorithm 1 picks the micro-batch size
@@ -47,10 +59,24 @@ from lightning_dcp.planning.policies.base import Policy, interleave_items, log_b
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dispatch import lpt_dispatch
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
+from lightning_dcp.planning.policies.tree import BuddyTree
 
 
 FALLBACK_MAX_SAMPLES_PER_RANK = 8
 """dcp's safety net (:meth:`DCPPolicy._best_of_parts`) runs for batches of at most this many samples per rank."""
+
+TREE_MAX_SAMPLES_PER_RANK = 64
+"""dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`) for batches of at most this many samples per rank."""
+
+TREE_SLACK = 0.005
+"""dcp keeps its layout plan without trying buddy-tree schedules when that plan is within this fraction of the step bound."""
+
+TREE_DEADLINES = (1.0, 1.02, 1.05, 1.1, 1.2)
+"""Deadlines of the buddy-tree greedy, as multiples of the step bound's compute part (larger ones never won
+on the benchmark grid)."""
+
+TREE_REFINE_WIDTH = 8
+"""Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
 
 
 class DCPPolicy(Policy):
@@ -63,14 +89,15 @@ class DCPPolicy(Policy):
     0.01: runs of small samples move as chunks of about 1% of a group's load, the smallest 4%
     of the work one by one -- 10-25% less planner time at thousands of samples per step, same
     quality over 6 steps at 256 GPUs but not bit-identical plans, so off by default),
-    ``fallback`` (default True: the safety net of :meth:`_best_of_parts`).
+    ``fallback`` (default True: the safety net of :meth:`_best_of_parts`), ``tree`` (default
+    True: also try buddy-tree schedules, step 6 of the module docstring).
     """
 
     name = "dcp"
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk", "fallback")
+        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk", "fallback", "tree")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
@@ -85,6 +112,8 @@ class DCPPolicy(Policy):
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
         self.dispatch_chunk = float(self.options.get("dispatch_chunk", 0.0))
         self.fallback = bool(self.options.get("fallback", True))
+        self.tree = bool(self.options.get("tree", True))
+        self._tree: BuddyTree | None = None
         self._parts: list[Policy] | None = None
         self._bounder: StepBounder | None = None
         self.candidates: dict[int, list[Layout]] = {}
@@ -142,16 +171,181 @@ class DCPPolicy(Policy):
             self._Wl = [wc[n] if n in wc else wc.setdefault(n, float(w(n))) for n in self._Ll]
         try:
             blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+            extra = {"layout": list(layout), "estimated_time": span}
+            if self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size:
+                floor = self._bound_span(lengths)
+                if span > floor * (1 + TREE_SLACK):
+                    got = self._tree_schedule(L, E, floor, span, blocks)
+                    if got is not None:
+                        blocks, span, sizes = got
+                        extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
         finally:
             self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
         Ll = self._Ll
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec)
                       for ranks, idx, rec in blk] for blk in blocks]
-        extra = {"layout": list(layout), "estimated_time": span}
-        plan = StepPlan(tuple(interleave_items(per_group)), extra)
+        if extra.get("schedule") == "buddy-tree":  # levels, largest SP first: ancestors' items before their halves'
+            plan = StepPlan(tuple(it for level in per_group for it in level), extra)
+        else:
+            plan = StepPlan(tuple(interleave_items(per_group)), extra)
         if self.fallback:
             plan = self._best_of_parts(samples, lengths, step, plan)
         return [plan]
+
+    def _bound_span(self, lengths: Sequence[int]) -> float:
+        """The step bound's compute part, ``max(work / W, heaviest)`` (seconds, no all-reduce)."""
+        bound = self._step_bounder().parts(lengths)
+        return max(bound.work_s, bound.heaviest_s)
+
+    def _tree_schedule(self, L: np.ndarray, E: np.ndarray, floor: float, span: float, blocks: list):
+        """A buddy-tree schedule of the step (:mod:`~lightning_dcp.planning.policies.tree`) if it beats ``span``.
+
+        Tries the deadlines ``floor x TREE_DEADLINES`` (``floor``: the step bound's compute
+        part), keeps the lowest exact span, then moves samples off its critical path while that
+        lowers the span (:meth:`_tree_refine`); the layout plan (``blocks``: its groups, then
+        their fills on sub-blocks, is a tree schedule too) is refined the same way. Returns
+        ``(item lists per level, largest SP first; span; SP size of every node that runs
+        items)``, or None when no tree schedule is faster than ``span``.
+        """
+        if self._tree is None:
+            self._tree = BuddyTree(self.world_size, self.classes)
+        tree = self._tree
+        Ll = self._Ll
+        var, const = [], []
+        for p in self.classes:
+            v, c = self.view.split_costs(L, p)
+            var.append(v.tolist())
+            const.append(c.tolist())
+        order = np.argsort(-L, kind="stable").tolist()
+        best = None
+        for f in TREE_DEADLINES:
+            for best_fit in (False, True):
+                where = tree.assign(var, const, Ll, self.budget, order, floor * f, best_fit=best_fit)
+                packs, own = self._tree_realize(tree, where, L, E)
+                got = tree.span(own)
+                if best is None or got < best[0] * (1 - 1e-9):
+                    best = (got, where, packs, own)
+            if best[0] <= floor * (1 + TREE_SLACK):
+                break
+        if self.refine_rounds:
+            got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
+            best = (got, where, packs, own)
+            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well
+            node = {(tree.offset[v], tree.size[v]): v for v in range(len(tree.size))}
+            where = [-1] * len(Ll)
+            for blk in blocks:
+                for ranks, idx, _ in blk:
+                    v = node[(ranks[0], len(ranks))]
+                    for i in idx:
+                        where[i] = v
+            packs, own = self._tree_realize(tree, where, L, E)
+            got, where, packs, own = self._tree_refine(tree, where, packs, own, L, E, var)
+            if got < best[0] * (1 - 1e-9):
+                best = (got, where, packs, own)
+        got, where, packs, own = best  # type: ignore[misc]
+        if got >= span * (1 - 1e-9):
+            return None
+        levels: dict[int, list[list]] = {}
+        nodes = sorted(packs, key=lambda u: (-tree.size[u], tree.offset[u]))
+        for v in nodes:
+            ranks = tree.ranks(v)
+            levels.setdefault(tree.size[v], []).append([(ranks, idx, rec) for idx, rec, _ in packs[v]])
+        return [interleave_items(levels[p]) for p in sorted(levels, reverse=True)], got, [tree.size[v] for v in nodes]
+
+    def _tree_realize(self, tree: BuddyTree, where: Sequence[int], L: np.ndarray, E: np.ndarray):
+        """Micro-batches of every node that holds samples, and every node's exact own time."""
+        members: dict[int, list[int]] = {}
+        for i, v in enumerate(where):
+            members.setdefault(v, []).append(i)
+        own = [0.0] * len(tree.size)
+        packs = {}
+        for v, mem in members.items():
+            packs[v] = self._pack(mem, tree.size[v], L, E)
+            own[v] = sum(t for _, _, t in packs[v])
+        return packs, own
+
+    def _tree_refine(self, tree: BuddyTree, where: list[int], packs: dict, own: list[float], L: np.ndarray,
+                     E: np.ndarray, var: list[list[float]]):
+        """Move or swap samples off the critical path of a tree schedule while that lowers its exact span.
+
+        Each round looks at the nodes on the slowest root-to-leaf paths and, for their samples,
+        at moves to the three least-loaded nodes of each SP size that holds them (off those
+        paths) and at swaps with the samples there, ranked by the estimated span of the pair
+        afterwards (own times, ``var``); it makes the first of the best six that lowers the
+        exact span (both nodes re-packed).
+        """
+        where = list(where)
+        members: dict[int, list[int]] = {}
+        for i, v in enumerate(where):
+            members.setdefault(v, []).append(i)
+        span = tree.span(own)
+        spread = tree.spread(own)
+        inf = math.inf
+        kof = {p: k for k, p in enumerate(self.classes)}
+        tried: set[tuple[int, int, int, int]] = set()
+        anc = tree.ancestors
+        for _ in range(self.refine_rounds):
+            thr = tree.through(own)
+            cut = span * (1 - 1e-12)
+            crit = [v for v in members if thr[v] >= cut]
+            # per SP size, its least-loaded nodes off the critical paths (destinations)
+            light = {p: sorted((u for u in nodes if thr[u] < cut), key=lambda u: (thr[u], u))[:3 + len(crit)]
+                     for p, nodes in tree.level.items() if p in kof}
+            cands = []
+            for s_ in crit:
+                rs = var[kof[tree.size[s_]]]
+                mine = sorted(members[s_], key=lambda i: (-rs[i], i))[:TREE_REFINE_WIDTH]
+                for p, nodes in light.items():
+                    rd = var[kof[p]]
+                    dests = [u for u in nodes if s_ not in anc[u] and u not in anc[s_]][:3]
+                    for d in dests:
+                        theirs = sorted(members.get(d, ()), key=lambda j: (-rd[j], j))[:TREE_REFINE_WIDTH]
+                        for i in mine:
+                            ti = rd[i]
+                            if ti == inf:
+                                continue
+                            gain = rs[i]
+                            est = thr[d] + ti
+                            if est < span and (s_, i, d, -1) not in tried:
+                                cands.append((max(est, span - gain), -int(L[i]), s_, i, d, -1))
+                            for j in theirs:
+                                back = rs[j]
+                                if back == inf or back >= gain:
+                                    continue
+                                e2 = max(span - gain + back, thr[d] - rd[j] + ti)
+                                if e2 < span and (s_, i, d, j) not in tried:
+                                    cands.append((e2, -int(L[i]), s_, i, d, j))
+            cands.sort()
+            moved = False
+            for _, _, s_, i, d, j in cands[:6]:
+                tried.add((s_, i, d, j))
+                src = [x for x in members[s_] if x != i] + ([j] if j >= 0 else [])
+                dst = [x for x in members.get(d, []) if x != j] + [i]
+                ps = self._pack(src, tree.size[s_], L, E) if src else []
+                pd = self._pack(dst, tree.size[d], L, E)
+                new = list(own)
+                new[s_] = sum(t for _, _, t in ps)
+                new[d] = sum(t for _, _, t in pd)
+                got = tree.span(new)
+                sq = tree.spread(new)
+                if got < span * (1 - 1e-9) or (got <= span and sq < spread * (1 - 1e-9)):
+                    spread = sq
+                    members[s_], members[d] = src, dst
+                    packs[d] = pd
+                    if src:
+                        packs[s_] = ps
+                    else:
+                        packs.pop(s_, None)
+                        members.pop(s_)
+                    own, span = new, got
+                    where[i] = d
+                    if j >= 0:
+                        where[j] = s_
+                    moved = True
+                    break
+            if not moved:
+                break
+        return span, where, packs, own
 
     def _best_of_parts(self, samples: Sequence[int], lengths: Sequence[int], step: int, plan: StepPlan) -> StepPlan:
         """Safety net: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``.
@@ -167,9 +361,8 @@ class DCPPolicy(Policy):
         """
         if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size:
             return plan
-        bound = self._step_bounder().parts(lengths)
         best, best_span = plan, step_span(plan, self.view)
-        if best_span <= max(bound.work_s, bound.heaviest_s) * 1.01:
+        if best_span <= self._bound_span(lengths) * 1.01:
             return plan
         if self._parts is None:
             self._parts = [cls(self.world_size, self.view, seed=self.seed) for cls in (DCPIntraPolicy, DCPInterPolicy)]
