@@ -16,7 +16,7 @@ file adds nothing to them but what a benchmark needs:
   the step (``on_train_batch_start`` -> ``on_train_batch_end``: micro-batches, the strategy's
   gather, gradient all-reduce and optimizer step), the start / end of each micro-batch
   (``training_step`` entry -> ``on_after_backward``), and the strategy's step plan and
-  :class:`~lightning_dcp.metrics.StepMetrics`. At the end of the fit each rank writes its
+  :class:`~lightning_dcp.runtime.metrics.StepMetrics`. At the end of the fit each rank writes its
   records to ``record_dir/rank{r}.json`` (rank 0 adds the profile the planner used). On CUDA
   the timestamps synchronise the device first. Next to each wall-clock timestamp the CPU time of
   the training thread (``time.thread_time``) is recorded: on a CPU shared with other processes it

@@ -15,7 +15,7 @@ Reported per policy (CSV ``<out>/run.csv``, table ``<out>/run.md``, plots ``<out
 * measured: optimizer steps, tokens, wall seconds (first measured step start -> last measured
   step end, data loading included), tokens/s, mean step time (``on_train_batch_start`` ->
   ``on_train_batch_end``: micro-batches, gather, gradient all-reduce, optimizer step), per-rank
-  busy and idle seconds (the strategy's :class:`~lightning_dcp.metrics.StepMetrics`, summed),
+  busy and idle seconds (the strategy's :class:`~lightning_dcp.runtime.metrics.StepMetrics`, summed),
   imbalance ratio ``sum idle / (W * sum_steps max busy)`` (the simulator's definition);
 * predicted: the exact step plans the run executed (recorded per step from
   ``strategy.last_step_plan``), simulated with :func:`lightning_dcp.planning.simulator.simulate`

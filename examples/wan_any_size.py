@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dcp.diffusers import VideoDiffusionModule, video_sample
-from lightning_dcp.strategy import DCPStrategy, DefaultCostModel
+from lightning_dcp import DCPStrategy, DefaultCostModel
 
 
 class LatentVideos(Dataset):

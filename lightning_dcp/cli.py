@@ -45,4 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # ``python -m lightning_dcp.cli``: run the package's own module, whose CLIError the commands raise
+    # (this file, run as __main__, is a second module with a second CLIError class)
+    from lightning_dcp.cli import main as _main
+
+    sys.exit(_main())

@@ -59,6 +59,20 @@ def test_missing_lengths_file(tmp_path, capsys):
     assert code == 2 and not out.exists() and "cannot read" in capsys.readouterr().err
 
 
+def test_python_m_reports_user_errors_cleanly(tmp_path):
+    """``python -m lightning_dcp.cli``: a user error is one line and exit code 2, as with the script."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "lightning_dcp.cli", "plan", "--lengths", str(tmp_path / "nope.json"),
+                           "--world-size", "8", "--out", str(tmp_path / "plan.json")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "cannot read" in proc.stderr, proc.stderr
+
+
 def test_sample_too_long(tmp_path, capsys):
     code, out = run_plan(tmp_path, write(tmp_path, [1000, 5_000_000]), "--world-size", "8")
     err = capsys.readouterr().err

@@ -477,7 +477,7 @@ _STEPS = 3
 
 def _fit(world, out_dir, name, reduction, **kw):
     """One DCPStrategy fit inside the already-running processes; rank 0 checks it against the reference."""
-    from lightning_dcp.strategy import DCPStrategy
+    from lightning_dcp import DCPStrategy
 
     dataset = _Videos()
     strategy = DCPStrategy(global_batch_size=8, loss_reduction=reduction, seed=1, log_metrics=False, profile=False, **kw)
@@ -511,7 +511,7 @@ def _fit(world, out_dir, name, reduction, **kw):
 
 
 def _world_worker(rank, world, out_dir):
-    from lightning_dcp.strategy import DefaultCostModel
+    from lightning_dcp import DefaultCostModel
 
     layouts = [[[0, 1]]] if world == 2 else [[[0, 1, 2, 3]], [[0, 1], [2, 3]]]
     for layout in layouts:

@@ -70,7 +70,7 @@ def test_profiling_rooms_import_neither_models_nor_data():
     out = _python("""
         import sys
         import lightning_dcp.profiling.callback, lightning_dcp.profiling.assemble, lightning_dcp.profiling.cache
-        print(sorted(m for m in ("lightning_dcp.models", "lightning_dcp.data", "lightning_dcp.strategy") if m in sys.modules))
+        print(sorted(m for m in ("lightning_dcp.models", "lightning_dcp.data", "lightning_dcp.strategy", "lightning_dcp.runtime.strategy") if m in sys.modules))
     """)
     assert out == "[]"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_dcp.metrics import format_plan
+from lightning_dcp.runtime.metrics import format_plan
 
 __all__ = ["PlanPrinter", "training_summary"]
 

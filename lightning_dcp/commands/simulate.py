@@ -60,7 +60,9 @@ PROGRESS_INTERVAL_S = 2.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--dataset", help=f"length distribution: short, balanced, long, video or code (default {DEFAULT_DATASET})")
+    from lightning_dcp.planning.distributions import DISTRIBUTIONS
+
+    src.add_argument("--dataset", help=f"length distribution: {', '.join(DISTRIBUTIONS)} (default {DEFAULT_DATASET})")
     src.add_argument("--lengths", type=Path, help="JSON list of sample lengths to use as the dataset instead")
     add_cost_model_arguments(parser, world_size_default=DEFAULT_WORLD_SIZE)
     parser.add_argument("--num-steps", type=int, default=4, help="global batches to simulate (default 4; more for steadier figures)")
