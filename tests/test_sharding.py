@@ -12,7 +12,8 @@ Two process launches (``run_distributed``; every Trainer runs inside them), each
   norm of sharded gradients is global); (b) K steps writing a sharded checkpoint directory, resumed
   to 2K, equal (a) (1e-6); (c) a planner that gives rank 0 one micro-batch and rank 1 seven, every
   step: the steps finish -- the launch's hard time-out is what would catch a hang -- and equal the
-  reference; (d) bad inputs fail on every rank with the reason: ranks passing different modes, an
+  reference, with validation inside the fit and validate / predict after it; (e) an out-of-memory error in an SP-1 micro-batch is re-planned in process and stays
+  exact; (d) bad inputs fail on every rank with the reason: ranks passing different modes, an
   optimizer built over parameters the strategy did not shard.
 
 Single-process checks: argument errors, the precision a mode refuses, a parameter fully_shard cannot
@@ -32,13 +33,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-from _dcp_helpers import RandomPlanner, TinyLM, make_trainer, max_rel_err, reference_run
+from _dcp_helpers import RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
 from _dist import run_distributed
 from lightning_dcp import DCPStrategy
+from lightning_dcp.data import plain_collate
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.checkpoint import is_sharded_checkpoint
 from lightning_dcp.runtime.fsdp import ShardedParameters, check_precision
 from lightning_dcp.runtime.states import ModelStates, ShardedMemory, shard_cost_model
+from lightning_dcp.sp.context import active_context
 
 MODES = ("zero2", "fsdp")
 LR = 0.05
@@ -69,6 +72,39 @@ class SkewPlanner:
         return [StepPlan(tuple(WorkItem(r, (s,), (n,), i % 4) for i, (r, (s, n)) in enumerate(zip(ranks, pairs))))]
 
 
+class OOMOnceLM(TinyLM):
+    """Rank 1 raises torch.OutOfMemoryError once, in its first SP-1 micro-batch of step 1."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=LR, optimizer="momentum")
+        self.fired = False
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.trainer.global_rank == 1 and not self.fired and active_context().size == 1:
+            self.fired = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+        return super().training_step(batch, batch_idx)
+
+
+class EvalLM(TinyLM):
+    """TinyLM with validation and predict steps (a val loss equal on every rank, logged with sync_dist)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=LR, optimizer="momentum")
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss = torch.nn.functional.cross_entropy(self.model(batch).float(), batch["labels"], ignore_index=-100)
+        self.log("val_loss", loss, sync_dist=True, batch_size=1)
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(batch).argmax(-1)
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(make_dataset(n=8), batch_size=2, collate_fn=plain_collate)
+
+    val_dataloader = predict_dataloader = _loader
+
+
 class CapturedParamsLM(TinyLM):
     """Builds its optimizer over parameters captured before the strategy sharded the module (wrong)."""
 
@@ -85,10 +121,10 @@ def _full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
 
 
-def _fit(world: int, mode: str, planner, steps: int, callbacks=(), ckpt_path=None, **trainer_kw):
+def _fit(world: int, mode: str, planner, steps: int, callbacks=(), ckpt_path=None, module=None, **trainer_kw):
     record = Record()
     strategy = DCPStrategy(planner=planner, global_batch_size=8, seed=1, sharding=mode)
-    module = TinyLM(lr=LR, optimizer="momentum")
+    module = module if module is not None else TinyLM(lr=LR, optimizer="momentum")
     trainer = make_trainer(world, strategy, [record, *callbacks], max_steps=steps, **trainer_kw)
     trainer.fit(module, ckpt_path=ckpt_path)
     if mode != "none":
@@ -154,10 +190,17 @@ def _two_processes(rank: int, world: int, tmp: str) -> None:
         assert resumed_plans == plans[K:]
         for name, w in _full_weights(module).items():
             assert max_rel_err(w, full[name]) < 1e-6, f"{mode} resumed: {name}"
-        # (c) rank 0 runs 1 micro-batch per step, rank 1 runs 7
-        module, _, plans = _fit(world, mode, SkewPlanner(), 3)
+        # (c) rank 0 runs 1 micro-batch per step, rank 1 runs 7; validation inside the fit, validate and
+        # predict after it (the weights are gathered for evaluation and put back at rest)
+        module, trainer, plans = _fit(world, mode, SkewPlanner(), 3, module=EvalLM(), limit_val_batches=2,
+                                      val_check_interval=2)
         assert all([sum(r in it["ranks"] for it in p["items"]) for r in (0, 1)] == [1, 7] for p in plans), plans
+        assert len(trainer.predict(module)) == 2 and "val_loss" in trainer.validate(module, verbose=False)[0]
         _check_reference(rank, _full_weights(module), plans, 3, f"{mode} with 1 vs 7 micro-batches")
+        # (e) out of memory in an SP-1 micro-batch: the step is re-planned in process and stays exact
+        module, trainer, plans = _fit(world, mode, RandomPlanner(world, seed=5, force_mix=True), 2, module=OOMOnceLM())
+        assert trainer.strategy.oom_replans == 1
+        _check_reference(rank, _full_weights(module), plans, 2, f"{mode} after an out-of-memory re-plan")
     # (d) bad inputs: every rank raises the same error before any step
     with pytest.raises(ValueError, match="differs across ranks"):
         make_trainer(world, DCPStrategy(planner=RandomPlanner(world), global_batch_size=8,

@@ -36,12 +36,13 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
 from lightning_dcp.runtime.buckets import ShardedGradBuckets
 from lightning_dcp.sp.recompute import find_recompute_layers
 
-__all__ = ["FULLY_SHARDED_MODES", "ShardedParameters", "check_precision", "shard_units"]
+__all__ = ["FULLY_SHARDED_MODES", "ShardedParameters", "ShardedSpawnLauncher", "check_precision", "shard_units"]
 
 #: The sharding modes this module runs (``"none"`` and ``"zero1"`` keep full replicas of the weights).
 FULLY_SHARDED_MODES = ("zero2", "fsdp")
@@ -171,7 +172,10 @@ class ShardedParameters:
             unit.reshard()
 
     def begin_step(self) -> None:
-        """Step start, on every rank before its first micro-batch: full weights for the step."""
+        """Step start, on every rank before its first micro-batch: full weights for the step; the last step's
+        sharded gradients are dropped now (Lightning's ``zero_grad`` comes only after ``training_step``)."""
+        for p in self.sharded.values():
+            p.grad = None
         self.unshard()
 
     def after_reduce(self) -> None:
@@ -197,3 +201,20 @@ class ShardedParameters:
             raise RuntimeError("grad_buckets before the first unshard()")
         names = [n for n, p in self.full.items() if p.requires_grad]
         return ShardedGradBuckets([self.full[n] for n in names], [self.sharded[n] for n in names], cap_bytes)
+
+
+class ShardedSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher for sharded weights: after the fit, rank 0 hands the main process the
+    *full* weights, gathered from every rank's shards (all ranks take part), instead of its own DTensor
+    shards, which the main process -- outside the process group -- could not load."""
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        module = trainer.lightning_module
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        module.state_dict = lambda *args, **kwargs: full  # what the base class saves for the main process
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict

@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.runtime.agreement import check_setup, planner_settings, setup_row
 from lightning_dcp.runtime.executor import StepExecutor, is_step_batch, world_all_gather
-from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, check_precision
+from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, check_precision
 from lightning_dcp.runtime.groups import SPGroups
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.loader import DCPDataLoader
@@ -260,6 +260,11 @@ class DCPStrategy(DDPStrategy):
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
             self._start_watchdog()
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.settings.sharding in FULLY_SHARDED_MODES and self._start_method != "popen":
+            self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
+
     def _start_watchdog(self) -> None:
         """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
         blocked in a collective; a launched rank exits when its launcher is gone."""
@@ -279,6 +284,14 @@ class DCPStrategy(DDPStrategy):
             mend_progress_bars(trainer)
             self._maybe_add_profiler(trainer)
             self._check_sharding()
+        elif self.shards is not None and self.shards.module is self.model:
+            # validate/test/predict after a sharded fit: DDPStrategy.setup without its weight broadcast (the
+            # weights are DTensor shards, equal across ranks by construction; c10d cannot broadcast DTensors)
+            self.accelerator.setup(trainer)
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.setup_precision_plugin()
+            return
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
             self._wrap_zero1()
