@@ -25,9 +25,12 @@ __all__ = ["GradBuckets", "ShardedGradBuckets"]
 class GradBuckets:
     """Flat gradient buckets for one SUM all-reduce per bucket.
 
-    ``park`` copies the parameters' gradients into the buckets (zeros where a rank has none)
-    and drops ``.grad``; ``reduce`` all-reduces and hands each parameter a view of its slice
-    (``None`` when no rank produced a gradient for it, like single-process training).
+    ``begin`` (before the first micro-batch) zeroes the buckets and makes each parameter's ``.grad``
+    a view of its slice, so backward accumulates straight into the buckets (the step holds one copy
+    of the gradients, not the buckets plus autograd's own); a post-accumulate hook records which
+    parameters received a gradient. ``park`` drops ``.grad`` (copying a gradient that is not the view,
+    e.g. one set by hand; zeros where a rank has none); ``reduce`` all-reduces and hands each parameter
+    a view of its slice (``None`` when no rank produced a gradient for it, like single-process training).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], cap_bytes: int) -> None:
@@ -48,19 +51,39 @@ class GradBuckets:
             sizes[b] += n
         self.buffers = [torch.zeros(n, dtype=k[0], device=k[1]) for n, k in zip(sizes, keys)]
         self.has_grad = torch.zeros(len(params), dtype=torch.float64)
+        accumulated = self._accumulated = torch.zeros(len(params), dtype=torch.bool)
+        # the hooks hold the flags only (not the buckets), and go with the buckets
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: accumulated.__setitem__(i, True))
+                       for i, p in enumerate(params)]
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+
+    def _view(self, i: int) -> Tensor:
+        b, off, n = self.slots[i]
+        return self.buffers[b][off:off + n].view_as(self.params[i])
+
+    def begin(self) -> None:
+        """Before the step's first micro-batch: zero buckets, each ``.grad`` a view of its slice."""
+        for buf in self.buffers:
+            buf.zero_()
+        self._accumulated.zero_()
+        for i, p in enumerate(self.params):
+            p.grad = self._view(i)
 
     def park(self) -> None:
         for i, (p, (b, off, n)) in enumerate(zip(self.params, self.slots)):
             dst = self.buffers[b][off:off + n]
             g = p.grad
-            if g is None:
+            if g is None or not self._accumulated[i]:
                 dst.zero_()
                 self.has_grad[i] = 0.0
             else:
                 if g.data_ptr() != dst.data_ptr():
                     dst.copy_(g.reshape(-1))
                 self.has_grad[i] = 1.0
-                p.grad = None
+            p.grad = None
 
     def reduce(self, world_has_grad: Tensor | None, group: Any = None, world: int = 1, scale: float = 1.0) -> None:
         if world > 1:
@@ -71,8 +94,8 @@ class GradBuckets:
             for buf in self.buffers:
                 buf.mul_(scale)
         has = world_has_grad if world_has_grad is not None else self.has_grad
-        for i, (p, (b, off, n)) in enumerate(zip(self.params, self.slots)):
-            p.grad = self.buffers[b][off:off + n].view_as(p) if has[i] > 0 else None
+        for i, p in enumerate(self.params):
+            p.grad = self._view(i) if has[i] > 0 else None
 
 
 class ShardedGradBuckets:
@@ -132,6 +155,11 @@ class ShardedGradBuckets:
             self.buckets[b].append(i)
             self.widths[b] += width
         self.has_grad = torch.zeros(len(params), dtype=torch.float64)
+
+    def begin(self) -> None:
+        """Before the step's first micro-batch: no gradient on the unsharded parameters."""
+        for p in self.params:
+            p.grad = None
 
     def park(self) -> None:
         for i, p in enumerate(self.params):

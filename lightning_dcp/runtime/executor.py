@@ -228,8 +228,7 @@ class StepExecutor:
         """Forward and backward of this rank's items. Returns (busy seconds, summed loss, 1 + the plan
         index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.runtime.oom`)."""
         module = self.strategy.lightning_module
-        for p in self.buckets.params:
-            p.grad = None
+        self.buckets.begin()
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64, device=self.strategy.root_device)  # no sync per item
         failed = 0
