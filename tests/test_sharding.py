@@ -2,7 +2,7 @@
 
 Two process launches (``run_distributed``; every Trainer runs inside them), each mode in each:
 
-- **4 processes**: 3 steps (SGD with momentum: optimizer state, and linear, so exact against the
+- **4 processes**: the reduce-scatter's layout on uneven and empty shards; then 3 steps (SGD with momentum: optimizer state, and linear, so exact against the
   reference; AdamW's update amplifies summation-order noise in near-zero gradients) of plans
   that mix SP 1, 2 and 4 in every step, with uneven and empty ranks and recompute 0..3: the weights
   equal the single-process reference (1e-5), and the optimizer state really is split over the ranks.
@@ -156,7 +156,45 @@ def _check_split(trainer: pl.Trainer) -> None:
     assert counts.item() == total and local < total  # each rank holds its part, together the whole
 
 
+class Uneven(torch.nn.Module):
+    """Parameters whose dim 0 does not divide by 4, or is smaller than 4 (ranks with an empty shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(5, 3))
+        self.b = torch.nn.Parameter(torch.zeros(2))
+        self.c = torch.nn.Parameter(torch.zeros(1, 4))
+        self.d = torch.nn.Parameter(torch.zeros(7))
+        self.e = torch.nn.Parameter(torch.zeros(3))
+
+
+def _reduce_scatter_layout(rank: int, world: int) -> None:
+    """Full local gradients (rank r: (r + 1) * g, e unused on every rank) reduce-scatter into the right
+    slices of fully_shard's uneven shards, in several buckets (a tiny cap), scaled once."""
+    module = Uneven()
+    shards = ShardedParameters(module, "fsdp", torch.device("cpu"), world)
+    shards.unshard()
+    buckets = shards.grad_buckets(cap_bytes=64)
+    assert len(buckets.keys) > 1
+    base = {n: torch.arange(p.numel(), dtype=torch.float32).view_as(p) + 1 for n, p in shards.full.items()}
+    buckets.begin()
+    for n, p in shards.full.items():
+        if n != "e":
+            p.grad = base[n] * (rank + 1)
+    buckets.park()
+    has = torch.tensor([0.0 if n == "e" else world for n in shards.full])
+    buckets.reduce(has, scale=0.5)
+    total = sum(range(1, world + 1)) * 0.5
+    for n, s in shards.sharded.items():
+        if n == "e":
+            assert s.grad is None
+            continue
+        assert s.grad.full_tensor().equal(base[n] * total), n
+    shards.reshard()
+
+
 def _mixed_sp_four(rank: int, world: int) -> None:
+    _reduce_scatter_layout(rank, world)
     for mode in MODES:
         module, trainer, plans = _fit(world, mode, RandomPlanner(world, seed=world, force_mix=True), STEPS_4)
         _check_split(trainer)
@@ -243,6 +281,24 @@ def test_unshardable_parameter_names_it_and_nearest_mode():
     module.temperature = torch.nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="'temperature' is a scalar.*sharding='zero1'"):
         ShardedParameters(module, "fsdp", torch.device("cpu"), 2)
+
+
+def test_gradients_accumulate_in_the_buckets():
+    """``begin`` makes each ``.grad`` a view of its bucket slice: backward adds into the bucket (no second
+    copy); a parameter backward never reached has no gradient."""
+    from lightning_dcp.runtime.buckets import GradBuckets
+
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    buckets = GradBuckets([used, unused], cap_bytes=1 << 20)
+    for _ in range(2):
+        buckets.begin()
+        (used * 2.0).sum().backward()
+        (used * 3.0).sum().backward()
+        assert used.grad.data_ptr() == buckets.buffers[0].data_ptr()
+        buckets.park()
+        assert buckets.has_grad.tolist() == [1.0, 0.0] and used.grad is None
+        buckets.reduce(None)
+        assert used.grad.tolist() == [5.0] * 3 and unused.grad is None
 
 
 def test_planner_memory_per_mode():

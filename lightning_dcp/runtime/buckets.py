@@ -76,11 +76,12 @@ class GradBuckets:
         for i, (p, (b, off, n)) in enumerate(zip(self.params, self.slots)):
             dst = self.buffers[b][off:off + n]
             g = p.grad
-            if g is None or not self._accumulated[i]:
+            in_place = g is not None and g.data_ptr() == dst.data_ptr()
+            if g is None or (in_place and not self._accumulated[i]):  # no gradient, or the untouched zero view
                 dst.zero_()
                 self.has_grad[i] = 0.0
             else:
-                if g.data_ptr() != dst.data_ptr():
+                if not in_place:
                     dst.copy_(g.reshape(-1))
                 self.has_grad[i] = 1.0
             p.grad = None

@@ -27,8 +27,14 @@ Memory per rank (``W`` weights, ``G`` gradients, ``O`` optimizer state of the fu
 ranks): ``"zero2"`` holds ``W + W/N + G/N + O/N`` between steps (FSDP keeps the shard beside the full
 weights) and ``W + W/N + G + O/N`` in the loop; ``"fsdp"`` holds ``W/N + G/N + O/N`` between steps
 and the same as ``"zero2"`` in the loop (the price of no collective inside it: full weights and full
-local gradients during the step). :mod:`lightning_dcp.runtime.states` turns this into the
-planner's static memory.
+local gradients during the step). So in the loop -- where the activations' room is decided --
+``"zero1"`` (``W + G + O/N``) holds the least; ``"zero2"`` / ``"fsdp"`` free memory between steps
+(evaluation, co-resident models) and write sharded checkpoints without gathering anything on one
+rank. :mod:`lightning_dcp.runtime.states` turns this into the planner's static memory.
+
+A true ZeRO-3 peak (weights gathered per layer inside the loop) would need every rank to run the
+same number of micro-batch *rounds*, each SP item in the same round on all its ranks and zero-weight
+dummy micro-batches where a rank has none, plus a reduce-scatter per round; not built here.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.lowered import LoweredMemory
 from lightning_dcp.runtime.settings import SHARDING_MODES
 
 __all__ = ["ModelStates", "ShardedMemory", "shard_cost_model"]
@@ -96,9 +97,10 @@ class ModelStates:
                 "replica_bytes": self.replica_bytes}
 
 
-class ShardedMemory(CostModel):
+class ShardedMemory(LoweredMemory):
     """``base`` (static term = the full replica) with the static memory of a sharded rank:
-    every ``item_memory`` is lowered by ``replica_bytes - step_bytes``; times are ``base``'s.
+    every ``item_memory`` is lowered by ``replica_bytes - step_bytes``; times and the memory limit
+    are ``base``'s (the delegation is :class:`~lightning_dcp.planning.lowered.LoweredMemory`'s).
 
     Args:
         base: a cost model whose static memory is the full replica (a profiled one).
@@ -106,26 +108,13 @@ class ShardedMemory(CostModel):
     """
 
     def __init__(self, base: CostModel, states: ModelStates) -> None:
-        self.base = base
+        super().__init__(base, base.memory_limit)
         self.states = states
         self.freed = states.replica_bytes - states.step_bytes
         self.sharding = states.sharding
-        self.memory_limit = base.memory_limit
-        self.num_layers = base.num_layers
-        self.num_heads = base.num_heads
-        self.gpus_per_node = getattr(base, "gpus_per_node", 8)
-
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
-        return self.base.item_cost(lengths, sp, recompute)
 
     def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
         return self.base.item_memory(lengths, sp, recompute) - self.freed
-
-    def step_overhead(self, world_size: int) -> float:
-        return self.base.step_overhead(world_size)
-
-    def sp_sizes(self, world_size: int) -> list[int]:
-        return self.base.sp_sizes(world_size)
 
     def signature(self) -> dict:
         return {"kind": "sharded-memory", "sharding": self.sharding, "world_size": self.states.world_size,

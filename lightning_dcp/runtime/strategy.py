@@ -611,30 +611,17 @@ class DCPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ evaluation with sharded weights
     def _full_weights(self) -> None:
+        """Evaluation starts: sharded units are all-gathered once (every rank), then run as plain modules."""
         if self.shards is not None:
             self.shards.unshard()
 
     def _weights_at_rest(self) -> None:
+        """Evaluation ends: the mode's resting state (``"fsdp"``: sharded again)."""
         if self.shards is not None:
             self.shards.at_rest()
 
-    def on_validation_start(self) -> None:
-        self._full_weights()
-
-    def on_test_start(self) -> None:
-        self._full_weights()
-
-    def on_predict_start(self) -> None:
-        self._full_weights()
-
-    def on_validation_end(self) -> None:
-        self._weights_at_rest()
-
-    def on_test_end(self) -> None:
-        self._weights_at_rest()
-
-    def on_predict_end(self) -> None:
-        self._weights_at_rest()
+    on_validation_start = on_test_start = on_predict_start = _full_weights
+    on_validation_end = on_test_end = on_predict_end = _weights_at_rest
 
     # ------------------------------------------------------------------ collectives from user code
     @property
