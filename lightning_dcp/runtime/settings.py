@@ -129,7 +129,7 @@ class DCPSettings:
                 raise ValueError(f"zero1=True and sharding={mode!r} contradict each other; zero1=True is the old "
                                  f"spelling of sharding='zero1': pass sharding={mode!r} alone")
             warnings.warn("DCPStrategy(zero1=True) is deprecated: use DCPStrategy(sharding='zero1') (the alias is "
-                          "removed in 0.3.0)", FutureWarning, stacklevel=4)
+                          "removed in 0.3.0)", FutureWarning, stacklevel=5)
             mode = "zero1"
         object.__setattr__(self, "sharding", mode)
         object.__setattr__(self, "zero1", mode == "zero1")
