@@ -54,6 +54,8 @@ class TinyLM(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        if self.optimizer_name == "momentum":  # has state, and stays linear in the gradients (exact comparisons)
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -164,12 +166,13 @@ class Dump(pl.Callback):
 
 
 def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any = None, reduction: str = "token",
-                  optimizer: str = "sgd") -> tuple[dict, dict]:
+                  optimizer: str = "sgd", clip: float | None = None) -> tuple[dict, dict]:
     """Single process, every sample alone at SP 1: grads of step 0 and weights after ``steps`` steps.
 
     The loss of plain data-parallel training on the step's global batch, written out: token mode
     sums the cross-entropy over every label != -100 and divides by their count over the global
-    batch; sample mode averages each sample's mean over the samples that have such labels."""
+    batch; sample mode averages each sample's mean over the samples that have such labels.
+    ``clip``: clip the gradients' total norm to it before each step (``Trainer(gradient_clip_val=...)``)."""
     dataset = dataset if dataset is not None else make_dataset()
     module = TinyLM(lr=lr, reduction=reduction, optimizer=optimizer)
     opt = module.configure_optimizers()
@@ -188,6 +191,8 @@ def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any 
             loss.backward()
         if k == 0:
             grads0 = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()
     return grads0, {k: v.detach().clone() for k, v in module.state_dict().items()}
 

@@ -75,6 +75,11 @@ Constant parts, measured once at SP 1 (``constant`` section):
   state bytes (the real state when it exists; else an estimate: 2x trainable parameter bytes for
   Adam-like optimizers, 1x for SGD with momentum, 0 for plain SGD, 2x otherwise).
 * ``param_bytes``: gradient bytes reduced per step.
+* ``weight_bytes``, ``buffer_bytes``, ``optimizer_bytes`` (added optional fields): the parts of
+  ``memory_bytes`` (which is their sum plus ``param_bytes``), so a planner can tell what a sharding
+  mode frees (:mod:`lightning_dcp.runtime.states`). All of them count the *full* model, whatever
+  ``DCPStrategy(sharding=...)`` runs (a sharded parameter counts its global size): one profile serves
+  every mode, and the runtime tells the planner its mode's share.
 
 ``device.memory_limit_bytes``: on CUDA ``total_memory * memory_fraction`` (0.9 default), on CPU
 8 GiB by default; either overridden by ``memory_limit_bytes``.

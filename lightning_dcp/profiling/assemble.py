@@ -134,23 +134,30 @@ def _measure_grid(run: _Run, grid: ProfileGrid, group_for: Callable | None, time
 
 @dataclass
 class _States:
-    """Model-state sizes: what is reduced, stepped and held per rank."""
+    """Model-state sizes of the full model (a replica's, whatever the sharding): what is reduced, stepped
+    and held; ``memory_bytes = weight_bytes + buffer_bytes + param_bytes + optimizer_bytes``."""
 
     trainable_numel: int
     param_bytes: int
     grad_dtype: torch.dtype
-    memory_bytes: int
+    weight_bytes: int
+    buffer_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.weight_bytes + self.buffer_bytes + self.param_bytes + self.optimizer_bytes
 
 
 def _model_states(module: nn.Module, states_module: nn.Module | None, optimizer: Any) -> _States:
     source = states_module if states_module is not None else module
-    params = list(source.parameters())
+    params = list(source.parameters())  # a sharded (DTensor) parameter counts its global size
     trainable = [p for p in params if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    memory = (sum(p.numel() * p.element_size() for p in params) + sum(b.numel() * b.element_size() for b in source.buffers())
-              + param_bytes + measure.optimizer_state_bytes(optimizer, param_bytes))
     return _States(sum(p.numel() for p in trainable), param_bytes, trainable[0].dtype if trainable else torch.float32,
-                   memory)
+                   weight_bytes=sum(p.numel() * p.element_size() for p in params),
+                   buffer_bytes=sum(b.numel() * b.element_size() for b in source.buffers()),
+                   optimizer_bytes=measure.optimizer_state_bytes(optimizer, param_bytes))
 
 
 def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _States) -> dict[str, float]:
@@ -235,7 +242,9 @@ def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[G
                   **({"per_sample_cost": True} if _has_per_sample_cost(run.module) else {})},
         "device": {"memory_limit_bytes": float(memory_limit_bytes),
                    "gpus_per_node": torch.cuda.device_count() if device.type == "cuda" else 1},
-        "constant": {**constant, "memory_bytes": float(states.memory_bytes), "param_bytes": float(states.param_bytes)},
+        "constant": {**constant, "memory_bytes": float(states.memory_bytes), "param_bytes": float(states.param_bytes),
+                     "weight_bytes": float(states.weight_bytes), "buffer_bytes": float(states.buffer_bytes),
+                     "optimizer_bytes": float(states.optimizer_bytes)},
         "entries": entries,
         "meta": {"created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                  "profiling_s": round(profiling_s, 3), "grid": len(entries), "skipped": len(skipped),

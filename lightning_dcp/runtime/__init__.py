@@ -7,6 +7,9 @@ One concept per module:
 - :mod:`~lightning_dcp.runtime.executor`: one step -- prepare on the host, the micro-batch loop, the
   step-end gather (:mod:`~lightning_dcp.runtime.row`), the gradient reduction
   (:mod:`~lightning_dcp.runtime.buckets`);
+- :mod:`~lightning_dcp.runtime.fsdp`, :mod:`~lightning_dcp.runtime.checkpoint`,
+  :mod:`~lightning_dcp.runtime.states`: sharded weights (``sharding="zero2"`` / ``"fsdp"`` on torch's
+  ``fully_shard``), their checkpoints, and the model states per rank the planner budgets;
 - :mod:`~lightning_dcp.runtime.oom`: out-of-memory recovery, one object;
 - :mod:`~lightning_dcp.runtime.sampler`, :mod:`~lightning_dcp.runtime.loader`,
   :mod:`~lightning_dcp.runtime.lengths`: steps, their micro-batches, and the sample lengths;

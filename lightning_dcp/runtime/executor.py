@@ -19,8 +19,12 @@ Per optimizer step (one DataLoader item, see :mod:`lightning_dcp.runtime.sampler
 4. the strategy's ``optimizer_step`` then calls :meth:`StepExecutor.reduce_gradients`: one SUM
    all-reduce per bucket over the world, scaled by ``1 / global loss units``.
 
-Collectives: inside the loop only the active SP group's (Ulysses); after it, the world-wide ones
-above, the same number on every rank whatever its item count.
+With sharded weights (``sharding="zero2"`` / ``"fsdp"``, :mod:`lightning_dcp.runtime.fsdp`) the step
+starts with the weights' all-gather (before step 2; a no-op where they are already full) and step 4
+is a SUM reduce-scatter per bucket into the sharded gradients.
+
+Collectives: inside the loop only the active SP group's (Ulysses); before and after it, the
+world-wide ones above, the same number on every rank whatever its item count.
 """
 
 from __future__ import annotations
@@ -180,9 +184,15 @@ class StepExecutor:
         now = time.perf_counter()
         step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
         self._last_step_start = now
+        shards = self.strategy.shards
+        if shards is not None:  # full weights for the step: a world collective, before any micro-batch
+            shards.begin_step()
         if self.buckets is None:
-            params = [p for p in self.strategy.lightning_module.parameters() if p.requires_grad]
-            self.buckets = GradBuckets(params, self.settings.bucket_cap_bytes)
+            if shards is not None:
+                self.buckets = shards.grad_buckets(self.settings.bucket_cap_bytes)
+            else:
+                params = [p for p in self.strategy.lightning_module.parameters() if p.requires_grad]
+                self.buckets = GradBuckets(params, self.settings.bucket_cap_bytes)
         for attempt in range(self.oom.max_replans + 1):
             busy, local_loss, failed = self.run_items(items, meta, batch_idx)
             gathered = self.gather(meta, busy, local_loss, len(items), plan_hash, failed)
@@ -218,8 +228,7 @@ class StepExecutor:
         """Forward and backward of this rank's items. Returns (busy seconds, summed loss, 1 + the plan
         index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.runtime.oom`)."""
         module = self.strategy.lightning_module
-        for p in self.buckets.params:
-            p.grad = None
+        self.buckets.begin()
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64, device=self.strategy.root_device)  # no sync per item
         failed = 0
@@ -339,12 +348,15 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ 4. the reduction
     def reduce_gradients(self) -> None:
-        """SUM all-reduce the parked gradients over the world and restore them as ``.grad`` (once per step)."""
+        """SUM all-reduce the parked gradients over the world and restore them as ``.grad`` (once per step);
+        with sharded weights, SUM reduce-scatter them into the sharded gradients instead."""
         if not self.grads_parked or self.buckets is None:
             return
         self.grads_parked = False
         self.buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1,
                             scale=1.0 / self._loss_divisor)
+        if self.strategy.shards is not None:
+            self.strategy.shards.after_reduce()
 
     # ------------------------------------------------------------------ metrics
     def _record_metrics(self, rows: list[StepRow], meta: Mapping[str, Any], step_s: float, loss: float) -> None:

@@ -4,8 +4,9 @@ The planner itself is pure (:mod:`lightning_dcp.planning`); this module only cho
 the user's planner as given; else a :class:`~lightning_dcp.planning.planner.Planner` over the cost
 model the strategy holds (given, measured by the profiler, or -- warned once --
 :class:`~lightning_dcp.planning.default_cost.DefaultCostModel`), capped at the SP size the world and
-the heads allow; in safe mode wrapped in the padded cost model and planner
-(:mod:`lightning_dcp.planning.padded`).
+the heads allow, with the static memory of the runtime's sharding mode
+(:func:`~lightning_dcp.runtime.states.shard_cost_model`); in safe mode wrapped in the padded cost
+model and planner (:mod:`lightning_dcp.planning.padded`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.settings import DCPSettings
+from lightning_dcp.runtime.states import ModelStates, shard_cost_model
 
 __all__ = ["PlannerFactory"]
 
@@ -33,26 +35,28 @@ class PlannerFactory:
         sp_cap: the SP cap the runtime created groups for.
         num_heads: the model's attention heads (named in the planner's SP-cap errors), if known.
         support: the module's support level (``"safe"`` plans padded micro-batches).
+        states: the model states per rank under the runtime's sharding mode (``None``: the cost model's own).
     """
 
     def __init__(self, settings: DCPSettings, world_size: int, sp_cap: SPCap, num_heads: int | None,
-                 support: str) -> None:
+                 support: str, states: ModelStates | None = None) -> None:
         self.settings = settings
         self.world_size = world_size
         self.sp_cap = sp_cap
         self.num_heads = num_heads
         self.support = support
+        self.states = states
         self._warned_default = False
 
     def cost_model(self, given: CostModel | None, lengths: list[int], num_layers: int,
                    micro_batch_size: int = 1) -> CostModel:
-        """The cost model to plan ``lengths`` with: ``given`` (profiled or the user's), padded in safe
-        mode; a :class:`DefaultCostModel` when there is none (warned once)."""
+        """The cost model to plan ``lengths`` with: ``given`` (profiled or the user's) with the sharding
+        mode's static memory, padded in safe mode; a :class:`DefaultCostModel` when there is none (warned once)."""
         if self.support == "safe":
             base = given if given is not None else DefaultCostModel(0, 1, 4 * max(lengths))
             return base if isinstance(base, PaddedCostModel) else PaddedCostModel(base, micro_batch_size * max(lengths))
         if given is not None:
-            return given
+            return shard_cost_model(given, self.states)
         if not self._warned_default:
             self._warned_default = True
             rank_zero_warn("DCPStrategy has no cost model (pass cost_model=, or add lightning_dcp's DCPProfiler); using "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -19,10 +20,16 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from lightning_dcp.runtime.support import SUPPORT_LEVELS
 from lightning_dcp.sp.sharding import LOSS_REDUCTIONS
 
-__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "DCPSettings", "split_strategy_kwargs"]
+__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSettings", "split_strategy_kwargs"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
+
+#: What ``DCPStrategy(sharding=...)`` accepts, least to most sharded (see :mod:`lightning_dcp.runtime.fsdp`):
+#: ``"none"`` full replicas; ``"zero1"`` optimizer state sharded (``ZeroRedundancyOptimizer``);
+#: ``"zero2"`` optimizer state and, between steps, gradients sharded (``fully_shard``, full weights kept);
+#: ``"fsdp"`` parameters, gradients and optimizer state sharded between steps (``fully_shard``).
+SHARDING_MODES = ("none", "zero1", "zero2", "fsdp")
 
 #: ``DDPStrategy.__init__`` arguments DCPStrategy passes on (launchers, cluster environments, plugins).
 DDP_STRATEGY_ARGS = frozenset({
@@ -62,6 +69,7 @@ class DCPSettings:
     global_batch_tokens: int | None = None
     loss_reduction: str = "token"
     zero1: bool = False
+    sharding: str = "none"
     seed: int = 0
     plan_ahead: bool = True
     max_sp_size: int | None = None
@@ -107,6 +115,24 @@ class DCPSettings:
             raise ValueError(f"planner_options must be a mapping of Planner keyword arguments, got "
                              f"{type(self.planner_options).__name__}")
         object.__setattr__(self, "planner_options", _ReadOnlyOptions(self.planner_options))
+        self._resolve_sharding()
+
+    def _resolve_sharding(self) -> None:
+        """``sharding`` checked; ``zero1=True`` is the deprecated spelling of ``sharding="zero1"`` (``zero1``
+        then mirrors ``sharding == "zero1"``)."""
+        mode = self.sharding
+        if mode not in SHARDING_MODES:
+            hint = " (ZeRO-3 is 'fsdp')" if str(mode).lower() in ("zero3", "zero-3", "full_shard") else ""
+            raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {mode!r}{hint}")
+        if self.zero1:
+            if mode not in ("none", "zero1"):
+                raise ValueError(f"zero1=True and sharding={mode!r} contradict each other; zero1=True is the old "
+                                 f"spelling of sharding='zero1': pass sharding={mode!r} alone")
+            warnings.warn("DCPStrategy(zero1=True) is deprecated: use DCPStrategy(sharding='zero1') (the alias is "
+                          "removed in 0.3.0)", FutureWarning, stacklevel=5)
+            mode = "zero1"
+        object.__setattr__(self, "sharding", mode)
+        object.__setattr__(self, "zero1", mode == "zero1")
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -118,7 +144,7 @@ class DCPSettings:
         user's planner is compared through its own settings), plus the values the strategy resolved at
         run time (``resolved``: the world size, the SP cap, the support level...)."""
         out: dict[str, Any] = {name: getattr(self, name) for name in (
-            "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens")}
+            "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens", "sharding")}
         out["policy"] = self.policy if self.planner is None else None
         out.update(resolved)
         return out

@@ -9,7 +9,8 @@ What each hook does (the work is done by the runtime's other rooms):
   groups of every aligned power-of-two block (:class:`~lightning_dcp.runtime.groups.SPGroups`), once,
   in the same order on every rank; the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
 - ``setup``: checks the module and the Trainer, adds the profiler, no DDP wrapper (``configure_ddp``
-  only broadcasts rank 0's weights), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
+  broadcasts rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with
+  ``fully_shard``, :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
 - ``process_dataloader`` (train only): the planner (:mod:`~lightning_dcp.runtime.planners`), the
   :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and
   :class:`~lightning_dcp.runtime.loader.DCPDataLoader` (one item per optimizer step), the setup
@@ -21,8 +22,11 @@ What each hook does (the work is done by the runtime's other rooms):
   rank's micro-batches and the step-end gather, and returns the step's exact global loss (detached);
   ``backward`` then skips it (backward already ran per micro-batch).
 - ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients
-  (one SUM all-reduce per bucket); only then does the precision plugin call
-  ``on_before_optimizer_step``, clip gradients, and the optimizer step.
+  (one SUM all-reduce per bucket; sharded: one SUM reduce-scatter per bucket); only then does the
+  precision plugin call ``on_before_optimizer_step``, clip gradients, and the optimizer step
+  (``"zero2"``: then one all-gather of the updated weights).
+- checkpoints: with ``sharding="zero2"`` / ``"fsdp"`` every rank writes and reads its shards in a
+  checkpoint directory (:mod:`~lightning_dcp.runtime.checkpoint`); otherwise Lightning's file.
 - ``reduce``, ``barrier``, ``all_gather``, ``reduce_boolean_decision``: a world collective from user
   code inside the micro-batch loop would hang (ranks run different item counts): ``reduce`` returns
   the local value there (warned once), the others raise with the fix.
@@ -52,6 +56,7 @@ from torch.utils.data import DataLoader
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.runtime.agreement import check_setup, planner_settings, setup_row
 from lightning_dcp.runtime.executor import StepExecutor, is_step_batch, world_all_gather
+from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, check_precision
 from lightning_dcp.runtime.groups import SPGroups
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.loader import DCPDataLoader
@@ -61,7 +66,8 @@ from lightning_dcp.runtime.oom import OOMRecovery
 from lightning_dcp.runtime.planners import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
 from lightning_dcp.runtime.sampler import DCPBatchSampler
-from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, DCPSettings, split_strategy_kwargs
+from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, SHARDING_MODES, DCPSettings, split_strategy_kwargs
+from lightning_dcp.runtime.states import ModelStates
 from lightning_dcp.runtime.support import resolve_support, support_message, uniform_lengths
 from lightning_dcp.runtime.watchdog import ShutdownWatchdog
 
@@ -97,7 +103,15 @@ class DCPStrategy(DDPStrategy):
         loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
             ``"sample"`` (mean over samples of each sample's token mean); see
             :mod:`lightning_dcp.sp.sharding` for what ``training_step`` must return.
-        zero1: shard optimizer state over the world (``ZeroRedundancyOptimizer``).
+        sharding: which model states are sharded over the world (see :mod:`~lightning_dcp.runtime.fsdp`):
+            ``"none"`` (full replicas, the default); ``"zero1"`` the optimizer state
+            (``ZeroRedundancyOptimizer``); ``"zero2"`` the optimizer state and update, and gradients
+            between steps (torch's ``fully_shard``; full weights kept); ``"fsdp"`` also the weights
+            between steps. Every rank runs the same collectives whatever its micro-batch count: the
+            weights are gathered once before the loop, the gradients reduce-scattered once after it.
+            Checkpoints of ``"zero2"`` / ``"fsdp"`` are directories of shards. ``"16-mixed"`` (a
+            GradScaler) is refused with them; use ``"bf16-mixed"``.
+        zero1: deprecated spelling of ``sharding="zero1"``.
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
         max_sp_size: largest SP size (a power of two) to create groups for; default the largest
@@ -142,6 +156,7 @@ class DCPStrategy(DDPStrategy):
         global_batch_tokens: int | None = None,
         loss_reduction: str = "token",
         zero1: bool = False,
+        sharding: str = "none",
         seed: int = 0,
         plan_ahead: bool = True,
         max_sp_size: int | None = None,
@@ -161,7 +176,8 @@ class DCPStrategy(DDPStrategy):
         ddp_kwargs, ignored = split_strategy_kwargs(kwargs)
         self.settings = DCPSettings(
             policy=policy, cost_model=cost_model, planner=planner, profile=profile, global_batch_size=global_batch_size,
-            global_batch_tokens=global_batch_tokens, loss_reduction=loss_reduction, zero1=zero1, seed=seed,
+            global_batch_tokens=global_batch_tokens, loss_reduction=loss_reduction, zero1=zero1, sharding=sharding,
+            seed=seed,
             plan_ahead=plan_ahead, max_sp_size=max_sp_size, lengths=lengths, shuffle=shuffle, drop_last=drop_last,
             planner_options=planner_options or {}, log_metrics=log_metrics, bucket_cap_mb=bucket_cap_mb,
             support=support, timeout=timeout, sigterm_grace_s=sigterm_grace_s, max_oom_replans=max_oom_replans,
@@ -178,6 +194,8 @@ class DCPStrategy(DDPStrategy):
         self.batch_sampler: DCPBatchSampler | None = None
         self.oom = OOMRecovery(max_oom_replans, oom_checkpoint)
         self.executor: StepExecutor | None = None
+        self.shards: ShardedParameters | None = None
+        """The ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"`` on more than one rank), from setup on."""
         self.last_step_metrics: StepMetrics | None = None
         self.last_step_plan: dict | None = None
         self.metrics_tracker = StepMetricsTracker()
@@ -194,6 +212,15 @@ class DCPStrategy(DDPStrategy):
     def oom_replans(self) -> int:
         """Steps re-planned after an out-of-memory error this fit (``dcp/oom_replans``)."""
         return self.oom.replans
+
+    @property
+    def sharding(self) -> str:
+        """The sharding mode this run uses (``DCPStrategy(sharding=...)``; ``"none"`` on a single rank)."""
+        return self.settings.sharding if self.world_size > 1 else "none"
+
+    @property
+    def _fully_sharded(self) -> bool:
+        return self.sharding in FULLY_SHARDED_MODES
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -233,6 +260,11 @@ class DCPStrategy(DDPStrategy):
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
             self._start_watchdog()
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.settings.sharding in FULLY_SHARDED_MODES and self._start_method != "popen":
+            self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
+
     def _start_watchdog(self) -> None:
         """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
         blocked in a collective; a launched rank exits when its launcher is gone."""
@@ -251,9 +283,29 @@ class DCPStrategy(DDPStrategy):
                 rank_zero_info(message)
             mend_progress_bars(trainer)
             self._maybe_add_profiler(trainer)
+            self._check_sharding()
+        elif self.shards is not None and self.shards.module is self.model:
+            # validate/test/predict after a sharded fit: DDPStrategy.setup without its weight broadcast (the
+            # weights are DTensor shards, equal across ranks by construction; c10d cannot broadcast DTensors)
+            self.accelerator.setup(trainer)
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.setup_precision_plugin()
+            return
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self.settings.zero1 and self.world_size > 1:
+        if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
             self._wrap_zero1()
+        if trainer.state.fn == TrainerFn.FITTING and self.shards is not None:
+            self.shards.check_optimizers(self.optimizers)
+            self.shards.unshard()  # full weights from fit start (the profiler measures them), as in every step
+
+    def _check_sharding(self) -> None:
+        mode = self.settings.sharding
+        if mode != "none" and self.world_size == 1:
+            rank_zero_warn(f"DCPStrategy(sharding={mode!r}) on a single process: nothing to shard over, running "
+                           "with full replicas")
+        if self._fully_sharded:
+            check_precision(self.precision_plugin, mode)
 
     @staticmethod
     def _check_fit(trainer: Any, module: Any) -> None:
@@ -304,19 +356,54 @@ class DCPStrategy(DDPStrategy):
     def unsaveable_reason(self) -> str | None:
         """Why one rank alone cannot write a full checkpoint (``None``: it can); an out-of-memory stop
         in an SP > 1 item writes one only when it can."""
-        if self.settings.zero1 and self.world_size > 1:
-            return "zero1=True shards the optimizer state; gathering it needs every rank"
+        if self.sharding != "none":
+            return f"sharding={self.sharding!r} shards the model states; gathering them needs every rank"
         return None
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
     def configure_ddp(self) -> None:
-        """No DDP wrapper: broadcast rank 0's parameters and buffers instead."""
+        """No DDP wrapper: broadcast rank 0's parameters and buffers instead; with ``sharding="zero2"`` /
+        ``"fsdp"`` then shard them (``fully_shard``, once: a later fit keeps the units)."""
         if self.world_size > 1 and dist.is_initialized():
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
+            self._check_sharding_agreement()
+            if self.shards is not None and self.shards.module is self.model:
+                self.shards.at_rest()
+                return
             _sync_module_states(self.model)
+            if self._fully_sharded:
+                self.shards = ShardedParameters(self.model, self.sharding, self.root_device, self.world_size)
+
+    def _check_sharding_agreement(self) -> None:
+        """Every rank must run the same sharding mode (else their first collectives differ and hang): one
+        world all-gather of the mode at setup, the same error on every rank."""
+        modes = self._world_gather(torch.tensor([float(SHARDING_MODES.index(self.settings.sharding))],
+                                                dtype=torch.float64))[:, 0].tolist()
+        if len(set(modes)) > 1:
+            per_rank = ", ".join(f"rank {r}: {SHARDING_MODES[int(m)]!r}" for r, m in enumerate(modes))
+            raise ValueError(f"DCPStrategy(sharding=...) differs across ranks ({per_rank}); every rank must pass the "
+                             "same sharding")
+
+    def model_states(self) -> ModelStates:
+        """Bytes of the full model's weights, buffers, gradients and optimizer state, and the sharding mode:
+        what the planner's static memory is built from (:mod:`~lightning_dcp.runtime.states`)."""
+        from lightning_dcp.profiling.measure import optimizer_state_bytes
+
+        module = self.lightning_module
+        params = list(module.parameters())  # a DTensor counts its global size
+        weights = sum(p.numel() * p.element_size() for p in params)
+        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        optimizer = self.optimizers[0] if self.optimizers else None
+        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+        opt_bytes = optimizer_state_bytes(optimizer, grads)
+        if self.sharding == "zero1" and optimizer is not None and getattr(optimizer, "state", None):
+            opt_bytes *= self.world_size  # the local state is this rank's shard
+        return ModelStates(float(weights), float(buffers), float(grads), float(opt_bytes), sharding=self.sharding,
+                           world_size=self.world_size)
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
@@ -342,7 +429,8 @@ class DCPStrategy(DDPStrategy):
         per_rank = dataloader.batch_size or 1
         if gbs is None and gbt is None:
             gbs = per_rank * self.world_size
-        planners = PlannerFactory(s, self.world_size, self.sp_cap, self.num_heads, self.support)
+        planners = PlannerFactory(s, self.world_size, self.sp_cap, self.num_heads, self.support,
+                                  states=self.model_states())
         if s.planner is None:
             self._cost_model = planners.cost_model(self._cost_model, lengths, count_recompute_layers(self.lightning_module),
                                                    per_rank)
@@ -449,13 +537,91 @@ class DCPStrategy(DDPStrategy):
                 self.executor.reduce_gradients()
             return result
 
-        return super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
+        out = super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
+        if self.shards is not None:
+            self.shards.after_step()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded states load into the sharded module and optimizer, so after setup."""
+        return self._fully_sharded
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._fully_sharded
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state; sharded (each rank's DTensor shards) with ``sharding="zero2"`` / ``"fsdp"``."""
+        if self.shards is None:
+            return super().lightning_module_state_dict()
+        from lightning_dcp.runtime.checkpoint import model_state
+
+        return model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.shards is None:
+            return super().optimizer_state(optimizer)
+        from lightning_dcp.runtime.checkpoint import optimizer_state
+
+        return optimizer_state(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        """Lightning's file; with ``sharding="zero2"`` / ``"fsdp"`` a directory at ``filepath`` where every rank
+        writes its shards (:mod:`~lightning_dcp.runtime.checkpoint`; all ranks call this)."""
+        if self.shards is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(f"DCPStrategy(sharding={self.sharding!r}).save_checkpoint(..., storage_options=...) is not "
+                            "supported: sharded checkpoints are written by torch.distributed.checkpoint")
+        from pathlib import Path
+
+        from lightning_dcp.runtime.checkpoint import save_sharded
+
+        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), rank=self.global_rank, barrier=self.barrier)
+        self.shards.at_rest()  # taking the state dicts resharded the weights; zero2 gathers them again
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's checkpoint load; an out-of-memory checkpoint's step is re-planned with its lowered limit."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        """Lightning's checkpoint load (sharded: every rank reads its shards into the module and optimizers);
+        an out-of-memory checkpoint's step is re-planned with its lowered limit."""
+        if self.shards is not None:
+            from pathlib import Path
+
+            from lightning_dcp.runtime.checkpoint import load_sharded
+
+            module = self.lightning_module
+            checkpoint = load_sharded(Path(self.broadcast(str(checkpoint_path))), module, self.optimizers,
+                                      strict=module.strict_loading)
+            self.shards.at_rest()
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self.oom.load(checkpoint)
         return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.shards is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # sharded: load_checkpoint already loaded every rank's shards
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.shards is None:
+            super().load_optimizer_state_dict(checkpoint)
+
+    # ------------------------------------------------------------------ evaluation with sharded weights
+    def _full_weights(self) -> None:
+        """Evaluation starts: sharded units are all-gathered once (every rank), then run as plain modules."""
+        if self.shards is not None:
+            self.shards.unshard()
+
+    def _weights_at_rest(self) -> None:
+        """Evaluation ends: the mode's resting state (``"fsdp"``: sharded again)."""
+        if self.shards is not None:
+            self.shards.at_rest()
+
+    on_validation_start = on_test_start = on_predict_start = _full_weights
+    on_validation_end = on_test_end = on_predict_end = _weights_at_rest
 
     # ------------------------------------------------------------------ collectives from user code
     @property

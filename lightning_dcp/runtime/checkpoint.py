@@ -1,0 +1,96 @@
+"""Sharded checkpoints (``sharding="zero2"`` / ``"fsdp"``): every rank writes and reads its own shards.
+
+The layout is Lightning's own distributed checkpoint (as its ``ModelParallelStrategy`` writes it): a
+directory where ``torch.distributed.checkpoint`` keeps the model's and the optimizers' sharded
+states (``"state_dict"``, ``"optimizer_0"``, ...) and rank 0 writes everything else Lightning's
+checkpoint holds (loops, sampler position, schedulers, callbacks) to ``meta.pt``. No rank ever holds
+the full weights or the full optimizer state. States are taken and set with
+``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``set_model_state_dict`` and
+the optimizer's), so their keys are parameter names and a checkpoint loads on another world size.
+Every function here is collective: all ranks call it together.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["METADATA_FILENAME", "is_sharded_checkpoint", "load_sharded", "model_state", "optimizer_state",
+           "save_sharded"]
+
+#: The file of a sharded checkpoint directory holding everything but the model and optimizer states
+#: (the name Lightning's ``ModelParallelStrategy`` uses, so either strategy recognises the other's).
+METADATA_FILENAME = "meta.pt"
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory."""
+    path = Path(path)
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    """The module's sharded state dict (DTensors: each rank's shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
+
+
+def optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's sharded state dict, keyed by parameter names."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, getattr(optimizer, "_optimizer", optimizer))
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, *, rank: int, barrier: Any) -> None:
+    """Write Lightning's ``checkpoint`` (built with :func:`model_state` / :func:`optimizer_state`) to the
+    directory ``path``: the states through ``torch.distributed.checkpoint``, the rest to ``meta.pt``.
+    An earlier file or directory at ``path`` is replaced."""
+    from torch.distributed.checkpoint import save
+
+    if rank == 0:
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)
+    barrier()
+    states = {"state_dict": checkpoint.pop("state_dict")}
+    states.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    save(states, checkpoint_id=path)
+    if rank == 0:
+        torch.save(checkpoint, path / METADATA_FILENAME)
+    barrier()
+
+
+def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], *, strict: bool = True) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_sharded` into the sharded ``module`` and ``optimizers``
+    (in place); return the rest of Lightning's checkpoint (``meta.pt``).
+
+    Raises:
+        ValueError: ``path`` is not a sharded checkpoint directory (e.g. a single file written without
+            ``sharding="zero2"`` / ``"fsdp"``), naming the fix.
+    """
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    if not is_sharded_checkpoint(path):
+        kind = "a single file (written without sharded weights)" if path.is_file() else "not a sharded checkpoint"
+        raise ValueError(f"{str(path)!r} is {kind}; DCPStrategy(sharding='zero2' | 'fsdp') resumes from the sharded "
+                         f"checkpoint directories it writes (with {METADATA_FILENAME} inside). Resume it with the "
+                         "sharding it was saved with")
+    states: dict[str, Any] = {"state_dict": model_state(module)}
+    load(states, checkpoint_id=path)
+    set_model_state_dict(module, states["state_dict"], options=StateDictOptions(strict=strict))
+    for i, opt in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        opt_states = {key: optimizer_state(module, opt)}
+        load(opt_states, checkpoint_id=path)
+        set_optimizer_state_dict(module, getattr(opt, "_optimizer", opt), optim_state_dict=opt_states[key])
+    return torch.load(path / METADATA_FILENAME, weights_only=False)
