@@ -40,7 +40,7 @@ from lightning_dcp.data import plain_collate
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.checkpoint import is_sharded_checkpoint
 from lightning_dcp.runtime.fsdp import ShardedParameters, check_precision
-from lightning_dcp.runtime.states import ModelStates, ShardedMemory, shard_cost_model
+from lightning_dcp.runtime.states import ModelStates, shard_cost_model
 from lightning_dcp.sp.context import active_context
 
 MODES = ("zero2", "fsdp")
@@ -322,12 +322,15 @@ def test_planner_memory_per_mode():
             return info
 
     assert shard_cost_model(Adapts(), states("zero2"))["step_bytes"] == 279.0
-    profile = _tiny_profile()
-    base = ProfiledCostModel(profile)
+    # a profile without the state split (param_bytes and memory_bytes only) plans with the runtime's bytes
+    base = ProfiledCostModel(_tiny_profile())
     sharded = shard_cost_model(base, states("fsdp"))
-    assert isinstance(sharded, ShardedMemory)
+    assert isinstance(sharded, ProfiledCostModel) and (sharded.sharding, sharded.world_size) == ("fsdp", 4)
     assert base.item_memory([64], 1, 0) - sharded.item_memory([64], 1, 0) == pytest.approx(404.0 - 279.0)
-    assert shard_cost_model(base, states("none")) is base
+    assert shard_cost_model(sharded, states("fsdp")).signature() == sharded.signature()  # re-applied: the same
+    assert shard_cost_model(base, states("none")).item_memory([64], 1, 0) == base.item_memory([64], 1, 0)
+    plain = object()  # neither the hook nor a declared mode: used as given
+    assert shard_cost_model(plain, states("fsdp")) is plain and shard_cost_model(base, None) is base
 
 
 def _tiny_profile() -> dict:

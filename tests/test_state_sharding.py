@@ -1,7 +1,10 @@
-"""Sharding the model states (``sharding="none" | "zero1" | "zero2" | "fsdp"``): what each mode frees,
-what fsdp costs per micro-batch, the ``zero_stage`` alias, and the measured-profile side."""
+"""Sharding the model states (``sharding="none" | "zero1" | "zero2" | "fsdp"``): the per-rank formulas
+(:mod:`lightning_dcp.planning.state_sharding`, shared by the runtime's ``ModelStates``), what each mode
+frees in both cost models, the ``zero_stage`` alias, and ``with_sharding`` (the runtime's hook)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +16,7 @@ from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.profile import ProfileError
 from lightning_dcp.planning.profiled import ProfiledCostModel
 from lightning_dcp.planning.state_sharding import SHARDING_MODES, resolve_sharding, state_bytes
+from lightning_dcp.runtime.states import ModelStates
 from test_cost_model import make_profile
 
 H100 = get_hardware("h100")
@@ -23,38 +27,63 @@ def analytic(model="llama-7b", world=32, **kw):
 
 
 positive = st.floats(1.0, 1e12, allow_nan=False, allow_infinity=False)
+nonneg = st.floats(0.0, 1e12, allow_nan=False, allow_infinity=False)
+
+
+def per_mode(world, at_rest=False, **parts):
+    return [state_bytes(m, world, at_rest=at_rest, **parts) for m in SHARDING_MODES]
+
+
+def test_the_runtime_table():
+    """W=100, B=4, G=100, O=200 on 4 ranks: the micro-batch loop and between steps, every mode."""
+    parts = {"weights": 100.0, "buffers": 4.0, "gradients": 100.0, "optimizer": 200.0}
+    assert per_mode(4, **parts) == [404.0, 254.0, 279.0, 279.0]  # W+B+G+O; W+B+G+O/N; W+W/N+B+G+O/N (x2)
+    assert per_mode(4, at_rest=True, **parts) == [404.0, 254.0, 204.0, 104.0]  # zero2 W+W/N+B+G/N+O/N; fsdp (W+G+O)/N+B
+    assert per_mode(1, **parts) == per_mode(1, at_rest=True, **parts) == [404.0] * 4  # one rank runs "none"
+    with pytest.raises(ValueError, match="none, zero1, zero2, fsdp"):
+        state_bytes("zero3", 4, **parts)
 
 
 @settings(max_examples=200, deadline=None)
-@given(w=positive, g=positive, o=st.floats(0.0, 1e12), unit_share=st.floats(0.0, 1.0), world=st.integers(1, 4096))
-def test_more_sharding_never_holds_more(w, g, o, unit_share, world):
-    unit = unit_share * (w + g)
-    peak = [state_bytes(m, world, weights=w, grads=g, optimizer=o, unit=unit) for m in SHARDING_MODES]
-    rest = [state_bytes(m, world, weights=w, grads=g, optimizer=o, unit=unit, at_rest=True) for m in SHARDING_MODES]
-    none, zero1, zero2, fsdp = peak
-    assert none >= zero1 == zero2  # zero2 accumulates full-size gradients during the step: same peak as zero1
-    assert rest[0] >= rest[1] >= rest[2] >= rest[3]  # at rest every step of sharding holds less (or equal)
-    assert all(p >= r for p, r in zip(peak, rest))
+@given(w=positive, b=nonneg, o=nonneg, trainable=st.one_of(st.just(1.0), st.floats(0.0, 1.0)), world=st.integers(1, 4096))
+def test_mode_order_in_the_loop_and_between_steps(w, b, o, trainable, world):
+    g = trainable * w  # gradients of the trainable share of the weights
+    parts = {"weights": w, "buffers": b, "gradients": g, "optimizer": o}
+    none, zero1, zero2, fsdp = loop = per_mode(world, **parts)
+    rest = per_mode(world, at_rest=True, **parts)
+    tol = 1e-9 * (w + b + g + o)
+    assert none >= zero1 - tol and zero1 <= zero2 + tol and zero2 == fsdp  # zero2/fsdp pay W/N over zero1 in the loop
+    assert all(r <= p + tol for p, r in zip(loop, rest))  # nothing holds more between steps than in the loop
+    assert rest[3] <= rest[2] + tol  # fsdp frees the full weights between steps
+    if world >= 2 and g * (world - 1) >= w:  # e.g. every weight trainable: more sharding holds less between steps
+        assert rest[3] <= rest[2] + tol <= rest[1] + 2 * tol
     if world == 1:
-        assert peak == [w + g + o] * 4  # one rank: nothing to shard over
-    if 2 * unit <= (w + g) * (1 - 1 / world):  # many small units: fsdp's two gathered units cost less than it frees
-        assert fsdp <= zero2 * (1 + 1e-12)
-    assert fsdp <= (w + g + o) / world + (w + g) + 1e-6 * (w + g + o)  # gathered units never exceed one full copy
+        assert loop == rest == [w + b + g + o] * 4
+
+
+@settings(max_examples=100, deadline=None)
+@given(w=positive, b=nonneg, g=nonneg, o=nonneg, world=st.integers(1, 512), mode=st.sampled_from(SHARDING_MODES))
+def test_model_states_and_state_bytes_agree(w, b, g, o, world, mode):
+    """The runtime's ModelStates has no formulas of its own: its step/rest bytes are state_bytes'."""
+    states = ModelStates(w, b, g, o, sharding=mode, world_size=world)
+    parts = {"weights": w, "buffers": b, "gradients": g, "optimizer": o}
+    assert states.step_bytes == state_bytes(mode, world, **parts)
+    assert states.rest_bytes == state_bytes(mode, world, at_rest=True, **parts)
+    assert states.replica_bytes == state_bytes("none", world, **parts)
 
 
 def test_analytic_states_per_mode_match_the_formulas():
-    P, W = get_model("llama-7b").params(), 32
+    P, N = get_model("llama-7b").params(), 32
     cms = {m: analytic(sharding=m) for m in SHARDING_MODES}
     assert cms["none"].state_bytes == pytest.approx(16 * P)  # bf16 w + g, fp32 master + Adam m, v
-    assert cms["zero1"].state_bytes == pytest.approx(4 * P + 12 * P / W)
-    assert cms["zero2"].state_bytes == cms["zero1"].state_bytes
-    assert cms["zero2"].state_bytes_at_rest == pytest.approx(2 * P + 14 * P / W)
-    unit = max(get_model("llama-7b").layer_params(), get_model("llama-7b").edge_params())
-    assert cms["fsdp"].state_bytes == pytest.approx(16 * P / W + 2 * 4 * unit)
-    # what is freed goes to activations: the longest sample each SP size holds grows with sharding
+    assert cms["zero1"].state_bytes == pytest.approx(4 * P + 12 * P / N)
+    assert cms["zero2"].state_bytes == cms["fsdp"].state_bytes == pytest.approx(4 * P + 2 * P / N + 12 * P / N)
+    assert cms["zero2"].state_bytes_at_rest == pytest.approx(2 * P + 2 * P / N + 14 * P / N)
+    assert cms["fsdp"].state_bytes_at_rest == pytest.approx(16 * P / N)
+    # what is freed in the loop goes to activations: zero1 leaves the longest samples, zero2 = fsdp a little less
     for p in (1, 8, 32):
         lens = [cms[m].max_length(p) for m in SHARDING_MODES]
-        assert lens[0] <= lens[1] == lens[2] <= lens[3]
+        assert lens[0] <= lens[2] == lens[3] <= lens[1]
     assert cms["none"].max_length(32) == 0  # 16 bytes per parameter of a 7B model do not fit in 80 GB
 
 
@@ -74,26 +103,45 @@ def test_zero_stage_is_an_alias_of_sharding():
     assert resolve_sharding(None, default="none") == "none"
 
 
-def test_fsdp_charges_weight_traffic_per_micro_batch():
-    z1, fs = analytic(sharding="zero1"), analytic(sharding="fsdp")
-    P, W = get_model("llama-7b").params(), 32
-    extra = [fs.item_cost(ls, p, 0).comm - z1.item_cost(ls, p, 0).comm for ls, p in (([4096], 1), ([30000, 2000], 4))]
-    # two all-gathers + one reduce-scatter of the bf16 weights over 32 ranks (inter-node), plus latencies
-    want = 3 * (31 / 32 * 2 * P / H100.allreduce_bw_inter + 33 * H100.collective_latency_inter)
-    assert extra == pytest.approx([want, want])  # the same for any micro-batch: a constant per micro-batch
-    # so splitting a micro-batch in two costs one more round of traffic than under zero1
-    split = lambda cm: cm.item_time([8000], 1, 0) * 2 - cm.item_time([8000, 8000], 1, 0)  # noqa: E731
-    assert split(fs) - split(z1) == pytest.approx(want)
-    # and the step end reduces nothing (the micro-batches did): only the sharded optimizer step
-    assert fs.step_overhead(W) < z1.step_overhead(W)
-    assert fs.step_overhead(W) == pytest.approx(36.0 * P / W / H100.hbm_bandwidth)
-    # the fast path the planner uses agrees
-    assert fs.item_time_sum(8000, 8000.0**2, 1, 1, 0) == pytest.approx(fs.item_time([8000], 1, 0))
-    assert analytic(world=1, sharding="fsdp").item_cost([4096], 1, 0).comm == 0.0
+def test_no_mode_charges_time_per_micro_batch():
+    """No world collective runs inside the loop: micro-batch costs are the same in every mode; the step end
+    moves the all-reduce's bytes (zero2/fsdp: a reduce-scatter of G plus an all-gather of W)."""
+    cms = {m: analytic(sharding=m) for m in SHARDING_MODES}
+    P, N = get_model("llama-7b").params(), 32
+    for ls, p in (([4096], 1), ([30000, 2000], 4)):
+        costs = {m: cm.item_cost(ls, p, 0) for m, cm in cms.items()}
+        assert len({(c.compute, c.comm, c.overhead) for c in costs.values()}) == 1
+        assert len({cm.item_time(ls, p, 3) for cm in cms.values()}) == 1
+    # bf16 gradients (and weights) over 4 nodes, two latencies per 500 MB bucket, Adam on a 1/N shard
+    comm = 2 * 31 / 32 * 2 * P / H100.allreduce_bw_inter + 2 * math.ceil(2 * P / 5e8) * H100.collective_latency_inter
+    optimizer = 36.0 * P / N / H100.hbm_bandwidth
+    for m in ("zero1", "zero2", "fsdp"):
+        assert cms[m].step_overhead(N) == pytest.approx(comm + optimizer)
+    assert cms["none"].step_overhead(N) > cms["fsdp"].step_overhead(N)  # the unsharded optimizer step
+    assert analytic(world=1, sharding="fsdp").step_overhead(1) == pytest.approx(36.0 * P / H100.hbm_bandwidth)
+
+
+def test_analytic_with_sharding_plans_with_the_runtime_states():
+    base = analytic(sharding="zero1", world=32, memory_limit=70e9)
+    runtime = ModelStates(1.3e10, 2e6, 1.3e10, 5.4e10, sharding="fsdp", world_size=16)
+    cm = base.with_sharding(runtime.to_dict())
+    assert isinstance(cm, AnalyticCostModel) and cm.sharding == "fsdp" and cm.world_size == 16
+    assert cm.state_bytes == pytest.approx(runtime.step_bytes) and cm.state_bytes_at_rest == pytest.approx(runtime.rest_bytes)
+    assert (cm.model, cm.hardware, cm.memory_limit, cm.activation_factor) == (
+        base.model, base.hardware, 70e9, base.activation_factor)
+    assert cm.item_time([5000, 9000], 2, 3) == base.item_time([5000, 9000], 2, 3)  # same costs, other static memory
+    room = base.item_memory([5000], 2, 0) - cm.item_memory([5000], 2, 0)
+    assert room == pytest.approx(base.state_bytes - runtime.step_bytes)
+    assert cm.with_sharding(runtime.to_dict()).signature() == cm.signature()  # idempotent (the runtime may re-apply)
+    # without measured bytes: the model-shape estimate under the runtime's mode
+    bare = base.with_sharding({"sharding": "zero2", "world_size": 32})
+    assert bare.state_bytes == analytic(sharding="zero2").state_bytes
+    with pytest.raises(ValueError, match="optimizer missing"):
+        analytic(state_parts={"weights": 1.0, "buffers": 0.0, "gradients": 1.0})
 
 
 def profiled(sharding=None, world_size=None, **const):
-    base = {"optimizer_bytes": 1.2e10, "unit_param_bytes": 2e8}
+    base = {"weight_bytes": 1.1e10, "buffer_bytes": 1e8, "optimizer_bytes": 1.2e10}  # param_bytes 1e10: 1e9 frozen
     base.update(const)
     return ProfiledCostModel(make_profile(**base), sharding=sharding, world_size=world_size)
 
@@ -103,27 +151,42 @@ def test_profiled_sharding_frees_the_recorded_state_bytes():
     assert none.sharding == "none" and none.freed_bytes == 0.0 and none.world_size == 8
     ls = [3000, 5000]
     z1, z2, fs = (profiled(m) for m in ("zero1", "zero2", "fsdp"))
-    assert z1.freed_bytes == pytest.approx(1.2e10 * 7 / 8)
-    assert z2.freed_bytes == z1.freed_bytes
-    assert fs.freed_bytes == pytest.approx((1e10 + 1e10 + 1.2e10) * 7 / 8 - 2 * 2 * 2e8)
-    for cm in (z1, fs):
+    assert z1.freed_bytes == pytest.approx(1.2e10 * 7 / 8)  # O - O/N
+    assert z2.freed_bytes == fs.freed_bytes == pytest.approx(1.2e10 * 7 / 8 - 1.1e10 / 8)  # ... - W/N (all weights)
+    for cm in (z1, z2, fs):
         assert none.item_memory(ls, 2, 0) - cm.item_memory(ls, 2, 0) == pytest.approx(cm.freed_bytes)
         assert cm.max_length(2, 0) > none.max_length(2, 0)
+    assert z1.max_length(2, 0) >= fs.max_length(2, 0)
     assert profiled("zero1", world_size=32).freed_bytes == pytest.approx(1.2e10 * 31 / 32)
-    # time: the optimizer steps a 1/W shard; fsdp moves 1.5 all-reduces of weights per micro-batch
-    assert z1.step_overhead(8) == pytest.approx(0.05 + 0.02 / 8)
-    assert fs.step_overhead(8) == pytest.approx(0.02 / 8)
-    assert fs.item_cost(ls, 2, 0).comm == pytest.approx(1.5 * 0.05)
-    assert fs.item_time(ls, 2, 0) - none.item_time(ls, 2, 0) == pytest.approx(1.5 * 0.05)
-    assert profiled("none").item_time(ls, 2, 3) == none.item_time(ls, 2, 3)
-    assert fs.signature()["sharding"] == "fsdp"
+    # time: the optimizer steps a 1/N shard; every mode pays the measured all-reduce once per step, nothing per micro-batch
+    for cm in (z1, z2, fs):
+        assert cm.step_overhead(8) == pytest.approx(0.05 + 0.02 / 8)
+        assert cm.item_cost(ls, 2, 0).comm == 0.0 and cm.item_time(ls, 2, 3) == none.item_time(ls, 2, 3)
+    assert fs.signature()["sharding"] == "fsdp" and fs.signature()["freed_bytes"] == fs.freed_bytes
 
 
 def test_profiled_sharding_needs_the_state_split():
     with pytest.raises(ProfileError, match="constant.optimizer_bytes"):
         ProfiledCostModel(make_profile(), sharding="zero1")
-    with pytest.raises(ProfileError, match="constant.unit_param_bytes"):
+    with pytest.raises(ProfileError, match="constant.weight_bytes"):
         ProfiledCostModel(make_profile(optimizer_bytes=1e10), sharding="fsdp")
-    assert ProfiledCostModel(make_profile(optimizer_bytes=1e10), sharding="zero2").freed_bytes > 0
+    assert ProfiledCostModel(make_profile(optimizer_bytes=1e10), sharding="zero1").freed_bytes > 0
     with pytest.raises(ValueError, match="none, zero1, zero2, fsdp"):
         ProfiledCostModel(make_profile(), sharding="zero-1")
+
+
+def test_profiled_with_sharding_plans_with_the_runtime_states():
+    """An older profile (no state split) works under the runtime: with_sharding brings the measured bytes."""
+    old = ProfiledCostModel(make_profile(), memory_limit=60e9)  # param_bytes, memory_bytes only
+    runtime = ModelStates(1e10, 0.0, 1e10, 1e10, sharding="fsdp", world_size=4)  # memory_bytes 3e10 = the replica
+    cm = old.with_sharding(runtime.to_dict())
+    assert isinstance(cm, ProfiledCostModel) and (cm.sharding, cm.world_size, cm.memory_limit) == ("fsdp", 4, 60e9)
+    assert cm.freed_bytes == pytest.approx(runtime.replica_bytes - runtime.step_bytes)
+    ls = [3000, 5000]
+    assert old.item_memory(ls, 2, 0) - cm.item_memory(ls, 2, 0) == pytest.approx(runtime.replica_bytes - runtime.step_bytes)
+    assert cm.item_time(ls, 2, 3) == old.item_time(ls, 2, 3)
+    assert cm.with_sharding(runtime.to_dict()).signature() == cm.signature()  # idempotent (the runtime may re-apply)
+    assert old.with_sharding(ModelStates(1e10, 0.0, 1e10, 1e10).to_dict()).freed_bytes == 0.0  # "none"
+    # a new profile without measured bytes in states: the profile's own split
+    new = profiled()
+    assert new.with_sharding({"sharding": "zero2", "world_size": 8}).freed_bytes == profiled("zero2").freed_bytes

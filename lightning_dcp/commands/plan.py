@@ -44,9 +44,10 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
                         help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
     parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp"), default=None,
-                        help="how the model states are sharded over the world, as DCPStrategy(sharding=...): frees memory "
-                             "for activations (fsdp also costs weight traffic per micro-batch). Default: zero1 for the "
-                             "analytic model (the DCP paper's setting), none (as measured) with --profile")
+                        help="how the model states are sharded over the world, as DCPStrategy(sharding=...): the "
+                             "memory it frees in the micro-batch loop goes to activations (zero1 frees the most there; "
+                             "zero2/fsdp hold W/N more, and less only between steps). Default: zero1 for the analytic "
+                             "model (the DCP paper's setting), none (as measured) with --profile")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
     parser.add_argument("--force", action="store_true",
                         help="use a --profile made for another model or a smaller world anyway (warns instead of failing)")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
-from lightning_dcp.planning.state_sharding import SHARDING_MODES, fsdp_micro_batch_seconds, resolve_sharding, state_bytes
+from lightning_dcp.planning.state_sharding import SHARDING_MODES, resolve_sharding, state_bytes
+from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
 
 # FlashAttention's backward recomputes the score matrix: 5 matmuls against the forward's 2, so the
 # backward kernel does 2.5x the forward FLOPs (Dao 2023, FlashAttention-2 §3.1/§4).
@@ -109,26 +110,24 @@ class AnalyticCostModel(CostModel):
       element-wise passes over ``t x V`` logits; for 2d and 3d the patch embedding and output
       projection (3d adds the text-projection MLP, ``text_dim -> h -> h`` over ``text_len``
       tokens, once per sample on every rank of the group); plus ``HEAD_LAUNCHES`` kernel launches.
-    * fsdp only: each micro-batch all-gathers every weight before forward and again before
-      backward and reduce-scatters its gradients
-      (:func:`~lightning_dcp.planning.state_sharding.fsdp_micro_batch_seconds`, charged to
-      ``ItemCost.comm``, not overlapped): a constant per micro-batch, so under fsdp the planner
-      prefers fewer, larger micro-batches. A recomputed layer's forward runs inside its unit's
-      backward, when the weights are already gathered: no extra traffic.
+
+    No sharding mode adds time per micro-batch: the runtime runs no world collective inside the
+    micro-batch loop (the weights are gathered once per step; see :meth:`step_overhead`).
 
     Memory per rank::
 
         M = states + workspace + t * (L * inp + (L - r) * act + max(act, head_act))
 
     * ``states`` (mixed-precision Adam): ``dtype_bytes`` weights and grads, fp32 master weights
-      and Adam m, v (4+4+4 bytes/param), per rank as ``sharding`` leaves them
-      (:func:`~lightning_dcp.planning.state_sharding.state_bytes`, the peak during a step):
-      ``none`` replicates everything; ``zero1`` and ``zero2`` shard the master and Adam states
-      over ``world_size`` (zero2's gradients accumulate in full during the step and are only
-      sharded at rest, so its peak is zero1's); ``fsdp`` shards everything and holds two gathered
-      units (the largest of one layer and the embedding + head) in full. The fp32 gradient
-      partition of the optimizer step exists only inside that step, when activations are freed,
-      so it is not in the peak.
+      and Adam m, v (4+4+4 bytes/param, the optimizer state ``O``), no buffers -- or the bytes
+      ``state_parts`` gives (the runtime's measured ones: :meth:`with_sharding`) -- per rank as
+      ``sharding`` leaves them in the micro-batch loop
+      (:func:`~lightning_dcp.planning.state_sharding.state_bytes`): ``none`` replicates
+      everything; ``zero1`` shards ``O`` over ``world_size``; ``zero2`` and ``fsdp`` shard ``O``
+      too and hold the full weights and full local gradients during the step, plus FSDP's weight
+      shard beside them (``W/N`` more than ``zero1``); they hold less only between steps
+      (:attr:`state_bytes_at_rest`). The fp32 gradient partition of the optimizer step exists only
+      inside that step, when activations are freed, so it is not in the peak.
     * ``inp = h * dtype_bytes``: each layer's input, kept whether checkpointed or not (paper eq. 6).
     * ``act = activation_factor * h * blocks_per_layer``: stashed activations of an un-checkpointed
       layer (see :func:`default_activation_factor`).
@@ -168,11 +167,14 @@ class AnalyticCostModel(CostModel):
         zero_stage: older alias: 0, 1, 2 for ``"none"``, ``"zero1"``, ``"zero2"``.
         activation_factor: override :func:`default_activation_factor` (bytes per token per block
             divided by ``hidden_size``).
+        state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
+            measured elsewhere (the runtime's), instead of the estimate from the model shape.
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, world_size: int, *,
                  memory_limit: float | None = None, dtype_bytes: int = 2, sharding: str | None = None,
-                 zero_stage: int | None = None, activation_factor: float | None = None) -> None:
+                 zero_stage: int | None = None, activation_factor: float | None = None,
+                 state_parts: Mapping[str, float] | None = None) -> None:
         world_size = _positive_int(world_size, "world_size")
         self.sharding = resolve_sharding(sharding, zero_stage)
         if dtype_bytes not in (1, 2, 4):
@@ -189,7 +191,7 @@ class AnalyticCostModel(CostModel):
         self.world_size = world_size
         self.dtype_bytes = dtype_bytes
         self.zero_stage = SHARDING_MODES.index(self.sharding)
-        """0-3 for none, zero1, zero2, fsdp (fsdp is ZeRO-3-like)."""
+        """The mode's position in ``SHARDING_MODES``: 0-3 for none, zero1, zero2, fsdp."""
         self.num_layers = model.num_layers
         self.num_heads = model.num_heads
         self.gpus_per_node = hardware.gpus_per_node
@@ -265,22 +267,17 @@ class AnalyticCostModel(CostModel):
         self.param_count = P
         db = dtype_bytes
         master = 4.0 if dtype_bytes < 4 else 0.0
-        unit = max(model.layer_params(), model.edge_params())  # largest FSDP unit: a layer, or embedding + head
-        self.full_state_parts = {"weights": db * P, "grads": db * P, "optimizer": (master + 8.0) * P,
-                                 "unit": 2.0 * db * unit}  # fp32 master + Adam m, v; unit: weights + grads
-        """One replica's state bytes (and the largest FSDP unit's weights + grads), for reports."""
-        states = state_bytes(self.sharding, world_size, **self.full_state_parts)
+        if state_parts is None:  # fp32 master + Adam m, v; buffers (rotary/mask caches) are in the workspace
+            parts = {"weights": db * P, "buffers": 0.0, "gradients": db * P, "optimizer": (master + 8.0) * P}
+        else:
+            parts = state_parts_of(state_parts)
+        self.full_state_parts = parts
+        """One replica's state bytes (``weights``, ``buffers``, ``gradients``, ``optimizer``)."""
+        states = state_bytes(self.sharding, world_size, **parts)
         self.state_bytes = states
-        """Model-state bytes per rank at the peak of a step (what the planner budgets)."""
-        self.state_bytes_at_rest = state_bytes(self.sharding, world_size, at_rest=True, **self.full_state_parts)
+        """Model-state bytes per rank in the micro-batch loop (what the planner budgets)."""
+        self.state_bytes_at_rest = state_bytes(self.sharding, world_size, at_rest=True, **parts)
         """Model-state bytes per rank between steps (zero2 and fsdp hold less there)."""
-        # fsdp: two all-gathers and a reduce-scatter of every weight per micro-batch (over the world)
-        self._fsdp_s = 0.0
-        if self.sharding == "fsdp":
-            intra = world_size <= hw.gpus_per_node
-            self._fsdp_s = fsdp_micro_batch_seconds(
-                db * P, world_size, hw.allreduce_bw_intra if intra else hw.allreduce_bw_inter,
-                hw.collective_latency if intra else hw.collective_latency_inter, units=L + 1)
         self.workspace_bytes = float(WORKSPACE_BYTES)
         self._mem_base = states + self.workspace_bytes
         self._transient_per_token = max(self.act_bytes_per_token, self.head_bytes_per_token)
@@ -358,11 +355,10 @@ class AnalyticCostModel(CostModel):
         oT = self._head_s_per_token * inv
         oC = self._head_const
         oN = self._head_s_per_sample
-        fs = self._fsdp_s
         c = (
             fW, fT, fC, bW, bT, bC, aT, aC, oT, oC,
             # item-time coefficients, r = 0 and per recomputed layer
-            L * (fW + bW), L * (fT + bT + 2 * aT) + oT, L * (fC + bC + 2 * aC) + oC + fs,
+            L * (fW + bW), L * (fT + bT + 2 * aT) + oT, L * (fC + bC + 2 * aC) + oC,
             fW, fT + aT, fC + aC,
             # memory per global token: base + T * (m0 - r * m1)
             self._mem_per_token_r0 * inv, self.act_bytes_per_token * inv,
@@ -370,8 +366,6 @@ class AnalyticCostModel(CostModel):
             self._ideal_s_per_work * inv, self._ideal_s_per_token * inv,
             # per sample (3d text): forward per layer, item time r = 0 and per recomputed layer, ideal
             fN, L * (fN + bN) + oN, fN, self._ideal_s_per_sample * inv,
-            # fsdp traffic per micro-batch
-            fs,
         )
         self._coef[sp] = c
         return c
@@ -435,7 +429,7 @@ class AnalyticCostModel(CostModel):
         return ItemCost(
             compute=L * (fwd + bwd),
             recompute=r * fwd,
-            comm=(2 * L + r) * a2a + c[24],
+            comm=(2 * L + r) * a2a,
             overhead=oT * T + oC + self._head_s_per_sample * n,
             ideal=c[18] * W + c[19] * T + c[23] * n,
         )
@@ -443,24 +437,38 @@ class AnalyticCostModel(CostModel):
     def step_overhead(self, world_size: int) -> float:
         """Gradient reduction over ``world_size`` ranks plus the optimizer step.
 
-        Reduction: ring all-reduce of the ``dtype_bytes`` gradients, ``2 (W-1)/W * bytes / busbw``
-        (zero1/zero2 do a reduce-scatter of gradients and an all-gather of updated parameters: the
-        same volume), inter-node bus bandwidth when ``W > gpus_per_node``, plus one collective
-        latency per 500 MB bucket; none under fsdp (each micro-batch reduce-scatters its own
-        gradients, see ``ItemCost.comm``). Optimizer: memory-bound Adam over the local shard,
-        ``OPTIMIZER_BYTES_PER_PARAM * params / W / hbm_bandwidth`` (unsharded for ``none``).
+        Reduction: ``none`` and ``zero1`` ring all-reduce the gradients, ``2 (N-1)/N * G / busbw``;
+        ``zero2`` and ``fsdp`` reduce-scatter the gradients and all-gather the weights once per step,
+        ``(N-1)/N * (G + W) / busbw`` -- the all-reduce's volume when ``W == G``; inter-node bus
+        bandwidth when ``N > gpus_per_node``, plus one collective latency per 500 MB bucket (two
+        for the sharded modes). Not charged: ``zero1``'s broadcast of the updated weight shards
+        (``ZeroRedundancyOptimizer``). Optimizer: memory-bound Adam over the local shard,
+        ``OPTIMIZER_BYTES_PER_PARAM * params / N / hbm_bandwidth`` (unsharded for ``none``).
         """
-        hw, W = self.hardware, _positive_int(world_size, "world_size")
-        grad_bytes = self.param_count * self.dtype_bytes
+        hw, N = self.hardware, _positive_int(world_size, "world_size")
+        parts = self.full_state_parts
         comm = 0.0
-        if W > 1 and self.sharding != "fsdp":
-            intra = W <= hw.gpus_per_node
+        if N > 1:
+            intra = N <= hw.gpus_per_node
             bw = hw.allreduce_bw_intra if intra else hw.allreduce_bw_inter
             lat = hw.collective_latency if intra else hw.collective_latency_inter
-            buckets = math.ceil(grad_bytes / GRAD_BUCKET_BYTES)
-            comm = 2.0 * (W - 1) / W * grad_bytes / bw + (2 if self.sharding != "none" else 1) * buckets * lat
-        shard = self.param_count / (W if self.sharding != "none" else 1)
+            grads = parts["gradients"]
+            moved = grads + parts["weights"] if self.sharding in ("zero2", "fsdp") else 2.0 * grads
+            buckets = math.ceil(grads / GRAD_BUCKET_BYTES)
+            comm = (N - 1) / N * moved / bw + (2 if self.sharding != "none" else 1) * buckets * lat
+        shard = self.param_count / (N if self.sharding != "none" else 1)
         return comm + OPTIMIZER_BYTES_PER_PARAM * shard / hw.hbm_bandwidth
+
+    def with_sharding(self, states: Mapping[str, Any]) -> "AnalyticCostModel":
+        """This model, hardware, memory limit, dtype and activation factor planned for the runtime's
+        ``states["sharding"]`` on ``states["world_size"]`` ranks, with the runtime's measured
+        ``weights``/``buffers``/``gradients``/``optimizer`` bytes when ``states`` has them (then
+        :attr:`state_bytes` is the runtime's ``step_bytes``). ``states`` is
+        :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
+        return AnalyticCostModel(self.model, self.hardware, int(states["world_size"]), memory_limit=self.memory_limit,
+                                 dtype_bytes=self.dtype_bytes, sharding=states["sharding"],
+                                 activation_factor=self.activation_factor,
+                                 state_parts=state_parts_of(states, required=False))
 
     def signature(self) -> dict:
         return {
@@ -473,6 +481,7 @@ class AnalyticCostModel(CostModel):
             "sharding": self.sharding,
             "zero_stage": self.zero_stage,
             "activation_factor": self.activation_factor,
+            "state_bytes": self.state_bytes,
         }
 
     # ------------------------------------------------------------------ closed forms

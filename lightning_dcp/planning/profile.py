@@ -13,11 +13,11 @@ Written by :class:`lightning_dcp.DCPProfiler` (or ``lightning-dcp profile``), re
         "time_s": 0.004,            # embedding + head + loss, per micro-batch (fwd+bwd)
         "optimizer_s": 0.02,        # optimizer step, once per step
         "allreduce_s": 0.05,        # gradient all-reduce over world_size, once per step (0 if world 1)
-        "memory_bytes": 3.1e10,     # model states + buffers, per device (M_C of eq. 6)
+        "memory_bytes": 3.1e10,     # model states + buffers of one full replica (M_C of eq. 6)
         "param_bytes": 1.0e10,      # gradient bytes reduced per step (= trainable weight bytes)
+        "weight_bytes": 1.0e10,     # optional: bytes of every parameter, trainable or frozen
+        "buffer_bytes": 1.0e6,      # optional: the module's buffers
         "optimizer_bytes": 2.0e10,  # optional: one replica's optimizer states (fp32 master included)
-        "unit_param_bytes": 4.0e8,  # optional: trainable weight bytes of the largest FSDP unit
-                                    #   (one repeated layer, or the rest of the model if larger)
         "time_per_token_s": 2e-8,   # optional: embedding + head + loss time per local token (fwd+bwd)
         "host_s": 1e-4,             # optional: host work per micro-batch (pack, shard, copy)
         "host_per_token_s": 1e-8,   # optional: host work per token of the whole micro-batch
@@ -48,9 +48,11 @@ Optional fields (absent, or ``null``, in older profiles; non-negative numbers wh
 micro-batch's time and memory; ``constant.host_s`` and ``constant.host_per_token_s`` -- the
 host's work per micro-batch (pack, prepare, weight, shard, copy to the device), ``host_s +
 host_per_token_s * tokens`` over the *whole* micro-batch's tokens (every SP rank builds it);
-``constant.optimizer_bytes`` and ``constant.unit_param_bytes`` -- what sharding the states
-frees (``ProfiledCostModel(sharding=...)``; ``memory_bytes`` stays one full replica's states
-whatever sharding the profiled run used).
+``constant.weight_bytes``, ``constant.buffer_bytes`` and ``constant.optimizer_bytes`` -- the
+split of ``memory_bytes`` (``weight_bytes + buffer_bytes + param_bytes + optimizer_bytes`` in
+profiles :class:`~lightning_dcp.DCPProfiler` writes), from which
+``ProfiledCostModel(sharding=...)`` knows what sharding the states frees; ``memory_bytes`` stays
+one full replica's states whatever sharding the profiled run used.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ PROFILE_SCHEMA = "lightning-dcp/profile/v1"
 _ENTRY_FIELDS = ("seq_len", "micro_batch", "sp", "forward_s", "backward_s", "activation_bytes", "input_bytes")
 _CONSTANT_FIELDS = ("time_s", "optimizer_s", "allreduce_s", "memory_bytes")
 _OPTIONAL_CONSTANT_FIELDS = ("time_per_token_s", "activation_bytes_per_token", "param_bytes", "host_s",
-                             "host_per_token_s", "optimizer_bytes", "unit_param_bytes")
+                             "host_per_token_s", "weight_bytes", "buffer_bytes", "optimizer_bytes")
 
 
 class ProfileError(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from lightning_dcp.planning.analytic import _positive_int
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
 from lightning_dcp.planning.state_sharding import resolve_sharding, state_bytes
+from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
 
 # All-reduce bus bandwidth assumed when a profile made on one device must predict the gradient
 # reduction of a larger world (it measured none): 45 GB/s, the inter-node figure of the h100
@@ -111,20 +112,24 @@ class ProfiledCostModel(CostModel):
 
     Sharding (``sharding=``, default ``"none"``: the profile as measured, one full replica of the
     model states per rank): the profile's ``constant.memory_bytes`` holds one replica's weights,
-    gradients and optimizer states; under ``zero1`` / ``zero2`` / ``fsdp`` the states that mode
-    shards over ``world_size`` ranks (:func:`~lightning_dcp.planning.state_sharding.state_bytes`)
-    are taken off it -- :attr:`freed_bytes`, which the planner then has for activations. That
-    needs ``constant.param_bytes`` (trainable weight bytes = gradient bytes) and
-    ``constant.optimizer_bytes`` (one replica's optimizer states, fp32 master included), and for
-    fsdp ``constant.unit_param_bytes`` (the largest FSDP unit's trainable weight bytes); a
-    profile without them raises :class:`ProfileError` for a sharded mode. Frozen weights and
-    buffers stay replicated. Time: zero1/zero2/fsdp step the optimizer on ``1/W`` of the weights
-    (``optimizer_s / W``); fsdp reduces no gradients at the step end but moves two all-gathers
-    and a reduce-scatter of every weight per micro-batch, 1.5x the measured (or rescaled)
-    all-reduce, charged as ``ItemCost.comm`` of every micro-batch.
+    buffers, gradients and optimizer states; under ``zero1`` / ``zero2`` / ``fsdp`` what that mode
+    leaves a rank in the micro-batch loop over ``world_size`` ranks
+    (:func:`~lightning_dcp.planning.state_sharding.state_bytes`) replaces it: the difference is
+    :attr:`freed_bytes`, which the planner then has for activations (``zero1``: ``O - O/N``;
+    ``zero2``/``fsdp``: ``O - O/N - W/N``, the weights' shard sitting beside the full weights).
+    The state bytes come from ``state_parts`` when given (the runtime's measured bytes:
+    :meth:`with_sharding`), else from the profile's ``constant.weight_bytes`` (every parameter),
+    ``buffer_bytes``, ``param_bytes`` (trainable = gradient bytes) and ``optimizer_bytes`` (fp32
+    master included); a sharded mode needs ``optimizer_bytes``, and ``zero2``/``fsdp`` also
+    ``weight_bytes`` (gradients and buffers are held in full in the loop, so they free nothing
+    there): a profile without them raises :class:`ProfileError`. Time: the sharded modes step the
+    optimizer on ``1/W`` of the weights (``optimizer_s / W``); ``zero2``/``fsdp``'s one
+    reduce-scatter of the gradients and one all-gather of the weights per step move the bytes of
+    the measured all-reduce, so the step end costs ``allreduce_s`` in every mode; nothing is
+    charged per micro-batch.
 
     Communication is inside the measured layer times, so :class:`ItemCost` reports ``comm = 0``
-    (fsdp: only its per-micro-batch traffic) and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
+    and counts it in ``compute``. ``ideal`` is the sp=1 fit's ``L * (t_f + t_b)`` for these samples
     without the fit's constant term (a per-micro-batch constant), divided by ``p`` (if sp=1 was not
     measured: the smallest measured ``p0``'s, times ``p0``); no recompute, no constant time.
     Only measured SP sizes are usable: :meth:`sp_sizes` returns those and item methods raise for others.
@@ -134,10 +139,13 @@ class ProfiledCostModel(CostModel):
         memory_limit: bytes per device the planner may use; default ``device.memory_limit_bytes``.
         sharding: ``"none"`` (default), ``"zero1"``, ``"zero2"`` or ``"fsdp"``, as ``DCPStrategy(sharding=...)``.
         world_size: ranks the states are sharded over; default the profile's ``key.world_size`` (or 1).
+        state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
+            measured elsewhere (the runtime's :class:`~lightning_dcp.runtime.states.ModelStates`), used
+            instead of the profile's constant fields; ``None`` (default): the profile's.
     """
 
     def __init__(self, profile: dict, *, memory_limit: float | None = None, sharding: str | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, state_parts: Mapping[str, float] | None = None) -> None:
         data = validate_profile(profile)
         self.profile = data
         model, device, const = data["model"], data["device"], data["constant"]
@@ -167,10 +175,11 @@ class ProfiledCostModel(CostModel):
         self.profile_world_size = ws if isinstance(ws, int) and ws >= 1 else None
         self.sharding = resolve_sharding(sharding, default="none")
         self.world_size = _positive_int(world_size if world_size is not None else (self.profile_world_size or 1), "world_size")
-        self.freed_bytes = self._freed_by_sharding(const)
-        """State bytes per rank that ``sharding`` frees from the measured ``constant.memory_bytes``."""
+        self.state_parts = self._state_parts(const, state_parts)
+        """The full model's state bytes the sharding is computed from (``None`` when ``sharding="none"``)."""
+        self.freed_bytes = self._freed_by_sharding()
+        """State bytes per rank that ``sharding`` frees, in the micro-batch loop, from ``constant.memory_bytes``."""
         self.constant_memory -= self.freed_bytes
-        self._fsdp_s = 1.5 * self._allreduce_seconds(self.world_size) if self.sharding == "fsdp" else 0.0
 
         by_sp: dict[int, list[dict]] = {}
         for e in data["entries"]:
@@ -227,7 +236,7 @@ class ProfiledCostModel(CostModel):
                 fa, fb, fc, ba, bb, bc,
                 # item time: (A0 + r A1) sq + (B0 + r B1) T + (C0 + r C1)
                 L * (fa + ba), L * (fb + bb) + self.time_per_token / p + self.host_per_token,
-                L * (fc + bc) + self.constant_time + self.host_time + self._fsdp_s, ra, rb, rc,
+                L * (fc + bc) + self.constant_time + self.host_time, ra, rb, rc,
                 # memory: base0 + T*m0 - r*(ma + T*ka)   with the transient layer counted
                 self.constant_memory + L * mi + (L + 1) * ma, L * ki + (L + 1) * ka + self.memory_per_token / p, ma, ka,
                 # ideal / p
@@ -248,22 +257,39 @@ class ProfiledCostModel(CostModel):
 
     # ------------------------------------------------------------------ helpers
 
-    def _freed_by_sharding(self, const: dict) -> float:
-        """Bytes per rank that ``self.sharding`` takes off one replica's measured states."""
+    def _state_parts(self, const: Mapping[str, Any], given: Mapping[str, float] | None) -> dict[str, float] | None:
+        """The full model's state bytes: ``given`` (measured by the runtime), else the profile's constant fields."""
         if self.sharding == "none":
-            return 0.0
-        need = ["param_bytes", "optimizer_bytes"] + (["unit_param_bytes"] if self.sharding == "fsdp" else [])
-        missing = [f for f in need if not const.get(f)]
+            return None
+        if given is not None:
+            return state_parts_of(given)
+        need = ["optimizer_bytes"] + (["weight_bytes"] if self.sharding in ("zero2", "fsdp") else [])
+        missing = [f for f in need if const.get(f) is None]
         if missing:
             raise ProfileError(
                 f"sharding={self.sharding!r} needs the profile's constant.{', constant.'.join(missing)} (one replica's "
-                f"trainable weight / optimizer-state / largest-FSDP-unit bytes) to know what it frees, and this profile "
-                f"lacks them; re-profile with a profiler that records them, or plan with sharding='none'")
-        weights = grads = float(const["param_bytes"])
-        parts = {"weights": weights, "grads": grads, "optimizer": float(const["optimizer_bytes"])}
-        unit = 2.0 * float(const.get("unit_param_bytes") or 0.0)  # the unit's weights + gradients
-        full = sum(parts.values())
-        return full - state_bytes(self.sharding, self.world_size, unit=unit, **parts)
+                f"optimizer-state / weight bytes) to know what it frees, and this profile lacks them; re-profile with "
+                f"this version's DCPProfiler (it records them), plan with sharding='none', or let DCPStrategy give the "
+                f"bytes it measures (ProfiledCostModel.with_sharding)")
+        # gradients and buffers are held in full in the loop (they cancel in what is freed there)
+        return {"weights": float(const.get("weight_bytes") or 0.0), "buffers": float(const.get("buffer_bytes") or 0.0),
+                "gradients": float(const.get("param_bytes") or 0.0), "optimizer": float(const["optimizer_bytes"])}
+
+    def _freed_by_sharding(self) -> float:
+        """Bytes per rank that ``self.sharding`` takes off one replica's states in the micro-batch loop."""
+        parts = self.state_parts
+        if parts is None:
+            return 0.0
+        return sum(parts.values()) - state_bytes(self.sharding, self.world_size, **parts)
+
+    def with_sharding(self, states: Mapping[str, Any]) -> "ProfiledCostModel":
+        """This profile and memory limit planned for the runtime's ``states["sharding"]`` on
+        ``states["world_size"]`` ranks, from the runtime's measured ``weights``/``buffers``/``gradients``/
+        ``optimizer`` bytes when ``states`` has them (so a profile without the state fields works under
+        the runtime), else from the profile's. ``states`` is
+        :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
+        return ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
+                                 world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False))
 
     def _allreduce_seconds(self, W: int) -> float:
         """Step-end gradient all-reduce over ``W`` ranks: measured, or rescaled from the profile's world."""
@@ -350,7 +376,7 @@ class ProfiledCostModel(CostModel):
         return ItemCost(
             compute=self.num_layers * (fwd + bwd) + c[19] * n,
             recompute=recompute * rec,
-            comm=self._fsdp_s,
+            comm=0.0,
             overhead=self.constant_time + self.time_per_token * T / sp + self.host_time + self.host_per_token * T,
             ideal=c[16] * W + c[17] * T + c[18] + c[21] * n,
         )
@@ -360,13 +386,12 @@ class ProfiledCostModel(CostModel):
 
         Ring reduction volume scales with ``(W-1)/W``; a profile made on one device (no all-reduce
         measured) uses ``2 (W-1)/W * param_bytes / FALLBACK_ALLREDUCE_BW`` when ``param_bytes`` is
-        recorded. The optimizer time is kept as measured for ``sharding="none"`` and divided by
-        ``world_size`` for the sharded modes (each rank steps its shard); fsdp has no step-end
-        reduction (its micro-batches reduce-scatter their gradients).
+        recorded. ``zero2``/``fsdp`` reduce-scatter the gradients and all-gather the weights once per
+        step instead: the same bytes, the same time. The optimizer time is kept as measured for
+        ``sharding="none"`` and divided by ``world_size`` for the sharded modes (each rank steps its shard).
         """
         W = _positive_int(world_size, "world_size")
-        comm = 0.0 if self.sharding == "fsdp" else self._allreduce_seconds(W)
-        return comm + (self.optimizer_s if self.sharding == "none" else self.optimizer_s / W)
+        return self._allreduce_seconds(W) + (self.optimizer_s if self.sharding == "none" else self.optimizer_s / W)
 
     def signature(self) -> dict:
         return {
@@ -377,6 +402,7 @@ class ProfiledCostModel(CostModel):
             "measured_sp": list(self.measured_sp),
             "sharding": self.sharding,
             "world_size": self.world_size,
+            "freed_bytes": self.freed_bytes,
         }
 
     # ------------------------------------------------------------------ closed forms

@@ -1,52 +1,69 @@
-"""Model-state memory per rank under each sharding mode of ``DCPStrategy(sharding=...)``.
+"""Model-state memory per rank under each mode of ``DCPStrategy(sharding=...)``: the one place the formulas live.
 
-The planner's memory limit is what is left of a device after the model states (weights,
-gradients, optimizer states) and the workspace; sharding those states over the ``W`` ranks of
-the world frees memory the planner can give to activations (longer samples without recompute,
-fuller micro-batches). Both cost models use this module: the analytic one from the model shape,
-the profiled one from the state bytes a profile records.
+The planner's memory limit is what is left of a device after the model states (weights, buffers,
+gradients, optimizer state) and the workspace; sharding those states over the ``N`` ranks of the
+world frees memory the planner can give to activations. Every user of these numbers calls
+:func:`state_bytes`: the analytic cost model (states estimated from the model shape), the profiled
+one (states a profile records), and the runtime (:class:`lightning_dcp.runtime.states.ModelStates`,
+states measured on the module it trains).
 
-Per rank, with ``w``, ``g``, ``o`` the full (one replica's) weight, gradient and optimizer bytes
-(``o`` includes an fp32 master copy of the weights when the model trains in 16-bit)::
+Per rank, with ``W``, ``B``, ``G``, ``O`` the full model's (one replica's) weight, buffer, gradient
+and optimizer-state bytes (``O`` includes an fp32 master copy when the optimizer keeps one)::
 
-    mode    peak during a step (what the planner needs)    between steps (at rest)
-    none    w + g + o                                       same
-    zero1   w + g + o / W                                   same
-    zero2   w + g + o / W                                   w + (g + o) / W
-    fsdp    (w + g + o) / W + min(2 u, w + g)               (w + g + o) / W
+    mode    in the micro-batch loop (what the planner budgets)   between steps
+    none    W + B + G + O                                         the same
+    zero1   W + B + G + O/N                                       the same
+    zero2   W + W/N + B + G + O/N                                 W + W/N + B + G/N + O/N
+    fsdp    W + W/N + B + G + O/N                                 (W + G + O)/N + B
 
-On one rank nothing is sharded: every mode holds ``w + g + o``.
+These are the runtime's, measured (``benchmarks/sharding_memory.py``). On one rank the runtime runs
+``"none"`` whatever was asked: every mode holds ``W + B + G + O``. Buffers are never sharded.
 
-- ``zero1``: optimizer states (and the fp32 master) sharded; gradients reduce-scattered (or
-  all-reduced) at the step end, updated weights all-gathered.
-- ``zero2``: as the runtime implements it, gradients accumulate *locally in full size* during
-  the step (ranks run different numbers of micro-batches, so no per-micro-batch collective is
-  possible) and are reduce-scattered once at the step end: the full gradient buffer is resident
-  for the whole step, so zero2's *peak* equals zero1's; only the memory at rest differs.
-- ``fsdp``: weights, gradients and optimizer states sharded at rest; each FSDP unit (one
-  repeated layer; the embedding and head form the root unit) is all-gathered before its forward
-  and again before its backward, its gradient reduce-scattered after its backward, per
-  micro-batch. ``u`` is the largest unit's full weight + gradient bytes; two units are resident
-  at once (the running one and the prefetched next), hence ``2 u`` (at most the whole model).
-  So fsdp's peak is below zero1's only when ``2 u <= (w + g) (1 - 1/W)``: many small units (a
-  7B model's layer is 3% of it), not a model of two layers on two ranks. The per-micro-batch traffic
-  (two all-gathers and one reduce-scatter of every weight) is time, charged by the cost models
-  per micro-batch (:func:`fsdp_micro_batch_seconds`), so the planner prefers fewer, larger
-  micro-batches under fsdp.
+What each mode does in this runtime (:mod:`lightning_dcp.runtime.fsdp`):
+
+- ``none``: full replicas; one bucketed all-reduce of the gradients after the micro-batch loop.
+- ``zero1``: ``ZeroRedundancyOptimizer`` shards the optimizer state (and its update) over the world;
+  gradients are all-reduced as under ``none``, and each rank's updated shard of the weights is sent
+  to the others after the step.
+- ``zero2``: ``fully_shard`` (FSDP2) units with gradient sync off inside the loop: the weights stay
+  full during the step (FSDP keeps each rank's shard beside them: ``W/N``), each rank accumulates
+  its full local gradients, one reduce-scatter after the loop leaves each rank its gradient shard,
+  the optimizer steps the shard, and one all-gather per unit right after the step makes the weights
+  full again.
+- ``fsdp``: as ``zero2``, but the weights are all-gathered once per step *before* the loop and
+  freed after the step, so between steps a rank holds only its shards.
+
+No world collective runs inside the micro-batch loop: per step there is one all-gather of the
+weights (``fsdp`` before the loop, ``zero2`` after the optimizer step) and one reduce-scatter of the
+gradients after the loop -- together the bytes of the all-reduce the other modes do. So ``zero2``
+and ``fsdp`` have the same peak in the loop, ``W/N`` above ``zero1``'s: ``zero1`` leaves the most
+room for activations during a step; ``zero2`` and ``fsdp`` save memory between steps (evaluation,
+co-resident models) and write sharded checkpoints.
+
+Not built: a per-layer ZeRO-3 (each layer's weights gathered just before its forward and backward,
+its gradients reduce-scattered after its backward), which is what weights that do not fit one
+device *during* a step would need. Its world collectives would run inside the micro-batch loop,
+where ranks run different numbers of micro-batches in per-step SP groups: a rank waiting in a
+world all-gather while its SP partner waits in an all-to-all deadlocks, and a rank with fewer
+micro-batches never reaches the others' collectives. It would need every rank to run equal,
+aligned micro-batch rounds (each SP item in the same round on all its ranks, zero-weight dummy
+micro-batches where a rank has none).
 
 Pure Python.
 """
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 SHARDING_MODES = ("none", "zero1", "zero2", "fsdp")
-"""Names accepted by ``sharding=``, from least to most sharded."""
+"""Names accepted by ``sharding=`` (``DCPStrategy`` and both cost models), from least to most sharded."""
+
+STATE_PARTS = ("weights", "buffers", "gradients", "optimizer")
+"""The full model's state bytes :func:`state_bytes` takes (and ``ModelStates.to_dict`` carries)."""
 
 ZERO_STAGE_ALIASES = {0: "none", 1: "zero1", 2: "zero2"}
 """``zero_stage=`` (the analytic model's older argument) to ``sharding=``."""
-
-FSDP_COLLECTIVES_PER_MICRO_BATCH = 3
-"""All-gather before forward, all-gather before backward, reduce-scatter after backward."""
 
 
 def resolve_sharding(sharding: str | None, zero_stage: int | None = None, *, default: str = "zero1") -> str:
@@ -59,7 +76,7 @@ def resolve_sharding(sharding: str | None, zero_stage: int | None = None, *, def
     if zero_stage is not None:
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGE_ALIASES:
             raise ValueError(f"zero_stage must be 0, 1 or 2 (aliases of sharding='none', 'zero1', 'zero2'), got "
-                             f"{zero_stage!r}; for parameters sharded per layer (ZeRO-3) use sharding='fsdp'")
+                             f"{zero_stage!r}; for weights sharded between steps use sharding='fsdp'")
         alias = ZERO_STAGE_ALIASES[zero_stage]
         if sharding is not None and sharding != alias:
             raise ValueError(f"zero_stage={zero_stage} means sharding={alias!r} but sharding={sharding!r} was given; "
@@ -68,41 +85,38 @@ def resolve_sharding(sharding: str | None, zero_stage: int | None = None, *, def
     return default if sharding is None else sharding
 
 
-def state_bytes(mode: str, world_size: int, *, weights: float, grads: float, optimizer: float,
-                unit: float = 0.0, at_rest: bool = False) -> float:
-    """Model-state bytes per rank under ``mode`` (see the module docstring's table).
+def state_parts(given: Mapping[str, Any], *, required: bool = True) -> dict[str, float] | None:
+    """The :data:`STATE_PARTS` bytes of ``given`` (``state_parts=`` of a cost model, or the runtime's
+    ``ModelStates.to_dict()``) as floats; a part missing raises ``ValueError`` naming it, or, with
+    ``required=False``, gives ``None`` (plan from the cost model's own bytes)."""
+    missing = [k for k in STATE_PARTS if isinstance(given.get(k), bool) or not isinstance(given.get(k), (int, float))]
+    if missing and required:
+        raise ValueError(f"the model-state bytes need {', '.join(STATE_PARTS)} (of the full model); "
+                         f"{', '.join(missing)} missing in {dict(given)!r}")
+    return None if missing else {k: float(given[k]) for k in STATE_PARTS}
+
+
+def state_bytes(mode: str, world_size: int, *, weights: float, buffers: float = 0.0, gradients: float,
+                optimizer: float, at_rest: bool = False) -> float:
+    """Model-state bytes one rank holds under ``mode`` (the module docstring's table).
 
     Args:
         mode: one of :data:`SHARDING_MODES`.
-        world_size: ranks the states are sharded over (the whole world: SP groups are data
-            parallel replicas of one model).
-        weights, grads, optimizer: full (one replica's) bytes; ``optimizer`` includes an fp32
-            master copy of 16-bit weights.
-        unit: fsdp only: the largest FSDP unit's full weight + gradient bytes.
-        at_rest: between steps instead of the peak during a step.
+        world_size: ranks the states are sharded over (the whole world: SP groups are data-parallel
+            replicas of one model); ``<= 1`` holds the full replica in every mode.
+        weights, buffers, gradients, optimizer: the full model's bytes (``gradients``: of the
+            trainable parameters; ``optimizer`` includes an fp32 master copy when there is one).
+        at_rest: between steps instead of in the micro-batch loop.
     """
     if mode not in SHARDING_MODES:
         raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {mode!r}")
-    W = float(world_size)
+    n = float(world_size)
     if mode == "none" or world_size <= 1:
-        return weights + grads + optimizer
-    if mode == "zero1" or (mode == "zero2" and not at_rest):
-        return weights + grads + optimizer / W
+        return weights + buffers + gradients + optimizer
+    if mode == "zero1":
+        return weights + buffers + gradients + optimizer / n
+    if not at_rest:  # zero2 and fsdp: full weights beside this rank's shard, full local gradients
+        return weights + weights / n + buffers + gradients + optimizer / n
     if mode == "zero2":
-        return weights + (grads + optimizer) / W
-    sharded = (weights + grads + optimizer) / W
-    return sharded if at_rest else sharded + min(2.0 * unit, weights + grads)
-
-
-def fsdp_micro_batch_seconds(weight_bytes: float, world_size: int, bus_bandwidth: float, latency: float,
-                             units: int) -> float:
-    """Time of one micro-batch's fsdp traffic: :data:`FSDP_COLLECTIVES_PER_MICRO_BATCH` collectives
-    of all ``weight_bytes`` over ``world_size`` ranks (each moves ``(W-1)/W`` of the bytes per rank
-    at ``bus_bandwidth``) plus one ``latency`` per unit per collective. Not overlapped with
-    compute (an upper bound: FSDP's prefetch hides part of it behind large micro-batches).
-    Zero on one rank.
-    """
-    if world_size <= 1:
-        return 0.0
-    per = (world_size - 1) / world_size * weight_bytes / bus_bandwidth + units * latency
-    return FSDP_COLLECTIVES_PER_MICRO_BATCH * per
+        return weights + weights / n + buffers + (gradients + optimizer) / n
+    return (weights + gradients + optimizer) / n + buffers

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from lightning_dcp.planning.state_sharding import SHARDING_MODES  # what sharding= accepts: the planner's modes
 from lightning_dcp.runtime.support import SUPPORT_LEVELS
 from lightning_dcp.sp.sharding import LOSS_REDUCTIONS
 
@@ -25,11 +26,6 @@ __all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSetti
 DEFAULT_TIMEOUT_S = 300.0
 """Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
 
-#: What ``DCPStrategy(sharding=...)`` accepts, least to most sharded (see :mod:`lightning_dcp.runtime.fsdp`):
-#: ``"none"`` full replicas; ``"zero1"`` optimizer state sharded (``ZeroRedundancyOptimizer``);
-#: ``"zero2"`` optimizer state and, between steps, gradients sharded (``fully_shard``, full weights kept);
-#: ``"fsdp"`` parameters, gradients and optimizer state sharded between steps (``fully_shard``).
-SHARDING_MODES = ("none", "zero1", "zero2", "fsdp")
 
 #: ``DDPStrategy.__init__`` arguments DCPStrategy passes on (launchers, cluster environments, plugins).
 DDP_STRATEGY_ARGS = frozenset({
