@@ -1,15 +1,17 @@
 """What sharding the model states buys the planner: a 7B model on 32 H100s, long documents.
 
 For each ``sharding`` mode of :mod:`lightning_dcp.planning.state_sharding` (``none``, ``zero1``,
-``zero2``, ``fsdp``), the H100 analytic cost model of ``--model`` (default ``llama-7b``, the
-Llama-2-7B shape) on ``--world-size`` GPUs reports the model-state bytes per rank (peak during a
-step, and at rest), the memory that frees against ``none``, the longest sample each SP size holds
+``zero2``, ``fsdp``, as ``DCPStrategy(sharding=...)`` runs them), the H100 analytic cost model of
+``--model`` (default ``llama-7b``, the Llama-2-7B shape) on ``--world-size`` GPUs reports the
+model-state bytes per rank (in the micro-batch loop, which the planner budgets, and between
+steps), the memory that frees against ``none``, the longest sample each SP size holds
 without and with full recomputation, and -- planning and simulating the same run of
 ``--steps`` global batches of ``--global-batch-tokens`` tokens drawn from ``--dataset`` (default
 ``long``) with each of ``--policies`` -- tokens/s and % of the step bound. A mode the model does
 not fit in is reported as such.
 
-Writes ``benchmarks/results/simulate_sharding.md``.
+Writes ``benchmarks/results/simulate_sharding.md`` (another ``--model``:
+``simulate_sharding_<model>.md``).
 
     python benchmarks/simulate_sharding.py
     python benchmarks/simulate_sharding.py --model wan-14b --dataset wan --global-batch-tokens 2097152
@@ -68,7 +70,7 @@ def measure(model: str, world: int, dataset: str, gbt: int, steps: int, policies
 
 def table(rows: list[dict], policies: list[str]) -> str:
     sps = list(rows[0]["max_len"])
-    head = (["sharding", "states/rank GiB (peak)", "at rest GiB", "freed vs none GiB", "room for activations GiB"]
+    head = (["sharding", "states/rank GiB (in the loop)", "between steps GiB", "freed vs none GiB", "room for activations GiB"]
             + [f"max len SP {p} (r=0 / all)" for p in sps]
             + [f"{p} tokens/s" for p in policies] + [f"{p} % of step bound" for p in policies])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -93,8 +95,11 @@ def main() -> None:
     ap.add_argument("--global-batch-tokens", type=int, default=1 << 20)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--policies", default="bucket,dcp")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"default {OUT.relative_to(OUT.parents[2])} (llama-7b), else simulate_sharding_<model>.md beside it")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = OUT if args.model == "llama-7b" else OUT.with_name(f"simulate_sharding_{args.model}.md")
     policies = args.policies.split(",")
     rows = measure(args.model, args.world_size, args.dataset, args.global_batch_tokens, args.steps, policies)
     text = table(rows, policies) + "\n"
@@ -106,7 +111,10 @@ def main() -> None:
         f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {platform.node() or 'host'}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}). H100 analytic cost model, {args.world_size} GPUs, {rows[0]['samples']} samples "
         f"({args.steps} global batches of {args.global_batch_tokens:,} tokens) from `{args.dataset}`, the same for "
-        "every mode.\n\n" + text)
+        "every mode. States per rank as `DCPStrategy(sharding=...)` holds them (bf16 weights and gradients, fp32 "
+        "master and Adam m, v: `W`, `G`, `O`): in the micro-batch loop, which the planner budgets, `none` W+G+O, "
+        "`zero1` W+G+O/N, `zero2` and `fsdp` W+W/N+G+O/N; between steps `zero2` W+W/N+G/N+O/N, `fsdp` (W+G+O)/N "
+        "(`lightning_dcp.planning.state_sharding`). No mode adds time per micro-batch.\n\n" + text)
 
 
 if __name__ == "__main__":
