@@ -18,8 +18,8 @@ executor, :mod:`lightning_dcp.runtime.executor`, calls it):
   raises :class:`StepOutOfMemoryError` naming the file; its partners' collectives fail (peer gone)
   or time out (``DCPStrategy(timeout=...)``) and the run ends. ``trainer.fit(..., ckpt_path=that
   file)`` resumes at the failed step, re-planned with the lowered limit: the same samples, so the
-  weights equal those of a run without the fault. No file is written with ``zero1=True`` (the
-  optimizer state is sharded; gathering it needs every rank) or ``DCPStrategy(oom_checkpoint=False)``.
+  weights equal those of a run without the fault. No file is written with a ``sharding`` other than
+  ``"none"`` (sharded states; gathering them needs every rank) or ``DCPStrategy(oom_checkpoint=False)``.
 
 The planner stays pure: a re-plan is a new planner over a lowered cost model, deterministic on
 every rank, built from what every rank agreed on (the step plan and the gathered failure flags).
