@@ -70,4 +70,4 @@ def test_train_command_runs_two_processes_end_to_end(tmp_path):
                            "--quiet-plans", "--default-root-dir", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "DCP training done: 2 steps on 2 CPU processes" in proc.stdout
+    assert "DCP training done: 2 steps on 2 CPU processes, policy=dcp, SP sizes used" in proc.stdout

@@ -46,6 +46,12 @@ class PlanPrinter(pl.Callback):
                         f"imbalance={m.imbalance:.3f} time={m.step_s:.2f}s loss={m.loss:.4f}")
 
 
+def _policy(strategy: Any) -> str:
+    """The planner policy the strategy runs (a user planner by its class name)."""
+    settings = strategy.settings
+    return settings.policy if settings.planner is None else type(settings.planner).__name__
+
+
 def training_summary(trainer: pl.Trainer) -> str:
     """Two lines after a DCP fit: steps, processes, policy and SP sizes used; then the mean imbalance
     over the steps after the first (the first includes start-up), tokens/s and the last loss."""
@@ -57,7 +63,7 @@ def training_summary(trainer: pl.Trainer) -> str:
     tps = sum(m.tokens_per_s for m in warm) / max(1, len(warm))
     kind = "GPU" if strategy.root_device.type == "cuda" else "CPU"
     head = (f"\nDCP training done: {trainer.global_step} steps on {trainer.world_size} {kind} processes, "
-            f"policy={getattr(strategy, 'policy', None)}, SP sizes used {sizes}")
+            f"policy={_policy(strategy)}, SP sizes used {sizes}")
     if not hist:
         return head + "\nno steps ran"
     return head + (f"\nimbalance ratio (mean over steps after the first): {mean_imb:.3f}   tokens/s: {tps:,.0f}   "
