@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a collective may wait before the run stops with an error naming the step, item "
                              "and group (default 300)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp"), default="none",
+                        help="how the model states are sharded over the processes (DCPStrategy(sharding=...); default none)")
     parser.add_argument("--ckpt-path", default=None,
                         help="resume from this Lightning checkpoint, e.g. the dcp_oom/ file an out-of-memory stop names")
     parser.add_argument("--default-root-dir", default=None,
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     module = DCPTransformerModule(model=args.model)
     try:
         strategy = DCPStrategy(policy=args.policy, global_batch_size=args.global_batch_size, seed=args.seed,
-                               profile=args.profile, timeout=args.timeout)
+                               profile=args.profile, timeout=args.timeout, sharding=args.sharding)
     except ValueError as err:
         raise CLIError(str(err)) from None
     callbacks = [PlanPrinter(args.quiet_plans)] + ([] if args.no_progress_bar else [_progress_bar()])
