@@ -295,6 +295,23 @@ def test_prepare_shifts_inside_samples():
     assert nolabels[SHIFT_LABELS].tolist() == [ids[1], ids[2], -100, ids[4], -100]
 
 
+def test_untested_family_whose_head_transforms_logits_is_refused_at_once():
+    """Granite scales its logits (config.logits_scaling): a family outside the tested list is checked at
+    construction -- a packed batch must give each sample's own logits -- never trained 8x off."""
+    import transformers
+
+    def granite(scaling: float):
+        torch.manual_seed(0)
+        cfg = transformers.GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         logits_scaling=scaling)
+        return transformers.GraniteForCausalLM(cfg)
+
+    with pytest.raises(ValueError, match=r"not among the tested families.*relative error .*logits_scaling"):
+        CausalLMModule(granite(8.0))
+    CausalLMModule(granite(1.0))  # the same family without the transform passes the check
+
+
 def test_module_refuses_unprepared_dcp_batches():
     """A DCP micro-batch the strategy did not pass through dcp_prepare_batch is refused, not silently mis-shifted."""
     from lightning_dcp.sp.context import TOKEN_WEIGHT

@@ -149,6 +149,36 @@ def check_causal_lm_head(model: nn.Module) -> None:
                          "apply: subclass CausalLMModule and override forward (logits = head(hidden) * logit_scale).")
 
 
+def verify_packed_logits(model: nn.Module, lengths: Sequence[int] = (5, 3), rtol: float = 1e-3) -> None:
+    """Raise at once unless a packed batch of ``lengths`` samples gets each sample's own logits from the
+    model's own forward (for families outside :data:`~lightning_dcp.hf.TESTED_MODEL_TYPES`, whose heads
+    may scale or transform logits in ways :func:`causal_lm_logits` does not know, e.g. Granite's
+    ``config.logits_scaling``). One small forward on the model's device and dtype, no gradients."""
+    param = next(model.parameters())
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, vocab, (n,), generator=gen)} for n in lengths]
+    batch = {k: (v.to(param.device) if isinstance(v, torch.Tensor) else v)
+             for k, v in prepare_causal_lm_batch(pack_samples(samples)).items()}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = causal_lm_logits(model, batch).float()
+            own = torch.cat([model(input_ids=s["input_ids"].to(param.device)[None]).logits[0].float() for s in samples])
+    finally:
+        model.train(was_training)
+    err = float((packed - own).abs().max() / own.abs().max().clamp_min(1e-6))
+    if not err <= rtol:  # also catches NaN
+        name, model_type = type(model).__name__, getattr(model.config, "model_type", "?")
+        suspects = sorted(k for k, v in model.config.to_dict().items()
+                          if any(w in k for w in ("scal", "multiplier", "softcap")) and v not in (None, 1, 1.0, False))
+        hint = f" (config fields that may transform the logits: {', '.join(suspects)})" if suspects else ""
+        raise ValueError(f"CausalLMModule: {name} (model_type {model_type!r}, not among the tested families) does not "
+                         f"get its own logits from a packed batch: relative error {err:.2e}{hint}. Subclass CausalLMModule "
+                         "and override forward to apply the head as the model's own forward does, or use a tested family")
+
+
 def causal_lm_logits(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """fp32 logits ``[local_tokens, vocab]`` of an adapted causal LM on a prepared packed batch.
 
@@ -201,6 +231,8 @@ class CausalLMModule(StepLossLogging, pl.LightningModule):
         super().__init__()
         self.model = model if is_adapted(model) else adapt(model)
         check_causal_lm_head(self.model)
+        if not is_tested_family(self.model):
+            verify_packed_logits(self.model)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
 
     def dcp_support_message(self, support: str) -> str | None:
