@@ -1,11 +1,12 @@
 """Build hook: installs ``lightning_dcp_strategies.pth`` next to the package in site-packages.
 
 Lightning resolves ``Trainer(strategy="dcp")`` from its own registry and has no entry point for
-third-party strategies, so the name exists only once ``lightning_dcp`` was imported. The ``.pth``
-line runs at interpreter start-up and imports ``lightning_dcp`` -- which loads neither torch nor
-Lightning, only a one-shot import hook (:mod:`lightning_dcp._registry`) -- so ``strategy="dcp"``
-works after ``pip install lightning-dcp`` in any script, with no import of ours. Editable installs
-(``pip install -e``) do not get the file: there, ``import lightning_dcp`` first.
+third-party strategies, so the name exists only once our registration ran. The ``.pth`` line runs at
+interpreter start-up and calls ``_lightning_dcp_strategies.install()``, which loads only the one-shot
+import hook ``lightning_dcp/_registry.py`` (no torch, no Lightning, not the package itself), so
+``strategy="dcp"`` works after ``pip install lightning-dcp`` in any script, with no import of ours.
+Editable installs (``pip install -e``) do not get the file: there, ``import lightning_dcp`` first.
+The sdist carries the file through ``MANIFEST.in``.
 """
 
 import os

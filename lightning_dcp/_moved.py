@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from typing import Mapping
 
 __all__ = ["REMOVAL_VERSION", "alias", "warn_moved"]
 
@@ -19,14 +20,19 @@ __all__ = ["REMOVAL_VERSION", "alias", "warn_moved"]
 REMOVAL_VERSION = "0.3.0"
 
 
-def warn_moved(old: str, new: str) -> None:
-    """The one ``DeprecationWarning`` of a shim at ``old`` whose names now live in ``new``."""
-    warnings.warn(f"{old} is deprecated: import from {new} (moved in 0.2.0; the alias is removed in {REMOVAL_VERSION})",
-                  DeprecationWarning, stacklevel=3)
+def warn_moved(old: str, homes: str | Mapping[str, str], stacklevel: int = 3) -> None:
+    """The one ``DeprecationWarning`` of the shim at ``old``, pointing at the line that imported it.
+
+    ``homes``: the new module of all its names, or ``{new module: "Name, Name"}`` when they went to several.
+    ``stacklevel``: 3 when the shim calls this directly (this function, the shim, the importer).
+    """
+    where = homes if isinstance(homes, str) else "; ".join(f"{names} from {module}" for module, names in homes.items())
+    warnings.warn(f"{old} is deprecated: import {'from ' if isinstance(homes, str) else ''}{where} (moved in 0.2.0; "
+                  f"{old} is removed in {REMOVAL_VERSION})", DeprecationWarning, stacklevel=stacklevel)
 
 
 def alias(old: str, new: str) -> None:
     """Make module ``old`` an alias of module ``new`` (called from the shim at ``old``)."""
     module = importlib.import_module(new)
-    warn_moved(old, new)
+    warn_moved(old, new, stacklevel=4)  # this function, warn_moved's caller and the shim come first
     sys.modules[old] = module

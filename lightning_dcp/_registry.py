@@ -12,9 +12,8 @@ built. :func:`install` does it at the cheapest moment:
 
 What is registered is a small factory, not the class: ``StrategyRegistry.get("dcp")`` calls it,
 and only then is the strategy imported (never while Lightning is still half initialised), through
-the package's lazy ``lightning_dcp.DCPStrategy``: this module names no runtime module, so the
-strategy (which registers itself the same way, ``DCPStrategy.register_strategies``) and this module
-do not import each other.
+the package's lazy ``lightning_dcp.DCPStrategy``: this module names no runtime module, so it and the
+strategy (whose ``register_strategies`` calls :func:`register`) do not import each other.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Any
 
 #: The module whose import the hook waits for, and the registry name inside it.
 _TARGET = "lightning.pytorch.strategies"
-#: Strategy names and the start method each selects (the same as ``DCPStrategy.registry_names``, tested).
+#: Strategy names and the start method each selects.
 _NAMES = (("dcp", "popen"), ("dcp_spawn", "spawn"))
 
 

@@ -3,8 +3,8 @@
 from lightning_dcp._moved import warn_moved
 from lightning_dcp.runtime.sampler import DCPBatchSampler  # noqa: F401
 from lightning_dcp.runtime.loader import DCPDataLoader, StepDataset, collate_step  # noqa: F401
-from lightning_dcp.runtime.lengths import check_lengths, resolve_lengths  # noqa: F401
+from lightning_dcp.runtime.lengths import check_lengths, resolve_lengths, LENGTHS_HELP  # noqa: F401
 
-__all__ = ['DCPBatchSampler', 'DCPDataLoader', 'StepDataset', 'check_lengths', 'collate_step', 'resolve_lengths']
+__all__ = ['DCPBatchSampler', 'DCPDataLoader', 'LENGTHS_HELP', 'StepDataset', 'check_lengths', 'collate_step', 'resolve_lengths']
 
-warn_moved(__name__, "lightning_dcp.runtime.sampler")
+warn_moved(__name__, {"lightning_dcp.runtime.sampler": "DCPBatchSampler", "lightning_dcp.runtime.loader": "DCPDataLoader, StepDataset, collate_step", "lightning_dcp.runtime.lengths": "check_lengths, resolve_lengths, LENGTHS_HELP"})

@@ -8,4 +8,4 @@ from lightning_dcp.runtime.model import find_num_heads  # noqa: F401
 
 __all__ = ['DCPStrategy', 'DEFAULT_TIMEOUT_S', 'DefaultCostModel', 'find_num_heads']
 
-warn_moved(__name__, "lightning_dcp.runtime.strategy")
+warn_moved(__name__, {"lightning_dcp.runtime.strategy": "DCPStrategy", "lightning_dcp.runtime.settings": "DEFAULT_TIMEOUT_S", "lightning_dcp.planning.default_cost": "DefaultCostModel", "lightning_dcp.runtime.model": "find_num_heads"})

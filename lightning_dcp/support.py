@@ -6,4 +6,4 @@ from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner  # noqa
 
 __all__ = ['PaddedCostModel', 'PaddedPlanner', 'SUPPORT_LEVELS', 'micro_batch_loss_units', 'resolve_support', 'safe_mode_message', 'uniform_lengths']
 
-warn_moved(__name__, "lightning_dcp.runtime.support")
+warn_moved(__name__, {"lightning_dcp.runtime.support": "SUPPORT_LEVELS, micro_batch_loss_units, resolve_support, safe_mode_message, uniform_lengths", "lightning_dcp.planning.padded": "PaddedCostModel, PaddedPlanner"})

@@ -92,7 +92,8 @@ def test_strategy_names_registered_whatever_the_import_order(first):
 
 def test_installed_wheel_registers_dcp_without_an_import(tmp_path):
     """``pip install lightning-dcp`` puts a ``.pth`` line in site-packages: ``strategy="dcp"`` works in a
-    script that never imports lightning_dcp, and start-up imports neither torch nor Lightning."""
+    script that never imports lightning_dcp; start-up imports neither torch, Lightning nor the package itself
+    (so a source checkout earlier on ``sys.path`` still provides the package)."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
     import zipfile
@@ -100,18 +101,18 @@ def test_installed_wheel_registers_dcp_without_an_import(tmp_path):
     (wheel,) = tmp_path.glob("lightning_dcp-*.whl")
     site_dir = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
-        pth = [n for n in zf.namelist() if n.endswith(".pth")]
-        assert pth == ["lightning_dcp_strategies.pth"], pth
-        zf.extract(pth[0], site_dir)
+        assert [n for n in zf.namelist() if n.endswith(".pth")] == ["lightning_dcp_strategies.pth"]
+        zf.extractall(site_dir)  # what pip puts in site-packages
     out = _python(f"""
         import json, site, sys
         site.addsitedir({str(site_dir)!r})  # what the interpreter does with site-packages at start-up
-        at_start = sorted(m for m in {HEAVY!r} if m in sys.modules)
+        at_start = sorted(m for m in {HEAVY!r} + ("lightning_dcp",) if m in sys.modules)
         import lightning.pytorch as pl
         trainer = pl.Trainer(strategy="dcp", accelerator="cpu", devices=1, logger=False)
-        print(json.dumps([at_start, type(trainer.strategy).__name__]))
+        import lightning_dcp
+        print(json.dumps([at_start, type(trainer.strategy).__name__, lightning_dcp.__file__.startswith({str(ROOT)!r})]))
     """)
-    assert json.loads(out) == [[], "DCPStrategy"]
+    assert json.loads(out) == [[], "DCPStrategy", True]
 
 
 def test_without_deepspeed_the_package_imports_and_trains_at_sp1():

@@ -235,6 +235,10 @@ def _two_processes(rank: int, world: int, tmp: str) -> None:
         assert all([sum(r in it["ranks"] for it in p["items"]) for r in (0, 1)] == [1, 7] for p in plans), plans
         assert len(trainer.predict(module)) == 2 and "val_loss" in trainer.validate(module, verbose=False)[0]
         _check_reference(rank, _full_weights(module), plans, 3, f"{mode} with 1 vs 7 micro-batches")
+        # (f) a second fit on the same trainer and strategy, after validate/predict, reuses the sharded units
+        trainer.fit_loop.epoch_loop.max_steps = trainer.global_step + 1
+        trainer.fit(module)
+        assert trainer.global_step == 4
         # (e) out of memory in an SP-1 micro-batch: the step is re-planned in process and stays exact
         module, trainer, plans = _fit(world, mode, RandomPlanner(world, seed=5, force_mix=True), 2, module=OOMOnceLM())
         assert trainer.strategy.oom_replans == 1
@@ -250,7 +254,8 @@ def _two_processes(rank: int, world: int, tmp: str) -> None:
 
 def test_sharded_two_processes_clip_resume_skewed_counts_and_errors(tmp_path):
     """Per mode: clipped run = reference; resume from a sharded checkpoint = uninterrupted; 1 vs 7
-    micro-batches per step finish (hard time-out of the launch) and are exact; bad inputs raise."""
+    micro-batches per step finish (hard time-out of the launch) and are exact; a second fit on the same
+    strategy works; bad inputs raise."""
     run_distributed(_two_processes, 2, str(tmp_path), timeout=500)
 
 
@@ -340,3 +345,19 @@ def _tiny_profile() -> dict:
             "device": {"memory_limit_bytes": 1e9}, "entries": entries,
             "constant": {"time_s": 1e-4, "optimizer_s": 1e-3, "allreduce_s": 1e-3, "memory_bytes": 404.0,
                          "param_bytes": 100.0}}
+
+
+def test_planner_memory_does_not_depend_on_allocated_optimizer_state():
+    """The optimizer bytes the planner gets are the class estimate: the same before the first step and
+    after a resume (a ZeroRedundancyOptimizer's uneven partitions would otherwise differ across ranks and
+    stop a resumed zero1 run at the cost-model agreement check)."""
+    strategy = DCPStrategy(sharding="zero1")
+    module = TinyLM(optimizer="adamw")
+    strategy.connect(module)
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+    strategy.optimizers = [opt]
+    before = strategy.model_states().optimizer
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # allocates exp_avg, exp_avg_sq (and step counters)
+    assert strategy.model_states().optimizer == before == 2 * sum(p.numel() * 4 for p in module.parameters())

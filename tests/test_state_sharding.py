@@ -190,3 +190,16 @@ def test_profiled_with_sharding_plans_with_the_runtime_states():
     # a new profile without measured bytes in states: the profile's own split
     new = profiled()
     assert new.with_sharding({"sharding": "zero2", "world_size": 8}).freed_bytes == profiled("zero2").freed_bytes
+
+
+def test_with_sharding_keeps_a_users_subclass():
+    """A user's subclass of a cost model keeps its overrides when the runtime re-plans it for its sharding."""
+    class Mine(AnalyticCostModel):
+        def step_overhead(self, world_size: int) -> float:
+            return 42.0
+
+    mine = Mine(get_model("transformer-1d"), get_hardware("h100"), 8)
+    states = {"sharding": "zero1", "world_size": 4, "weights": 1e9, "buffers": 0.0, "gradients": 1e9, "optimizer": 2e9}
+    got = mine.with_sharding(states)
+    assert type(got) is Mine and got.step_overhead(4) == 42.0
+    assert got.sharding == "zero1" and got.world_size == 4 and got.state_bytes == pytest.approx(1e9 + 1e9 + 2e9 / 4)

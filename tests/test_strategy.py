@@ -140,8 +140,18 @@ def test_registry():
     assert "dcp" in StrategyRegistry and "dcp_spawn" in StrategyRegistry
     assert isinstance(StrategyRegistry.get("dcp_spawn"), DCPStrategy)
     assert StrategyRegistry.get("dcp_spawn")._start_method == "spawn"
-    assert tuple(DCPStrategy.registry_names) == tuple(_registry._NAMES)
-    assert "ddp" not in [n for n, _ in DCPStrategy.registry_names]
+    assert [n for n, _ in _registry._NAMES] == ["dcp", "dcp_spawn"]
+    assert not isinstance(StrategyRegistry.get("ddp"), DCPStrategy)  # DDP's own names are left alone
+
+
+def test_old_strategy_attributes_read_the_settings_with_a_warning():
+    s = DCPStrategy(seed=7, policy="bucket", support="packed")
+    with pytest.warns(DeprecationWarning, match=r"DCPStrategy.seed is deprecated: read DCPStrategy.settings.seed"):
+        assert s.seed == 7
+    with pytest.warns(DeprecationWarning):
+        assert s.policy == "bucket" and s.requested_support == "packed"
+    with pytest.raises(AttributeError, match="no attribute 'not_a_setting'"):
+        s.not_a_setting  # noqa: B018
 
 
 def _rows(*values):

@@ -14,7 +14,7 @@ import math
 import operator
 from typing import Any, Mapping, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.planning.state_sharding import SHARDING_MODES, resolve_sharding, state_bytes
@@ -465,10 +465,11 @@ class AnalyticCostModel(CostModel):
         ``weights``/``buffers``/``gradients``/``optimizer`` bytes when ``states`` has them (then
         :attr:`state_bytes` is the runtime's ``step_bytes``). ``states`` is
         :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
-        return AnalyticCostModel(self.model, self.hardware, int(states["world_size"]), memory_limit=self.memory_limit,
-                                 dtype_bytes=self.dtype_bytes, sharding=states["sharding"],
-                                 activation_factor=self.activation_factor,
-                                 state_parts=state_parts_of(states, required=False))
+        rebuilt = AnalyticCostModel(self.model, self.hardware, int(states["world_size"]), memory_limit=self.memory_limit,
+                                    dtype_bytes=self.dtype_bytes, sharding=states["sharding"],
+                                    activation_factor=self.activation_factor,
+                                    state_parts=state_parts_of(states, required=False))
+        return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def signature(self) -> dict:
         return {

@@ -11,6 +11,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -130,3 +131,13 @@ class CostModel(abc.ABC):
     def ideal_time(self, lengths: Sequence[int]) -> float:
         """Compute-only time of these samples on one device: the ideal bound's numerator."""
         return sum(self.item_cost([n], 1, 0).ideal for n in lengths)
+
+
+def keep_class(original: CostModel, rebuilt: CostModel) -> CostModel:
+    """``rebuilt`` (built by a base class, e.g. for another sharding mode) as an instance of ``original``'s
+    class: a user's subclass keeps its overridden methods and its own attributes; the rebuilt state wins."""
+    if type(original) is type(rebuilt):
+        return rebuilt
+    new = copy.copy(original)
+    new.__dict__.update(rebuilt.__dict__)
+    return new

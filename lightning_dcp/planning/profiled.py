@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lightning_dcp.planning.analytic import _positive_int
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
 from lightning_dcp.planning.state_sharding import resolve_sharding, state_bytes
 from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
@@ -288,8 +288,9 @@ class ProfiledCostModel(CostModel):
         ``optimizer`` bytes when ``states`` has them (so a profile without the state fields works under
         the runtime), else from the profile's. ``states`` is
         :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
-        return ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
-                                 world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False))
+        rebuilt = ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
+                                    world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False))
+        return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def _allreduce_seconds(self, W: int) -> float:
         """Step-end gradient all-reduce over ``W`` ranks: measured, or rescaled from the profile's world."""

@@ -157,7 +157,7 @@ def _model_states(module: nn.Module, states_module: nn.Module | None, optimizer:
     return _States(sum(p.numel() for p in trainable), param_bytes, trainable[0].dtype if trainable else torch.float32,
                    weight_bytes=sum(p.numel() * p.element_size() for p in params),
                    buffer_bytes=sum(b.numel() * b.element_size() for b in source.buffers()),
-                   optimizer_bytes=measure.optimizer_state_bytes(optimizer, param_bytes))
+                   optimizer_bytes=measure.optimizer_state_estimate(getattr(optimizer, "optim", optimizer), param_bytes))
 
 
 def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _States) -> dict[str, float]:

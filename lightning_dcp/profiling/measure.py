@@ -312,13 +312,12 @@ def optimizer_time(optimizer: Any, layer: nn.Module, total_numel: int) -> float:
     return statistics.median(times) * total_numel / numel
 
 
-def optimizer_state_bytes(optimizer: Any, trainable_bytes: int) -> int:
-    """The optimizer state's bytes: the real state when it exists, else an estimate by class."""
+def optimizer_state_estimate(optimizer: Any, trainable_bytes: int) -> int:
+    """The full optimizer state's bytes by class, whatever has been allocated yet (the same on every rank,
+    for a sharded optimizer too, and before and after a resume): Adam-like 2x the trainable bytes, SGD with
+    momentum 1x, plain SGD 0, anything else 2x."""
     if optimizer is None:
         return 0
-    state = getattr(optimizer, "state", None)
-    if state:
-        return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
     name = type(optimizer).__name__.lower()
     if "adam" in name:
         return 2 * trainable_bytes

@@ -23,14 +23,15 @@ and the runtime moves the weights itself, the same collectives in the same order
 5. ``"zero2"``: ``unshard()``, one all-gather per unit, so the weights are full again until the next
    step (``"fsdp"`` stays sharded until the next step's start).
 
-Memory per rank (``W`` weights, ``G`` gradients, ``O`` optimizer state of the full model, ``N``
-ranks): ``"zero2"`` holds ``W + W/N + G/N + O/N`` between steps (FSDP keeps the shard beside the full
-weights) and ``W + W/N + G + O/N`` in the loop; ``"fsdp"`` holds ``W/N + G/N + O/N`` between steps
-and the same as ``"zero2"`` in the loop (the price of no collective inside it: full weights and full
-local gradients during the step). So in the loop -- where the activations' room is decided --
-``"zero1"`` (``W + G + O/N``) holds the least; ``"zero2"`` / ``"fsdp"`` free memory between steps
-(evaluation, co-resident models) and write sharded checkpoints without gathering anything on one
-rank. :mod:`lightning_dcp.runtime.states` turns this into the planner's static memory.
+Memory per rank (``W`` weights, ``B`` buffers, ``G`` gradients, ``O`` optimizer state of the full model,
+``N`` ranks; the formulas live in :mod:`lightning_dcp.planning.state_sharding`): ``"zero2"`` holds
+``W + W/N + B + G/N + O/N`` between steps (FSDP keeps the shard beside the full weights) and
+``W + W/N + B + G + O/N`` in the loop; ``"fsdp"`` holds ``W/N + B + G/N + O/N`` between steps and the
+same as ``"zero2"`` in the loop (the price of no collective inside it: full weights and full local
+gradients during the step). So in the loop -- where the activations' room is decided -- ``"zero1"``
+(``W + B + G + O/N``) holds the least; ``"zero2"`` / ``"fsdp"`` free memory between steps (evaluation,
+co-resident models) and write sharded checkpoints without gathering anything on one rank.
+:mod:`lightning_dcp.runtime.states` turns this into the planner's static memory.
 
 A true ZeRO-3 peak (weights gathered per layer inside the loop) would need every rank to run the
 same number of micro-batch *rounds*, each SP item in the same round on all its ranks and zero-weight

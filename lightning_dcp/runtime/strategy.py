@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -72,6 +73,12 @@ from lightning_dcp.runtime.support import resolve_support, support_message, unif
 from lightning_dcp.runtime.watchdog import ShutdownWatchdog
 
 __all__ = ["DCPStrategy"]
+
+#: Strategy attributes before 0.2.0 -> the :class:`DCPSettings` field that holds them now.
+_OLD_SETTINGS_ATTRS = {name: name for name in (
+    "policy", "profile", "global_batch_size", "global_batch_tokens", "loss_reduction", "zero1", "seed", "plan_ahead",
+    "shuffle", "drop_last", "planner_options", "log_metrics", "bucket_cap_bytes", "sigterm_grace_s", "max_oom_replans",
+    "oom_checkpoint")} | {"requested_support": "support"}
 
 
 class DCPStrategy(DDPStrategy):
@@ -227,19 +234,26 @@ class DCPStrategy(DDPStrategy):
         """The cost model the planner uses (given, measured by the profiler, or the fallback)."""
         return self._cost_model
 
-    # ------------------------------------------------------------------ registration
-    #: The names this strategy is registered under, with the launcher's start method each selects.
-    #: ``import lightning_dcp`` registers the same names without importing torch (:mod:`lightning_dcp._registry`).
-    registry_names = (("dcp", "popen"), ("dcp_spawn", "spawn"))
+    def __getattr__(self, name: str) -> Any:
+        """The arguments that were attributes of the strategy before 0.2.0 (``strategy.seed``, ``.policy``...):
+        read from :attr:`settings`, with a ``DeprecationWarning`` (removed in 0.3.0)."""
+        field = _OLD_SETTINGS_ATTRS.get(name)
+        settings = self.__dict__.get("settings")  # never __getattr__ again (unpickling, early look-ups)
+        if field is None or settings is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"DCPStrategy.{name} is deprecated: read DCPStrategy.settings.{field} (removed in 0.3.0)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(settings, field)
 
+    # ------------------------------------------------------------------ registration
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"dcp"`` (popen launcher, for scripts/CLIs) and ``"dcp_spawn"`` in ``strategy_registry``
-        (names already there are left alone; DDP's own names are never taken over)."""
-        for name, start_method in cls.registry_names:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"Data-Centric Parallel strategy "
-                                           f"(start_method={start_method!r})", start_method=start_method)
+        (what ``import lightning_dcp`` does for Lightning's registry; see :mod:`lightning_dcp._registry`).
+        Names already there are left alone, and DDP's own names are never taken over."""
+        from lightning_dcp._registry import register
+
+        register(strategy_registry)
 
     # ------------------------------------------------------------------ environment and setup
     def setup_environment(self) -> None:
@@ -277,6 +291,7 @@ class DCPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
+            self.oom.replans = 0  # dcp/oom_replans counts this fit's re-plans
             self._check_fit(trainer, module)
             message = support_message(module, self.support)
             if message:
@@ -371,7 +386,7 @@ class DCPStrategy(DDPStrategy):
 
             self._check_sharding_agreement()
             if self.shards is not None and self.shards.module is self.model:
-                self.shards.at_rest()
+                self.shards.reshard()  # the optimizer is built over the sharded parameters; setup() then unshards
                 return
             _sync_module_states(self.model)
             if self._fully_sharded:
@@ -390,7 +405,7 @@ class DCPStrategy(DDPStrategy):
     def model_states(self) -> ModelStates:
         """Bytes of the full model's weights, buffers, gradients and optimizer state, and the sharding mode:
         what the planner's static memory is built from (:mod:`~lightning_dcp.runtime.states`)."""
-        from lightning_dcp.profiling.measure import optimizer_state_bytes
+        from lightning_dcp.profiling.measure import optimizer_state_estimate
 
         module = self.lightning_module
         params = list(module.parameters())  # a DTensor counts its global size
@@ -399,9 +414,9 @@ class DCPStrategy(DDPStrategy):
         buffers = sum(b.numel() * b.element_size() for b in module.buffers())
         optimizer = self.optimizers[0] if self.optimizers else None
         optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
-        opt_bytes = optimizer_state_bytes(optimizer, grads)
-        if self.sharding == "zero1" and optimizer is not None and getattr(optimizer, "state", None):
-            opt_bytes *= self.world_size  # the local state is this rank's shard
+        # by class, not the state allocated so far: equal on every rank (ZeroRedundancyOptimizer partitions are
+        # uneven) and before and after a resume, so ranks and runs plan from the same memory
+        opt_bytes = optimizer_state_estimate(optimizer, grads)
         return ModelStates(float(weights), float(buffers), float(grads), float(opt_bytes), sharding=self.sharding,
                            world_size=self.world_size)
 
