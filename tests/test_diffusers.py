@@ -218,8 +218,8 @@ def test_bad_input_names_the_sample_and_the_fix():
     with pytest.raises(ValueError, match=r"sample 21: no text embeddings"):
         packed_forward(model, batch)
     big = [video_sample(torch.randn(4, 1, 2, 70), torch.randn(2, TEXT_DIM), PATCH, index=5)]
-    with pytest.raises(ValueError, match=r"sample 5: patch grid .* = \(1, 1, 35\) reaches the model's rotary table length "
-                                         r"rope_max_seq_len=32"):
+    with pytest.raises(ValueError, match=r"sample 5: patch grid .* = \(1, 1, 35\) is longer than the model's rotary "
+                                         r"table \(rope_max_seq_len=32 positions per axis\)"):
         packed_forward(model, _with_inputs(pack_samples(big), [1.0]))
     i2v = adapt(make_wan(i2v=True))
     no_image = _with_inputs(pack_samples(samples), [1.0] * 4)
@@ -230,6 +230,25 @@ def test_bad_input_names_the_sample_and_the_fix():
         packed_forward(model, no_image)
     with pytest.raises(ValueError, match="prepared by lightning_dcp.diffusers.adapt"):
         packed_forward(make_wan(), batch)
+
+
+def test_grid_at_the_rotary_limit():
+    """A grid side equal to rope_max_seq_len (positions 0..limit-1) runs, and equals diffusers' own forward,
+    which accepts it; one more is refused, naming the sample."""
+    ref = make_wan(layers=1).eval()
+    model = adapt(copy.deepcopy(ref)).eval()
+    limit = int(ref.rope.max_seq_len)
+    (lat, text), = raw_videos([(1, 1, limit)])
+    sample = video_sample(lat, text, PATCH, text_len=None, index=3)
+    batch = pack_samples([sample])
+    with torch.no_grad():
+        got = unpack_output(packed_forward(model, _with_inputs(batch, [500.0])), batch, PATCH)[0]
+        want = ref(lat[None], torch.tensor([500.0]), per_sample_embeds(sample[TEXT])).sample[0]
+    assert (got - want).abs().max().item() < 1e-5
+    (lat, text), = raw_videos([(1, 1, limit + 1)])
+    over = pack_samples([video_sample(lat, text, PATCH, text_len=None, index=4)])
+    with pytest.raises(ValueError, match=rf"sample 4: patch grid .* = \(1, 1, {limit + 1}\) is longer"):
+        packed_forward(model, _with_inputs(over, [500.0]))
 
 
 def test_unsupported_models_raise():
