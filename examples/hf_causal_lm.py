@@ -13,12 +13,13 @@ samples need an SP group of 2 and recomputed layers, as on a GPU at real sizes. 
 prints its plan as ``lightning-dcp train`` does (SP sizes, micro-batches per rank, recompute; see
 ``lightning-dcp train --help``), and the run ends with the imbalance ratio.
 
-Real checkpoint on GPUs (bf16, all visible GPUs; a local path or a hub id)::
+Real checkpoint on GPUs (fp32 weights, bf16-mixed, all visible GPUs; a local path or a hub id)::
 
     python examples/hf_causal_lm.py --model Qwen/Qwen2.5-0.5B --steps 200 --global-batch 64 --max-len 8192
 
-With ``--model`` the script loads ``AutoModelForCausalLM.from_pretrained(path, dtype=bfloat16)``,
-uses ``precision="bf16-true"``, ``devices=-1`` and the GPUs' own memory; plug your own tokenized dataset in
+With ``--model`` the script loads ``AutoModelForCausalLM.from_pretrained(path, dtype=float32)``,
+uses ``precision="bf16-mixed"`` (fp32 weights: with bf16 weights most AdamW updates at lr 1e-5 round to
+no change), ``devices=-1`` and the GPUs' own memory; plug your own tokenized dataset in
 ``make_dataset`` (each sample a dict with ``input_ids`` and optionally ``labels``, -100 = no loss;
 the dataset needs a ``lengths`` attribute: tokens per sample, without loading them).
 """
@@ -100,8 +101,10 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
-        trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-true")
+        # fp32 weights (transformers' default dtype "auto" would load a bf16 checkpoint as bf16), bf16 matmuls:
+        # with bf16 weights most AdamW updates at small learning rates round to no change
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-mixed")
     module = CausalLMModule(model, lr=args.lr)  # adapts the model in place (attention, recompute switch)
     limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (
         CPU_MEMORY_LIMIT_MIB if args.model is None else None)

@@ -414,6 +414,24 @@ def test_plain_trainer_matches_reference():
     assert worst < 1e-5
 
 
+def test_bf16_mixed_trains_fp32_weights():
+    """The README's recipe: fp32 weights under precision="bf16-mixed". The forward runs under bf16 autocast
+    (a linear layer's output is bf16), the weights stay fp32, and AdamW at lr 1e-5 moves every one of them
+    (bf16 weights would lose most such updates to rounding)."""
+    module = VideoDiffusionModule(make_wan(seed=3), lr=1e-5, seed=FLOW_SEED)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    seen = []
+    module.model.blocks[0].ffn.net[2].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    loader = torch.utils.data.DataLoader(_Videos(n=4), batch_size=4, collate_fn=VideoDiffusionModule.collate)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, precision="bf16-mixed", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert seen == [torch.bfloat16]
+    for n, p in module.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.isfinite(p).all(), n
+        assert (p != before[n]).float().mean() > 0.5, f"{n}: most weights did not move"
+
+
 def test_profiler_measures_an_adapted_wan():
     """The dual-layer profiler drives VideoDiffusionModule as the strategy does (dcp_prepare_batch, then two Wan
     blocks from dcp_repeated_layers()) on the dataset's own samples: lengths are video tokens, text as in the data."""
