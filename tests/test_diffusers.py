@@ -414,6 +414,32 @@ def test_plain_trainer_matches_reference():
     assert worst < 1e-5
 
 
+def test_val_loss_uses_the_same_noise_every_epoch():
+    """validation_step draws noise and timesteps for epoch VideoDiffusionModule.validation_epoch (0), not the
+    current one: with unchanged weights (lr 0), val_loss is the same in every epoch and equals the epoch-0
+    reference."""
+    val = _Videos(n=3, seed=12)
+    module = _SGDVideo(make_wan(seed=3), lr=0.0, seed=FLOW_SEED)
+    ref = copy.deepcopy(module.model)
+    losses = []
+
+    class _Record(pl.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            losses.append((trainer.current_epoch, float(trainer.callback_metrics["val_loss"])))
+
+    collate = VideoDiffusionModule.collate
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[_Record()])
+    trainer.fit(module, torch.utils.data.DataLoader(_Videos(n=2), batch_size=2, collate_fn=collate),
+                torch.utils.data.DataLoader(val, batch_size=3, collate_fn=collate))
+    assert [e for e, _ in losses] == [0, 1]
+    assert losses[0][1] == losses[1][1], losses
+    with torch.no_grad():
+        want = reference_loss(ref, module.flow, [(i, val[i]) for i in range(3)], "token", epoch=0).item()
+    assert abs(losses[0][1] - want) < 1e-5 * max(1.0, abs(want)), (losses, want)
+
+
 def test_bf16_mixed_trains_fp32_weights():
     """The README's recipe: fp32 weights under precision="bf16-mixed". The forward runs under bf16 autocast
     (a linear layer's output is bf16), the weights stay fp32, and AdamW at lr 1e-5 moves every one of them

@@ -62,6 +62,9 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     dcp_support = "sp"
     #: ``collate_fn`` for plain DataLoaders.
     collate = staticmethod(collate_video)
+    #: The epoch validation draws its noise and timesteps for, whatever the training epoch: each
+    #: validation sample gets the same noise every epoch, so ``val_loss`` is comparable across epochs.
+    validation_epoch = 0
 
     def __init__(self, model: nn.Module, lr: float = 1e-5, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0, shift: float = 5.0,
@@ -115,15 +118,21 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         return (token_loss * weights[TOKEN_WEIGHT].to(token_loss.device)).sum() / max(units, 1)
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        """Mean flow-matching loss over the batch's video tokens, logged as ``val_loss``."""
-        batch = self._as_prepared(batch)
+        """Mean flow-matching loss over the batch's video tokens, logged as ``val_loss``.
+
+        The noise and timesteps are those of epoch :attr:`validation_epoch` in every epoch (keyed on
+        each sample's ``index=``), so ``val_loss`` changes only when the weights do and is comparable
+        across epochs. Samples made without ``index=`` get fresh random noise each time instead.
+        """
+        batch = self._as_prepared(batch, epoch=self.validation_epoch)
         mask = batch[LOSS_MASK].to(torch.float32)
         token_loss = self.token_losses(batch)
         loss = (token_loss * mask.to(token_loss.device)).sum() / mask.sum().clamp_min(1)
         self.log("val_loss", loss, batch_size=int(mask.sum()))
         return loss
 
-    def _as_prepared(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    def _as_prepared(self, batch: Mapping[str, Any], epoch: int | None = None) -> Mapping[str, Any]:
+        """``batch`` with noise, timestep and target (drawn for ``epoch``, default the current one) unless it has them."""
         if HIDDEN_STATES in batch:
             return batch
         latents = batch.get(LATENTS)
@@ -134,7 +143,7 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
                 f"{type(self).__name__}.training_step got a DCP micro-batch without {HIDDEN_STATES!r}: the noise must "
                 "be drawn on the whole packed micro-batch before SP sharding, which DCPStrategy does by calling the "
                 "module's dcp_prepare_batch(batch) hook; this strategy version did not call it.")
-        return self.dcp_prepare_batch(batch)
+        return self.dcp_prepare_batch(batch) if epoch is None else self.flow.prepare(batch, epoch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW over all trainable parameters with ``lr``, ``weight_decay`` and ``betas``."""
