@@ -356,6 +356,26 @@ def test_noise_is_a_function_of_seed_epoch_and_index():
     assert 0 < min(sig) and max(sig) <= 1 and len(set(sig)) > 100
 
 
+def test_sample_index_must_match_the_sampler_index():
+    """Under DCPStrategy the batch has both the samples' own index= and the sampler's true indices: equal, the
+    noise is keyed on them; different (e.g. two datasets in a ConcatDataset each passing index=i), an error names
+    the sample and the fix. A plain DataLoader (no sampler indices) keys the noise on index=."""
+    from lightning_dcp.diffusers.flow import check_sample_indices
+
+    flow = FlowMatching(PATCH, seed=3)
+    raw = raw_videos(GRIDS[:2])
+    own = [video_sample(lat, t, PATCH, text_len=None, index=i) for i, (lat, t) in enumerate(raw)]
+    bare = [video_sample(lat, t, PATCH, text_len=None) for lat, t in raw]
+    want = flow.prepare(pack_samples(bare, sample_indices=[0, 1]), epoch=1)
+    for batch in (pack_samples(own, sample_indices=[0, 1]), pack_samples(own)):  # DCP, plain DataLoader
+        assert torch.equal(flow.prepare(batch, epoch=1)[HIDDEN_STATES], want[HIDDEN_STATES])
+    assert check_sample_indices(pack_samples(bare)) is None
+    collide = pack_samples(own, sample_indices=[7, 1])  # dataset index 7 built with index=0
+    with pytest.raises(ValueError, match=r"the sample at dataset index 7 was made with index=0\..*index must be the "
+                                         r"sample's index in the dataset the DataLoader reads.*ConcatDataset"):
+        flow.prepare(collide, epoch=1)
+
+
 class _Videos(torch.utils.data.Dataset):
     """Any-size latent videos (patch grids up to 3 x 4 x 4 = 48 tokens) with variable-length text, as video_sample dicts."""
 

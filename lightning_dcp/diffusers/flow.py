@@ -27,7 +27,7 @@ from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 from lightning_dcp.diffusers.samples import CONDITION, GRID, LATENTS, SAMPLE_INDEX, input_to_output_layout
 from lightning_dcp.sp.context import CU_SEQLENS, SAMPLE_INDICES
 
-__all__ = ["LOSS_SCALE", "TARGET", "WEIGHTING_SCHEMES", "FlowMatching", "sample_seed"]
+__all__ = ["LOSS_SCALE", "TARGET", "WEIGHTING_SCHEMES", "FlowMatching", "check_sample_indices", "sample_seed"]
 
 #: Per-token velocity target ``noise - x0`` in the model's output layout.
 TARGET = "target"
@@ -41,6 +41,30 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 63-bit generator seed from ``(seed, epoch, index)`` (a hash: the same in every process)."""
     digest = hashlib.sha256(f"lightning-dcp/flow/{int(seed)}/{int(epoch)}/{int(index)}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def check_sample_indices(batch: Mapping[str, Any]) -> list[int] | None:
+    """The dataset index of each sample of a packed micro-batch: the sampler's ``SAMPLE_INDICES`` when
+    present, else the samples' own ``SAMPLE_INDEX``, else ``None``.
+
+    Raises ``ValueError`` when both are present and differ: the noise is keyed on the index, so a
+    sample whose ``index=`` is not its index in the DataLoader's dataset (e.g. the inner index of a
+    ``ConcatDataset`` of two video datasets) could share its noise with another sample.
+    """
+    own, true = batch.get(SAMPLE_INDEX), batch.get(SAMPLE_INDICES)
+    if true is None:
+        return None if own is None else [int(i) for i in own]
+    wrong = [(int(a), int(b)) for a, b in zip(own or (), true) if int(a) != int(b)]
+    if wrong:
+        shown = "; ".join(f"the sample at dataset index {b} was made with index={a}" for a, b in wrong[:3])
+        more = f" (and {len(wrong) - 3} more in this micro-batch)" if len(wrong) > 3 else ""
+        raise ValueError(
+            f"video_sample(..., index=...) disagrees with the dataset index DCPStrategy's sampler drew: {shown}{more}. "
+            "The noise is keyed on the index, so different samples could get the same noise. index must be the "
+            "sample's index in the dataset the DataLoader reads (the i of that dataset's __getitem__(i)); for a "
+            "ConcatDataset, add the sizes of the datasets before it (ConcatDataset.cumulative_sizes), or leave index "
+            "out (DCPStrategy keys the noise on the sampler's index).")
+    return [int(i) for i in true]
 
 
 @dataclass
@@ -91,15 +115,17 @@ class FlowMatching:
         """Add :data:`~lightning_dcp.diffusers.forward.HIDDEN_STATES`, :data:`~lightning_dcp.diffusers.forward.TIMESTEP`,
         :data:`TARGET` and :data:`LOSS_SCALE` (per token) to a whole packed micro-batch of clean latents.
 
-        Sample indices: :data:`~lightning_dcp.diffusers.samples.SAMPLE_INDEX` when the samples carry
-        it, else the DCP sampler's ``sample_indices``; with neither (a plain DataLoader over samples
-        made without ``index=``) the noise comes from the global torch RNG instead -- valid training,
-        but not reproducible across strategies. Padding tokens get zeros and weight 0.
+        Sample indices: the DCP sampler's ``sample_indices`` (the true dataset indices) when present,
+        else :data:`~lightning_dcp.diffusers.samples.SAMPLE_INDEX` (``video_sample(..., index=i)``: a
+        plain DataLoader); with neither (a plain DataLoader over samples made without ``index=``) the
+        noise comes from the global torch RNG instead -- valid training, but not reproducible across
+        strategies. When both are present they must agree (:func:`check_sample_indices`). Padding
+        tokens get zeros and weight 0.
         """
         x0 = batch[LATENTS]
         total, features = x0.shape
         cu = batch[CU_SEQLENS].tolist()
-        indices = batch.get(SAMPLE_INDEX) or batch.get(SAMPLE_INDICES)
+        indices = check_sample_indices(batch)
         noise = torch.zeros(total, features, dtype=torch.float32)
         sigma = torch.zeros(total, 1, dtype=torch.float32)
         timestep = torch.zeros(total, dtype=torch.float32)

@@ -145,8 +145,10 @@ def video_sample(latents: torch.Tensor, encoder_hidden_states: torch.Tensor | No
         patch_size: the model's ``config.patch_size``.
         text_len: zero-pad the text to this many tokens (512: Wan's T5 length, which its pipeline
             pads to and the model attends over; Wan 2.1 I2V needs exactly 512); ``None`` keeps it.
-        index: the dataset index: named in errors, and stored as :data:`SAMPLE_INDEX` (the
-            flow-matching noise is keyed on it when no DCP sampler gives the indices).
+        index: the sample's index in the dataset the DataLoader reads (the ``i`` of its
+            ``__getitem__(i)``; for a ``ConcatDataset``, the index in the concatenation): named in
+            errors, and stored as :data:`SAMPLE_INDEX` (the flow-matching noise is keyed on it when
+            no DCP sampler gives the indices; under DCPStrategy a different index is refused).
         encoder_hidden_states_image: Wan 2.1 I2V image embeddings ``[image_tokens, image_dim]``.
         condition_latents: ``[C_cond, F, H, W]`` extra input channels (same F/H/W), not noised.
 
