@@ -203,7 +203,8 @@ def test_recompute_first_k_blocks_same_grads_and_pickle():
 
 def test_bad_input_names_the_sample_and_the_fix():
     lat = torch.randn(4, 3, 5, 4)
-    with pytest.raises(ValueError, match=r"sample 7: latent height 5 is not a positive multiple of the patch height 2"):
+    with pytest.raises(ValueError, match=r"sample 7: latent height 5 is not a positive multiple of the patch height 2.*"
+                                         r"the VAE's spatial stride x the patch, e.g. 8 x 2 = 16 .* 16 x 2 = 32"):
         video_sample(lat, torch.randn(3, TEXT_DIM), PATCH, index=7)
     with pytest.raises(ValueError, match=r"sample 3 has no encoder_hidden_states .*empty prompt"):
         video_sample(torch.randn(4, 1, 2, 2), None, PATCH, index=3)
@@ -374,6 +375,47 @@ def test_sample_index_must_match_the_sampler_index():
     with pytest.raises(ValueError, match=r"the sample at dataset index 7 was made with index=0\..*index must be the "
                                          r"sample's index in the dataset the DataLoader reads.*ConcatDataset"):
         flow.prepare(collide, epoch=1)
+
+
+def test_timestep_range_draws_one_experts_timesteps():
+    """timestep_range=(lo, hi) draws only timesteps t with lo <= t/1000 < hi, as Wan 2.2's pipeline splits its
+    experts at boundary_ratio (transformer: t >= 875, transformer_2: below), spread over the whole block; the
+    default draws exactly as before (index int(u * 1000) of the full schedule)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    from lightning_dcp.diffusers.flow import sample_seed
+
+    full = FlowMatching(PATCH, seed=3, weighting_scheme="logit_normal")
+    for i in range(20):
+        g = torch.Generator().manual_seed(sample_seed(3, 0, i))
+        u = compute_density_for_timestep_sampling("logit_normal", 1, logit_mean=0.0, logit_std=1.0, generator=g)
+        assert full.draw(i, 0, 1, 1)[1] == float(full.timesteps[min(int(u.item() * 1000), 999)])
+    high = FlowMatching(PATCH, seed=3, timestep_range=(0.875, 1.0))
+    low = FlowMatching(PATCH, seed=3, timestep_range=(0.0, 0.875))
+    t_high = [high.draw(i, 0, 1, 1)[1] for i in range(300)]
+    t_low = [low.draw(i, 0, 1, 1)[1] for i in range(300)]
+    assert min(t_high) >= 875 and max(t_low) < 875
+    assert max(t_high) > 990 and min(t_high) < 885 and min(t_low) < 50 and max(t_low) > 860  # the whole block
+    blocks = [(high._first, high._count), (low._first, low._count)]
+    assert blocks[0][0] == 0 and blocks[0][1] == blocks[1][0] and sum(c for _, c in blocks) == 1000  # a partition
+    module = VideoDiffusionModule(make_wan(), timestep_range=(0.875, 1.0))
+    assert module.flow.timestep_range == (0.875, 1.0)
+    for bad, match in [((0.9, 0.5), r"0 <= lo < hi <= 1.*got \(0\.9, 0\.5\)"), ((0.0, 1.5), "got \\(0.0, 1.5\\)"),
+                       (0.5, r"\(lo, hi\).*got 0\.5"), ((0.99991, 0.99995), "holds none of the schedule's 1000 timesteps")]:
+        with pytest.raises(ValueError, match=match):
+            FlowMatching(PATCH, timestep_range=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(shift=0.0), r"shift must be a positive number .*got 0\.0"),
+    (dict(shift=-3.0), r"shift must be a positive number .*got -3\.0"),
+    (dict(shift=float("nan")), r"shift must be a positive number .*got nan"),
+    (dict(num_train_timesteps=0), r"num_train_timesteps must be an int >= 1 .*got 0"),
+    (dict(num_train_timesteps=1000.0), r"num_train_timesteps must be an int >= 1 .*got 1000\.0"),
+])
+def test_flow_matching_refuses_a_bad_schedule(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlowMatching(PATCH, **kwargs)
 
 
 class _Videos(torch.utils.data.Dataset):

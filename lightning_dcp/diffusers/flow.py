@@ -4,6 +4,7 @@ For a clean latent ``x0`` and Gaussian ``noise``: draw ``u`` (uniform, or as
 ``diffusers.training_utils.compute_density_for_timestep_sampling`` draws it for
 ``weighting_scheme="logit_normal"``/``"mode"``), take the training timestep and sigma at index
 ``int(u * num_train_timesteps)`` of a ``FlowMatchEulerDiscreteScheduler(shift=shift)`` schedule
+(with a ``timestep_range``: at that fraction of the range's block of the schedule)
 (``sigma = shift*s / (1 + (shift-1)*s)``, ``timestep = sigma * num_train_timesteps``), and train
 the model on ``x_t = (1 - sigma) * x0 + sigma * noise`` at that timestep to predict the velocity
 ``noise - x0``; per-sample loss weights from ``compute_loss_weighting_for_sd3`` (1 unless
@@ -18,6 +19,8 @@ DCP training equals plain single-process training on the same global batches.
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -78,6 +81,13 @@ class FlowMatching:
         num_train_timesteps: the schedule's length (1000 for Wan).
         weighting_scheme: one of :data:`WEIGHTING_SCHEMES`.
         logit_mean, logit_std, mode_scale: parameters of the ``"logit_normal"`` / ``"mode"`` densities.
+        timestep_range: ``(lo, hi)``, fractions of ``num_train_timesteps``: only schedule timesteps
+            ``t`` with ``lo <= t / num_train_timesteps < hi`` are drawn (``hi = 1`` includes
+            ``t = num_train_timesteps``); ``u`` from the density is spread over that block of the
+            schedule. For one expert of a two-expert Wan 2.2 model (A14B), whose pipeline switches at
+            ``boundary_ratio`` (``transformer`` for ``t >= boundary_ratio * num_train_timesteps``,
+            ``transformer_2`` below): ``(boundary_ratio, 1.0)`` for the high-noise expert,
+            ``(0.0, boundary_ratio)`` for the low-noise one. Default ``(0.0, 1.0)``: the whole schedule.
     """
 
     patch_size: Sequence[int]
@@ -88,15 +98,44 @@ class FlowMatching:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
+    timestep_range: tuple[float, float] = (0.0, 1.0)
 
     def __post_init__(self) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         if self.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {self.weighting_scheme!r}")
+        shift = self.shift
+        if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or not (math.isfinite(shift) and shift > 0):
+            raise ValueError(f"shift must be a positive number (sigma = shift*s / (1 + (shift-1)*s); 1 = no shift, "
+                             f"Wan's pipelines use 3.0 at 480p and 5.0 at 720p), got {self.shift!r}")
+        if isinstance(self.num_train_timesteps, bool) or not isinstance(self.num_train_timesteps, numbers.Integral) \
+                or self.num_train_timesteps < 1:
+            raise ValueError(f"num_train_timesteps must be an int >= 1 (the schedule's length: 1000 for Wan and the "
+                             f"scheduler configs diffusers ships), got {self.num_train_timesteps!r}")
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.num_train_timesteps, shift=self.shift)
         self.timesteps = scheduler.timesteps.clone().float()
         self.sigmas = scheduler.sigmas[: len(self.timesteps)].clone().float()
+        self._first, self._count = self._timestep_block()
+
+    def _timestep_block(self) -> tuple[int, int]:
+        """``(first index, count)`` of the schedule block inside ``timestep_range`` (timesteps decrease with the index)."""
+        try:
+            lo, hi = (float(v) for v in self.timestep_range)
+        except (TypeError, ValueError):
+            raise ValueError(f"timestep_range must be (lo, hi), two fractions of num_train_timesteps, got "
+                             f"{self.timestep_range!r}") from None
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"timestep_range must satisfy 0 <= lo < hi <= 1 (fractions of num_train_timesteps), got "
+                             f"{self.timestep_range!r}; e.g. (boundary_ratio, 1.0) for Wan 2.2's high-noise expert")
+        n = self.num_train_timesteps  # compared as Wan 2.2's pipeline does: t >= boundary_ratio * num_train_timesteps
+        inside = (self.timesteps >= lo * n) & ((self.timesteps < hi * n) | (hi >= 1.0))
+        where = torch.nonzero(inside).flatten()
+        if where.numel() == 0:
+            raise ValueError(f"timestep_range={self.timestep_range!r} holds none of the schedule's "
+                             f"{len(self.timesteps)} timesteps (num_train_timesteps={self.num_train_timesteps}, "
+                             f"shift={self.shift}); widen it")
+        return int(where[0]), int(where.numel())  # contiguous: the timesteps are monotonic
 
     def draw(self, index: int, epoch: int, num_tokens: int, features: int) -> tuple[float, float, float, torch.Tensor]:
         """``(sigma, timestep, loss_weight, noise [num_tokens, features])`` of dataset sample ``index`` in ``epoch``."""
@@ -105,7 +144,7 @@ class FlowMatching:
         g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, index))
         u = compute_density_for_timestep_sampling(self.weighting_scheme, 1, logit_mean=self.logit_mean,
                                                   logit_std=self.logit_std, mode_scale=self.mode_scale, generator=g)
-        i = min(int(u.item() * self.num_train_timesteps), self.num_train_timesteps - 1)
+        i = self._first + min(int(u.item() * self._count), self._count - 1)
         sigma = self.sigmas[i]
         weight = compute_loss_weighting_for_sd3(self.weighting_scheme, sigma.reshape(1))
         noise = torch.randn(num_tokens, features, generator=g)

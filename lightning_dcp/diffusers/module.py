@@ -56,6 +56,9 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         seed, shift, num_train_timesteps, weighting_scheme, logit_mean, logit_std, mode_scale:
             the flow-matching schedule and sampling (:class:`~lightning_dcp.diffusers.flow.FlowMatching`).
         loss_reduction: ``"token"``, ``"sample"`` or ``None`` (see above).
+        timestep_range: ``(lo, hi)`` fractions of ``num_train_timesteps`` to draw timesteps from, e.g.
+            ``(boundary_ratio, 1.0)`` to train Wan 2.2 A14B's high-noise expert (see
+            :class:`~lightning_dcp.diffusers.flow.FlowMatching`).
     """
 
     #: Tells DCPStrategy that this module takes packed, SP-sharded micro-batches.
@@ -69,7 +72,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     def __init__(self, model: nn.Module, lr: float = 1e-5, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0, shift: float = 5.0,
                  num_train_timesteps: int = 1000, weighting_scheme: str = "none", logit_mean: float = 0.0,
-                 logit_std: float = 1.0, mode_scale: float = 1.29, loss_reduction: str | None = None) -> None:
+                 logit_std: float = 1.0, mode_scale: float = 1.29, loss_reduction: str | None = None,
+                 timestep_range: tuple[float, float] = (0.0, 1.0)) -> None:
         super().__init__()
         if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS} or None, got {loss_reduction!r}")
@@ -78,7 +82,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         self.loss_reduction = loss_reduction
         self.flow = FlowMatching(tuple(model.config.patch_size), seed=seed, shift=shift,
                                  num_train_timesteps=num_train_timesteps, weighting_scheme=weighting_scheme,
-                                 logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
+                                 logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
+                                 timestep_range=timestep_range)
 
     @property
     def dcp_num_heads(self) -> int:

@@ -80,8 +80,9 @@ def check_latent_shape(shape: Sequence[int], patch_size: Sequence[int], index: i
         what = ", ".join(f"latent {name} {n} is not a positive multiple of the patch {name} {p}" for name, n, p in bad)
         raise ValueError(
             f"{_where(index)}: {what} (latent shape {tuple(shape)}, patch {(pt, ph, pw)}). Crop or resize the video so "
-            f"every latent size is a multiple of its patch size (for Wan: pixel height and width multiples of "
-            f"{8 * ph} and {8 * pw}, its VAE's stride 8 x the patch), or drop the sample.")
+            f"every latent size is a multiple of its patch size (in pixels: height and width multiples of the VAE's "
+            f"spatial stride x the patch, e.g. 8 x {ph} = {8 * ph} with Wan 2.1's VAE, 16 x {ph} = {16 * ph} with "
+            f"Wan 2.2 TI2V-5B's), or drop the sample.")
     return f // pt, h // ph, w // pw
 
 
