@@ -112,6 +112,7 @@ def main() -> None:
     # model; the planner then keeps every micro-batch within the memory budget.
     profiler = DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20, density="coarse",
                            cache_dir=args.cache_dir)
+    # The step size is global_batch_size samples over all ranks; the DataLoader's batch_size below does not set it.
     strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token")
     dataset = make_dataset(16 * args.global_batch, args.max_len, model.config.vocab_size)
     trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,
