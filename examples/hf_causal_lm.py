@@ -2,7 +2,7 @@
 Ulysses SP groups, per-layer recompute -- the model's code unchanged.
 
 CPU demo (default): a tiny random-config Llama with grouped-query attention (4 query heads,
-2 key/value heads), no download, 2 CPU processes, a few steps (about a minute on 2 cores)::
+2 key/value heads), no download, 2 CPU processes, a few steps (about 30 s on 2 cores)::
 
     python examples/hf_causal_lm.py
 

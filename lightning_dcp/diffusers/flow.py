@@ -4,11 +4,11 @@ For a clean latent ``x0`` and Gaussian ``noise``: draw ``u`` (uniform, or as
 ``diffusers.training_utils.compute_density_for_timestep_sampling`` draws it for
 ``weighting_scheme="logit_normal"``/``"mode"``), take the training timestep and sigma at index
 ``int(u * num_train_timesteps)`` of a ``FlowMatchEulerDiscreteScheduler(shift=shift)`` schedule
-(with a ``timestep_range``: at that fraction of the range's block of the schedule)
 (``sigma = shift*s / (1 + (shift-1)*s)``, ``timestep = sigma * num_train_timesteps``), and train
 the model on ``x_t = (1 - sigma) * x0 + sigma * noise`` at that timestep to predict the velocity
 ``noise - x0``; per-sample loss weights from ``compute_loss_weighting_for_sd3`` (1 unless
-``"sigma_sqrt"``/``"cosmap"``).
+``"sigma_sqrt"``/``"cosmap"``). A ``timestep_range`` spreads ``u`` over one block of the schedule
+instead (one expert of Wan 2.2 A14B).
 
 **Determinism.** Noise, ``u`` and hence sigma are a pure function of ``(seed, epoch, dataset
 index)``: one ``torch.Generator`` per sample, seeded from a hash of the three, on the host. So a
