@@ -42,7 +42,7 @@ Outputs: ``<out>/<family>.csv`` and ``<out>/<family>.json`` (per-step losses, di
 ``<out>/summary.json`` and ``<out>/summary.md`` (largest per-step differences, absolute and relative, of
 every pair), and the plot (default ``docs/loss_parity.png``)::
 
-    python benchmarks/loss_parity.py                          # 200 steps, three families (~8 min on 2 CPU cores)
+    python benchmarks/loss_parity.py                          # 200 steps, three families (~5 min on 2 CPU cores)
     python benchmarks/loss_parity.py --quick --families t1d   # 3 steps, a smoke run
 """
 

@@ -2,7 +2,7 @@
 Ulysses SP groups, per-layer recompute -- the model's code unchanged.
 
 CPU demo (default): a tiny random-config Llama with grouped-query attention (4 query heads,
-2 key/value heads), no download, 2 CPU processes, a few steps (about a minute on 2 cores)::
+2 key/value heads), no download, 2 CPU processes, a few steps (about 30 s on 2 cores)::
 
     python examples/hf_causal_lm.py
 
@@ -13,12 +13,13 @@ samples need an SP group of 2 and recomputed layers, as on a GPU at real sizes. 
 prints its plan as ``lightning-dcp train`` does (SP sizes, micro-batches per rank, recompute; see
 ``lightning-dcp train --help``), and the run ends with the imbalance ratio.
 
-Real checkpoint on GPUs (bf16, all visible GPUs; a local path or a hub id)::
+Real checkpoint on GPUs (fp32 weights, bf16-mixed, all visible GPUs; a local path or a hub id)::
 
     python examples/hf_causal_lm.py --model Qwen/Qwen2.5-0.5B --steps 200 --global-batch 64 --max-len 8192
 
-With ``--model`` the script loads ``AutoModelForCausalLM.from_pretrained(path, dtype=bfloat16)``,
-uses ``precision="bf16-true"``, ``devices=-1`` and the GPUs' own memory; plug your own tokenized dataset in
+With ``--model`` the script loads ``AutoModelForCausalLM.from_pretrained(path, dtype=float32)``,
+uses ``precision="bf16-mixed"`` (fp32 weights: with bf16 weights most AdamW updates at lr 1e-5 round to
+no change), ``devices=-1`` and the GPUs' own memory; plug your own tokenized dataset in
 ``make_dataset`` (each sample a dict with ``input_ids`` and optionally ``labels``, -100 = no loss;
 the dataset needs a ``lengths`` attribute: tokens per sample, without loading them).
 """
@@ -100,8 +101,10 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
-        trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-true")
+        # fp32 weights (transformers' default dtype "auto" would load a bf16 checkpoint as bf16), bf16 matmuls:
+        # with bf16 weights most AdamW updates at small learning rates round to no change
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-mixed")
     module = CausalLMModule(model, lr=args.lr)  # adapts the model in place (attention, recompute switch)
     limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (
         CPU_MEMORY_LIMIT_MIB if args.model is None else None)
@@ -109,6 +112,7 @@ def main() -> None:
     # model; the planner then keeps every micro-batch within the memory budget.
     profiler = DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20, density="coarse",
                            cache_dir=args.cache_dir)
+    # The step size is global_batch_size samples over all ranks; the DataLoader's batch_size below does not set it.
     strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token")
     dataset = make_dataset(16 * args.global_batch, args.max_len, model.config.vocab_size)
     trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,

@@ -6,14 +6,15 @@ CPU demo (default): a tiny random-config ``WanTransformer3DModel`` (4 blocks, 4 
 2 CPU processes, images and videos of 1-5 latent frames at 8 resolutions, a few steps::
 
     python examples/wan_any_size.py
-    python examples/wan_any_size.py --profile     # measure two Wan blocks at fit start instead
+    python examples/wan_any_size.py --profile     # measure two Wan blocks at fit start, 5.25 MiB budget
 
-Real checkpoint on GPUs (bf16, all visible GPUs; a diffusers repo id or local path)::
+Real checkpoint on GPUs (fp32 weights, bf16-mixed, all visible GPUs; a diffusers repo id or local path)::
 
     python examples/wan_any_size.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --steps 100 --global-batch 32 --profile
 
 With ``--model`` the script loads ``WanTransformer3DModel.from_pretrained(path, subfolder="transformer",
-torch_dtype=bfloat16)`` and trains on random latents of Wan's VAE shapes (16 channels, (frames - 1)/4 + 1
+torch_dtype=float32)``, uses ``precision="bf16-mixed"`` (fp32 weights: with bf16 weights most AdamW updates
+at lr 1e-5 round to no change) and trains on random latents of Wan's VAE shapes (16 channels, (frames - 1)/4 + 1
 latent frames, pixels/8) with random 512 x 4096 "T5" embeddings: it shows the mechanics and the
 throughput, not a useful fine-tune. For real training, precompute each video's latent with the
 pipeline's VAE (``AutoencoderKLWan``, normalised as the pipeline does) and its prompt's T5
@@ -32,8 +33,17 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dcp.diffusers import VideoDiffusionModule, video_sample
 from lightning_dcp import DCPStrategy, DefaultCostModel
+from lightning_dcp.commands.console import PlanPrinter, training_summary
+from lightning_dcp.diffusers import VideoDiffusionModule, video_sample
+from lightning_dcp.profiling import DCPProfiler
+
+#: Per-process memory budget of the CPU demo with ``--profile``: the tiny Wan's static memory (weights,
+#: gradients, AdamW state) is 3.7 MiB, so under the measured profile SP 1 holds at most 106 video tokens
+#: even with all 4 blocks recomputed: the longest videos (108-180 tokens) need SP 2 (214 at most there),
+#: and from 30 tokens on SP 1 recomputes. (Without ``--profile`` the analytic model's ``max_tokens`` does
+#: the same.) With the profiler's default CPU budget (8 GiB) nothing would need SP 2.
+CPU_MEMORY_LIMIT_MIB = 5.25
 
 
 class LatentVideos(Dataset):
@@ -65,8 +75,8 @@ def cpu_shapes(n: int, seed: int = 0) -> list[tuple[int, int, int]]:
 
 
 def wan_shapes(n: int, seed: int = 0) -> list[tuple[int, int, int]]:
-    """Latent shapes of Wan's VAE (frames (f - 1)/4 + 1, pixels / 8) for images and 17-81 frame clips
-    at 256p to 720p, several aspect ratios."""
+    """Latent shapes of Wan 2.1's VAE (frames (f - 1)/4 + 1, pixels / 8; Wan 2.2 TI2V-5B's VAE divides pixels
+    by 16) for images and 17-81 frame clips at 256p to 720p, several aspect ratios."""
     rng = random.Random(seed)
     resolutions = [(256, 256), (480, 480), (480, 832), (832, 480), (720, 1280), (1280, 720), (512, 768)]
     frames = [1, 1, 17, 33, 49, 81]
@@ -83,20 +93,17 @@ def tiny_wan() -> torch.nn.Module:
                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4, rope_max_seq_len=64)
 
 
-class PrintSteps(pl.Callback):
-    """Prints, on rank 0, each step's loss, SP sizes, micro-batches per rank and the samples' shapes."""
+class PlanAndShapes(PlanPrinter):
+    """:class:`~lightning_dcp.commands.console.PlanPrinter`'s step line, then the latent shapes the step trained on."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        m = getattr(trainer.strategy, "last_step_metrics", None)
-        if trainer.is_global_zero and m is not None:
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            dataset = trainer.train_dataloader.dataset
-            dataset = getattr(dataset, "dataset", dataset)
-            items = batch["meta"]["plan"]["items"]
-            shapes = sorted({dataset.shapes[s] for it in items for s in it["samples"]})
-            print(f"step {trainer.global_step}: loss {float(loss):.4f}, SP sizes {m.sp_sizes}, micro-batches per rank "
-                  f"{m.microbatches}, recompute {sorted({it['recompute'] for it in items})}, {len(shapes)} latent shapes "
-                  f"(frames, h, w) e.g. {shapes[:4]}", flush=True)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.quiet or getattr(trainer.strategy, "last_step_metrics", None) is None:
+            return
+        dataset = trainer.train_dataloader.dataset
+        dataset = getattr(dataset, "dataset", dataset)
+        shapes = sorted({dataset.shapes[s] for it in batch["meta"]["plan"]["items"] for s in it["samples"]})
+        pl_module.print(f"          {len(shapes)} latent shapes (frames, h, w), e.g. {shapes[:4]}")
 
 
 def main() -> None:
@@ -106,7 +113,13 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--profile", action="store_true", help="measure two Wan blocks at fit start (DCPProfiler)")
+    parser.add_argument("--memory-limit-mib", type=float, default=None,
+                        help=f"with --profile: per-process memory the planner may use (default: the GPU's; on CPU "
+                             f"{CPU_MEMORY_LIMIT_MIB:g} MiB, so that long videos need SP 2 and recompute)")
+    parser.add_argument("--cache-dir", default=None, help="profile cache (default ~/.cache/lightning-dcp/profiles)")
     args = parser.parse_args()
+    if args.memory_limit_mib is not None and not args.profile:
+        parser.error("--memory-limit-mib applies to the measured profile: add --profile")
 
     if args.model is None:
         model = tiny_wan()
@@ -115,26 +128,36 @@ def main() -> None:
     else:
         from diffusers import WanTransformer3DModel
 
-        model = WanTransformer3DModel.from_pretrained(args.model, subfolder="transformer", torch_dtype=torch.bfloat16)
+        model = WanTransformer3DModel.from_pretrained(args.model, subfolder="transformer", torch_dtype=torch.float32)
         config = model.config
         dataset = LatentVideos(wan_shapes(16 * args.global_batch), config.in_channels, tuple(config.patch_size),
                                text_dim=config.text_dim, text_len=512)
-        # bf16 weights as loaded; "32-true" leaves them as they are, so the modules diffusers keeps in fp32
-        # (rotary tables, time embedder, norms, modulation tables) stay fp32 ("bf16-true" would cast them too).
-        trainer_kw = dict(accelerator="gpu", devices=-1, precision="32-true")
+        # fp32 weights, bf16 matmuls under autocast: with bf16 weights most AdamW updates at small learning
+        # rates round to no change
+        trainer_kw = dict(accelerator="gpu", devices=-1, precision="bf16-mixed")
     module = VideoDiffusionModule(model, lr=args.lr)  # adapts the model in place (attention, recompute switch)
-    config = model.config
-    # Without --profile: the analytic fallback cost model. On the CPU demo its per-rank token budget is
-    # small, so the longest videos need SP 2 (and recomputation) -- the demo exercises Ulysses.
-    budget = {"max_tokens": 32} if args.model is None else {}
-    cost = None if args.profile else DefaultCostModel(num_layers=config.num_layers,
-                                                      num_heads=config.num_attention_heads, **budget)
-    strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token", cost_model=cost,
-                           profile=args.profile or None)
+    callbacks = [PlanAndShapes()]
+    if args.profile:
+        # Measures two Wan blocks at fit start (SP 1 and 2, several lengths) and hands the strategy a cost model;
+        # the planner then keeps every micro-batch within the memory budget.
+        limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (
+            CPU_MEMORY_LIMIT_MIB if args.model is None else None)
+        callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20,
+                                     density="coarse", cache_dir=args.cache_dir))
+        cost = None
+    else:
+        # The analytic fallback cost model. On the CPU demo its per-rank token budget is small, so the longest
+        # videos need SP 2 (and recomputation) -- the demo exercises Ulysses.
+        budget = {"max_tokens": 32} if args.model is None else {}
+        cost = DefaultCostModel(num_layers=model.config.num_layers, num_heads=model.config.num_attention_heads, **budget)
+    # The step size is global_batch_size samples over all ranks; the DataLoader's batch_size below does not set it.
+    strategy = DCPStrategy(global_batch_size=args.global_batch, loss_reduction="token", cost_model=cost)
     trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=False, gradient_clip_val=1.0,
-                         callbacks=[PrintSteps()], **trainer_kw)
+                         callbacks=callbacks, **trainer_kw)
     trainer.fit(module, DataLoader(dataset, batch_size=4, collate_fn=VideoDiffusionModule.collate))
+    if trainer.is_global_zero:
+        print(training_summary(trainer))
 
 
 if __name__ == "__main__":

@@ -121,6 +121,33 @@ def test_simulate_table_json_csv_plot(tmp_path, capsys):
     assert "[1/3] bucket" in err and "[3/3] dcp" in err and "drew" in err  # progress, one line per phase
 
 
+def test_simulate_plot_works_without_the_hatchcolor_keyword(tmp_path, monkeypatch):
+    """``--plot`` runs on every supported matplotlib (>= 3.7): the ``hatchcolor`` keyword (3.11+) is
+    refused here as older versions refuse it, and the recompute hatch still comes out black and drawn
+    (matplotlib < 3.11 draws nothing for a collection whose face and edge are both "none")."""
+    import matplotlib.collections as mc
+
+    hatched = []
+
+    class OldPolyCollection(mc.PolyCollection):
+        def __init__(self, *args, **kwargs):
+            if "hatchcolor" in kwargs:
+                raise TypeError("PolyCollection.set() got an unexpected keyword argument 'hatchcolor'")
+            super().__init__(*args, **kwargs)
+            if kwargs.get("hatch"):
+                hatched.append(self)
+
+    monkeypatch.setattr(mc, "PolyCollection", OldPolyCollection)
+    png = tmp_path / "g.png"
+    assert cli.main(["simulate", "--world-size", "8", "--dataset", "long", "--num-steps", "1", "--policies", "dcp",
+                     "--plot", str(png), "--quiet"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and hatched  # the long dataset recomputes somewhere
+    for c in hatched:
+        colour = c.get_hatchcolor() if hasattr(c, "get_hatchcolor") else [c._hatch_color]
+        assert [tuple(x) for x in colour] == [(0.0, 0.0, 0.0, 1.0)]
+        assert len(c.get_facecolor()) > 0  # a (transparent) face, so old matplotlib draws the hatch
+
+
 def test_simulate_runs_with_no_arguments_and_says_which_defaults(capsys):
     assert cli.main(["simulate"]) == 0
     cap = capsys.readouterr()

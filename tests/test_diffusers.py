@@ -203,7 +203,8 @@ def test_recompute_first_k_blocks_same_grads_and_pickle():
 
 def test_bad_input_names_the_sample_and_the_fix():
     lat = torch.randn(4, 3, 5, 4)
-    with pytest.raises(ValueError, match=r"sample 7: latent height 5 is not a positive multiple of the patch height 2"):
+    with pytest.raises(ValueError, match=r"sample 7: latent height 5 is not a positive multiple of the patch height 2.*"
+                                         r"the VAE's spatial stride x the patch, e.g. 8 x 2 = 16 .* 16 x 2 = 32"):
         video_sample(lat, torch.randn(3, TEXT_DIM), PATCH, index=7)
     with pytest.raises(ValueError, match=r"sample 3 has no encoder_hidden_states .*empty prompt"):
         video_sample(torch.randn(4, 1, 2, 2), None, PATCH, index=3)
@@ -218,8 +219,8 @@ def test_bad_input_names_the_sample_and_the_fix():
     with pytest.raises(ValueError, match=r"sample 21: no text embeddings"):
         packed_forward(model, batch)
     big = [video_sample(torch.randn(4, 1, 2, 70), torch.randn(2, TEXT_DIM), PATCH, index=5)]
-    with pytest.raises(ValueError, match=r"sample 5: patch grid .* = \(1, 1, 35\) reaches the model's rotary table length "
-                                         r"rope_max_seq_len=32"):
+    with pytest.raises(ValueError, match=r"sample 5: patch grid .* = \(1, 1, 35\) is longer than the model's rotary "
+                                         r"table \(rope_max_seq_len=32 positions per axis\)"):
         packed_forward(model, _with_inputs(pack_samples(big), [1.0]))
     i2v = adapt(make_wan(i2v=True))
     no_image = _with_inputs(pack_samples(samples), [1.0] * 4)
@@ -230,6 +231,25 @@ def test_bad_input_names_the_sample_and_the_fix():
         packed_forward(model, no_image)
     with pytest.raises(ValueError, match="prepared by lightning_dcp.diffusers.adapt"):
         packed_forward(make_wan(), batch)
+
+
+def test_grid_at_the_rotary_limit():
+    """A grid side equal to rope_max_seq_len (positions 0..limit-1) runs, and equals diffusers' own forward,
+    which accepts it; one more is refused, naming the sample."""
+    ref = make_wan(layers=1).eval()
+    model = adapt(copy.deepcopy(ref)).eval()
+    limit = int(ref.rope.max_seq_len)
+    (lat, text), = raw_videos([(1, 1, limit)])
+    sample = video_sample(lat, text, PATCH, text_len=None, index=3)
+    batch = pack_samples([sample])
+    with torch.no_grad():
+        got = unpack_output(packed_forward(model, _with_inputs(batch, [500.0])), batch, PATCH)[0]
+        want = ref(lat[None], torch.tensor([500.0]), per_sample_embeds(sample[TEXT])).sample[0]
+    assert (got - want).abs().max().item() < 1e-5
+    (lat, text), = raw_videos([(1, 1, limit + 1)])
+    over = pack_samples([video_sample(lat, text, PATCH, text_len=None, index=4)])
+    with pytest.raises(ValueError, match=rf"sample 4: patch grid .* = \(1, 1, {limit + 1}\) is longer"):
+        packed_forward(model, _with_inputs(over, [500.0]))
 
 
 def test_unsupported_models_raise():
@@ -337,6 +357,67 @@ def test_noise_is_a_function_of_seed_epoch_and_index():
     assert 0 < min(sig) and max(sig) <= 1 and len(set(sig)) > 100
 
 
+def test_sample_index_must_match_the_sampler_index():
+    """Under DCPStrategy the batch has both the samples' own index= and the sampler's true indices: equal, the
+    noise is keyed on them; different (e.g. two datasets in a ConcatDataset each passing index=i), an error names
+    the sample and the fix. A plain DataLoader (no sampler indices) keys the noise on index=."""
+    from lightning_dcp.diffusers.flow import check_sample_indices
+
+    flow = FlowMatching(PATCH, seed=3)
+    raw = raw_videos(GRIDS[:2])
+    own = [video_sample(lat, t, PATCH, text_len=None, index=i) for i, (lat, t) in enumerate(raw)]
+    bare = [video_sample(lat, t, PATCH, text_len=None) for lat, t in raw]
+    want = flow.prepare(pack_samples(bare, sample_indices=[0, 1]), epoch=1)
+    for batch in (pack_samples(own, sample_indices=[0, 1]), pack_samples(own)):  # DCP, plain DataLoader
+        assert torch.equal(flow.prepare(batch, epoch=1)[HIDDEN_STATES], want[HIDDEN_STATES])
+    assert check_sample_indices(pack_samples(bare)) is None
+    collide = pack_samples(own, sample_indices=[7, 1])  # dataset index 7 built with index=0
+    with pytest.raises(ValueError, match=r"the sample at dataset index 7 was made with index=0\..*index must be the "
+                                         r"sample's index in the dataset the DataLoader reads.*ConcatDataset"):
+        flow.prepare(collide, epoch=1)
+
+
+def test_timestep_range_draws_one_experts_timesteps():
+    """timestep_range=(lo, hi) draws only timesteps t with lo <= t/1000 < hi, as Wan 2.2's pipeline splits its
+    experts at boundary_ratio (transformer: t >= 875, transformer_2: below), spread over the whole block; the
+    default draws exactly as before (index int(u * 1000) of the full schedule)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    from lightning_dcp.diffusers.flow import sample_seed
+
+    full = FlowMatching(PATCH, seed=3, weighting_scheme="logit_normal")
+    for i in range(20):
+        g = torch.Generator().manual_seed(sample_seed(3, 0, i))
+        u = compute_density_for_timestep_sampling("logit_normal", 1, logit_mean=0.0, logit_std=1.0, generator=g)
+        assert full.draw(i, 0, 1, 1)[1] == float(full.timesteps[min(int(u.item() * 1000), 999)])
+    high = FlowMatching(PATCH, seed=3, timestep_range=(0.875, 1.0))
+    low = FlowMatching(PATCH, seed=3, timestep_range=(0.0, 0.875))
+    t_high = [high.draw(i, 0, 1, 1)[1] for i in range(300)]
+    t_low = [low.draw(i, 0, 1, 1)[1] for i in range(300)]
+    assert min(t_high) >= 875 and max(t_low) < 875
+    assert max(t_high) > 990 and min(t_high) < 885 and min(t_low) < 50 and max(t_low) > 860  # the whole block
+    blocks = [(high._first, high._count), (low._first, low._count)]
+    assert blocks[0][0] == 0 and blocks[0][1] == blocks[1][0] and sum(c for _, c in blocks) == 1000  # a partition
+    module = VideoDiffusionModule(make_wan(), timestep_range=(0.875, 1.0))
+    assert module.flow.timestep_range == (0.875, 1.0)
+    for bad, match in [((0.9, 0.5), r"0 <= lo < hi <= 1.*got \(0\.9, 0\.5\)"), ((0.0, 1.5), "got \\(0.0, 1.5\\)"),
+                       (0.5, r"\(lo, hi\).*got 0\.5"), ((0.99991, 0.99995), "holds none of the schedule's 1000 timesteps")]:
+        with pytest.raises(ValueError, match=match):
+            FlowMatching(PATCH, timestep_range=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(shift=0.0), r"shift must be a positive number .*got 0\.0"),
+    (dict(shift=-3.0), r"shift must be a positive number .*got -3\.0"),
+    (dict(shift=float("nan")), r"shift must be a positive number .*got nan"),
+    (dict(num_train_timesteps=0), r"num_train_timesteps must be an int >= 1 .*got 0"),
+    (dict(num_train_timesteps=1000.0), r"num_train_timesteps must be an int >= 1 .*got 1000\.0"),
+])
+def test_flow_matching_refuses_a_bad_schedule(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlowMatching(PATCH, **kwargs)
+
+
 class _Videos(torch.utils.data.Dataset):
     """Any-size latent videos (patch grids up to 3 x 4 x 4 = 48 tokens) with variable-length text, as video_sample dicts."""
 
@@ -393,6 +474,50 @@ def test_plain_trainer_matches_reference():
                 for n, w in module.model.state_dict().items())
     print(f"plain Trainer: max rel weight err {worst:.2e}")
     assert worst < 1e-5
+
+
+def test_val_loss_uses_the_same_noise_every_epoch():
+    """validation_step draws noise and timesteps for epoch VideoDiffusionModule.validation_epoch (0), not the
+    current one: with unchanged weights (lr 0), val_loss is the same in every epoch and equals the epoch-0
+    reference."""
+    val = _Videos(n=3, seed=12)
+    module = _SGDVideo(make_wan(seed=3), lr=0.0, seed=FLOW_SEED)
+    ref = copy.deepcopy(module.model)
+    losses = []
+
+    class _Record(pl.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            losses.append((trainer.current_epoch, float(trainer.callback_metrics["val_loss"])))
+
+    collate = VideoDiffusionModule.collate
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[_Record()])
+    trainer.fit(module, torch.utils.data.DataLoader(_Videos(n=2), batch_size=2, collate_fn=collate),
+                torch.utils.data.DataLoader(val, batch_size=3, collate_fn=collate))
+    assert [e for e, _ in losses] == [0, 1]
+    assert losses[0][1] == losses[1][1], losses
+    with torch.no_grad():
+        want = reference_loss(ref, module.flow, [(i, val[i]) for i in range(3)], "token", epoch=0).item()
+    assert abs(losses[0][1] - want) < 1e-5 * max(1.0, abs(want)), (losses, want)
+
+
+def test_bf16_mixed_trains_fp32_weights():
+    """The README's recipe: fp32 weights under precision="bf16-mixed". The forward runs under bf16 autocast
+    (a linear layer's output is bf16), the weights stay fp32, and AdamW at lr 1e-5 moves every one of them
+    (bf16 weights would lose most such updates to rounding)."""
+    module = VideoDiffusionModule(make_wan(seed=3), lr=1e-5, seed=FLOW_SEED)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    seen = []
+    module.model.blocks[0].ffn.net[2].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    loader = torch.utils.data.DataLoader(_Videos(n=4), batch_size=4, collate_fn=VideoDiffusionModule.collate)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, precision="bf16-mixed", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert seen == [torch.bfloat16]
+    for n, p in module.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.isfinite(p).all(), n
+        assert (p != before[n]).float().mean() > 0.5, f"{n}: most weights did not move"
 
 
 def test_profiler_measures_an_adapted_wan():

@@ -481,6 +481,28 @@ def test_plain_trainer_matches_reference():
         torch.testing.assert_close(w, want[n], atol=1e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+def test_bf16_mixed_trains_fp32_weights():
+    """The README's recipe: fp32 weights under precision="bf16-mixed". The packed forward runs under bf16
+    autocast (a projection's output is bf16), the weights stay fp32, and AdamW at lr 1e-5 moves them
+    (bf16 weights would lose most such updates to rounding)."""
+    import lightning.pytorch as pl
+
+    module = CausalLMModule(make_model("llama", 4, 2, layers=2), lr=1e-5)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    seen = []
+    module.model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    samples = make_samples([5, 9, 3, 12], labels=True)
+    loader = torch.utils.data.DataLoader(_ListDataset(samples), batch_size=4, collate_fn=CausalLMModule.collate)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, precision="bf16-mixed", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert seen == [torch.bfloat16]
+    for n, p in module.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.isfinite(p).all(), n
+        if "embed_tokens" not in n:  # only the batch's tokens' rows get a gradient
+            assert (p != before[n]).float().mean() > 0.5, f"{n}: most weights did not move"
+
+
 # ----------------------------------------------------------------------------- DCPStrategy end to end
 
 _E2E_STEPS = 3

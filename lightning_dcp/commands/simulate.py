@@ -295,7 +295,10 @@ def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
     sizes: set[int] = set()
     horizon = max((r["_sim"].total_time for r in rows), default=1.0) or 1.0
     drawn = 0
-    with plt.rc_context({"hatch.linewidth": 0.6}):
+    # hatch colour through rcParams, not PolyCollection(hatchcolor=...): that keyword needs matplotlib >= 3.11.
+    # The hatched collection gets a transparent face rather than "none": matplotlib < 3.11 draws nothing
+    # (hatch included) for a collection whose face and edge are both "none".
+    with plt.rc_context({"hatch.linewidth": 0.6, "hatch.color": "black"}):
         for ax, r, note in zip(axes, rows, notes):
             sim, plan = r["_sim"], r["_plan"]
             ax.set_facecolor(IDLE_COLOUR)  # idle: what no bar covers
@@ -309,8 +312,8 @@ def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
                     drawn += len(verts)
                 if "recompute" in bars:
                     verts = _rects(*bars["recompute"])
-                    ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors="none", hatch="////",
-                                                     hatchcolor="black", linewidths=0), autolim=False)
+                    ax.add_collection(PolyCollection(verts, facecolors=(0, 0, 0, 0), edgecolors="none", hatch="////",
+                                                     linewidths=0), autolim=False)
                     drawn += len(verts)
                 if allreduce:
                     a = np.asarray(allreduce)

@@ -72,12 +72,12 @@ def _check_batch(model: nn.Module, batch: Mapping[str, Any], x: torch.Tensor, gr
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"packed Wan forward: {key!r} must be a per-token tensor with {x.shape[0]} rows like "
                              f"{HIDDEN_STATES!r}, got {got}")
-    limit = int(model.rope.max_seq_len)
+    limit = int(model.rope.max_seq_len)  # table rows 0..limit-1: a grid side of exactly limit fits, as in diffusers
     for label, grid in zip(labels, grids):
-        if max(grid) >= limit:
-            raise ValueError(f"{label}: patch grid (frames, rows, columns) = {grid} reaches the model's rotary table "
-                             f"length rope_max_seq_len={limit}; use a smaller video or a model configured with a larger "
-                             "rope_max_seq_len")
+        if max(grid) > limit:
+            raise ValueError(f"{label}: patch grid (frames, rows, columns) = {grid} is longer than the model's rotary "
+                             f"table (rope_max_seq_len={limit} positions per axis); use a smaller video or a model "
+                             "configured with a larger rope_max_seq_len")
     total = sum(math.prod(g) for g in grids)
     if total > x.shape[0] * sp_size:
         raise ValueError(f"packed Wan forward: the samples' grids {grids} hold {total} tokens but the SP group holds "

@@ -56,17 +56,24 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         seed, shift, num_train_timesteps, weighting_scheme, logit_mean, logit_std, mode_scale:
             the flow-matching schedule and sampling (:class:`~lightning_dcp.diffusers.flow.FlowMatching`).
         loss_reduction: ``"token"``, ``"sample"`` or ``None`` (see above).
+        timestep_range: ``(lo, hi)`` fractions of ``num_train_timesteps`` to draw timesteps from, e.g.
+            ``(boundary_ratio, 1.0)`` to train Wan 2.2 A14B's high-noise expert (see
+            :class:`~lightning_dcp.diffusers.flow.FlowMatching`).
     """
 
     #: Tells DCPStrategy that this module takes packed, SP-sharded micro-batches.
     dcp_support = "sp"
     #: ``collate_fn`` for plain DataLoaders.
     collate = staticmethod(collate_video)
+    #: The epoch validation draws its noise and timesteps for, whatever the training epoch: each
+    #: validation sample gets the same noise every epoch, so ``val_loss`` is comparable across epochs.
+    validation_epoch = 0
 
     def __init__(self, model: nn.Module, lr: float = 1e-5, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0, shift: float = 5.0,
                  num_train_timesteps: int = 1000, weighting_scheme: str = "none", logit_mean: float = 0.0,
-                 logit_std: float = 1.0, mode_scale: float = 1.29, loss_reduction: str | None = None) -> None:
+                 logit_std: float = 1.0, mode_scale: float = 1.29, loss_reduction: str | None = None,
+                 timestep_range: tuple[float, float] = (0.0, 1.0)) -> None:
         super().__init__()
         if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS} or None, got {loss_reduction!r}")
@@ -75,7 +82,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         self.loss_reduction = loss_reduction
         self.flow = FlowMatching(tuple(model.config.patch_size), seed=seed, shift=shift,
                                  num_train_timesteps=num_train_timesteps, weighting_scheme=weighting_scheme,
-                                 logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale)
+                                 logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
+                                 timestep_range=timestep_range)
 
     @property
     def dcp_num_heads(self) -> int:
@@ -115,15 +123,21 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         return (token_loss * weights[TOKEN_WEIGHT].to(token_loss.device)).sum() / max(units, 1)
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        """Mean flow-matching loss over the batch's video tokens, logged as ``val_loss``."""
-        batch = self._as_prepared(batch)
+        """Mean flow-matching loss over the batch's video tokens, logged as ``val_loss``.
+
+        The noise and timesteps are those of epoch :attr:`validation_epoch` in every epoch (keyed on
+        each sample's ``index=``), so ``val_loss`` changes only when the weights do and is comparable
+        across epochs. Samples made without ``index=`` get fresh random noise each time instead.
+        """
+        batch = self._as_prepared(batch, epoch=self.validation_epoch)
         mask = batch[LOSS_MASK].to(torch.float32)
         token_loss = self.token_losses(batch)
         loss = (token_loss * mask.to(token_loss.device)).sum() / mask.sum().clamp_min(1)
         self.log("val_loss", loss, batch_size=int(mask.sum()))
         return loss
 
-    def _as_prepared(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    def _as_prepared(self, batch: Mapping[str, Any], epoch: int | None = None) -> Mapping[str, Any]:
+        """``batch`` with noise, timestep and target (drawn for ``epoch``, default the current one) unless it has them."""
         if HIDDEN_STATES in batch:
             return batch
         latents = batch.get(LATENTS)
@@ -134,7 +148,7 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
                 f"{type(self).__name__}.training_step got a DCP micro-batch without {HIDDEN_STATES!r}: the noise must "
                 "be drawn on the whole packed micro-batch before SP sharding, which DCPStrategy does by calling the "
                 "module's dcp_prepare_batch(batch) hook; this strategy version did not call it.")
-        return self.dcp_prepare_batch(batch)
+        return self.dcp_prepare_batch(batch) if epoch is None else self.flow.prepare(batch, epoch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW over all trainable parameters with ``lr``, ``weight_decay`` and ``betas``."""

@@ -80,8 +80,9 @@ def check_latent_shape(shape: Sequence[int], patch_size: Sequence[int], index: i
         what = ", ".join(f"latent {name} {n} is not a positive multiple of the patch {name} {p}" for name, n, p in bad)
         raise ValueError(
             f"{_where(index)}: {what} (latent shape {tuple(shape)}, patch {(pt, ph, pw)}). Crop or resize the video so "
-            f"every latent size is a multiple of its patch size (for Wan: pixel height and width multiples of "
-            f"{8 * ph} and {8 * pw}, its VAE's stride 8 x the patch), or drop the sample.")
+            f"every latent size is a multiple of its patch size (in pixels: height and width multiples of the VAE's "
+            f"spatial stride x the patch, e.g. 8 x {ph} = {8 * ph} with Wan 2.1's VAE, 16 x {ph} = {16 * ph} with "
+            f"Wan 2.2 TI2V-5B's), or drop the sample.")
     return f // pt, h // ph, w // pw
 
 
@@ -145,8 +146,10 @@ def video_sample(latents: torch.Tensor, encoder_hidden_states: torch.Tensor | No
         patch_size: the model's ``config.patch_size``.
         text_len: zero-pad the text to this many tokens (512: Wan's T5 length, which its pipeline
             pads to and the model attends over; Wan 2.1 I2V needs exactly 512); ``None`` keeps it.
-        index: the dataset index: named in errors, and stored as :data:`SAMPLE_INDEX` (the
-            flow-matching noise is keyed on it when no DCP sampler gives the indices).
+        index: the sample's index in the dataset the DataLoader reads (the ``i`` of its
+            ``__getitem__(i)``; for a ``ConcatDataset``, the index in the concatenation): named in
+            errors, and stored as :data:`SAMPLE_INDEX` (the flow-matching noise is keyed on it when
+            no DCP sampler gives the indices; under DCPStrategy a different index is refused).
         encoder_hidden_states_image: Wan 2.1 I2V image embeddings ``[image_tokens, image_dim]``.
         condition_latents: ``[C_cond, F, H, W]`` extra input channels (same F/H/W), not noised.
 
