@@ -179,12 +179,12 @@ class GlobalBatchMean:
     (loss tokens of the whole global batch) * world size``: averaged over the ranks, the gradient is that
     of the global batch's token mean, DCPStrategy's objective. The global count is an all-reduce of the
     ranks' counts. The per-token losses are the module's own ``training_step`` given ``TOKEN_WEIGHT``
-    (1 on every loss token, :func:`~lightning_dcp.sp.sharding.add_token_weights`), which then returns
-    their sum (:func:`~lightning_dcp.sp.sharding.weighted_loss`).
+    (1 on every loss token, :func:`~lightning_dcp.sp.tokens.add_token_weights`), which then returns
+    their sum (:func:`~lightning_dcp.sp.tokens.weighted_loss`).
     """
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        from lightning_dcp.sp.sharding import add_token_weights
+        from lightning_dcp.sp.tokens import add_token_weights
 
         prepare = getattr(self, "dcp_prepare_batch", None)  # Llama: shifted labels; Wan: noise, timestep, target
         batch = prepare(batch) if prepare is not None else dict(batch)

@@ -37,7 +37,7 @@ _EXPORTS = {
     "DefaultCostModel": "lightning_dcp.planning.default_cost",
     "RecomputeLayers": "lightning_dcp.sp.recompute",
     "SPContext": "lightning_dcp.sp.context",
-    "SPGroups": "lightning_dcp.runtime.groups",
+    "SPGroups": "lightning_dcp.sp.groups",
     "StepLossLogging": "lightning_dcp.step_loss",
     "StepMetrics": "lightning_dcp.runtime.metrics",
     "active_context": "lightning_dcp.sp.context",
@@ -47,7 +47,7 @@ _EXPORTS = {
     "sp_context": "lightning_dcp.sp.context",
     "ulysses_attention": "lightning_dcp.sp.ulysses",
     "varlen_attention": "lightning_dcp.sp.attention",
-    "weighted_loss": "lightning_dcp.sp.sharding",
+    "weighted_loss": "lightning_dcp.sp.tokens",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -58,14 +58,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_dcp.runtime.oom import StepOutOfMemoryError
     from lightning_dcp.sp.attention import varlen_attention
     from lightning_dcp.sp.context import SPContext, active_context, sp_context
-    from lightning_dcp.runtime.groups import SPGroups
+    from lightning_dcp.sp.groups import SPGroups
     from lightning_dcp.runtime.metrics import StepMetrics
     from lightning_dcp.sp.packing import pack_samples
     from lightning_dcp.profiling import DCPProfiler, profile_module
     from lightning_dcp.sp.recompute import RecomputeLayers
     from lightning_dcp.runtime.loader import DCPDataLoader
     from lightning_dcp.runtime.sampler import DCPBatchSampler
-    from lightning_dcp.sp.sharding import weighted_loss
+    from lightning_dcp.sp.tokens import weighted_loss
     from lightning_dcp.step_loss import StepLossLogging
     from lightning_dcp.planning.default_cost import DefaultCostModel
     from lightning_dcp.runtime.strategy import DCPStrategy

@@ -2,7 +2,7 @@
 
 Under :class:`~lightning_dcp.DCPStrategy` a module's ``training_step`` runs once per *micro-batch*
 and sees only this rank's shard, so a value logged there is one micro-batch's local number (and
-a :func:`~lightning_dcp.sp.sharding.weighted_loss` is a *sum*, thousands of times the mean). What
+a :func:`~lightning_dcp.sp.tokens.weighted_loss` is a *sum*, thousands of times the mean). What
 the strategy hands back to Lightning after the step -- ``outputs["loss"]`` in
 ``on_train_batch_end`` -- is the exact loss of plain data-parallel training on the step's global
 batch (the mean over its loss units, every rank the same value). Under a plain Trainer

@@ -18,7 +18,7 @@ from lightning_dcp.data import SyntheticTokenDataset, pack_samples
 from lightning_dcp.models.transformer1d import Transformer1D
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.planning.plan import StepPlan, WorkItem
-from lightning_dcp.sp.sharding import weighted_loss
+from lightning_dcp.sp.tokens import weighted_loss
 
 SPEC = ModelSpec("test-1d", "1d", 3, 16, 4, True, 32, vocab_size=32)
 

@@ -46,7 +46,7 @@ from lightning_dcp.diffusers import (  # noqa: E402
 )
 from lightning_dcp.sp.context import POSITION_IDS, SPContext, sp_context  # noqa: E402
 from lightning_dcp.sp.packing import pack_samples  # noqa: E402
-from lightning_dcp.sp.sharding import shard_batch  # noqa: E402
+from lightning_dcp.sp.tokens import shard_batch  # noqa: E402
 
 try:
     from _dist import run_distributed

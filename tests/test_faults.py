@@ -63,7 +63,7 @@ def test_integer_like_lengths_are_accepted():
 
 def test_heads_without_power_of_two_factor_cap_sp_once_and_errors_do_not_suggest_max_sp_size():
     from lightning_dcp.runtime.model import resolve_sp_cap
-    from lightning_dcp.runtime.planners import PlannerFactory
+    from lightning_dcp.runtime.planner_factory import PlannerFactory
 
     with pytest.warns(UserWarning, match="the model has 3 attention heads: SP sizes must divide it, so SP is capped at 1"):
         cap = resolve_sp_cap(None, world_size=2, heads=3)

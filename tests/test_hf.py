@@ -36,7 +36,7 @@ from lightning_dcp.hf import (  # noqa: E402
 )
 from lightning_dcp.hf.attention import kv_repeat_before_all_to_all  # noqa: E402
 from lightning_dcp.sp.packing import pack_samples  # noqa: E402
-from lightning_dcp.sp.sharding import shard_batch  # noqa: E402
+from lightning_dcp.sp.tokens import shard_batch  # noqa: E402
 
 try:
     from _dist import run_distributed
@@ -573,7 +573,7 @@ class _SGDCausalLM(CausalLMModule):
     def training_step(self, batch, batch_idx):
         if not len(self.others):
             return super().training_step(batch, batch_idx)
-        from lightning_dcp.sp.sharding import weighted_loss
+        from lightning_dcp.sp.tokens import weighted_loss
 
         batch = self._as_prepared(batch)
         token_loss = sum(F.cross_entropy(causal_lm_logits(model, batch), batch[SHIFT_LABELS], reduction="none",

@@ -8,9 +8,9 @@ import torch
 from _dcp_helpers import TinyLM
 from lightning_dcp.sp.context import LOSS_MASK, TOKEN_WEIGHT
 from lightning_dcp.data import pack_samples
-from lightning_dcp.runtime.groups import SPGroups, aligned_blocks
+from lightning_dcp.sp.groups import SPGroups, aligned_blocks
 from lightning_dcp.runtime.metrics import step_metrics
-from lightning_dcp.sp.sharding import add_token_weights, is_weighted, shard_batch, weighted_loss
+from lightning_dcp.sp.tokens import add_token_weights, is_weighted, shard_batch, weighted_loss
 from lightning_dcp.runtime.buckets import GradBuckets
 from lightning_dcp.runtime.model import SPCap, find_num_heads, resolve_sp_cap
 from lightning_dcp.runtime.row import GatheredStep, StepRow
@@ -142,16 +142,6 @@ def test_registry():
     assert StrategyRegistry.get("dcp_spawn")._start_method == "spawn"
     assert [n for n, _ in _registry._NAMES] == ["dcp", "dcp_spawn"]
     assert not isinstance(StrategyRegistry.get("ddp"), DCPStrategy)  # DDP's own names are left alone
-
-
-def test_old_strategy_attributes_read_the_settings_with_a_warning():
-    s = DCPStrategy(seed=7, policy="bucket", support="packed")
-    with pytest.warns(DeprecationWarning, match=r"DCPStrategy.seed is deprecated: read DCPStrategy.settings.seed"):
-        assert s.seed == 7
-    with pytest.warns(DeprecationWarning):
-        assert s.policy == "bucket" and s.requested_support == "packed"
-    with pytest.raises(AttributeError, match="no attribute 'not_a_setting'"):
-        s.not_a_setting  # noqa: B018
 
 
 def _rows(*values):

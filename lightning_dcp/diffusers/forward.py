@@ -21,7 +21,7 @@ Batch keys read (besides :func:`~lightning_dcp.sp.packing.pack_samples`' ``cu_se
 adds them from the clean latents), :data:`~lightning_dcp.diffusers.samples.VIDEO_POS` (per token),
 :data:`~lightning_dcp.diffusers.samples.GRID` and :data:`~lightning_dcp.diffusers.samples.TEXT`
 (per sample, whole on every SP rank), optionally :data:`~lightning_dcp.diffusers.samples.IMAGE`.
-Shards are contiguous token chunks (:func:`lightning_dcp.sp.sharding.shard_batch`).
+Shards are contiguous token chunks (:func:`lightning_dcp.sp.tokens.shard_batch`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _check_batch(model: nn.Module, batch: Mapping[str, Any], x: torch.Tensor, gr
     if total > x.shape[0] * sp_size:
         raise ValueError(f"packed Wan forward: the samples' grids {grids} hold {total} tokens but the SP group holds "
                          f"{x.shape[0]} x {sp_size}; the batch must be packed from these samples (pack_samples) and "
-                         "sharded in contiguous chunks (lightning_dcp.sp.sharding.shard_batch)")
+                         "sharded in contiguous chunks (lightning_dcp.sp.tokens.shard_batch)")
     texts = batch.get(TEXT)
     missing = [label for j, label in enumerate(labels) if texts is None or j >= len(texts) or texts[j] is None]
     if missing:

@@ -24,7 +24,7 @@ from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, packed_forward
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, TOKEN_WEIGHT, active_context
-from lightning_dcp.sp.sharding import LOSS_REDUCTIONS, add_token_weights, weighted_loss
+from lightning_dcp.sp.tokens import LOSS_REDUCTIONS, add_token_weights, weighted_loss
 from lightning_dcp.step_loss import StepLossLogging
 
 __all__ = ["VideoDiffusionModule"]

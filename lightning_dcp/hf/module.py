@@ -35,7 +35,7 @@ from lightning_dcp.sp.context import (
 )
 from lightning_dcp.hf.adapt import TESTED_MODEL_TYPES, adapt, is_adapted, is_tested_family
 from lightning_dcp.sp.packing import IGNORE_INDEX, pack_samples
-from lightning_dcp.sp.sharding import weighted_loss
+from lightning_dcp.sp.tokens import weighted_loss
 from lightning_dcp.step_loss import StepLossLogging
 
 __all__ = ["IGNORE_INDEX", "SHIFT_LABELS", "CausalLMModule", "causal_lm_logits", "check_causal_lm_head",

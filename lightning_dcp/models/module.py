@@ -12,7 +12,7 @@ from lightning_dcp.sp.context import LOSS_MASK, SEGMENT_IDS, TOKEN_WEIGHT
 from lightning_dcp.models import build_model, resolve_spec
 from lightning_dcp.models.transformer2d import shard_video_batch, video_shapes
 from lightning_dcp.planning.models import ModelSpec
-from lightning_dcp.sp.sharding import weighted_loss
+from lightning_dcp.sp.tokens import weighted_loss
 from lightning_dcp.step_loss import StepLossLogging
 
 __all__ = ["DCPTransformerModule", "resolve_spec"]  # resolve_spec re-exported from lightning_dcp.models
@@ -33,7 +33,7 @@ class DCPTransformerModule(StepLossLogging, pl.LightningModule):
 
     ``training_step`` returns the mean loss over this rank's local loss tokens (non-padding, and
     for 1d labels != -100) -- or, when the DCP strategy put ``TOKEN_WEIGHT`` in the batch,
-    :func:`lightning_dcp.sp.sharding.weighted_loss` of the per-token losses (exact for the
+    :func:`lightning_dcp.sp.tokens.weighted_loss` of the per-token losses (exact for the
     strategy's ``"token"`` and ``"sample"`` reductions). The step's loss is logged as ``train/loss``
     (:class:`~lightning_dcp.step_loss.StepLossLogging`): the global mean under DCPStrategy, the batch
     mean under a plain Trainer. :meth:`token_losses` gives the per-token values and mask. For ``"2d"`` models the module has a

@@ -194,7 +194,7 @@ def _host_time(run: _Run, idx: list[int], repeats: int = 5) -> float:
     samples, the module's ``dcp_prepare_batch``, token weights, the shard, the copy to the device
     (the median of ``repeats``, as the layer timings)."""
     from lightning_dcp.sp.packing import pack_samples
-    from lightning_dcp.sp.sharding import add_token_weights
+    from lightning_dcp.sp.tokens import add_token_weights
 
     times = []
     for _ in range(repeats):

@@ -14,12 +14,12 @@ __all__ = ["default_step", "find_int_attr", "make_sp_groups", "muted_logging", "
 
 
 def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequence[int]], Any]:
-    """Create the SP groups of every aligned block up to ``max(sp_sizes)`` (:class:`lightning_dcp.runtime.groups.SPGroups`;
+    """Create the SP groups of every aligned block up to ``max(sp_sizes)`` (:class:`lightning_dcp.sp.groups.SPGroups`;
     a collective: every rank calls it with the same arguments) and return their ``group_for``.
 
     For use outside :class:`~lightning_dcp.DCPStrategy`, which has its own ``sp_groups``.
     """
-    from lightning_dcp.runtime.groups import SPGroups
+    from lightning_dcp.sp.groups import SPGroups
 
     return SPGroups(world_size, dist.get_rank(), max_sp_size=max(sp_sizes)).group_for
 
@@ -27,7 +27,7 @@ def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequen
 def shard_batch(module: nn.Module, batch: dict, sp: int, sp_rank: int) -> dict:
     """This rank's shard of a packed micro-batch, as :class:`~lightning_dcp.DCPStrategy` builds it:
     the module's ``dcp_prepare_batch`` hook first (e.g. the per-sample label shift), then its
-    ``dcp_shard_batch`` hook if it has one, else :mod:`lightning_dcp.sp.sharding`'s function."""
+    ``dcp_shard_batch`` hook if it has one, else :mod:`lightning_dcp.sp.tokens`'s function."""
     prepare = getattr(module, "dcp_prepare_batch", None)
     if callable(prepare):
         batch = prepare(batch)
@@ -36,7 +36,7 @@ def shard_batch(module: nn.Module, batch: dict, sp: int, sp_rank: int) -> dict:
     hook = getattr(module, "dcp_shard_batch", None)  # (batch, sp_rank, sp_size), as DCPStrategy calls it
     if callable(hook):
         return hook(batch, sp_rank, sp)
-    from lightning_dcp.sp.sharding import shard_batch as _shard
+    from lightning_dcp.sp.tokens import shard_batch as _shard
 
     return _shard(batch, sp_rank, sp)
 

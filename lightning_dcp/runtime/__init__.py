@@ -13,9 +13,9 @@ One concept per module:
 - :mod:`~lightning_dcp.runtime.oom`: out-of-memory recovery, one object;
 - :mod:`~lightning_dcp.runtime.sampler`, :mod:`~lightning_dcp.runtime.loader`,
   :mod:`~lightning_dcp.runtime.lengths`: steps, their micro-batches, and the sample lengths;
-- :mod:`~lightning_dcp.runtime.planners`, :mod:`~lightning_dcp.runtime.model`,
+- :mod:`~lightning_dcp.runtime.planner_factory`, :mod:`~lightning_dcp.runtime.model`,
   :mod:`~lightning_dcp.runtime.support`: which planner, what the module allows, its support level;
-- :mod:`~lightning_dcp.runtime.groups`, :mod:`~lightning_dcp.runtime.agreement`,
+- :mod:`~lightning_dcp.sp.groups`, :mod:`~lightning_dcp.runtime.agreement`,
   :mod:`~lightning_dcp.runtime.faults`, :mod:`~lightning_dcp.runtime.watchdog`: process groups, ranks
   that must agree, collectives that fail, and SIGTERM;
 - :mod:`~lightning_dcp.runtime.metrics`, :mod:`~lightning_dcp.runtime.progress`: what a step did,

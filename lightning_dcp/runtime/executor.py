@@ -46,7 +46,7 @@ from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryEr
 from lightning_dcp.runtime.row import GatheredStep, StepRow
 from lightning_dcp.runtime.support import micro_batch_loss_units
 from lightning_dcp.sp.context import SEGMENT_IDS, SPContext, sp_context
-from lightning_dcp.sp.sharding import add_token_weights, count_weighted_calls, is_weighted, local_loss_tokens, shard_batch
+from lightning_dcp.sp.tokens import add_token_weights, count_weighted_calls, is_weighted, local_loss_tokens, shard_batch
 
 __all__ = ["StepExecutor", "is_step_batch", "world_all_gather"]
 
@@ -295,7 +295,7 @@ class StepExecutor:
 
     def _summed_loss(self, out: Any, it: Mapping[str, Any], weighted: bool = False) -> Tensor:
         """The item's loss as a *sum* over its loss units (the divisor comes once, at the step's end):
-        :func:`~lightning_dcp.sp.sharding.weighted_loss` -- or anything built from it (``weighted``: the
+        :func:`~lightning_dcp.sp.tokens.weighted_loss` -- or anything built from it (``weighted``: the
         step called it) -- as is; a plain mean times its local count."""
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor) or loss.dim() != 0:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_dcp.runtime.groups import largest_power_of_two
+from lightning_dcp.sp.groups import largest_power_of_two
 from lightning_dcp.sp.recompute import find_recompute_layers
 
 __all__ = ["SPCap", "count_recompute_layers", "find_num_heads", "largest_dividing_power_of_two", "resolve_sp_cap"]

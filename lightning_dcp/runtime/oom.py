@@ -93,7 +93,7 @@ class OOMRecovery:
         max_replans: how often one step may be re-planned (``DCPStrategy(max_oom_replans=...)``).
         write_checkpoint: write the state before the step after an SP > 1 failure
             (``DCPStrategy(oom_checkpoint=...)``).
-        planners: the fit's :class:`~lightning_dcp.runtime.planners.PlannerFactory` (re-plans use it).
+        planners: the fit's :class:`~lightning_dcp.runtime.planner_factory.PlannerFactory` (re-plans use it).
     """
 
     def __init__(self, max_replans: int, write_checkpoint: bool, planners: Any = None) -> None:

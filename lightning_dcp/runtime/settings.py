@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.state_sharding import SHARDING_MODES  # what sharding= accepts: the planner's modes
 from lightning_dcp.runtime.support import SUPPORT_LEVELS
-from lightning_dcp.sp.sharding import LOSS_REDUCTIONS
+from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
 
 __all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSettings", "split_strategy_kwargs"]
 

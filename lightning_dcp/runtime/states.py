@@ -12,7 +12,7 @@ weights while they are gathered; no collective runs inside the loop, so the loop
 weights and this rank's full local gradients: :mod:`lightning_dcp.runtime.fsdp`.)
 
 How the planner learns it (:func:`shard_cost_model`, called by
-:class:`~lightning_dcp.runtime.planners.PlannerFactory`): a cost model with a ``with_sharding(states)``
+:class:`~lightning_dcp.runtime.planner_factory.PlannerFactory`): a cost model with a ``with_sharding(states)``
 method (both of ours) gets :meth:`ModelStates.to_dict` and returns the cost model to plan with; a
 cost model without it that declares a different ``sharding`` attribute is an error; any other is
 used as given.

@@ -6,12 +6,12 @@ What each hook does (the work is done by the runtime's other rooms):
   (validated; a misspelled argument is a ``TypeError`` naming the closest valid one).
 - ``setup_environment``: after DDP's process-group setup, the support level
   (:mod:`~lightning_dcp.runtime.support`), the SP cap (:mod:`~lightning_dcp.runtime.model`) and the SP
-  groups of every aligned power-of-two block (:class:`~lightning_dcp.runtime.groups.SPGroups`), once,
+  groups of every aligned power-of-two block (:class:`~lightning_dcp.sp.groups.SPGroups`), once,
   in the same order on every rank; the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
 - ``setup``: checks the module and the Trainer, adds the profiler, no DDP wrapper (``configure_ddp``
   broadcasts rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with
   ``fully_shard``, :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
-- ``process_dataloader`` (train only): the planner (:mod:`~lightning_dcp.runtime.planners`), the
+- ``process_dataloader`` (train only): the planner (:mod:`~lightning_dcp.runtime.planner_factory`), the
   :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and
   :class:`~lightning_dcp.runtime.loader.DCPDataLoader` (one item per optimizer step), the setup
   agreement check (:mod:`~lightning_dcp.runtime.agreement`) and the step executor
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -58,13 +57,13 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.runtime.agreement import check_setup, planner_settings, setup_row
 from lightning_dcp.runtime.executor import StepExecutor, is_step_batch, world_all_gather
 from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, check_precision
-from lightning_dcp.runtime.groups import SPGroups
+from lightning_dcp.sp.groups import SPGroups
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker
 from lightning_dcp.runtime.model import SPCap, count_recompute_layers, find_num_heads, resolve_sp_cap
 from lightning_dcp.runtime.oom import OOMRecovery
-from lightning_dcp.runtime.planners import PlannerFactory
+from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
 from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, SHARDING_MODES, DCPSettings, split_strategy_kwargs
@@ -74,13 +73,6 @@ from lightning_dcp.runtime.watchdog import ShutdownWatchdog
 
 __all__ = ["DCPStrategy"]
 
-#: Strategy attributes before 0.2.0 -> the :class:`DCPSettings` field that holds them now.
-_OLD_SETTINGS_ATTRS = {name: name for name in (
-    "policy", "profile", "global_batch_size", "global_batch_tokens", "loss_reduction", "zero1", "seed", "plan_ahead",
-    "shuffle", "drop_last", "planner_options", "log_metrics", "bucket_cap_bytes", "sigterm_grace_s", "max_oom_replans",
-    "oom_checkpoint")} | {"requested_support": "support"}
-
-
 class DCPStrategy(DDPStrategy):
     """Data-Centric Parallel: per step, the data chooses SP groups, micro-batches per rank and recomputation.
 
@@ -89,7 +81,7 @@ class DCPStrategy(DDPStrategy):
     (launchers, cluster environments, rank setup) without the DDP wrapper.
 
     What the user's ``training_step`` returns is the loss of *one micro-batch on this rank* (its mean
-    over its local loss tokens, or a :func:`~lightning_dcp.sp.sharding.weighted_loss` sum); what the
+    over its local loss tokens, or a :func:`~lightning_dcp.sp.tokens.weighted_loss` sum); what the
     strategy hands back to Lightning -- ``outputs["loss"]`` in ``on_train_batch_end`` -- is the step's
     global mean loss, the value plain data-parallel training would report (log it there; the shipped
     modules do, as ``train/loss``, through :class:`~lightning_dcp.step_loss.StepLossLogging`).
@@ -109,7 +101,7 @@ class DCPStrategy(DDPStrategy):
         global_batch_tokens: alternatively, a token budget per step.
         loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
             ``"sample"`` (mean over samples of each sample's token mean); see
-            :mod:`lightning_dcp.sp.sharding` for what ``training_step`` must return.
+            :mod:`lightning_dcp.sp.tokens` for what ``training_step`` must return.
         sharding: which model states are sharded over the world (see :mod:`~lightning_dcp.runtime.fsdp`):
             ``"none"`` (full replicas, the default); ``"zero1"`` the optimizer state
             (``ZeroRedundancyOptimizer``); ``"zero2"`` the optimizer state and update, and gradients
@@ -233,17 +225,6 @@ class DCPStrategy(DDPStrategy):
     def cost_model(self) -> CostModel | None:
         """The cost model the planner uses (given, measured by the profiler, or the fallback)."""
         return self._cost_model
-
-    def __getattr__(self, name: str) -> Any:
-        """The arguments that were attributes of the strategy before 0.2.0 (``strategy.seed``, ``.policy``...):
-        read from :attr:`settings`, with a ``DeprecationWarning`` (removed in 0.3.0)."""
-        field = _OLD_SETTINGS_ATTRS.get(name)
-        settings = self.__dict__.get("settings")  # never __getattr__ again (unpickling, early look-ups)
-        if field is None or settings is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings.warn(f"DCPStrategy.{name} is deprecated: read DCPStrategy.settings.{field} (removed in 0.3.0)",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(settings, field)
 
     # ------------------------------------------------------------------ registration
     @classmethod

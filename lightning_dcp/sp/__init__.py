@@ -3,8 +3,8 @@
 - :mod:`~lightning_dcp.sp.context`: the active SP group and recompute count (set by the runtime
   per work item), and the keys of the packed-batch contract;
 - :mod:`~lightning_dcp.sp.packing`: samples -> one variable-length micro-batch;
-- :mod:`~lightning_dcp.sp.sharding`: a packed micro-batch -> this SP rank's shard, token weights,
-  :func:`~lightning_dcp.sp.sharding.weighted_loss`;
+- :mod:`~lightning_dcp.sp.tokens`: a packed micro-batch -> this SP rank's shard, token weights,
+  :func:`~lightning_dcp.sp.tokens.weighted_loss`;
 - :mod:`~lightning_dcp.sp.attention`: local variable-length attention (flash-attn, torch varlen, SDPA);
 - :mod:`~lightning_dcp.sp.ulysses`: the Ulysses all-to-all and :func:`ulysses_attention`;
 - :mod:`~lightning_dcp.sp.recompute`: :class:`RecomputeLayers`, the per-layer recompute switch.
