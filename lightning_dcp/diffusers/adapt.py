@@ -7,23 +7,10 @@ from torch import nn
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor
 from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers
 
-__all__ = ["SUPPORTED_MODELS", "adapt", "is_adapted"]
+__all__ = ["SUPPORTED_MODELS", "adapt", "adapt_wan", "is_adapted", "is_adapted_wan"]
 
-#: Model classes :func:`adapt` supports.
-SUPPORTED_MODELS = ("WanTransformer3DModel",)
-
-#: Diffusers video transformers that are not supported yet, and what is missing for each.
-_NOT_YET = {
-    "CogVideoXTransformer3DModel": (
-        "its blocks attend jointly over [text tokens; video tokens] of each sample (text prepended per sample, "
-        "learned or 3-D rotary positions computed for one grid per batch), so packing needs a joint-attention "
-        "processor whose segments interleave each sample's text with its video tokens, and SP sharding that keeps "
-        "the text per sample"),
-    "HunyuanVideoTransformer3DModel": (
-        "its dual-stream blocks process text and video separately and its single-stream blocks attend over "
-        "[video; text] with a per-batch attention mask and token refiner, so packing needs per-sample joint "
-        "segments in both block types, per-sample text masks and per-sample guidance/timestep modulation"),
-}
+#: Model classes :func:`adapt` supports (:data:`lightning_dcp.diffusers.family.FAMILIES`).
+SUPPORTED_MODELS = ("WanTransformer3DModel", "CogVideoXTransformer3DModel", "HunyuanVideoTransformer3DModel")
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -34,12 +21,7 @@ def _check_supported(model: nn.Module) -> None:
         raise ImportError(f"lightning_dcp.diffusers needs diffusers>=0.35 (WanTransformer3DModel): {err}; "
                           'pip install "lightning-dcp[diffusers]"') from err
     if not isinstance(model, WanTransformer3DModel):
-        if name in _NOT_YET:
-            raise NotImplementedError(
-                f"lightning_dcp.diffusers.adapt does not support {name} yet: {_NOT_YET[name]}. Supported: "
-                f"{', '.join(SUPPORTED_MODELS)} (Wan 2.1 / 2.2).")
-        raise TypeError(f"lightning_dcp.diffusers.adapt supports {', '.join(SUPPORTED_MODELS)} (Wan 2.1 / 2.2), got "
-                        f"{name}; for your own nn.Module use lightning_dcp.ulysses_attention and RecomputeLayers.")
+        raise TypeError(f"adapt_wan takes a WanTransformer3DModel, got {name}; use lightning_dcp.diffusers.adapt")
     config = model.config
     if getattr(config, "pos_embed_seq_len", None):
         raise NotImplementedError(
@@ -63,7 +45,12 @@ def _check_supported(model: nn.Module) -> None:
 
 
 def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
-    """Prepare a diffusers ``WanTransformer3DModel`` (Wan 2.1 / 2.2) for DCP, in place.
+    """Prepare a diffusers video transformer for DCP, in place: Wan (below), CogVideoX and HunyuanVideo
+    (joint attention, :mod:`lightning_dcp.diffusers.joint`), by class (:func:`~lightning_dcp.diffusers.family.family_of`).
+
+    Every family gets the packed, sequence-parallel attention, ``model.dcp_recompute``,
+    ``model.dcp_num_heads`` and ``model.dcp_repeated_layers()``, with ``state_dict`` keys and the
+    model's own ``forward`` unchanged. For Wan:
 
     * attention: every ``WanAttention`` gets a :class:`~lightning_dcp.diffusers.attention.DCPWanAttnProcessor`:
       in :func:`~lightning_dcp.diffusers.forward.packed_forward` it runs Ulysses self-attention over the SP
@@ -82,9 +69,17 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
     Calling it again is a no-op apart from a new ``recompute_override``.
 
     Raises:
-        NotImplementedError: CogVideoX, HunyuanVideo and Wan FLF2V -- the message says what is missing.
-        TypeError / ValueError: any other model, or a Wan model with a custom attention processor.
+        NotImplementedError: variants not supported yet (Wan FLF2V, CogVideoX-5b-I2V, HunyuanVideo
+            token-replace I2V, ...) -- the message says what is missing.
+        TypeError / ValueError: any other model (the message names the supported ones), or a custom attention processor.
     """
+    from lightning_dcp.diffusers.family import family_of
+
+    return family_of(model).adapt(model, recompute_override)
+
+
+def adapt_wan(model: nn.Module, recompute_override: int | None = None) -> nn.Module:
+    """:func:`adapt` for a ``WanTransformer3DModel``."""
     _check_supported(model)
     for block in model.blocks:
         for attn in (block.attn1, block.attn2):
@@ -105,7 +100,17 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
 
 
 def is_adapted(model: nn.Module) -> bool:
-    """Whether :func:`adapt` has prepared ``model`` (its recompute switch and packed processors are in place)."""
+    """Whether :func:`adapt` has prepared ``model`` (its recompute switch and packed blocks are in place)."""
+    from lightning_dcp.diffusers.family import family_of
+
+    try:
+        return family_of(model).is_adapted(model)
+    except TypeError:
+        return False
+
+
+def is_adapted_wan(model: nn.Module) -> bool:
+    """:func:`is_adapted` for a ``WanTransformer3DModel``."""
     blocks = getattr(model, "blocks", None)
     return (isinstance(getattr(model, "dcp_recompute", None), LayerRecompute) and isinstance(blocks, nn.ModuleList)
             and all(isinstance(b.attn1.processor, DCPWanAttnProcessor) and isinstance(b.attn2.processor, DCPWanAttnProcessor)

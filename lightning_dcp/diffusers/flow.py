@@ -28,7 +28,7 @@ import torch
 
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 from lightning_dcp.diffusers.samples import CONDITION, GRID, LATENTS, SAMPLE_INDEX, input_to_output_layout
-from lightning_dcp.sp.context import CU_SEQLENS, SAMPLE_INDICES
+from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, SAMPLE_INDICES
 
 __all__ = ["LOSS_SCALE", "TARGET", "WEIGHTING_SCHEMES", "FlowMatching", "check_sample_indices", "sample_seed"]
 
@@ -88,6 +88,9 @@ class FlowMatching:
             ``boundary_ratio`` (``transformer`` for ``t >= boundary_ratio * num_train_timesteps``,
             ``transformer_2`` below): ``(boundary_ratio, 1.0)`` for the high-noise expert,
             ``(0.0, boundary_ratio)`` for the low-noise one. Default ``(0.0, 1.0)``: the whole schedule.
+        output_layout: the per-token feature order of the model's output, which the target takes:
+            ``"output"`` (``pt x ph x pw x C``, Wan) or ``"input"`` (``C x pt x ph x pw``, CogVideoX and
+            HunyuanVideo); :func:`~lightning_dcp.diffusers.family.family_of` knows each model's.
     """
 
     patch_size: Sequence[int]
@@ -99,10 +102,13 @@ class FlowMatching:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     timestep_range: tuple[float, float] = (0.0, 1.0)
+    output_layout: str = "output"
 
     def __post_init__(self) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
+        if self.output_layout not in ("output", "input"):
+            raise ValueError(f"output_layout must be 'output' or 'input', got {self.output_layout!r}")
         if self.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {self.weighting_scheme!r}")
         shift = self.shift
@@ -169,13 +175,18 @@ class FlowMatching:
         sigma = torch.zeros(total, 1, dtype=torch.float32)
         timestep = torch.zeros(total, dtype=torch.float32)
         scale = torch.zeros(total, dtype=torch.float32)
+        loss_rows = batch.get(LOSS_MASK)
         for j in range(len(batch[GRID])):  # the real samples; a trailing padding segment keeps zeros
             a, b = int(cu[j]), int(cu[j + 1])
+            # noise for the sample's loss rows, in order: all of them for Wan; the video rows of a
+            # joint-attention sample, whose text rows carry labels -100 (lightning_dcp.diffusers.joint)
+            rows = slice(a, b) if loss_rows is None else a + torch.nonzero(loss_rows[a:b].cpu()).flatten()
+            n = b - a if loss_rows is None else int(rows.numel())
             if indices is not None:
-                s, t, w, eps = self.draw(int(indices[j]), epoch, b - a, features)
+                s, t, w, eps = self.draw(int(indices[j]), epoch, n, features)
             else:
-                s, t, w, eps = self._draw_global(b - a, features)
-            noise[a:b], sigma[a:b], timestep[a:b], scale[a:b] = eps, s, t, w
+                s, t, w, eps = self._draw_global(n, features)
+            noise[rows], sigma[a:b], timestep[a:b], scale[a:b] = eps, s, t, w
         noise, sigma, timestep, scale = (v.to(x0.device) for v in (noise, sigma, timestep, scale))
         x0f = x0.float()
         noisy = (1.0 - sigma) * x0f + sigma * noise
@@ -183,7 +194,8 @@ class FlowMatching:
         condition = batch.get(CONDITION)
         out[HIDDEN_STATES] = noisy if condition is None else torch.cat([noisy, condition.float()], dim=-1)
         out[TIMESTEP] = timestep
-        out[TARGET] = input_to_output_layout(noise - x0f, self.patch_size)
+        out[TARGET] = (input_to_output_layout(noise - x0f, self.patch_size) if self.output_layout == "output"
+                       else noise - x0f)
         out[LOSS_SCALE] = scale
         return out
 

@@ -38,7 +38,7 @@ from lightning_dcp.diffusers.rope import packed_rotary
 from lightning_dcp.diffusers.samples import GRID, IMAGE, TEXT, VIDEO_POS, per_sample_embeds, sample_labels
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 
-__all__ = ["HIDDEN_STATES", "TIMESTEP", "packed_forward"]
+__all__ = ["HIDDEN_STATES", "TIMESTEP", "packed_forward", "wan_packed_forward"]
 
 #: The model's input tokens ``[tokens, in_channels*pt*ph*pw]`` (input layout): noisy latents (+ condition channels).
 HIDDEN_STATES = "hidden_states"
@@ -111,6 +111,15 @@ def _concat(parts: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor
 
 
 def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Velocity (or noise) prediction of an adapted video transformer on a packed micro-batch (or SP shard):
+    its family's packed forward (:mod:`lightning_dcp.diffusers.family`); Wan's is :func:`wan_packed_forward`,
+    CogVideoX's and HunyuanVideo's return ``[local rows, C*pt*ph*pw]`` over joint rows, zeros on text rows."""
+    from lightning_dcp.diffusers.family import family_of
+
+    return family_of(model).packed_forward(model, batch)
+
+
+def wan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """Velocity (or noise) prediction ``[local_tokens, out_channels*pt*ph*pw]`` of an adapted Wan model.
 
     Args:
@@ -125,9 +134,9 @@ def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         ValueError: a malformed batch (wrong feature count, a grid past the rotary table, a
             sample without text, ...), naming the sample.
     """
-    from lightning_dcp.diffusers.adapt import is_adapted
+    from lightning_dcp.diffusers.adapt import is_adapted_wan
 
-    if not is_adapted(model):
+    if not is_adapted_wan(model):
         raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
                          "is not (call adapt(model) once, before training)")
     x = batch[HIDDEN_STATES]

@@ -31,7 +31,7 @@ __all__ = ["VideoDiffusionModule"]
 
 
 class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
-    """Trains a diffusers Wan transformer with flow matching, under DCPStrategy or a plain Trainer.
+    """Trains a diffusers video transformer (Wan, CogVideoX, HunyuanVideo) with flow matching, under DCPStrategy or a plain Trainer.
 
     Samples are :func:`~lightning_dcp.diffusers.video_sample` dicts (clean VAE latents of any
     size, text embeddings; give ``index=`` so the noise is keyed on the dataset index under a plain
@@ -51,7 +51,10 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     different explicit value is refused at setup); under a plain Trainer this module's (default ``"token"``).
 
     Args:
-        model: a diffusers ``WanTransformer3DModel``; :func:`~lightning_dcp.diffusers.adapt` is applied unless done.
+        model: a diffusers ``WanTransformer3DModel``, ``CogVideoXTransformer3DModel`` or
+            ``HunyuanVideoTransformer3DModel``; :func:`~lightning_dcp.diffusers.adapt` is applied unless done.
+            For the joint-attention families the dataset's ``lengths`` count text and video rows
+            (:mod:`lightning_dcp.diffusers.joint`) and the loss covers the video rows only.
         lr, weight_decay, betas: AdamW settings of the default :meth:`configure_optimizers`.
         seed, shift, num_train_timesteps, weighting_scheme, logit_mean, logit_std, mode_scale:
             the flow-matching schedule and sampling (:class:`~lightning_dcp.diffusers.flow.FlowMatching`).
@@ -80,7 +83,10 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         self.model = model if is_adapted(model) else adapt(model)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.loss_reduction = loss_reduction
-        self.flow = FlowMatching(tuple(model.config.patch_size), seed=seed, shift=shift,
+        from lightning_dcp.diffusers.family import family_of
+
+        family = family_of(model)
+        self.flow = FlowMatching(family.patch_size(model.config), seed=seed, shift=shift, output_layout=family.output_layout,
                                  num_train_timesteps=num_train_timesteps, weighting_scheme=weighting_scheme,
                                  logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
                                  timestep_range=timestep_range)
