@@ -168,3 +168,141 @@ def test_packed_equals_per_sample(family, variant):
             worst = max(worst, (got[i] - want).abs().max().item())
     print(f"{family}/{variant}: packed vs per-sample max abs err {worst:.2e}")
     assert worst < 1e-6, worst
+
+
+def test_text_rows_join_their_own_video_only():
+    """Changing one sample's text changes only that sample's output: attention stays within each joint segment."""
+    for family in ("cog", "hunyuan"):
+        model = adapt(make(family)).eval()
+        raws = raw_videos(GRIDS, patch_of(model))
+        batch = with_inputs(pack_samples([sample_of(model, r) for r in raws]), [r.t for r in raws])
+        with torch.no_grad():
+            base = unpack_joint_output(packed_forward(model, batch), batch, patch_of(model))
+            batch[TEXT] = list(batch[TEXT])
+            batch[TEXT][1] = (batch[TEXT][1][0] + 1.0,)
+            moved = unpack_joint_output(packed_forward(model, batch), batch, patch_of(model))
+        assert [not torch.equal(a, b) for a, b in zip(base, moved)] == [False, True, False, False], family
+
+
+@pytest.mark.parametrize("family", ["cog", "hunyuan"])
+def test_recompute_covers_every_block_same_grads_and_pickle(family):
+    """recompute = k checkpoints the first k repeated layers (HunyuanVideo: dual-stream blocks, then single-stream);
+    grads are equal; the model pickles and deep-copies with its packed blocks."""
+    model = adapt(make(family, layers=2) if family == "cog" else make_hunyuan(layers=2, single=2)).train()
+    layers = model.dcp_repeated_layers()
+    assert len(layers) == len(model.dcp_recompute) == (2 if family == "cog" else 4)
+    if family == "hunyuan":
+        assert layers == list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    raws = raw_videos(GRIDS, patch_of(model))
+    batch = with_inputs(pack_samples([sample_of(model, r, index=i) for i, r in enumerate(raws)]), [r.t for r in raws])
+    gout = torch.randn(batch[LATENTS].shape[0], 16, generator=torch.Generator().manual_seed(5))
+    results = {}
+    for k in (0, 1, 3, 9):
+        counts = [0] * len(layers)
+        hooks = [layer.register_forward_pre_hook(lambda *a, i=i: counts.__setitem__(i, counts[i] + 1))
+                 for i, layer in enumerate(layers)]
+        model.zero_grad(set_to_none=True)
+        with sp_context(SPContext(recompute=k)):
+            out = packed_forward(model, batch)
+        (out * gout).sum().backward()
+        for h in hooks:
+            h.remove()
+        assert counts == [2 if i < k else 1 for i in range(len(layers))], (k, counts)
+        results[k] = (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for k, (out, grads) in results.items():
+        assert torch.equal(out, results[0][0])
+        assert grads.keys() == results[0][1].keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(g, results[0][1][n], atol=1e-6, rtol=1e-5, msg=lambda m: f"k={k} {n}: {m}")
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert clone.dcp_repeated_layers()[0] is getattr(clone, "transformer_blocks")[0]
+        clone.dcp_recompute.recompute_override = 2
+        torch.testing.assert_close(packed_forward(clone, batch), results[0][0], atol=0, rtol=0)
+
+
+def test_family_table_and_errors():
+    """adapt dispatches by class through FAMILIES; any other model's error names every supported one; variants
+    not supported yet say what is missing; a joint batch without pooled projections or guidance names the fix."""
+    assert set(FAMILIES) >= {"WanTransformer3DModel", "CogVideoXTransformer3DModel", "HunyuanVideoTransformer3DModel"}
+    assert family_of(make_cog()).output_layout == "input" and family_of(make_cog()).joint
+    with pytest.raises(TypeError, match=r"supports WanTransformer3DModel \(Wan 2.1 / 2.2\), CogVideoXTransformer3DModel "
+                                        r".*HunyuanVideoTransformer3DModel \(HunyuanVideo\).*got Linear"):
+        adapt(torch.nn.Linear(2, 2))
+    torch.manual_seed(0)
+    learned = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8, text_embed_dim=8,
+        num_layers=1, sample_width=8, sample_height=8, sample_frames=5, max_text_seq_length=4,
+        use_rotary_positional_embeddings=True, use_learned_positional_embeddings=True)
+    with pytest.raises(NotImplementedError, match="learned_positional_embeddings.*5b-I2V"):
+        adapt(learned)
+    replace = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, text_embed_dim=8, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
+        image_condition_type="token_replace")
+    with pytest.raises(NotImplementedError, match="token_replace"):
+        adapt(replace)
+    model = adapt(make_hunyuan())
+    raws = raw_videos(GRIDS[:2], patch_of(model))
+    batch = with_inputs(pack_samples([sample_of(model, r, index=5 + i) for i, r in enumerate(raws)]), [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"sample 5, sample 6 carry no guidance; pass hunyuan_sample\(\.\.\., guidance="):
+        packed_forward(model, {k: v for k, v in batch.items() if k != GUIDANCE})
+    with pytest.raises(ValueError, match="no pooled text projection"):
+        packed_forward(model, {k: v for k, v in batch.items() if k != POOLED})
+    with pytest.raises(ValueError, match=r"'hidden_states' has shape \(\d+, 32\), but the model takes .* \[rows, 16\]"):
+        packed_forward(model, dict(batch, **{HIDDEN_STATES: batch[HIDDEN_STATES].repeat(1, 2)}))
+
+
+def test_joint_sample_rows_and_lengths():
+    """A joint sample's rows are its text plus its video tokens (the dataset's lengths); only video rows carry loss,
+    and flow matching draws the same noise for them as for the video alone."""
+    cog, hy = make_cog(), make_hunyuan()
+    raw = raw_videos([(2, 3, 2)], (1, 2, 2))[0]
+    a, b = sample_of(cog, raw, index=3), sample_of(hy, raw, index=3)
+    n, m = 12, raw.text.shape[0]
+    assert a[LATENTS].shape[0] == b[LATENTS].shape[0] == n + m
+    assert a[JOINT_TEXT][:m].tolist() == list(range(1, m + 1)) and (a[JOINT_TEXT][m:] == 0).all()  # [text; video]
+    assert b[JOINT_TEXT][n:].tolist() == list(range(1, m + 1)) and (b[JOINT_TEXT][:n] == 0).all()  # [video; text]
+    batch = pack_samples([a], pad_to_multiple=4)
+    assert batch[LOSS_MASK].tolist() == [False] * m + [True] * n + [False] * (-(n + m) % 4)
+    flow = FlowMatching((1, 2, 2), seed=3, output_layout="input")
+    got = flow.prepare(batch, epoch=1)
+    _, t, _, noise = flow.draw(3, 1, n, 16)
+    assert torch.equal(got["target"][m:m + n], noise - a[LATENTS][m:])
+    assert (got["target"][:m] == 0).all() and (got[TIMESTEP][:n + m] == t).all()
+
+
+def reference_loss(ref, flow, items, reduction: str, epoch: int = 0):
+    """Plain diffusers, each video alone: x_t = (1-s) x0 + s noise, MSE against noise - x0 over its latent values;
+    token-weighted mean over video tokens ("token") or mean over samples ("sample")."""
+    patch = patch_of(ref)
+    tokens = sum(math.prod(s[GRID]) for _, s, _ in items)
+    total = 0.0
+    for index, s, raw in items:
+        grid, n = s[GRID], math.prod(s[GRID])
+        video = s[LATENTS][s[JOINT_TEXT] == 0]
+        sigma, t, w, noise = flow.draw(index, epoch, n, video.shape[1])
+        x0, eps = unpatchify(video, grid, patch, "input"), unpatchify(noise, grid, patch, "input")
+        r = Raw(raw.lat, per_sample_embeds(s[TEXT])[0], raw.pooled, raw.guidance, t)
+        pred = reference(ref, r, x=(1 - sigma) * x0 + sigma * eps)
+        mse = (pred - (eps - x0)).pow(2).mean() * w
+        total = total + (mse * n / tokens if reduction == "token" else mse / len(items))
+    return total
+
+
+@pytest.mark.parametrize("family,reduction", [("cog", "token"), ("hunyuan", "sample")])
+def test_module_loss_and_grads_match_reference(family, reduction):
+    ref = make(family)
+    module = VideoDiffusionModule(copy.deepcopy(ref), seed=FLOW_SEED, loss_reduction=reduction)
+    raws = raw_videos(GRIDS, patch_of(ref))
+    samples = [sample_of(module.model, r, index=30 + i) for i, r in enumerate(raws)]
+    want = reference_loss(ref, module.flow, [(30 + i, s, r) for i, (s, r) in enumerate(zip(samples, raws))], reduction)
+    want.backward()
+    loss = module.training_step(VideoDiffusionModule.collate(samples), 0)
+    loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    # relative to the gradient's scale; a key bias's gradient is 0 up to rounding (softmax ignores it): floor 1e-6
+    worst = max(float((p.grad - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max().clamp_min(1e-6))
+                for n, p in module.model.named_parameters() if ref_grads[n].grad is not None)
+    print(f"{family}/{reduction}: loss {loss.item():.6f} vs reference {want.item():.6f}, max rel grad err {worst:.2e}")
+    assert abs(loss.item() - want.item()) < 1e-5 * max(1.0, abs(want.item()))
+    assert worst < 1e-5
