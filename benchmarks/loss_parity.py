@@ -1,9 +1,10 @@
 """Loss-curve parity: dcp, bucket and plain DDP train the same model on the same global batches, step for step.
 
 For each model family -- T-1D (the package's :class:`~lightning_dcp.models.Transformer1D`, ``tiny-1d``),
-a Hugging Face Llama (:class:`~lightning_dcp.hf.CausalLMModule` on a tiny random ``LlamaForCausalLM``)
-and Wan (:class:`~lightning_dcp.diffusers.VideoDiffusionModule` on a tiny random
-``WanTransformer3DModel``) -- three runs of ``--steps`` optimizer steps on 2 CPU processes (gloo), fp32:
+a Hugging Face Llama (:class:`~lightning_dcp.hf.CausalLMModule` on a tiny random ``LlamaForCausalLM``),
+Wan (:class:`~lightning_dcp.diffusers.VideoDiffusionModule` on a tiny random
+``WanTransformer3DModel``) and CogVideoX (the same module on a tiny random ``CogVideoXTransformer3DModel``:
+joint attention, each sample's prompt tokens are rows of its sequence and count in its length) -- three runs of ``--steps`` optimizer steps on 2 CPU processes (gloo), fp32:
 
 * ``ddp``: Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (the DDP wrapper), each rank
   its share of every global batch (sample ``j`` of the batch on rank ``j % 2``) in one packed batch;
@@ -24,7 +25,7 @@ two processes with one thread each.
 
 The objective is the global batch's token mean, what DCPStrategy trains (``loss_reduction="token"``):
 next-token cross-entropy over every label that is not ``-100`` (T-1D, Llama; the Llama samples mask a
-quarter of their tokens as a prompt), the flow-matching squared error over every video token (Wan).
+quarter of their tokens as a prompt), the flow-matching squared error over every video token (Wan, CogVideoX: text rows carry no loss).
 Plain DDP *averages* the ranks' gradients, so each DDP rank's loss is the sum of its per-token losses
 divided by the global batch's token count (an all-reduce of the ranks' counts), times the world size
 (:class:`GlobalBatchMean`); the DDP loss recorded is the all-reduced global mean. The DCP loss recorded
@@ -42,7 +43,8 @@ Outputs: ``<out>/<family>.csv`` and ``<out>/<family>.json`` (per-step losses, di
 ``<out>/summary.json`` and ``<out>/summary.md`` (largest per-step differences, absolute and relative, of
 every pair), and the plot (default ``docs/loss_parity.png``)::
 
-    python benchmarks/loss_parity.py                          # 200 steps, three families (~5 min on 2 CPU cores)
+    python benchmarks/loss_parity.py                          # 200 steps, four families
+    python benchmarks/loss_parity.py --families cogvideox      # one family
     python benchmarks/loss_parity.py --quick --families t1d   # 3 steps, a smoke run
 """
 
@@ -71,11 +73,11 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("t1d", "llama", "wan")
+FAMILIES = ("t1d", "llama", "wan", "cogvideox")
 RUNS = ("ddp", "dcp", "bucket")
 PAIRS = (("dcp", "ddp"), ("bucket", "ddp"), ("dcp", "bucket"))
 TITLES = {"t1d": "T-1D (tiny-1d, lightning_dcp.models)", "llama": "HF Llama (CausalLMModule)",
-          "wan": "Wan (VideoDiffusionModule)"}
+          "wan": "Wan (VideoDiffusionModule)", "cogvideox": "CogVideoX, joint attention (VideoDiffusionModule)"}
 NUM_LAYERS = 4
 NUM_HEADS = 4
 WORLD_SIZE = 2
@@ -130,11 +132,15 @@ class SmoothVideos(Dataset):
     "text" embeddings; :func:`~lightning_dcp.diffusers.video_sample` with ``index=i`` (the flow-matching
     noise is keyed on it). ``lengths``: video tokens after the (1, 2, 2) patch."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, joint: bool = False) -> None:
         rng = random.Random(seed)
         self.shapes = [(rng.choice(VIDEO_FRAMES), *rng.choice(VIDEO_SIZES)) for _ in range(n)]
         self.lengths = [math.prod(d // p for d, p in zip(s, VIDEO_PATCH)) for s in self.shapes]
-        self.seed = seed
+        self.seed, self.joint = seed, joint
+        # joint attention (CogVideoX): the prompt's tokens are rows of the sample, so lengths count them too
+        self.text_lens = [1 + rng.randrange(TEXT_LEN) for _ in range(n)] if joint else None
+        if joint:
+            self.lengths = [n_video + n_text for n_video, n_text in zip(self.lengths, self.text_lens)]
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -149,6 +155,10 @@ class SmoothVideos(Dataset):
         phase = torch.rand(VIDEO_CHANNELS, 3, generator=g) * 2 * math.pi
         arg = sum(freq[..., a, None, None, None] * grid[a] for a in range(3)) + phase[..., None, None, None]
         latent = torch.sin(arg).sum(1) / math.sqrt(1.5)  # [C, F, H, W], unit variance
+        if self.joint:
+            from lightning_dcp.diffusers import cogvideox_sample
+
+            return cogvideox_sample(latent, torch.randn(self.text_lens[i], TEXT_DIM, generator=g), VIDEO_PATCH, index=i)
         text = torch.randn(1 + int(torch.randint(TEXT_LEN, (1,), generator=g)), TEXT_DIM, generator=g)
         return video_sample(latent, text, VIDEO_PATCH, text_len=TEXT_LEN, index=i)
 
@@ -159,8 +169,8 @@ def make_dataset(family: str, num_samples: int, seed: int) -> Dataset:
     ``examples/hf_causal_lm.py``), Wan videos of 4-180 tokens."""
     from lightning_dcp.data import tiny_lengths
 
-    if family == "wan":
-        return SmoothVideos(num_samples, seed)
+    if family in ("wan", "cogvideox"):
+        return SmoothVideos(num_samples, seed, joint=family == "cogvideox")
     if family == "t1d":
         return TokenSamples(tiny_lengths(num_samples, seed, min_len=8, max_len=192), 256, seed, causal=False)
     rng = random.Random(seed)
@@ -227,6 +237,17 @@ def make_module(family: str, ddp: bool, seed: int, lr: float) -> Any:
         model = WanTransformer3DModel(patch_size=VIDEO_PATCH, num_attention_heads=NUM_HEADS, attention_head_dim=16,
                                       in_channels=VIDEO_CHANNELS, out_channels=VIDEO_CHANNELS, text_dim=TEXT_DIM,
                                       freq_dim=32, ffn_dim=128, num_layers=NUM_LAYERS, rope_max_seq_len=64)
+        return ddp_variant(VideoDiffusionModule, ddp)(model, lr=lr, seed=seed)
+    if family == "cogvideox":
+        from diffusers import CogVideoXTransformer3DModel
+
+        from lightning_dcp.diffusers import VideoDiffusionModule
+
+        model = CogVideoXTransformer3DModel(num_attention_heads=NUM_HEADS, attention_head_dim=16, in_channels=VIDEO_CHANNELS,
+                                            out_channels=VIDEO_CHANNELS, time_embed_dim=32, text_embed_dim=TEXT_DIM,
+                                            num_layers=NUM_LAYERS, sample_width=24, sample_height=24, sample_frames=17,
+                                            patch_size=VIDEO_PATCH[1], max_text_seq_length=TEXT_LEN,
+                                            use_rotary_positional_embeddings=True)
         return ddp_variant(VideoDiffusionModule, ddp)(model, lr=lr, seed=seed)
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 

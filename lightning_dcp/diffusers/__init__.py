@@ -1,4 +1,4 @@
-"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2) on any-size videos under DCP.
+"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2, CogVideoX, HunyuanVideo) on any-size videos under DCP.
 
 * :func:`adapt` prepares a ``WanTransformer3DModel`` in place: a packed, sequence-parallel
   attention processor (Ulysses self-attention within each sample, cross-attention of each sample
@@ -10,7 +10,11 @@
   sample DCP packs; :func:`unpatchify` / :func:`unpack_output` go back.
 * :class:`VideoDiffusionModule` trains it with flow matching (``dcp_support = "sp"``).
 
-CogVideoX and HunyuanVideo are not supported yet: :func:`adapt` says what is missing.
+CogVideoX and HunyuanVideo are *joint-attention* DiTs: each sample's text tokens are rows of its
+attention sequence, sharded with its video rows (:mod:`~lightning_dcp.diffusers.joint`); build
+their samples with :func:`cogvideox_sample` / :func:`hunyuan_sample` (the dataset's ``lengths``
+then count text + video rows) and unpack outputs with :func:`unpack_joint_output`. Which class
+runs how is one :class:`~lightning_dcp.diffusers.family.VideoFamily` per model in :data:`FAMILIES`.
 
 Needs ``diffusers>=0.35`` (``pip install "lightning-dcp[diffusers]"``); importing this package
 without it raises an ImportError saying so. ``import lightning_dcp`` never imports it.
@@ -27,6 +31,10 @@ except ImportError as _err:  # pragma: no cover - exercised only without diffuse
     ) from _err
 
 from lightning_dcp.diffusers.adapt import SUPPORTED_MODELS, adapt, is_adapted
+from lightning_dcp.diffusers.cogvideox import cogvideox_sample
+from lightning_dcp.diffusers.family import FAMILIES, VideoFamily, family_of
+from lightning_dcp.diffusers.hunyuan import hunyuan_sample
+from lightning_dcp.diffusers.joint import JOINT_TEXT, unpack_joint_output
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, packed_forward
@@ -51,6 +59,7 @@ from lightning_dcp.diffusers.samples import (
 )
 
 __all__ = [
+    "FAMILIES", "JOINT_TEXT", "VideoFamily", "cogvideox_sample", "family_of", "hunyuan_sample", "unpack_joint_output",
     "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
     "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",
