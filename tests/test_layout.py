@@ -70,7 +70,7 @@ def test_profiling_rooms_import_neither_models_nor_data():
     out = _python("""
         import sys
         import lightning_dcp.profiling.callback, lightning_dcp.profiling.assemble, lightning_dcp.profiling.cache
-        print(sorted(m for m in ("lightning_dcp.models", "lightning_dcp.data", "lightning_dcp.strategy", "lightning_dcp.runtime.strategy") if m in sys.modules))
+        print(sorted(m for m in ("lightning_dcp.models", "lightning_dcp.data", "lightning_dcp.runtime.strategy") if m in sys.modules))
     """)
     assert out == "[]"
 
@@ -122,7 +122,8 @@ def test_without_deepspeed_the_package_imports_and_trains_at_sp1():
         import lightning.pytorch as pl, torch
         from torch.utils.data import DataLoader
         import lightning_dcp
-        from lightning_dcp import DCPStrategy, ulysses
+        from lightning_dcp import DCPStrategy
+        from lightning_dcp.sp import ulysses
         from lightning_dcp.data import SyntheticTokenDataset, plain_collate
         from lightning_dcp.models.module import DCPTransformerModule
 
@@ -148,7 +149,7 @@ def test_without_deepspeed_the_package_imports_and_trains_at_sp1():
 def test_deepspeed_without_seq_all_to_all_names_the_supported_range(monkeypatch):
     import types
 
-    from lightning_dcp import ulysses
+    from lightning_dcp.sp import ulysses
 
     fake = types.ModuleType("deepspeed")
     fake.__path__ = []  # a package without deepspeed.sequence
