@@ -211,3 +211,26 @@ def _chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngrou
     cc = np.add.reduceat(cost[:, oh], starts, axis=1).T.tolist()
     cf = np.maximum.reduceat(floor[:, oh], starts, axis=1).T.tolist() if floor is not None else None
     return head, cc, cf, starts.tolist()
+
+
+def fill_costs(times: np.ndarray, pref: np.ndarray, cols: np.ndarray, gpu_s: np.ndarray,
+               classes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dispatch costs of units on groups of each SP class, and the floors fills impose.
+
+    ``times[k, i]``: unit i's time on a group of ``classes[k]`` ranks; ``pref[i]``: the class it
+    prefers; ``gpu_s[i]``: its GPU-seconds at that class. On a larger class than it prefers, a
+    unit either runs on all the group's ranks (``times``) or as a fill on a sub-group of its own
+    size, costing the group its GPU-seconds spread over the ranks (whichever is cheaper); a fill
+    still lasts its own time, returned as the floor ``F``. Returns ``(C, F, own_time)``.
+    """
+    C = times.copy()
+    F = np.zeros_like(times)
+    own = times[pref, cols]
+    for k in range(1, len(classes)):
+        fill = pref < k
+        if fill.any():
+            spread = gpu_s[fill] / classes[k]
+            use = spread < times[k, fill]
+            C[k, fill] = np.where(use, spread, times[k, fill])
+            F[k, fill] = np.where(use, own[fill], 0.0)
+    return C, F, own
