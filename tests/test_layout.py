@@ -170,3 +170,30 @@ def test_plan_file_mode_follows_the_umask(tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert (tmp_path / "plan.json").stat().st_mode & 0o777 == mode
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def test_module_and_function_sizes():
+    """House rule (issue #24): no module in ``lightning_dcp/`` over 600 lines, no function over 80 lines.
+
+    A function's size runs from its ``def`` line to its last line (docstring and comments included).
+    Fails listing every offender, with its size, so a long file or function shows up in review.
+    """
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "lightning_dcp").rglob("*.py")):
+        source = path.read_text()
+        rel = path.relative_to(ROOT).as_posix()
+        lines = len(source.splitlines())
+        if lines > MAX_MODULE_LINES:
+            offenders.append(f"{rel}: {lines} lines (max {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(source, filename=rel)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    offenders.append(f"{rel}:{node.lineno} {node.name}: {size} lines (max {MAX_FUNCTION_LINES})")
+    assert not offenders, "split these into well-named pieces:\n" + "\n".join(offenders)

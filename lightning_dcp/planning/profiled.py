@@ -85,6 +85,37 @@ def nonneg_fit(X: np.ndarray, y: np.ndarray, *, relative: bool = True,
     return best[2] / norms
 
 
+def fit_entries(p: int, entries: Sequence[Mapping[str, Any]], per_sample: bool) -> dict[str, tuple[float, ...] | None]:
+    """Fits of one SP size's profile entries: ``forward``/``backward``/``recompute`` ``(a, b, c, d)`` (``recompute``
+    None unless every entry has ``recompute_s``; ``d`` 0 unless ``per_sample``), ``activation``/``input`` ``(k, m)``."""
+    sq = np.array([e["micro_batch"] * float(e["seq_len"]) ** 2 for e in entries])
+    tok = np.array([float(e["micro_batch"] * e["seq_len"]) for e in entries])
+    X3 = np.stack([sq, tok, np.ones_like(tok)], axis=1)
+    X2 = X3[:, 1:]
+    if per_sample:  # (a, b, c, d): d per sample of the micro-batch
+        X4 = np.concatenate([X3, np.array([[float(e["micro_batch"])] for e in entries])], axis=1)
+        time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X4, y))  # noqa: E731
+    else:
+        time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X3, y)) + (0.0,)  # noqa: E731
+    f = np.array([float(e["forward_s"]) for e in entries])
+    b = np.array([float(e["backward_s"]) for e in entries])
+    if not np.any(f > 0) or not np.any(b > 0):
+        raise ProfileError(f"profile entries for sp={p} have all-zero forward_s or backward_s: nothing was timed; "
+                           "re-run the profiler (on CUDA, timings need torch.cuda.synchronize)")
+    act = np.array([float(e["activation_bytes"]) for e in entries])
+    inp = np.array([float(e["input_bytes"]) for e in entries])
+    fit = {
+        "forward": time_fit(f),
+        # measured extra time of one checkpointed layer when every entry has it, else t_f (eq. 5)
+        "recompute": (time_fit(np.array([float(e["recompute_s"]) for e in entries]))
+                      if all(e.get("recompute_s") is not None for e in entries) else None),
+        "backward": time_fit(b),
+        "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
+        "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
+    }
+    return fit
+
+
 class ProfiledCostModel(CostModel):
     """Cost model fitted to a measured dual-layer profile.
 
@@ -188,35 +219,13 @@ class ProfiledCostModel(CostModel):
         if bad:
             raise ProfileError(f"profile entries use sp={sorted(bad)}, which do not divide num_heads={self.num_heads}; "
                                "re-profile with SP sizes that divide the head count")
-        self.fits_by_sp: dict[int, dict[str, tuple[float, ...]]] = {}
-        for p, entries in sorted(by_sp.items()):
-            sq = np.array([e["micro_batch"] * float(e["seq_len"]) ** 2 for e in entries])
-            tok = np.array([float(e["micro_batch"] * e["seq_len"]) for e in entries])
-            X3 = np.stack([sq, tok, np.ones_like(tok)], axis=1)
-            X2 = X3[:, 1:]
-            if self.per_sample:  # (a, b, c, d): d per sample of the micro-batch
-                X4 = np.concatenate([X3, np.array([[float(e["micro_batch"])] for e in entries])], axis=1)
-                time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X4, y))  # noqa: E731
-            else:
-                time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X3, y)) + (0.0,)  # noqa: E731
-            f = np.array([float(e["forward_s"]) for e in entries])
-            b = np.array([float(e["backward_s"]) for e in entries])
-            if not np.any(f > 0) or not np.any(b > 0):
-                raise ProfileError(f"profile entries for sp={p} have all-zero forward_s or backward_s: nothing was timed; "
-                                   "re-run the profiler (on CUDA, timings need torch.cuda.synchronize)")
-            act = np.array([float(e["activation_bytes"]) for e in entries])
-            inp = np.array([float(e["input_bytes"]) for e in entries])
-            fit = {
-                "forward": time_fit(f),
-                # measured extra time of one checkpointed layer when every entry has it, else t_f (eq. 5)
-                "recompute": (time_fit(np.array([float(e["recompute_s"]) for e in entries]))
-                              if all(e.get("recompute_s") is not None for e in entries) else None),
-                "backward": time_fit(b),
-                "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
-                "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
-            }
-            self.fits_by_sp[p] = fit
+        self.fits_by_sp: dict[int, dict[str, tuple[float, ...]]] = {
+            p: fit_entries(p, entries, self.per_sample) for p, entries in sorted(by_sp.items())}
         self.measured_sp = tuple(sorted(self.fits_by_sp))
+        self._build_coefficients()
+
+    def _build_coefficients(self) -> None:
+        """The ideal's coefficients and, per measured SP size, the closed forms' coefficients (``self._coef``)."""
         p0 = self.measured_sp[0]
         f0, b0 = self.fits_by_sp[p0]["forward"], self.fits_by_sp[p0]["backward"]
         L = self.num_layers
