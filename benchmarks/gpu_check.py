@@ -101,6 +101,7 @@ class Sizes:
     plan_warmup_steps: int
     plan_steps: int
     profile_budget_s: float
+    profile_micro_batches: tuple[int, ...] | None  # None: the profiler's default (1, 2)
     mfu_model: str
     mfu_mixes: tuple[tuple[int, ...], ...]
     mfu_repeats: int
@@ -113,15 +114,15 @@ class Sizes:
 
 MODES: dict[str, Sizes] = {
     "full": Sizes(16, 128, ((4096,), (1024,) * 4, (128,) * 32, (17, 4000, 333, 1500, 64), (2048, 100, 100, 7, 900)), 10,
-                  512, 4096, 16, 32, 3, 8, 40.0,
+                  512, 4096, 16, 32, 3, 8, 40.0, None,
                   "transformer-1d", ((4096,), (16384,), (1024,) * 8, (8192, 4096, 2048, 1024, 512, 256)), 10,
                   (1024, 256, 704, 4, 8, 4), 256, 1024, 16, 20),
     "quick": Sizes(16, 128, ((2048,), (512,) * 4, (17, 1000, 333, 64)), 5,
-                   256, 2048, 8, 16, 2, 4, 15.0,
+                   256, 2048, 8, 16, 2, 4, 15.0, None,
                    "transformer-1d", ((4096,), (1024,) * 4), 5,
                    (1024, 256, 704, 2, 8, 4), 128, 512, 8, 8),
     "dry": Sizes(2, 8, ((8,), (3, 5, 9), (1, 16, 2)), 2,
-                 48, 64, 3, 8, 1, 2, 2.0,
+                 32, 64, 3, 4, 1, 2, 1.0, (1,),
                  "tiny-1d", ((16,), (5, 11)), 2,
                  (128, 32, 64, 2, 4, 2), 24, 32, 4, 2),
 }
@@ -177,9 +178,12 @@ def _kernels(fn: Callable[[], Any], ctx: Ctx) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
-    with profile(activities=acts) as prof:
-        fn()
-        ctx.sync()
+    try:
+        with profile(activities=acts) as prof:
+            fn()
+            ctx.sync()
+    except Exception as err:  # noqa: BLE001 - no CUPTI etc.: the numbers still count
+        return [f"torch.profiler failed: {type(err).__name__}: {err}"[:200]]
     wanted = "CUDA" if ctx.cuda else "CPU"
     names = {e.name for e in prof.events() if str(e.device_type).endswith(wanted)
              and any(w in e.name.lower() for w in _KERNEL_WORDS)}
@@ -287,13 +291,20 @@ def _trainer(ctx: Ctx, strategy: Any, steps: int, callbacks: list) -> Any:
                       enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
 
 
+def _profiler(ctx: Ctx) -> Any:
+    """A fresh measurement every run (no cache reads), within the mode's time budget."""
+    from lightning_dcp.profiling import DCPProfiler
+
+    return DCPProfiler(cache_dir=str(ctx.out / "profile_cache"), use_cache=False, time_budget_s=ctx.sizes.profile_budget_s,
+                       micro_batch_sizes=ctx.sizes.profile_micro_batches)
+
+
 def _planned_fit(ctx: Ctx, model: str) -> dict:
     from torch.utils.data import DataLoader
 
     from lightning_dcp import DCPStrategy
     from lightning_dcp.data import SyntheticTokenDataset, SyntheticVideoDataset, plain_collate, tiny_lengths
     from lightning_dcp.models.module import DCPTransformerModule
-    from lightning_dcp.profiling import DCPProfiler
 
     s = ctx.sizes
     torch.manual_seed(0)
@@ -303,7 +314,7 @@ def _planned_fit(ctx: Ctx, model: str) -> dict:
     else:
         data = SyntheticVideoDataset(num_samples=s.plan_samples, in_channels=module.spec.in_channels,
                                      max_frames=s.plan_max_frames)
-    profiler = DCPProfiler(cache_dir=str(ctx.out / "profile_cache"), use_cache=False, time_budget_s=s.profile_budget_s)
+    profiler = _profiler(ctx)
     recorder = _step_recorder(ctx)
     strategy = DCPStrategy(global_batch_size=s.plan_global_batch, loss_reduction="token", shuffle=False)
     t0 = time.perf_counter()
@@ -343,7 +354,7 @@ def section_profile(ctx: Ctx) -> dict:
                           "recompute": [it.recompute for it in items], "loss": row["loss"]})
         errors = [abs(st["error"]) for st in steps]
         out.append({"model": fit["model"], "cost_model": type(cm).__name__, "fit_s": fit["fit_s"],
-                    "profiling_s": prof.get("profiling_s") if prof else None,
+                    "profile_meta": prof.get("meta") if prof else None,
                     "profile_entries": len(prof["entries"]) if prof else 0,
                     "constant": prof.get("constant") if prof else None, "samples": fit["samples"],
                     "max_len": fit["max_len"], "warmup_steps": fit["warmup_steps"], "steps": steps,
@@ -460,7 +471,6 @@ def _fit_llama(ctx: Ctx) -> dict:
     from lightning_dcp import DCPStrategy
     from lightning_dcp.data import SyntheticTokenDataset, tiny_lengths
     from lightning_dcp.hf import CausalLMModule
-    from lightning_dcp.profiling import DCPProfiler
 
     s = ctx.sizes
     vocab, hidden, inter, layers, heads, kv = s.llama
@@ -470,7 +480,7 @@ def _fit_llama(ctx: Ctx) -> dict:
     module = CausalLMModule(LlamaForCausalLM(config), lr=1e-3)  # fp32 weights; bf16-mixed autocast on the GPU
     data = _InputsOnly(SyntheticTokenDataset(tiny_lengths(s.fit_samples, max_len=s.fit_max_len), vocab_size=vocab))
     recorder = _step_recorder(ctx)
-    profiler = DCPProfiler(cache_dir=str(ctx.out / "profile_cache"), use_cache=False, time_budget_s=s.profile_budget_s)
+    profiler = _profiler(ctx)
     t0 = time.perf_counter()
     trainer = _trainer(ctx, DCPStrategy(global_batch_size=s.fit_global_batch, loss_reduction="token"), s.fit_steps,
                        [profiler, recorder])
