@@ -1,4 +1,4 @@
-"""What one lent GPU should tell us, in one call of under 10 minutes (issue #24, item 6).
+"""What one GPU should tell us, in one call sized for under 10 minutes (issue #24, item 6).
 
 Needs only torch, Lightning and transformers (no DeepSpeed, no diffusers, no internet; one GPU, so
 every plan is SP 1). Sections, each timed, each written to the JSON as soon as it ends:
@@ -26,7 +26,7 @@ every plan is SP 1). Sections, each timed, each written to the JSON as soon as i
 
 Run::
 
-    python benchmarks/gpu_check.py                      # full: ~5 min on an H100
+    python benchmarks/gpu_check.py                      # full (sized for < 10 min; not yet timed on a GPU)
     python benchmarks/gpu_check.py --quick              # smaller shapes, fewer steps
     python benchmarks/gpu_check.py --sections attention,mfu --out /tmp/gc
 
