@@ -206,6 +206,20 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple
     return torch.cat(outs)
 
 
+def _guarded(fn: Callable[[], dict], **row: Any) -> dict:
+    """``fn()``, or ``row`` with ``status="error"`` and the exception's last traceback line: one failing
+    case must not lose the others' figures (the section is then marked failed)."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001
+        return {**row, "status": "error", "error": traceback.format_exc().strip().splitlines()[-1][:300]}
+
+
+def _failed(rows: list[dict]) -> list[str]:
+    return [f"{ {k: v for k, v in r.items() if k not in ('status', 'error')} }: {r['error']}"
+            for r in rows if r.get("status") == "error"]
+
+
 def _attention_case(ctx: Ctx, lengths: tuple[int, ...], causal: bool, backend: str) -> dict:
     from lightning_dcp.sp.attention import varlen_attention
 
@@ -243,12 +257,14 @@ def _attention_case(ctx: Ctx, lengths: tuple[int, ...], causal: bool, backend: s
 def section_attention(ctx: Ctx) -> dict:
     from lightning_dcp.sp.attention import attention_backend
 
-    rows = [_attention_case(ctx, lengths, causal, backend)
+    rows = [_guarded(lambda: _attention_case(ctx, lengths, causal, backend), lengths=list(lengths), causal=causal,
+                     backend=backend)
             for lengths in ctx.sizes.attn_mixes for causal in (False, True)
             for backend in ("sdpa", "torch-varlen", "flash")]
     return {"dtype": str(ctx.dtype).replace("torch.", ""), "heads": ctx.sizes.attn_heads,
             "head_dim": ctx.sizes.attn_head_dim, "auto_backend": attention_backend(ctx.device, ctx.dtype),
-            "reference": "fp32 softmax(q k^T * d^-0.5) v per sample on the same rounded inputs", "cases": rows}
+            "reference": "fp32 softmax(q k^T * d^-0.5) v per sample on the same rounded inputs", "cases": rows,
+            "failed": _failed(rows)}
 
 
 # ------------------------------------------------------------------------------------------ 2./3. planned fits
@@ -435,11 +451,12 @@ def section_mfu(ctx: Ctx) -> dict:
     torch.manual_seed(0)
     layer = DecoderLayer(spec).to(ctx.device, ctx.dtype)
     peak, source = peak_bf16(ctx.device_name) if ctx.cuda else (None, "no CUDA: dry run, no MFU")
-    cases = [_mfu_case(ctx, layer, spec, lengths, peak) for lengths in ctx.sizes.mfu_mixes]
+    cases = [_guarded(lambda: _mfu_case(ctx, layer, spec, lengths, peak), lengths=list(lengths))
+             for lengths in ctx.sizes.mfu_mixes]
     return {"layer": f"{spec.name} DecoderLayer (h={spec.hidden_size}, ffn={spec.ffn_hidden_size}, "
                      f"heads={spec.num_heads}, causal={spec.causal})", "layer_params": spec.layer_params(),
             "dtype": str(ctx.dtype).replace("torch.", ""), "attention_backend": attention_backend(ctx.device, ctx.dtype),
-            "peak_flops": peak, "peak_source": source, "cases": cases}
+            "peak_flops": peak, "peak_source": source, "cases": cases, "failed": _failed(cases)}
 
 
 # ------------------------------------------------------------------------------------------ 5. short fits
@@ -536,11 +553,11 @@ def _fit_wan(ctx: Ctx) -> dict:
 
 
 def section_fit(ctx: Ctx) -> dict:
-    runs = [_fit_llama(ctx), _fit_wan(ctx)]
-    bad = [r["model"] for r in runs if r["status"] == "error"]
-    if bad:
-        raise RuntimeError(f"non-finite losses in {bad}: {[r.get('losses') for r in runs]}")
-    return {"precision": ctx.precision, "runs": runs}
+    runs = [_guarded(lambda: _fit_llama(ctx), model="llama (random weights)"),
+            _guarded(lambda: _fit_wan(ctx), model="wan (random weights)")]
+    failed = [f"{r['model']}: " + (r["error"] if "error" in r else f"non-finite losses {r['losses']}")
+              for r in runs if r["status"] == "error"]
+    return {"precision": ctx.precision, "runs": runs, "failed": failed}
 
 
 SECTION_FNS: dict[str, Callable[[Ctx], dict]] = {
@@ -611,14 +628,8 @@ def _summary(name: str, sec: dict) -> str:
     return ""
 
 
-def _default(o: Any) -> Any:
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    return str(o)
-
-
 def _write(report: dict, out: Path) -> None:
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=_default))
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(_markdown(report))
 
 
@@ -677,7 +688,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.sections:
         t0 = time.perf_counter()
         try:
-            sec: dict[str, Any] = {"status": "ok", "results": SECTION_FNS[name](ctx)}
+            results = SECTION_FNS[name](ctx)
+            failed = results.get("failed") or []
+            sec: dict[str, Any] = {"status": "error" if failed else "ok", "results": results}
+            if failed:
+                sec["error"] = "failed: " + "; ".join(failed)
         except Exception:  # noqa: BLE001 - one failing section must not hide the others' results
             sec = {"status": "error", "error": traceback.format_exc()}
         sec["seconds"] = time.perf_counter() - t0

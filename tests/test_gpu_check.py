@@ -128,3 +128,23 @@ def test_quick_run_on_a_gpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["mode"] == "quick" and all(s["status"] == "ok" for s in report["sections"].values())
+
+
+def test_a_failing_case_or_section_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
+    def attention(ctx):
+        rows = [gpu_check._guarded(lambda: {"backend": "sdpa", "status": "ok"}, backend="sdpa"),
+                gpu_check._guarded(lambda: 1 / 0, backend="flash")]
+        return {"cases": rows, "failed": gpu_check._failed(rows)}
+
+    def mfu(ctx):
+        raise ValueError("no layer today")
+
+    monkeypatch.setattr(gpu_check, "SECTION_FNS", {"attention": attention, "mfu": mfu,
+                                                   "fit": lambda ctx: {"runs": [], "failed": []}})
+    assert gpu_check.main(["--sections", "attention,mfu,fit", "--out", str(tmp_path)]) == 1
+    sec = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sec["attention"]["status"] == "error" and "ZeroDivisionError" in sec["attention"]["error"]
+    assert [c["status"] for c in sec["attention"]["results"]["cases"]] == ["ok", "error"]
+    assert sec["mfu"]["status"] == "error" and "no layer today" in sec["mfu"]["error"]
+    assert sec["fit"]["status"] == "ok"
+    assert "| mfu | error |" in (tmp_path / "gpu_check.md").read_text()
