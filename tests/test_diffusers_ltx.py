@@ -238,6 +238,23 @@ def test_bad_input_names_the_sample_and_the_fix():
         packed_forward(model, narrow)
 
 
+def test_ltx_2b_preset_counts_diffusers_parameters():
+    """The planning preset ``ltx-2b`` (analytic cost model) has the parameters of diffusers' default
+    LTXVideoTransformer3DModel (built on the meta device: no memory, no download) within 0.5%, and prices
+    its text as cross-attention (128 T5 tokens per sample)."""
+    from lightning_dcp.planning.models import get_model
+
+    spec = get_model("ltx-2b")
+    with torch.device("meta"):
+        real = diffusers.LTXVideoTransformer3DModel()
+    count = sum(p.numel() for p in real.parameters())
+    config = real.config
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads) == (
+        config.num_layers, config.num_attention_heads * config.attention_head_dim, config.num_attention_heads)
+    assert spec.cross_attention and spec.text_dim == config.caption_channels and spec.in_channels == config.in_channels
+    assert abs(spec.params() - count) < 0.005 * count, (spec.params(), count)
+
+
 # ----------------------------------------------------------------------------- flow matching loss
 
 def reference_loss(ref, flow, items, reduction: str, patch=PATCH, epoch: int = 0):
