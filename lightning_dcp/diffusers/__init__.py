@@ -1,13 +1,15 @@
-"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2) on any-size videos under DCP.
+"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2, LTX-Video) on any-size videos under DCP.
 
-* :func:`adapt` prepares a ``WanTransformer3DModel`` in place: a packed, sequence-parallel
+* :func:`adapt` prepares a ``WanTransformer3DModel`` or an ``LTXVideoTransformer3DModel`` in place
+  (the family table :data:`~lightning_dcp.diffusers.family.FAMILIES` says how for each): a packed, sequence-parallel
   attention processor (Ulysses self-attention within each sample, cross-attention of each sample
   to its own text), the per-block recompute switch, ``dcp_num_heads`` and ``dcp_repeated_layers()``;
   ``state_dict`` keys and the model's own ``forward`` are unchanged.
 * :func:`packed_forward` runs it on a packed micro-batch of videos of different frame counts and
   resolutions (or on this rank's SP shard of one).
-* :func:`video_sample` turns a latent ``[C, F, H, W]`` and its text embeddings into the token-first
-  sample DCP packs; :func:`unpatchify` / :func:`unpack_output` go back.
+* :func:`video_sample` (Wan) and :func:`ltx_video_sample` (LTX-Video: unpadded text, rotary scale) turn a
+  latent ``[C, F, H, W]`` and its text embeddings into the token-first sample DCP packs;
+  :func:`unpatchify` / :func:`unpack_output` go back.
 * :class:`VideoDiffusionModule` trains it with flow matching (``dcp_support = "sp"``).
 
 CogVideoX and HunyuanVideo are not supported yet: :func:`adapt` says what is missing.
@@ -26,10 +28,12 @@ except ImportError as _err:  # pragma: no cover - exercised only without diffuse
         '`pip install "lightning-dcp[diffusers]"` (or `pip install "diffusers>=0.35"`).'
     ) from _err
 
-from lightning_dcp.diffusers.adapt import SUPPORTED_MODELS, adapt, is_adapted
+from lightning_dcp.diffusers.adapt import adapt, is_adapted
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
+from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, packed_forward
+from lightning_dcp.diffusers.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
 from lightning_dcp.diffusers.module import VideoDiffusionModule
 from lightning_dcp.diffusers.samples import (
     CONDITION,
@@ -51,6 +55,8 @@ from lightning_dcp.diffusers.samples import (
 )
 
 __all__ = [
+    "FAMILIES", "LTX_PIPELINE_ROPE_SCALE", "ROPE_SCALE", "DCPLTXAttnProcessor", "VideoFamily", "family_of",
+    "ltx_video_sample",
     "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
     "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",

@@ -7,39 +7,11 @@ from torch import nn
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor
 from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers
 
-__all__ = ["SUPPORTED_MODELS", "adapt", "is_adapted"]
-
-#: Model classes :func:`adapt` supports.
-SUPPORTED_MODELS = ("WanTransformer3DModel",)
-
-#: Diffusers video transformers that are not supported yet, and what is missing for each.
-_NOT_YET = {
-    "CogVideoXTransformer3DModel": (
-        "its blocks attend jointly over [text tokens; video tokens] of each sample (text prepended per sample, "
-        "learned or 3-D rotary positions computed for one grid per batch), so packing needs a joint-attention "
-        "processor whose segments interleave each sample's text with its video tokens, and SP sharding that keeps "
-        "the text per sample"),
-    "HunyuanVideoTransformer3DModel": (
-        "its dual-stream blocks process text and video separately and its single-stream blocks attend over "
-        "[video; text] with a per-batch attention mask and token refiner, so packing needs per-sample joint "
-        "segments in both block types, per-sample text masks and per-sample guidance/timestep modulation"),
-}
+__all__ = ["adapt", "adapt_wan", "is_adapted", "is_wan_adapted"]
 
 
 def _check_supported(model: nn.Module) -> None:
     name = type(model).__name__
-    try:
-        from diffusers import WanTransformer3DModel
-    except ImportError as err:  # pragma: no cover - diffusers too old to have Wan
-        raise ImportError(f"lightning_dcp.diffusers needs diffusers>=0.35 (WanTransformer3DModel): {err}; "
-                          'pip install "lightning-dcp[diffusers]"') from err
-    if not isinstance(model, WanTransformer3DModel):
-        if name in _NOT_YET:
-            raise NotImplementedError(
-                f"lightning_dcp.diffusers.adapt does not support {name} yet: {_NOT_YET[name]}. Supported: "
-                f"{', '.join(SUPPORTED_MODELS)} (Wan 2.1 / 2.2).")
-        raise TypeError(f"lightning_dcp.diffusers.adapt supports {', '.join(SUPPORTED_MODELS)} (Wan 2.1 / 2.2), got "
-                        f"{name}; for your own nn.Module use lightning_dcp.ulysses_attention and RecomputeLayers.")
     config = model.config
     if getattr(config, "pos_embed_seq_len", None):
         raise NotImplementedError(
@@ -63,6 +35,28 @@ def _check_supported(model: nn.Module) -> None:
 
 
 def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
+    """Prepare a diffusers video transformer for DCP, in place: the adapter of its family
+    (:data:`~lightning_dcp.diffusers.family.FAMILIES`: :func:`adapt_wan` for ``WanTransformer3DModel``,
+    :func:`~lightning_dcp.diffusers.ltx.adapt_ltx` for ``LTXVideoTransformer3DModel``).
+
+    Raises:
+        NotImplementedError: CogVideoX, HunyuanVideo (and Wan FLF2V) -- the message says what is missing.
+        TypeError: any other model, naming the supported ones.
+    """
+    from lightning_dcp.diffusers.family import family_of  # the family table imports this module
+
+    return family_of(model).adapt(model, recompute_override=recompute_override)
+
+
+def is_adapted(model: nn.Module) -> bool:
+    """Whether :func:`adapt` has prepared ``model`` (False for a model of no supported family)."""
+    from lightning_dcp.diffusers.family import find_family
+
+    family = find_family(model)
+    return family is not None and family.is_adapted(model)
+
+
+def adapt_wan(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
     """Prepare a diffusers ``WanTransformer3DModel`` (Wan 2.1 / 2.2) for DCP, in place.
 
     * attention: every ``WanAttention`` gets a :class:`~lightning_dcp.diffusers.attention.DCPWanAttnProcessor`:
@@ -82,8 +76,8 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
     Calling it again is a no-op apart from a new ``recompute_override``.
 
     Raises:
-        NotImplementedError: CogVideoX, HunyuanVideo and Wan FLF2V -- the message says what is missing.
-        TypeError / ValueError: any other model, or a Wan model with a custom attention processor.
+        NotImplementedError: Wan FLF2V -- the message says what is missing.
+        ValueError: a Wan model with a custom attention processor.
     """
     _check_supported(model)
     for block in model.blocks:
@@ -104,8 +98,8 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
     return model
 
 
-def is_adapted(model: nn.Module) -> bool:
-    """Whether :func:`adapt` has prepared ``model`` (its recompute switch and packed processors are in place)."""
+def is_wan_adapted(model: nn.Module) -> bool:
+    """Whether :func:`adapt_wan` has prepared ``model`` (its recompute switch and packed processors are in place)."""
     blocks = getattr(model, "blocks", None)
     return (isinstance(getattr(model, "dcp_recompute", None), LayerRecompute) and isinstance(blocks, nn.ModuleList)
             and all(isinstance(b.attn1.processor, DCPWanAttnProcessor) and isinstance(b.attn2.processor, DCPWanAttnProcessor)

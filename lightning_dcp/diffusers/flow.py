@@ -88,6 +88,10 @@ class FlowMatching:
             ``boundary_ratio`` (``transformer`` for ``t >= boundary_ratio * num_train_timesteps``,
             ``transformer_2`` below): ``(boundary_ratio, 1.0)`` for the high-noise expert,
             ``(0.0, boundary_ratio)`` for the low-noise one. Default ``(0.0, 1.0)``: the whole schedule.
+        target_layout: the per-token feature order of the model's prediction, which the target is put
+            in: ``"output"`` (``pt x ph x pw x C``, Wan) or ``"input"`` (``C x pt x ph x pw``, as the
+            latents are patchified: LTX-Video); the model's family says which
+            (:attr:`~lightning_dcp.diffusers.family.VideoFamily.output_layout`).
     """
 
     patch_size: Sequence[int]
@@ -99,10 +103,14 @@ class FlowMatching:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     timestep_range: tuple[float, float] = (0.0, 1.0)
+    target_layout: str = "output"
 
     def __post_init__(self) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
+        if self.target_layout not in ("output", "input"):
+            raise ValueError(f"target_layout must be 'output' (pt x ph x pw x C per token, Wan) or 'input' "
+                             f"(C x pt x ph x pw, LTX-Video), got {self.target_layout!r}")
         if self.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {self.weighting_scheme!r}")
         shift = self.shift
@@ -183,7 +191,8 @@ class FlowMatching:
         condition = batch.get(CONDITION)
         out[HIDDEN_STATES] = noisy if condition is None else torch.cat([noisy, condition.float()], dim=-1)
         out[TIMESTEP] = timestep
-        out[TARGET] = input_to_output_layout(noise - x0f, self.patch_size)
+        velocity = noise - x0f
+        out[TARGET] = input_to_output_layout(velocity, self.patch_size) if self.target_layout == "output" else velocity
         out[LOSS_SCALE] = scale
         return out
 

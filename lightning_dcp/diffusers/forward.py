@@ -38,7 +38,7 @@ from lightning_dcp.diffusers.rope import packed_rotary
 from lightning_dcp.diffusers.samples import GRID, IMAGE, TEXT, VIDEO_POS, per_sample_embeds, sample_labels
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 
-__all__ = ["HIDDEN_STATES", "TIMESTEP", "packed_forward"]
+__all__ = ["HIDDEN_STATES", "TIMESTEP", "packed_forward", "wan_packed_forward"]
 
 #: The model's input tokens ``[tokens, in_channels*pt*ph*pw]`` (input layout): noisy latents (+ condition channels).
 HIDDEN_STATES = "hidden_states"
@@ -111,6 +111,20 @@ def _concat(parts: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor
 
 
 def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The prediction ``[local_tokens, features]`` of a model prepared by :func:`~lightning_dcp.diffusers.adapt` on a
+    packed micro-batch (whole or this SP rank's shard): the packed forward of its family
+    (:data:`~lightning_dcp.diffusers.family.FAMILIES`; :func:`wan_packed_forward` for Wan,
+    :func:`~lightning_dcp.diffusers.ltx_forward.ltx_packed_forward` for LTX-Video)."""
+    from lightning_dcp.diffusers.family import find_family  # the family table imports this module
+
+    family = find_family(model)
+    if family is None or not family.is_adapted(model):
+        raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
+                         "is not (call adapt(model) once, before training)")
+    return family.packed_forward(model, batch)
+
+
+def wan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """Velocity (or noise) prediction ``[local_tokens, out_channels*pt*ph*pw]`` of an adapted Wan model.
 
     Args:
@@ -125,9 +139,9 @@ def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         ValueError: a malformed batch (wrong feature count, a grid past the rotary table, a
             sample without text, ...), naming the sample.
     """
-    from lightning_dcp.diffusers.adapt import is_adapted
+    from lightning_dcp.diffusers.adapt import is_wan_adapted
 
-    if not is_adapted(model):
+    if not is_wan_adapted(model):
         raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
                          "is not (call adapt(model) once, before training)")
     x = batch[HIDDEN_STATES]

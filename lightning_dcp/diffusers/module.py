@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_dcp.diffusers.adapt import adapt, is_adapted
+from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, packed_forward
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
@@ -31,11 +32,12 @@ __all__ = ["VideoDiffusionModule"]
 
 
 class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
-    """Trains a diffusers Wan transformer with flow matching, under DCPStrategy or a plain Trainer.
+    """Trains a diffusers video transformer (Wan, LTX-Video) with flow matching, under DCPStrategy or a plain Trainer.
 
-    Samples are :func:`~lightning_dcp.diffusers.video_sample` dicts (clean VAE latents of any
+    Samples are :func:`~lightning_dcp.diffusers.video_sample` dicts (Wan) or
+    :func:`~lightning_dcp.diffusers.ltx_video_sample` dicts (LTX-Video): clean VAE latents of any
     size, text embeddings; give ``index=`` so the noise is keyed on the dataset index under a plain
-    DataLoader too). The dataset's ``lengths`` are the samples' video tokens,
+    DataLoader too. The dataset's ``lengths`` are the samples' video tokens,
     ``(F/pt) * (H/ph) * (W/pw)`` of the latent.
 
     Loss: the squared error between the predicted and the true velocity ``noise - x0``, averaged
@@ -51,7 +53,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     different explicit value is refused at setup); under a plain Trainer this module's (default ``"token"``).
 
     Args:
-        model: a diffusers ``WanTransformer3DModel``; :func:`~lightning_dcp.diffusers.adapt` is applied unless done.
+        model: a diffusers ``WanTransformer3DModel`` or ``LTXVideoTransformer3DModel``;
+            :func:`~lightning_dcp.diffusers.adapt` is applied unless done.
         lr, weight_decay, betas: AdamW settings of the default :meth:`configure_optimizers`.
         seed, shift, num_train_timesteps, weighting_scheme, logit_mean, logit_std, mode_scale:
             the flow-matching schedule and sampling (:class:`~lightning_dcp.diffusers.flow.FlowMatching`).
@@ -80,10 +83,11 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         self.model = model if is_adapted(model) else adapt(model)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.loss_reduction = loss_reduction
-        self.flow = FlowMatching(tuple(model.config.patch_size), seed=seed, shift=shift,
+        family = family_of(model)
+        self.flow = FlowMatching(family.patch_size(model.config), seed=seed, shift=shift,
                                  num_train_timesteps=num_train_timesteps, weighting_scheme=weighting_scheme,
                                  logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
-                                 timestep_range=timestep_range)
+                                 timestep_range=timestep_range, target_layout=family.output_layout)
 
     @property
     def dcp_num_heads(self) -> int:
@@ -104,7 +108,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         return self.flow.prepare(batch, self.current_epoch)
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Predicted velocity ``[local_tokens, pt*ph*pw*C]`` of a prepared (possibly SP-sharded) batch."""
+        """Predicted velocity ``[local_tokens, features]`` (in the family's output layout) of a prepared (possibly
+        SP-sharded) batch."""
         return packed_forward(self.model, batch)
 
     def token_losses(self, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Named model descriptions: the paper's Transformer-1D / Transformer-2D (Table 1), a Llama-2-7B
-shape, Wan 2.1 text-to-video DiTs (1.3B, 14B) and tiny CPU sizes.
+shape, Wan 2.1 text-to-video DiTs (1.3B, 14B), LTX-Video 2B and tiny CPU sizes.
 
 A :class:`ModelSpec` is what the analytic cost model reasons about and what the reference
 models in :mod:`lightning_dcp.models` are built from (kinds ``"1d"`` and ``"2d"``; the ``"3d"``
@@ -132,6 +132,10 @@ MODELS: dict[str, ModelSpec] = {
     # ffn 8960 (1.42B parameters counted here). 14B: dim 5120, 40 layers, 40 heads, ffn 13824.
     "wan-1.3b": ModelSpec("wan-1.3b", "3d", 30, 1536, 12, False, 8960, in_channels=64, text_len=512, text_dim=4096),
     "wan-14b": ModelSpec("wan-14b", "3d", 40, 5120, 40, False, 13824, in_channels=64, text_len=512, text_dim=4096),
+    # LTX-Video 2B (Lightricks/LTX-Video 0.9.x, diffusers' LTXVideoTransformer3DModel defaults): patch 1 over
+    # the 128-channel latent of its (8, 32, 32)-stride VAE, 28 layers, dim 2048, 32 heads of 64, GELU MLP 8192,
+    # cross-attention to T5-XXL text of 128 tokens x 4096 (1.922B parameters counted here, 1.923B in diffusers).
+    "ltx-2b": ModelSpec("ltx-2b", "3d", 28, 2048, 32, False, 8192, in_channels=128, text_len=128, text_dim=4096),
 }
 
 
