@@ -46,6 +46,7 @@ from typing import Any
 
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.rounds import lockstep_rounds, round_span
 from lightning_dcp.planning.plan import Plan, PlanError, check_deadlock_free
 
 
@@ -128,6 +129,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
             ideal_spent += cost.ideal * p
             tokens += item.tokens
         span = max(free) if W else 0.0
+        if getattr(cost_model, "sharding", None) == "hsdp":  # lockstep rounds inside each shard group
+            span = lockstep_span(step, W, cost_model, cache)
         idle = sum(span - b for b in busy)
         idle_total += idle
         busy_total += sum(busy)
@@ -170,3 +173,11 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,
         timeline=lines if timeline else [],
     )
+
+
+def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict) -> float:
+    """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
+    rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
+    times = [cache[(it.lengths, it.sp_size, it.recompute)].total for it in step.items]
+    groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
+    return max(round_span(g, times, cost_model.round_time) for g in groups)
