@@ -93,7 +93,9 @@ def table(rows: list[dict], policies: list[str]) -> str:
     for r in rows:
         cells = [r["mode"], f"{r['states'] / GiB:.1f}", f"{r['rest'] / GiB:.1f}", f"{r['freed'] / GiB:.1f}",
                  f"{r['room'] / GiB:.1f}"]
-        cells += [f"{a:,} / {b:,}" if b else "does not fit" for a, b in r["max_len"].values()]
+        cells += [("above the shard group" if p not in r["max_len"] else
+                   f"{r['max_len'][p][0]:,} / {r['max_len'][p][1]:,}" if r["max_len"][p][1] else "does not fit")
+                  for p in sps]
         if r["policies"]:
             cells += [f"{r['policies'][p]['tokens_per_s']:,.0f}" for p in policies]
             cells += [f"{100 * r['policies'][p]['fraction_of_bound']:.1f}%" for p in policies]

@@ -140,7 +140,10 @@ def test_shard_group_view_memory_time_and_sp_cap():
     assert cm.item_memory(lengths, 2, 0) == pytest.approx(base.item_memory(lengths, 2, 0) - base.state_bytes
                                                           + cm.state_bytes)
     assert cm.item_memory_tokens(23000, 2, 0) == pytest.approx(cm.item_memory(lengths, 2, 0))
-    assert cm.item_time(lengths, 2, 1) == base.item_time(lengths, 2, 1)
+    assert cm.item_time(lengths, 2, 1) == pytest.approx(cm.round_time(base.item_time(lengths, 2, 1)))
+    assert cm.item_cost(lengths, 2, 1).total == pytest.approx(cm.item_time(lengths, 2, 1))
+    assert cm.item_time_sum(23000, base.attention_work(20000) + base.attention_work(3000), 2, 2, 1) == \
+        pytest.approx(cm.item_time(lengths, 2, 1))
     assert cm.state_bytes < AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="zero1").state_bytes
     c = cm.layer_collective_s()
     assert c > 0 and cm.round_time(0.0) == pytest.approx(cm.num_layers * c + c)  # a round of dummies: comm only

@@ -13,7 +13,7 @@ mode ``"hsdp"``)::
 whole micro-batch, with their gradients), ``L`` the largest repeated layer's weight bytes (two layers'
 weights and gradients in flight: the running one and the prefetched one).
 
-Time. A micro-batch costs what the base model says; the rounds (:mod:`lightning_dcp.planning.rounds`)
+Time. A micro-batch costs what the base model says plus its round's collectives; the rounds (:mod:`lightning_dcp.planning.rounds`)
 run in lockstep inside a shard group, so a round lasts as long as its slowest item, and each round
 adds its per-layer collectives: per layer an all-gather of ``L`` before the forward and before the
 backward and a reduce-scatter of the layer's gradients, each moving ``(K - 1) / K`` of the bytes at
@@ -22,6 +22,10 @@ next layer's all-gather during the running layer's compute, so per layer only th
 collectives longer than the layer's compute shows, plus the first layer's all-gather::
 
     round(t) = max(t, layers * c) + c          c: one layer's all-gathers and reduce-scatter
+
+:meth:`ShardGroupCostModel.item_cost` prices an item as the slowest of its round (``round(t)``), so
+the planner sees the collectives a micro-batch brings: when they dominate, fewer and larger
+micro-batches win.
 
 Per step (:meth:`ShardGroupCostModel.step_overhead`): the gradient shards meet across the ``N / K``
 replicas in one all-reduce of ``G / K`` (inter-node when the group fills a node), then the optimizer
@@ -33,6 +37,7 @@ the device and the gradient shards back: priced at :data:`HOST_BANDWIDTH` and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
@@ -97,9 +102,12 @@ class ShardGroupCostModel(CostModel):
         self.memory_limit = float(base.memory_limit)
         # the planner's fast paths (token sums instead of length lists), where the base has them
         shift = self.state_bytes - self.base_state_bytes
-        for name in ("item_time_sum", "attention_work"):
-            if callable(getattr(base, name, None)):
-                setattr(self, name, getattr(base, name))
+        if callable(getattr(base, "attention_work", None)):
+            self.attention_work = base.attention_work
+        time_sum = getattr(base, "item_time_sum", None)
+        if callable(time_sum):
+            self.item_time_sum = lambda tokens, sq_sum, n, sp, recompute: self.round_time(
+                time_sum(tokens, sq_sum, n, sp, recompute))
         mem_tokens = getattr(base, "item_memory_tokens", None)
         if callable(mem_tokens):
             self.item_memory_tokens = lambda tokens, sp, recompute: mem_tokens(tokens, sp, recompute) + shift
@@ -110,10 +118,14 @@ class ShardGroupCostModel(CostModel):
 
     # ------------------------------------------------------------------ time
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
-        return self.base.item_cost(lengths, sp, recompute)
+        """The base's cost plus the per-layer collectives of a round this item is the slowest of (the
+        part compute does not hide, in ``comm``): what the planner balances, and what a lockstep round
+        lasts (the simulator takes each round's slowest item)."""
+        cost = self.base.item_cost(lengths, sp, recompute)
+        return replace(cost, comm=cost.comm + self.round_time(cost.total) - cost.total)
 
     def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.base.item_time(lengths, sp, recompute)
+        return self.round_time(self.base.item_time(lengths, sp, recompute))
 
     def sp_sizes(self, world_size: int) -> list[int]:
         """SP groups stay inside a shard group: the base's sizes up to ``shard_group_size``."""

@@ -178,6 +178,6 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
 def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict) -> float:
     """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
     rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
-    times = [cache[(it.lengths, it.sp_size, it.recompute)].total for it in step.items]
+    times = [cache[(it.lengths, it.sp_size, it.recompute)].total for it in step.items]  # each: round(t)
     groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
-    return max(round_span(g, times, cost_model.round_time) for g in groups)
+    return max((round_span(g, times) for g in groups), default=0.0)
