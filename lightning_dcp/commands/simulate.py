@@ -420,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
         pool = dataset
         source = str(args.lengths)
     run_lengths = draw_run(pool, args.num_steps * gbt)
+    if getattr(args, "sharding", None) == "hsdp" and args.shard_group_size == "auto":
+        cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress)
     progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
@@ -456,4 +458,35 @@ def run(args: argparse.Namespace) -> int:
 def _sharding_note(cost_model: Any) -> str:
     """``, sharding zero1`` for the header line (empty when the cost model does not say)."""
     mode = getattr(cost_model, "sharding", None)
+    if mode == "hsdp":
+        return f", sharding hsdp over shard groups of {cost_model.shard_group_size}" + (", offload" if cost_model.offload else "")
     return f", sharding {mode}" if mode else ""
+
+
+def best_shard_group(args: argparse.Namespace, cost_model: Any, dataset: list[int], run_lengths: list[int], gbt: int,
+                     progress: Progress) -> Any:
+    """``--shard-group-size auto``: simulate dcp with every power-of-two shard group size dividing the world and
+    return the cost model of the fastest (printing each one's figure)."""
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.shard_group import hsdp_view
+
+    base = cost_model.base
+    best, best_rate, k = None, -1.0, 1
+    while k <= args.world_size:
+        if args.world_size % k == 0:
+            candidate = hsdp_view(base, k, offload=args.offload)
+            try:
+                (row,) = compare(args.world_size, candidate, dataset, run_lengths, ["dcp"], global_batch_tokens=gbt,
+                                 seed=args.seed)
+            except PlanningError as err:
+                print(f"shard group {k}: does not run ({str(err).split(':')[0]})")
+            else:
+                print(f"shard group {k}: states {candidate.state_bytes / 2**30:.1f} GiB per rank in the loop, dcp "
+                      f"{row['tokens_per_s']:,.0f} tokens/s")
+                if row["tokens_per_s"] > best_rate:
+                    best, best_rate = candidate, row["tokens_per_s"]
+        k *= 2
+    if best is None:
+        raise CLIError("no shard group size runs this dataset under --sharding hsdp; add ranks or --offload")
+    print(f"best shard group size: {best.shard_group_size}")
+    return best

@@ -47,6 +47,7 @@ from typing import Any
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
+from lightning_dcp.planning.rounds import lockstep_rounds, round_span
 
 
 @dataclass
@@ -104,6 +105,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
             except PlanError as err:
                 raise PlanError(f"step {s_idx}: {err}") from None
         busy, span, line = _run_step(step, W, cost_model, cache, totals, timeline)
+        if getattr(cost_model, "sharding", None) == "hsdp":  # lockstep rounds inside each shard group
+            span = lockstep_span(step, W, cost_model, cache)
         idle = sum(span - b for b in busy)
         idle_total += idle
         busy_total += sum(busy)
@@ -197,3 +200,11 @@ def _ideal_compute(plan: Plan, cost_model: CostModel, cache: dict) -> float:
                     cache[("ideal", n)] = c
                 ideal_compute += c
     return ideal_compute
+
+
+def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict) -> float:
+    """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
+    rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
+    times = [cache[(it.lengths, it.sp_size, it.recompute)].total for it in step.items]  # each: round(t)
+    groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
+    return max((round_span(g, times) for g in groups), default=0.0)
