@@ -73,6 +73,14 @@ def config_hash(module: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _to(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``module`` on ``device``, cast to ``dtype`` only when its floating parameters are not already in it."""
+    module = module.to(device)
+    if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
+        module = module.to(dtype)
+    return module
+
+
 class VideoEncoder:
     """Encodes pixels with ``vae`` and captions with ``text_encoder`` + ``tokenizer`` (see the module docstring).
 
@@ -93,8 +101,8 @@ class VideoEncoder:
             raise ValueError(f"text_len must be >= 1, got {text_len}")
         self.info = vae_info(vae)
         self.device, self.dtype = torch.device(device), _DTYPES[dtype]
-        self.vae = vae.to(self.device, self.dtype).eval()
-        self.text_encoder = text_encoder.to(self.device, self.dtype).eval()
+        self.vae = _to(vae, self.device, self.dtype).eval()
+        self.text_encoder = _to(text_encoder, self.device, self.dtype).eval()
         self.tokenizer, self.text_len = tokenizer, int(text_len)
 
     def _normalize(self, z: torch.Tensor) -> torch.Tensor:
