@@ -226,18 +226,18 @@ def test_setup_refuses_bad_shapes_naming_the_sample(data):
     _, _, out = data
     ds = EncodedVideoDataset(out, text_len=TEXT_LEN)
     # text embeddings of the wrong width: every sample named, from the index
-    _fit_refused(tiny_wan(text_dim=24), ds, r"(?s)5 of 5 samples.*sample 0 \(latent \(4, 2, 4, 6\), text \(7, 16\)\): "
+    _fit_refused(tiny_wan(text_dim=24), ds, r"(?s)5 bad of 5 samples.*sample 0 \(latent \(4, 2, 4, 6\), text \(7, 16\)\): "
                                             r"text embedding width 16, expected the model's text_dim 24")
     # latents of the wrong channel count (the model's in_channels 8 = I2V without condition latents)
     _fit_refused(tiny_wan(in_channels=8), ds, r"sample 0 .*latent \+ condition channels 4 \+ 0, expected in_channels 8")
     # a latent whose height does not divide by the patch, in a large indexed dataset: found at fit start
     good = VideoShape((4, 2, 4, 6), (3, TEXT_DIM))
     shapes = [good] * 1000 + [VideoShape((4, 2, 5, 6), (3, TEXT_DIM))]
-    _fit_refused(tiny_wan(), _Shapes(shapes), r"1 of 1001 samples.*sample 1000 .*latent height 5, expected a positive "
+    _fit_refused(tiny_wan(), _Shapes(shapes), r"(?s)1 bad of 1001 samples.*sample 1000 .*latent height 5, expected a positive "
                                               r"multiple of the patch height 2")
     # through a Subset, the index is the Subset's
     subset = torch.utils.data.Subset(_Shapes(shapes), [1000, 3])
-    _fit_refused(tiny_wan(), subset, r"sample 0 .*latent height 5")
+    _fit_refused(tiny_wan(), subset, r"(?s)1 bad of 2 samples.*sample 0 .*latent height 5")
 
 
 def test_setup_checks_a_dataset_without_an_index_on_a_first_pass():
@@ -254,5 +254,5 @@ def test_setup_checks_a_dataset_without_an_index_on_a_first_pass():
         def __getitem__(self, i):
             return samples[i]
 
-    _fit_refused(tiny_wan(), Plain(), r"first 4 samples\).*sample 2 .*text embedding width 8, expected the model's "
+    _fit_refused(tiny_wan(), Plain(), r"(?s)first 4 samples\).*sample 2 .*text embedding width 8, expected the model's "
                                       r"text_dim 16")

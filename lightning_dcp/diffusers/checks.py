@@ -102,7 +102,7 @@ def check_video_shapes(shapes: Iterable[tuple[int, VideoShape]], model: ModelInp
             bad.append(f"sample {index} (latent {tuple(shape.latent)}, text {shape.text}): {'; '.join(problems)}")
     if bad:
         more = f"\n  ... and {len(bad) - 5} more" if len(bad) > 5 else ""
-        raise ValueError(f"{what} does not fit the model ({len(bad)} of {count} samples checked):\n  "
+        raise ValueError(f"{what} does not fit the model ({len(bad)} bad of {count} samples checked):\n  "
                          + "\n  ".join(bad[:5]) + more)
     return count
 
