@@ -86,11 +86,9 @@ class FrameGeometry:
 
 def _decode(path: Path, geometry: FrameGeometry) -> list:
     import av
+    from av.error import FFmpegError
 
-    cap = None
-    if geometry.max_frames is not None:
-        cap = geometry.max_frames
-    frames = []
+    cap, frames = geometry.max_frames, []
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
@@ -103,7 +101,7 @@ def _decode(path: Path, geometry: FrameGeometry) -> list:
                         break
     except VideoDecodeError:
         raise
-    except (av.FFmpegError, OSError, ValueError) as err:
+    except (FFmpegError, OSError, ValueError) as err:
         raise VideoDecodeError(f"{path}: cannot decode the video ({type(err).__name__}: {err}); check the file "
                                "(e.g. `ffprobe` it), re-encode it, or remove it from the inputs") from err
     return frames
