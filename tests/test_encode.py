@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings as hsettings, strategies as st
 
 pytest.importorskip("diffusers")
 pytest.importorskip("av")
@@ -25,7 +26,6 @@ pytest.importorskip("av")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
 from _encode_helpers import (  # noqa: E402
     LATENT_SHAPES, TEXT_DIM, make_videos, save_models, tiny_text_encoder, tiny_tokenizer, tiny_vae, tiny_wan, write_video,
 )
@@ -256,3 +256,38 @@ def test_setup_checks_a_dataset_without_an_index_on_a_first_pass():
 
     _fit_refused(tiny_wan(), Plain(), r"(?s)first 4 samples\).*sample 2 .*text embedding width 8, expected the model's "
                                       r"text_dim 16")
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(available=st.integers(0, 200), ts=st.sampled_from([1, 4, 8]), pt=st.integers(1, 3),
+       height=st.integers(1, 300), width=st.integers(1, 300), area=st.one_of(st.none(), st.integers(1, 40000)))
+def test_frame_geometry_keeps_the_most_frames_and_pixels_that_divide(available, ts, pt, height, width, area):
+    from lightning_dcp.diffusers.video_io import FrameGeometry
+
+    g = FrameGeometry(8, ts, (pt, 2, 2), max_area=area)
+    keep = g.frames_to_keep(available)
+    latent = lambda n: n // 1 if ts == 1 else (n - 1) // ts + 1  # noqa: E731 - the VAE's latent frame count
+    assert 0 <= keep <= available
+    if keep:
+        assert latent(keep) % pt == 0 and (ts == 1 or (keep - 1) % ts == 0)
+    # maximal: no longer count that fits also gives whole temporal patches
+    assert not any(latent(n) % pt == 0 and (ts == 1 or (n - 1) % ts == 0) for n in range(keep + 1, available + 1))
+    h, w, ch, cw = g.size(height, width)
+    assert ch % 16 == 0 and cw % 16 == 0 and 0 <= h - ch < 16 and 0 <= w - cw < 16
+    if area is not None:
+        assert h * w <= area * 1.05 + h + w + 1  # rounding of the scaled sides only
+    assert h <= height and w <= width
+
+
+def test_captions_from_json_mapping_and_jsonl(tmp_path):
+    for name in ("one.mkv", "sub/two.mkv"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "caps.json").write_text(json.dumps({"one.mkv": "a cat", "sub/two.mkv": "a dog"}))
+    assert [(s.name, s.caption) for s in find_sources(tmp_path, tmp_path / "caps.json")] == [
+        ("one.mkv", "a cat"), ("sub/two.mkv", "a dog")]
+    (tmp_path / "caps.jsonl").write_text('{"path": "one.mkv", "text": "x"}\n{"path": "two.mkv", "text": "y"}\n')
+    assert [s.caption for s in find_sources(tmp_path, tmp_path / "caps.jsonl")] == ["x", "y"]  # bare names unique
+    (tmp_path / "bad.csv").write_text("clip,words\none.mkv,a\n")
+    with pytest.raises(ValueError, match=r"bad\.csv, row 1: no video path column"):
+        find_sources(tmp_path, tmp_path / "bad.csv")

@@ -73,7 +73,8 @@ def read_captions(path: str | Path) -> dict[str, str]:
         where = f"captions file {path}, row {n + 1}"
         if not isinstance(row, Mapping):
             raise ValueError(f"{where}: expected an object with a video and a caption, got {type(row).__name__}")
-        out[_pick(row, _PATH_COLUMNS, where, "video path")] = _pick(row, _CAPTION_COLUMNS, where, "caption")
+        key = _pick(row, _PATH_COLUMNS, where, "video path")
+        out[key] = _pick(row, _CAPTION_COLUMNS, where, "caption")
     return out
 
 
