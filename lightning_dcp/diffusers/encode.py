@@ -85,6 +85,7 @@ class EncodeSettings:
             raise ValueError(f"samples_per_shard must be >= 1, got {self.samples_per_shard}")
         if self.text_len < 1:
             raise ValueError(f"text_len must be >= 1, got {self.text_len}")
+        self.geometry(1, 1)  # patch size, frame and area limits: refused before anything is written
 
     def geometry(self, spatial_stride: int, temporal_stride: int) -> FrameGeometry:
         return FrameGeometry(spatial_stride, temporal_stride, self.patch_size, self.max_frames, self.frame_stride,
