@@ -11,6 +11,11 @@
   latent ``[C, F, H, W]`` and its text embeddings into the token-first sample DCP packs;
   :func:`unpatchify` / :func:`unpack_output` go back.
 * :class:`VideoDiffusionModule` trains it with flow matching (``dcp_support = "sp"``).
+* :class:`VideoDiffusionModule` checks the train dataset against the model config at fit start
+  (:mod:`~lightning_dcp.diffusers.checks`).
+* :func:`encode_videos` (``lightning-dcp encode``) encodes your own video files and captions with the
+  model's VAE and text encoder into resumable shards; :class:`EncodedVideoDataset` trains on them
+  (``pip install "lightning-dcp[encode]"`` for PyAV).
 
 CogVideoX and HunyuanVideo are not supported yet: :func:`adapt` says what is missing.
 
@@ -29,6 +34,10 @@ except ImportError as _err:  # pragma: no cover - exercised only without diffuse
     ) from _err
 
 from lightning_dcp.diffusers.adapt import adapt, is_adapted
+from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
+from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
+from lightning_dcp.diffusers.encoded import EncodedVideoDataset
+from lightning_dcp.diffusers.video_io import VideoDecodeError
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
 from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
@@ -57,6 +66,8 @@ from lightning_dcp.diffusers.samples import (
 __all__ = [
     "FAMILIES", "LTX_PIPELINE_ROPE_SCALE", "ROPE_SCALE", "DCPLTXAttnProcessor", "VideoFamily", "family_of",
     "ltx_video_sample",
+    "EncodeResult", "EncodeSettings", "EncodedVideoDataset", "ModelInputs", "VideoDecodeError", "VideoShape",
+    "check_video_shapes", "encode_videos",
     "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
     "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",

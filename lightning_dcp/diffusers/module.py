@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_dcp.diffusers.adapt import adapt, is_adapted
+from lightning_dcp.diffusers.checks import check_train_data
 from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, packed_forward
@@ -71,6 +72,11 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     #: The epoch validation draws its noise and timesteps for, whatever the training epoch: each
     #: validation sample gets the same noise every epoch, so ``val_loss`` is comparable across epochs.
     validation_epoch = 0
+    #: At fit start the train dataset is checked against the model config (channels, text width, patch
+    #: divisibility, rotary table): every sample of a dataset with ``video_shapes`` (an index, e.g.
+    #: :class:`~lightning_dcp.diffusers.EncodedVideoDataset`), else the first this-many samples (``None``: all,
+    #: ``0``: no check). See :mod:`lightning_dcp.diffusers.checks`.
+    setup_check_samples: int | None = 32
 
     def __init__(self, model: nn.Module, lr: float = 1e-5, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0, shift: float = 5.0,
@@ -100,6 +106,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
             raise ValueError(f"{type(self).__name__}(loss_reduction={self.loss_reduction!r}) but the strategy reduces by "
                              f"{strategy_reduction!r}; under DCPStrategy the strategy's loss_reduction decides: pass the "
                              "same value to both, or leave the module's at None")
+        if stage == "fit" and self._trainer is not None:
+            check_train_data(self._trainer, self.model.config, self.setup_check_samples)
 
     def dcp_prepare_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """DCPStrategy hook, on the whole packed micro-batch before sharding: noise, timestep and target per token."""
