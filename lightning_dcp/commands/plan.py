@@ -63,11 +63,13 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
     if limit is not None and limit <= 0:
         raise CLIError(f"--memory-limit-gib must be positive, got {args.memory_limit_gib}")
+    source = None if limit is None else f"--memory-limit-gib {args.memory_limit_gib:g}"
     if args.profile is not None:
         from lightning_dcp.planning.profile import ProfileError
         from lightning_dcp.planning.profiled import ProfiledCostModel
         try:
             cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit, sharding=getattr(args, "sharding", None),
+                                                     memory_limit_source=source,
                                                      world_size=args.world_size)
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
@@ -79,7 +81,8 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     try:
         model = get_model(args.model or "transformer-1d")
         hardware = get_hardware(args.hardware)
-        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=getattr(args, "sharding", None))
+        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=getattr(args, "sharding", None),
+                                 memory_limit_source=source)
     except ValueError as err:
         raise CLIError(str(err)) from None
 
