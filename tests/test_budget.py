@@ -138,3 +138,124 @@ def test_the_model_signature_covers_the_configuration():
     assert model_signature(wan()) == model_signature(wan())
     assert model_signature(wan()) != model_signature(wan(rope_max_seq_len=64))  # same parameters, other config
     assert model_signature(wan()) != model_signature(wan(qk_norm=None))
+
+
+# -------------------------------------------------- 3: memory figures in MiB/GiB, with their source
+
+def _profile(sp_sizes=(1, 2), num_layers=4) -> dict:
+    """A synthetic measured profile: memory linear in local tokens; SP 2 halves a rank's tokens but is
+    no faster per rank than SP 1 (so the planner uses SP 2 only when memory forces it)."""
+    from lightning_dcp.planning.profile import PROFILE_SCHEMA
+
+    entries = []
+    for p in sp_sizes:
+        for b in (1, 2):
+            for n in (16, 64, 256, 1024):
+                t = b * n
+                entries.append({"seq_len": n, "micro_batch": b, "sp": p, "forward_s": 1e-6 * t + 2e-9 * b * n * n + 1e-4 * p,
+                                "backward_s": 2e-6 * t + 4e-9 * b * n * n + 2e-4 * p, "activation_bytes": 400 * t // p + 4096,
+                                "input_bytes": 40 * t // p})
+    return {"schema": PROFILE_SCHEMA, "key": {"world_size": max(sp_sizes)},
+            "model": {"num_layers": num_layers, "num_heads": 4},
+            "device": {"memory_limit_bytes": 8 * 2**30, "gpus_per_node": 8},
+            "constant": {"time_s": 1e-3, "optimizer_s": 1e-3, "allreduce_s": 1e-3, "memory_bytes": 3 * MIB,
+                         "param_bytes": MIB, "activation_bytes_per_token": 64},
+            "entries": entries, "meta": {}}
+
+
+def test_format_bytes_prints_binary_units():
+    from lightning_dcp.planning.units import format_bytes
+
+    assert format_bytes(5.50502e6) == "5.25 MiB"
+    assert format_bytes(1.5 * 2**30) == "1.50 GiB"
+    assert format_bytes(4880) == "4.77 KiB"
+    assert format_bytes(12) == "12 B"
+
+
+@pytest.mark.parametrize("source, expected", [(None, "memory_limit="), ("--memory-limit-mib 5.25", "--memory-limit-mib 5.25")])
+def test_a_too_long_sample_names_the_budget_in_mib_and_where_it_came_from(source, expected):
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.planner import Planner
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+
+    cm = ProfiledCostModel(_profile(), memory_limit=5.50502e6, memory_limit_source=source)
+    with pytest.raises(PlanningError) as err:
+        Planner(2, cm, dataset_lengths=[100, 50_000])
+    msg = str(err.value)
+    assert "5.25 MiB per device" in msg and f"({expected})" in msg and "e+06" not in msg, msg
+
+
+def test_a_profile_file_s_budget_names_the_file(tmp_path):
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    assert ProfiledCostModel.from_file(path).describe_limit() == f"8.00 GiB per device (device.memory_limit_bytes of profile {path})"
+
+
+def test_the_callback_s_cost_model_says_its_budget_is_the_default(tmp_path):
+    run = _fit(tmp_path)
+    assert run.cost_model.describe_limit().startswith("8.00 GiB per device (DCPProfiler's default, 8.00 GiB on CPU")
+
+
+# ----------------------------------------------------------------------------- 4: the budget helper
+
+LENGTHS = [40, 64, 100, 200, 300, 500, 900, 1500] * 2
+
+
+def _at(budget: float, sp_sizes=(1, 2)):
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+
+    return ProfiledCostModel(_profile(sp_sizes), memory_limit=budget)
+
+
+def _sp_and_recompute(budget: float, lengths=LENGTHS) -> tuple[int, int]:
+    from lightning_dcp.planning.planner import plan
+
+    items = [it for step in plan(lengths, 2, _at(budget), "dcp").steps for it in step.items]
+    return max(it.sp_size for it in items), max(it.recompute for it in items)
+
+
+def test_at_the_reported_budget_the_planner_needs_sp2_and_at_one_byte_more_it_does_not():
+    from lightning_dcp.planning.budget import budget_report
+
+    report = budget_report(_at(8 * 2**30), 2, LENGTHS)
+    x = report.needs_sp_below
+    assert report.longest == 1500 and x == report.per_sp[0].need_full_recompute
+    assert _sp_and_recompute(x - 1)[0] == 2  # just below: the longest sample runs on SP 2
+    sp, recompute = _sp_and_recompute(x)  # at it: SP 1 holds it, with every layer recomputed
+    assert sp == 1 and recompute == 4
+    assert _sp_and_recompute(x + 1)[0] == 1
+    # the recompute threshold: SP 1 holds the longest sample with no recompute from there on
+    y = report.needs_recompute_below
+    cm = _at(y)
+    assert cm.min_recompute([1500], 1) == 0 and _at(y - 1).min_recompute([1500], 1) > 0
+    assert report.min_budget == report.per_sp[1].need_full_recompute < x  # SP 2 holds it on less
+
+
+def test_longest_lengths_per_sp_size_match_the_cost_model_and_estimate_unmeasured_sizes():
+    from lightning_dcp.planning.budget import budget_report
+
+    cm = _at(5 * MIB)
+    report = budget_report(cm, 4)
+    assert [r.sp for r in report.per_sp] == [1, 2, 4] and [r.measured for r in report.per_sp] == [True, True, False]
+    one, two, four = report.per_sp
+    assert one.longest_no_recompute == cm.max_length(1, 0) and one.longest_full_recompute == cm.max_length(1, 4)
+    assert cm.fits([one.longest_no_recompute], 1, 0) and not cm.fits([one.longest_no_recompute + 1], 1, 0)
+    assert two.longest_full_recompute == cm.max_length(2, 4) > one.longest_full_recompute
+    assert four.longest_full_recompute == 4 * one.longest_full_recompute  # estimated: a quarter of the tokens per rank
+    assert report.longest is None and report.needs_sp_below is None
+    text = "\n".join(report.lines())
+    assert "5.00 MiB per device (memory_limit=)" in text and "(estimated from SP 1)" in text
+
+
+def test_budget_report_refuses_bad_input():
+    from lightning_dcp.planning.budget import budget_report
+    from lightning_dcp.planning.errors import PlanningError
+
+    with pytest.raises(PlanningError, match="world_size"):
+        budget_report(_at(5 * MIB), 0)
+    with pytest.raises(PlanningError, match="lengths"):
+        budget_report(_at(5 * MIB), 2, [])
+    with pytest.raises(PlanningError, match="SP size 1"):
+        budget_report(_at(5 * MIB, sp_sizes=(2,)), 2)
