@@ -16,6 +16,7 @@ COMMANDS = {
     "simulate": "lightning_dcp.commands.simulate",
     "profile": "lightning_dcp.commands.profile",
     "train": "lightning_dcp.commands.train",
+    "budget": "lightning_dcp.commands.budget",
 }
 
 

@@ -259,3 +259,54 @@ def test_budget_report_refuses_bad_input():
         budget_report(_at(5 * MIB), 2, [])
     with pytest.raises(PlanningError, match="SP size 1"):
         budget_report(_at(5 * MIB, sp_sizes=(2,)), 2)
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from lightning_dcp import cli
+
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_budget_from_a_profile_prints_the_report_s_numbers(tmp_path, capsys):
+    from lightning_dcp.planning.budget import budget_report
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    (tmp_path / "lengths.json").write_text(json.dumps(LENGTHS))
+    code, out, _ = _cli(["budget", "--profile", str(path), "--world-size", "2", "--memory-limit-mib", "5",
+                         "--lengths", str(tmp_path / "lengths.json")], capsys)
+    assert code == 0
+    report = budget_report(ProfiledCostModel(_profile(), memory_limit=5 * MIB), 2, LENGTHS)
+    assert f"needs SP > 1 below {report.needs_sp_below / MIB:.2f} MiB per device ({report.needs_sp_below:.0f} bytes" in out
+    assert "5.00 MiB per device (--memory-limit-mib 5)" in out
+    assert f"{report.per_sp[0].longest_no_recompute} tokens" in out
+    code, out2, _ = _cli(["budget", "--profile", str(path), "--world-size", "2", "--memory-limit-mib", "5",
+                          "--lengths", ",".join(map(str, LENGTHS))], capsys)
+    assert code == 0 and out2 == out  # a comma list reads as the JSON file
+
+
+@pytest.mark.parametrize("extra, match", [(["--lengths", "3,-1"], "positive integers"),
+                                          (["--memory-limit-mib", "0"], "must be positive"),
+                                          (["--world-size", "0"], "world_size")])
+def test_cli_budget_user_errors(tmp_path, capsys, extra, match):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    code, _, err = _cli(["budget", "--profile", str(path), *extra], capsys)
+    assert code == 2 and match in err
+
+
+def test_measure_budget_on_the_tiny_model_agrees_with_its_cost_model():
+    from lightning_dcp.profiling import measure_budget
+
+    torch.manual_seed(0)
+    module = DCPTransformerModule("tiny-1d")
+    data = SyntheticTokenDataset([32, 32, 64, 64, 128, 128, 256, 256])
+    report = measure_budget(module, data, world_size=2, memory_limit_bytes=10 * MIB, micro_batch_sizes=[1],
+                            lengths=[100, 1000], time_budget_s=None)
+    one, two = report.per_sp
+    assert one.measured and not two.measured and report.longest == 1000
+    assert 0 < one.longest_no_recompute < one.longest_full_recompute and report.budget == 10 * MIB
+    assert report.needs_recompute_below > report.needs_sp_below > two.need_full_recompute

@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_dcp.profiling import cache as profile_cache
-from lightning_dcp.planning.units import format_bytes
-from lightning_dcp.profiling.assemble import CPU_MEMORY_LIMIT, default_memory_limit, profile_module
+from lightning_dcp.profiling.assemble import profile_module
+from lightning_dcp.profiling.budget import resolve_budget
 from lightning_dcp.profiling.grid import DENSITIES, Samples
 from lightning_dcp.profiling.harness import find_int_attr
 from lightning_dcp.profiling.layers import LayerStack, NoRepeatedLayersError, find_layer_stack
@@ -123,16 +123,6 @@ class DCPProfiler(Callback):
                                         trainer.world_size, __version__,
                                         profile_cache.inputs_signature(picked, self.layers_attr))
 
-    def _budget(self, device: torch.device) -> tuple[float, str]:
-        """This run's memory budget and where it came from: the argument, else the documented default
-        (never a cached profile's stored limit: the cache holds measurements, not a run's budget)."""
-        if self.memory_limit_bytes is not None:
-            return float(self.memory_limit_bytes), self.memory_limit_source or "DCPProfiler(memory_limit_bytes=...)"
-        limit = default_memory_limit(device)
-        what = ("0.9 x the CUDA device's total memory" if device.type == "cuda"
-                else f"{format_bytes(CPU_MEMORY_LIMIT)} on CPU")
-        return limit, f"DCPProfiler's default, {what}; set DCPProfiler(memory_limit_bytes=...) to change it"
-
     def _sp_sizes(self, strategy: Any, pl_module: Any) -> list[int] | None:
         sp_groups = getattr(strategy, "sp_groups", None)
         if self.sp_sizes is not None:
@@ -221,7 +211,7 @@ class DCPProfiler(Callback):
         from lightning_dcp.planning.profiled import ProfiledCostModel
 
         # The budget is this run's (argument or documented default), on a cache hit too.
-        limit, source = self._budget(strategy.root_device)
+        limit, source = resolve_budget(strategy.root_device, self.memory_limit_bytes, self.memory_limit_source)
         self.cost_model = ProfiledCostModel(profile, memory_limit=limit, memory_limit_source=source)
         set_cost_model = getattr(strategy, "set_cost_model", None)
         if callable(set_cost_model):
