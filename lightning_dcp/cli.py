@@ -17,6 +17,7 @@ COMMANDS = {
     "profile": "lightning_dcp.commands.profile",
     "train": "lightning_dcp.commands.train",
     "encode": "lightning_dcp.commands.encode",
+    "budget": "lightning_dcp.commands.budget",
 }
 
 

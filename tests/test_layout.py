@@ -52,7 +52,7 @@ def test_importing_the_package_loads_no_torch():
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["simulate", "--help"], ["train", "--help"],
-                                  ["profile", "--help"], ["encode", "--help"]])
+                                  ["profile", "--help"], ["encode", "--help"], ["budget", "--help"]])
 def test_cli_help_imports_neither_torch_nor_lightning(argv):
     assert _loaded_after(_cli(argv)) == []
 

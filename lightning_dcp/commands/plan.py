@@ -75,6 +75,7 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     if (getattr(args, "shard_group_size", None) is not None or getattr(args, "offload", False)) and \
             getattr(args, "sharding", None) != "hsdp":
         raise CLIError("--shard-group-size and --offload apply to --sharding hsdp only")
+    source = None if limit is None else f"--memory-limit-gib {args.memory_limit_gib:g}"
     if args.profile is not None:
         if getattr(args, "sharding", None) == "hsdp":
             raise CLIError("--sharding hsdp plans with the analytic model for now (it needs the layers' weight "
@@ -83,6 +84,7 @@ def build_cost_model(args: argparse.Namespace) -> Any:
         from lightning_dcp.planning.profiled import ProfiledCostModel
         try:
             cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit, sharding=getattr(args, "sharding", None),
+                                                     memory_limit_source=source,
                                                      world_size=args.world_size)
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
@@ -98,9 +100,11 @@ def build_cost_model(args: argparse.Namespace) -> Any:
         if sharding == "hsdp":
             from lightning_dcp.planning.shard_group import hsdp_view
 
-            base = AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding="none")
+            base = AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding="none",
+                                     memory_limit_source=source)
             return hsdp_view(base, shard_group_size(args, hardware.gpus_per_node), offload=args.offload)
-        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=sharding)
+        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=sharding,
+                                 memory_limit_source=source)
     except ValueError as err:
         raise CLIError(str(err)) from None
 

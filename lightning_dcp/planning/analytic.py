@@ -182,12 +182,14 @@ class AnalyticCostModel(CostModel):
             divided by ``hidden_size``).
         state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
             measured elsewhere (the runtime's), instead of the estimate from the model shape.
+        memory_limit_source: where ``memory_limit`` came from, for messages (default: ``"memory_limit="``
+            when given, else the hardware's usable memory).
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, world_size: int, *,
                  memory_limit: float | None = None, dtype_bytes: int = 2, sharding: str | None = None,
                  zero_stage: int | None = None, activation_factor: float | None = None,
-                 state_parts: Mapping[str, float] | None = None) -> None:
+                 state_parts: Mapping[str, float] | None = None, memory_limit_source: str | None = None) -> None:
         world_size = _positive_int(world_size, "world_size")
         self.sharding = resolve_sharding(sharding, zero_stage)
         _check_dtype_and_model(dtype_bytes, model)
@@ -203,6 +205,8 @@ class AnalyticCostModel(CostModel):
         self.memory_limit = float(hardware.usable_memory_bytes if memory_limit is None else memory_limit)
         if not self.memory_limit > 0:
             raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
+        self.memory_limit_source = (memory_limit_source or
+                                    (f"hardware {hardware.name!r} usable memory" if memory_limit is None else "memory_limit="))
         self.activation_factor = (default_activation_factor(model, dtype_bytes) if activation_factor is None
                                   else float(activation_factor))
         if not self.activation_factor > 0:
@@ -483,7 +487,8 @@ class AnalyticCostModel(CostModel):
         rebuilt = AnalyticCostModel(self.model, self.hardware, int(states["world_size"]), memory_limit=self.memory_limit,
                                     dtype_bytes=self.dtype_bytes, sharding=states["sharding"],
                                     activation_factor=self.activation_factor,
-                                    state_parts=state_parts_of(states, required=False))
+                                    state_parts=state_parts_of(states, required=False),
+                                    memory_limit_source=self.memory_limit_source)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def signature(self) -> dict:

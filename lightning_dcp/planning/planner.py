@@ -39,6 +39,7 @@ from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
 from lightning_dcp.planning.policies.packed import PackedPolicy
 from lightning_dcp.planning.policies.static import StaticPolicy
+from lightning_dcp.planning.units import describe_limit
 
 POLICIES: dict[str, type[Policy]] = {
     "dcp": DCPPolicy,
@@ -148,10 +149,6 @@ def _collector_paused():
             gc.enable()
 
 
-def _mem(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes:g} bytes"
-
-
 def _check_lengths(lengths: Sequence[Any], what: str = "lengths") -> list[int]:
     try:
         seq = list(lengths)
@@ -220,7 +217,7 @@ class Planner:
         if self.view.longest_fitting() <= 0:
             raise PlanningError(
                 f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks"
-                f"{self._cap_note()}, limit {_mem(cost_model.memory_limit)} per device): use {self._more()}"
+                f"{self._cap_note()}, memory budget {describe_limit(cost_model)}): use {self._more()}"
             )
         ds = None
         if dataset_lengths is not None:
@@ -264,7 +261,7 @@ class Planner:
                 raise PlanningError(
                     f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
                     f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
-                    f"layer recomputed, {_mem(self.cost_model.memory_limit)} per device) is {limit} tokens: drop or split "
+                    f"layer recomputed, memory budget {describe_limit(self.cost_model)}) is {limit} tokens: drop or split "
                     f"the sample, or use {self._more()}"
                 )
 

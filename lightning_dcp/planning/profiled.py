@@ -173,10 +173,13 @@ class ProfiledCostModel(CostModel):
         state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
             measured elsewhere (the runtime's :class:`~lightning_dcp.runtime.states.ModelStates`), used
             instead of the profile's constant fields; ``None`` (default): the profile's.
+        memory_limit_source: where ``memory_limit`` came from, printed in errors (default:
+            ``"memory_limit="`` when given, else the profile's ``device.memory_limit_bytes``).
     """
 
     def __init__(self, profile: dict, *, memory_limit: float | None = None, sharding: str | None = None,
-                 world_size: int | None = None, state_parts: Mapping[str, float] | None = None) -> None:
+                 world_size: int | None = None, state_parts: Mapping[str, float] | None = None,
+                 memory_limit_source: str | None = None) -> None:
         data = validate_profile(profile)
         self.profile = data
         model, device, const = data["model"], data["device"], data["constant"]
@@ -191,6 +194,8 @@ class ProfiledCostModel(CostModel):
         self.memory_limit = float(device["memory_limit_bytes"] if memory_limit is None else memory_limit)
         if not self.memory_limit > 0:
             raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
+        self.memory_limit_source = memory_limit_source or (
+            "the profile's device.memory_limit_bytes" if memory_limit is None else "memory_limit=")
         self.constant_time = float(const["time_s"])
         self.constant_memory = float(const["memory_bytes"])
         # optional (profiler >= the recompute/per-token fields): per local token, outside the layers
@@ -256,11 +261,14 @@ class ProfiledCostModel(CostModel):
 
     @classmethod
     def from_file(cls, path: str | Path, *, memory_limit: float | None = None, sharding: str | None = None,
-                  world_size: int | None = None) -> "ProfiledCostModel":
+                  world_size: int | None = None, memory_limit_source: str | None = None) -> "ProfiledCostModel":
         """Load, validate and fit a profile file; :class:`ProfileError` names the file on problems."""
         data = load_profile(path)
+        if memory_limit is None and memory_limit_source is None:
+            memory_limit_source = f"device.memory_limit_bytes of profile {path}"
         try:
-            return cls(data, memory_limit=memory_limit, sharding=sharding, world_size=world_size)
+            return cls(data, memory_limit=memory_limit, sharding=sharding, world_size=world_size,
+                       memory_limit_source=memory_limit_source)
         except ProfileError as err:
             raise ProfileError(f"profile file {path}: {err}") from None
 
@@ -298,7 +306,8 @@ class ProfiledCostModel(CostModel):
         the runtime), else from the profile's. ``states`` is
         :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
         rebuilt = ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
-                                    world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False))
+                                    world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False),
+                                    memory_limit_source=self.memory_limit_source)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def _allreduce_seconds(self, W: int) -> float:

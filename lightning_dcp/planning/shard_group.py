@@ -100,6 +100,7 @@ class ShardGroupCostModel(CostModel):
         """Model-state bytes per rank between steps."""
         self.workspace_bytes = float(getattr(base, "workspace_bytes", 0.0))
         self.memory_limit = float(base.memory_limit)
+        self.memory_limit_source = getattr(base, "memory_limit_source", "")
         # the planner's fast paths (token sums instead of length lists), where the base has them
         shift = self.state_bytes - self.base_state_bytes
         if callable(getattr(base, "attention_work", None)):
