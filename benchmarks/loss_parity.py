@@ -436,11 +436,6 @@ def _worker(rank: int, port: int, jobs: Sequence[tuple[str, str, str]], cfg: Map
                       f"{data['loss'][-1]:.5f}", flush=True)
     finally:
         dist.destroy_process_group()
-    # Leave without interpreter finalisation: once deepspeed.comm is initialised (Ulysses all-to-all),
-    # a C++ static destructor sometimes aborts after all work is done (see tests/_dist.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_all(families: Sequence[str], cfg: Mapping[str, Any], raw_dir: Path, timeout_s: float) -> None:

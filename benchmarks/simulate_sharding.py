@@ -20,6 +20,7 @@ Writes ``benchmarks/results/simulate_sharding.md`` (another ``--model``:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -35,12 +36,22 @@ from lightning_dcp.planning.distributions import get_distribution  # noqa: E402
 from lightning_dcp.planning.errors import PlanningError  # noqa: E402
 from lightning_dcp.planning.hardware import GiB, get_hardware  # noqa: E402
 from lightning_dcp.planning.models import get_model  # noqa: E402
+from lightning_dcp.planning.shard_group import hsdp_view  # noqa: E402
 from lightning_dcp.planning.state_sharding import SHARDING_MODES  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_sharding.md"
 
 
-def measure(model: str, world: int, dataset: str, gbt: int, steps: int, policies: list[str], seed: int = 0) -> list[dict]:
+def sp_and_recompute(plan, num_layers: int) -> tuple[float, float]:
+    """Token-weighted mean SP size and fraction of layers recomputed over a plan's items."""
+    items = [it for step in plan.steps for it in step.items]
+    tokens = sum(it.tokens for it in items) or 1
+    return (sum(it.sp_size * it.tokens for it in items) / tokens,
+            sum(it.recompute * it.tokens for it in items) / tokens / num_layers)
+
+
+def measure(model: str, world: int, dataset: str, gbt: int, steps: int, policies: list[str], seed: int = 0,
+            shard_group_sizes: tuple[int, ...] = (8, 16, 32), offload_sizes: tuple[int, ...] = (8,)) -> list[dict]:
     """One dict per sharding mode: states, freed memory, max lengths per SP size, and per policy tokens/s and % of bound."""
     dist = get_distribution(dataset)
     lengths = dist.sample(DATASET_SIZE, seed)
@@ -49,8 +60,11 @@ def measure(model: str, world: int, dataset: str, gbt: int, steps: int, policies
     spec, hw = get_model(model), get_hardware("h100")
     base = None
     rows = []
-    for mode in SHARDING_MODES:
-        cm = AnalyticCostModel(spec, hw, world, sharding=mode)
+    none = AnalyticCostModel(spec, hw, world, sharding="none")
+    models = [(mode, AnalyticCostModel(spec, hw, world, sharding=mode)) for mode in SHARDING_MODES]
+    models += [(f"hsdp K={k}", hsdp_view(none, k)) for k in shard_group_sizes if world % k == 0]
+    models += [(f"hsdp K={k} offload", hsdp_view(none, k, offload=True)) for k in offload_sizes if world % k == 0]
+    for mode, cm in models:
         base = cm.state_bytes if base is None else base
         sps = cm.sp_sizes(world)
         row = {"mode": mode, "states": cm.state_bytes, "rest": cm.state_bytes_at_rest, "freed": base - cm.state_bytes,
@@ -62,6 +76,7 @@ def measure(model: str, world: int, dataset: str, gbt: int, steps: int, policies
             row["error"] = str(err).split(":")[0]
         else:
             row["policies"] = {r["policy"]: r for r in res}
+            row["use"] = {r["policy"]: sp_and_recompute(r["_plan"], spec.num_layers) for r in res}
         rows.append(row)
         got = ", ".join(f"{k} {v['tokens_per_s']:,.0f} tok/s" for k, v in row["policies"].items()) or row.get("error")
         print(f"  {mode:6s} states {cm.state_bytes / GiB:6.1f} GiB  {got}", flush=True)
@@ -72,17 +87,22 @@ def table(rows: list[dict], policies: list[str]) -> str:
     sps = list(rows[0]["max_len"])
     head = (["sharding", "states/rank GiB (in the loop)", "between steps GiB", "freed vs none GiB", "room for activations GiB"]
             + [f"max len SP {p} (r=0 / all)" for p in sps]
-            + [f"{p} tokens/s" for p in policies] + [f"{p} % of step bound" for p in policies])
+            + [f"{p} tokens/s" for p in policies] + [f"{p} % of step bound" for p in policies]
+            + ["dcp mean SP (token-weighted)", "dcp layers recomputed"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         cells = [r["mode"], f"{r['states'] / GiB:.1f}", f"{r['rest'] / GiB:.1f}", f"{r['freed'] / GiB:.1f}",
                  f"{r['room'] / GiB:.1f}"]
-        cells += [f"{a:,} / {b:,}" if b else "does not fit" for a, b in r["max_len"].values()]
+        cells += [("above the shard group" if p not in r["max_len"] else
+                   f"{r['max_len'][p][0]:,} / {r['max_len'][p][1]:,}" if r["max_len"][p][1] else "does not fit")
+                  for p in sps]
         if r["policies"]:
             cells += [f"{r['policies'][p]['tokens_per_s']:,.0f}" for p in policies]
             cells += [f"{100 * r['policies'][p]['fraction_of_bound']:.1f}%" for p in policies]
+            sp, rec = r["use"].get("dcp", (math.nan, math.nan))
+            cells += [f"{sp:.2f}", f"{100 * rec:.0f}%"]
         else:
-            cells += ["does not fit"] * (2 * len(policies))
+            cells += ["does not fit"] * (2 * len(policies) + 2)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -95,17 +115,23 @@ def main() -> None:
     ap.add_argument("--global-batch-tokens", type=int, default=1 << 20)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--policies", default="bucket,dcp")
+    ap.add_argument("--shard-group-sizes", default="8,16,32", help="hsdp rows: shard group sizes (dividing the world)")
+    ap.add_argument("--offload-sizes", default="8", help="hsdp rows with the states on the host")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"default {OUT.relative_to(OUT.parents[2])} (llama-7b), else simulate_sharding_<model>.md beside it")
     args = ap.parse_args()
     if args.out is None:
         args.out = OUT if args.model == "llama-7b" else OUT.with_name(f"simulate_sharding_{args.model}.md")
     policies = args.policies.split(",")
-    rows = measure(args.model, args.world_size, args.dataset, args.global_batch_tokens, args.steps, policies)
+    sizes = tuple(int(k) for k in args.shard_group_sizes.split(",") if k)
+    offload = tuple(int(k) for k in args.offload_sizes.split(",") if k)
+    rows = measure(args.model, args.world_size, args.dataset, args.global_batch_tokens, args.steps, policies,
+                   shard_group_sizes=sizes, offload_sizes=offload)
     text = table(rows, policies) + "\n"
     print(text)
     cmd = (f"python benchmarks/simulate_sharding.py --model {args.model} --world-size {args.world_size} --dataset "
-           f"{args.dataset} --global-batch-tokens {args.global_batch_tokens} --steps {args.steps} --policies {args.policies}")
+           f"{args.dataset} --global-batch-tokens {args.global_batch_tokens} --steps {args.steps} --policies {args.policies}"
+           f" --shard-group-sizes {args.shard_group_sizes} --offload-sizes {args.offload_sizes}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {platform.node() or 'host'}, {os.cpu_count()} CPUs, Python "
@@ -114,7 +140,10 @@ def main() -> None:
         "every mode. States per rank as `DCPStrategy(sharding=...)` holds them (bf16 weights and gradients, fp32 "
         "master and Adam m, v: `W`, `G`, `O`): in the micro-batch loop, which the planner budgets, `none` W+G+O, "
         "`zero1` W+G+O/N, `zero2` and `fsdp` W+W/N+G+O/N; between steps `zero2` W+W/N+G/N+O/N, `fsdp` (W+G+O)/N "
-        "(`lightning_dcp.planning.state_sharding`). No mode adds time per micro-batch.\n\n" + text)
+        "(`lightning_dcp.planning.state_sharding`); `hsdp K=k` (planned and simulated, not run by the runtime yet) "
+        "(W+G+O)/K plus two layers' weights and gradients and the root's in flight, its per-layer all-gathers and "
+        "reduce-scatters priced per lockstep round of each shard group (`lightning_dcp.planning.shard_group`); "
+        "`offload` keeps the shards on the host. The other modes add no time per micro-batch.\n\n" + text)
 
 
 if __name__ == "__main__":

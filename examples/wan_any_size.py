@@ -22,11 +22,11 @@ With ``--model`` the script loads ``WanTransformer3DModel.from_pretrained(path, 
 torch_dtype=float32)``, uses ``precision="bf16-mixed"`` (fp32 weights: with bf16 weights most AdamW updates
 at lr 1e-5 round to no change) and trains on random latents of Wan's VAE shapes (16 channels, (frames - 1)/4 + 1
 latent frames, pixels/8) with random 512 x 4096 "T5" embeddings: it shows the mechanics and the
-throughput, not a useful fine-tune. For real training, precompute each video's latent with the
-pipeline's VAE (``AutoencoderKLWan``, normalised as the pipeline does) and its prompt's T5
-embeddings, and return ``lightning_dcp.diffusers.video_sample(latent, embeds, patch, index=i)`` from
-``__getitem__``; the dataset's ``lengths`` are the video tokens ``(F/1) * (H/2) * (W/2)`` of each
-latent, known without loading it.
+throughput, not a useful fine-tune. For real training, encode your videos and captions with the
+model's own VAE and T5 encoder (``lightning-dcp encode --videos clips/ --model REPO --out encoded/``)
+and train on ``lightning_dcp.diffusers.EncodedVideoDataset("encoded/")`` instead of ``LatentVideos``:
+its ``lengths`` (the video tokens ``(F/1) * (H/2) * (W/2)`` of each latent) come from the index
+without loading a latent, and its items are ``video_sample(latent, embeds, patch, index=i)`` dicts.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ COMMANDS = {
     "simulate": "lightning_dcp.commands.simulate",
     "profile": "lightning_dcp.commands.profile",
     "train": "lightning_dcp.commands.train",
+    "encode": "lightning_dcp.commands.encode",
+    "budget": "lightning_dcp.commands.budget",
 }
 
 

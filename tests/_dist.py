@@ -25,7 +25,6 @@ import datetime
 import faulthandler
 import os
 import socket
-import sys
 import time
 from typing import Any, Callable
 
@@ -63,14 +62,6 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    # Success: leave without interpreter finalisation. Once deepspeed.comm has been initialised
-    # (any test using seq_all_to_all), a few percent of processes abort *after* all work is done
-    # with "terminate called without an active exception" from a C++ static destructor (no Python
-    # frame on the stack), which would fail a passing test. Failures never get here: the
-    # exception propagates to torch.multiprocessing, which reports it to the parent.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:

@@ -220,13 +220,34 @@ def test_recompute_covers_every_block_same_grads_and_pickle(family):
         torch.testing.assert_close(packed_forward(clone, batch), results[0][0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["cog", "hunyuan"])
+def test_fit_start_check_reads_the_family_config(family):
+    """The fit-start data check (lightning_dcp.diffusers.checks) reads a joint family's patch size and text width
+    (text_embed_dim) from its config: joint samples pass, a sample with the wrong text width is named."""
+    from lightning_dcp.diffusers.checks import ModelInputs, check_video_shapes, sample_video_shape
+
+    model = make(family)
+    inputs = ModelInputs.of_model(model)
+    assert inputs.patch_size == patch_of(model) and inputs.text_dim == TEXT_DIM and inputs.out_channels == 4
+    raws = raw_videos([(1, 2, 2), (2, 3, 1)], patch_of(model))
+    shapes = [(i, sample_video_shape(sample_of(model, r, index=i), inputs.patch_size)) for i, r in enumerate(raws)]
+    assert check_video_shapes(shapes, inputs) == 2
+    raws[1].text = torch.randn(3, TEXT_DIM + 1)
+    bad = [(1, sample_video_shape(sample_of(model, raws[1], index=1), inputs.patch_size))]
+    with pytest.raises(ValueError, match=rf"sample 1 .*text embedding width {TEXT_DIM + 1}, expected .* {TEXT_DIM}"):
+        check_video_shapes(bad, inputs)
+
+
 def test_family_table_and_errors():
     """adapt dispatches by class through FAMILIES; any other model's error names every supported one; variants
     not supported yet say what is missing; a joint batch without pooled projections or guidance names the fix."""
-    assert set(FAMILIES) >= {"WanTransformer3DModel", "CogVideoXTransformer3DModel", "HunyuanVideoTransformer3DModel"}
+    assert list(FAMILIES) == ["WanTransformer3DModel", "LTXVideoTransformer3DModel", "CogVideoXTransformer3DModel",
+                              "HunyuanVideoTransformer3DModel"]
     assert family_of(make_cog()).output_layout == "input" and family_of(make_cog()).joint
-    with pytest.raises(TypeError, match=r"supports WanTransformer3DModel \(Wan 2.1 / 2.2\), CogVideoXTransformer3DModel "
-                                        r".*HunyuanVideoTransformer3DModel \(HunyuanVideo\).*got Linear"):
+    assert not FAMILIES["WanTransformer3DModel"].joint and not FAMILIES["LTXVideoTransformer3DModel"].joint
+    with pytest.raises(TypeError, match=r"supports WanTransformer3DModel \(Wan 2.1 / 2.2\), LTXVideoTransformer3DModel "
+                                        r"\(LTX-Video\), CogVideoXTransformer3DModel \(CogVideoX 1.0 / 1.5\), "
+                                        r"HunyuanVideoTransformer3DModel \(HunyuanVideo\), got Linear"):
         adapt(torch.nn.Linear(2, 2))
     torch.manual_seed(0)
     learned = diffusers.CogVideoXTransformer3DModel(
@@ -264,7 +285,7 @@ def test_joint_sample_rows_and_lengths():
     assert b[JOINT_TEXT][n:].tolist() == list(range(1, m + 1)) and (b[JOINT_TEXT][:n] == 0).all()  # [video; text]
     batch = pack_samples([a], pad_to_multiple=4)
     assert batch[LOSS_MASK].tolist() == [False] * m + [True] * n + [False] * (-(n + m) % 4)
-    flow = FlowMatching((1, 2, 2), seed=3, output_layout="input")
+    flow = FlowMatching((1, 2, 2), seed=3, target_layout="input")
     got = flow.prepare(batch, epoch=1)
     _, t, _, noise = flow.draw(3, 1, n, 16)
     assert torch.equal(got["target"][m:m + n], noise - a[LATENTS][m:])
@@ -406,7 +427,7 @@ def _fit(world, out_dir, family, name, reduction, **kw):
     recompute = sorted({it["recompute"] for p in plans.plans for it in p["items"]})
     assert len(plans.plans) == _STEPS and max(sizes) > 1, f"{name}: the plans never used SP > 1: {plans.plans}"
     ref = make(family, seed=3)
-    flow = FlowMatching(patch_of(ref), seed=FLOW_SEED, output_layout="input")
+    flow = FlowMatching(patch_of(ref), seed=FLOW_SEED, target_layout="input")
     opt = torch.optim.SGD(ref.parameters(), lr=_LR)
     for plan in plans.plans:
         items = [(i, dataset[i], dataset.raws[i]) for it in plan["items"] for i in it["samples"]]

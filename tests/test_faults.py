@@ -327,4 +327,4 @@ def test_out_of_memory_at_sp2_without_a_checkpoint_names_why():
     msg = sp_oom_message("step 3 of epoch 0", "item 2", 1, 300.0, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
     assert "No checkpoint was written (DCPStrategy(oom_checkpoint=False))" in msg and "resume" in msg
     msg = sp_oom_message("step 3 of epoch 0", "item 2", 1, 300.0, checkpoint="/x.ckpt", memory_limit=2**30)
-    assert "ckpt_path='/x.ckpt'" in msg and "lowered to 1 GiB" in msg
+    assert "ckpt_path='/x.ckpt'" in msg and "lowered to 1.00 GiB" in msg

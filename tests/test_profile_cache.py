@@ -33,11 +33,13 @@ def _profile(key: pc.ProfileKey) -> dict:
 def test_every_key_field_changes_the_file_name():
     names = {_key().filename()}
     for field, value in [("model_signature", "cd" * 32), ("device", "NVIDIA H100"), ("dtype", "bf16-mixed"),
-                         ("world_size", 2), ("package_version", "0.2.0")]:
+                         ("world_size", 2), ("package_version", "0.2.0"), ("inputs_signature", "ef" * 32)]:
         names.add(_key(**{field: value}).filename())
-    assert len(names) == 6
+    assert len(names) == 7
     assert _key().filename() == _key().filename()  # deterministic
     assert pc.ProfileKey.from_dict(_key().to_dict()) == _key()
+    older = {k: v for k, v in _key().to_dict().items() if k != "inputs_signature"}  # a key written before the field
+    assert pc.ProfileKey.from_dict(older) == _key()
 
 
 def test_model_signature_is_architecture_not_weights():

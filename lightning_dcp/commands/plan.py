@@ -43,11 +43,20 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
     parser.add_argument("--profile", type=Path, default=None,
                         help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
-    parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp"), default=None,
+    parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp", "hsdp"), default=None,
                         help="how the model states are sharded over the world, as DCPStrategy(sharding=...): the "
                              "memory it frees in the micro-batch loop goes to activations (zero1 frees the most there; "
-                             "zero2/fsdp hold W/N more, and less only between steps). Default: zero1 for the analytic "
+                             "zero2/fsdp hold W/N more, and less only between steps; hsdp shards per layer inside the "
+                             "loop over shard groups of --shard-group-size ranks, in lockstep rounds: planned and "
+                             "simulated only, the runtime does not run it yet). Default: zero1 for the analytic "
                              "model (the DCP paper's setting), none (as measured) with --profile")
+    parser.add_argument("--shard-group-size", default=None,
+                        help="hsdp: ranks the states are sharded over (a divisor of --world-size; default the GPUs of "
+                             "one node; the world size is plain ZeRO-3). simulate also takes 'auto': try every "
+                             "power-of-two size and keep the fastest")
+    parser.add_argument("--offload", action="store_true",
+                        help="hsdp: keep the sharded states on the host (FSDP2's CPU offload), priced as host copies "
+                             "per round and a CPU optimizer step")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
     parser.add_argument("--force", action="store_true",
                         help="use a --profile made for another model or a smaller world anyway (warns instead of failing)")
@@ -63,11 +72,19 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
     if limit is not None and limit <= 0:
         raise CLIError(f"--memory-limit-gib must be positive, got {args.memory_limit_gib}")
+    if (getattr(args, "shard_group_size", None) is not None or getattr(args, "offload", False)) and \
+            getattr(args, "sharding", None) != "hsdp":
+        raise CLIError("--shard-group-size and --offload apply to --sharding hsdp only")
+    source = None if limit is None else f"--memory-limit-gib {args.memory_limit_gib:g}"
     if args.profile is not None:
+        if getattr(args, "sharding", None) == "hsdp":
+            raise CLIError("--sharding hsdp plans with the analytic model for now (it needs the layers' weight "
+                           "bytes); leave out --profile")
         from lightning_dcp.planning.profile import ProfileError
         from lightning_dcp.planning.profiled import ProfiledCostModel
         try:
             cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit, sharding=getattr(args, "sharding", None),
+                                                     memory_limit_source=source,
                                                      world_size=args.world_size)
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
@@ -76,12 +93,34 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.hardware import get_hardware
     from lightning_dcp.planning.models import get_model
+    sharding = getattr(args, "sharding", None)
     try:
         model = get_model(args.model or "transformer-1d")
         hardware = get_hardware(args.hardware)
-        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=getattr(args, "sharding", None))
+        if sharding == "hsdp":
+            from lightning_dcp.planning.shard_group import hsdp_view
+
+            base = AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding="none",
+                                     memory_limit_source=source)
+            return hsdp_view(base, shard_group_size(args, hardware.gpus_per_node), offload=args.offload)
+        return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=sharding,
+                                 memory_limit_source=source)
     except ValueError as err:
         raise CLIError(str(err)) from None
+
+
+def shard_group_size(args: argparse.Namespace, gpus_per_node: int) -> int:
+    """``--shard-group-size`` as a number (default: one node's GPUs, at most the world)."""
+    given = getattr(args, "shard_group_size", None)
+    if given in (None, "auto"):
+        return min(args.world_size, gpus_per_node)
+    try:
+        k = int(given)
+    except ValueError:
+        raise CLIError(f"--shard-group-size must be a number of ranks (or 'auto' for simulate), got {given!r}") from None
+    if k < 1 or args.world_size % k:
+        raise CLIError(f"--shard-group-size {k} must divide --world-size {args.world_size}")
+    return k
 
 
 def _check_profile_fits(args: argparse.Namespace, profile: dict) -> None:

@@ -78,6 +78,50 @@ def synthetic_data(spec, lengths: list[int], copies: int):
     return SyntheticTokenDataset([n for n in lengths for _ in range(copies)], vocab_size=spec.vocab_size)
 
 
+def measure_named(spec, *, lengths: list[int], micro_batch_sizes: list[int], device: str, dtype: str = "float32",
+                  layers: int = 2, time_budget_s: float = 600.0, sp_sizes: list[int] | None = None, world: int = 1,
+                  memory_limit_bytes: float | None = None) -> dict:
+    """Profile the named model ``spec`` cut to ``layers`` layers on synthetic data of ``lengths``
+    (see the module docstring); the profile records the full model's layer count and signature."""
+    import dataclasses
+
+    import torch
+
+    from lightning_dcp._version import __version__
+    from lightning_dcp.models.module import DCPTransformerModule
+    from lightning_dcp.profiling import profile_module
+    from lightning_dcp.profiling.cache import ProfileKey, device_name, model_signature
+
+    torch_device = torch.device(device if world == 1 or not device.startswith("cuda")
+                                else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    precision = _PRECISION[dtype]
+    # the full model's signature, without allocating it
+    with torch.device("meta"):
+        full_module = DCPTransformerModule(spec)
+    small = dataclasses.replace(spec, num_layers=min(layers, spec.num_layers) if spec.num_layers >= 2 else layers)
+    torch.manual_seed(0)
+    module = DCPTransformerModule(small).to(torch_device)
+    autocast = None
+    if precision != "32-true":
+        half = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+        autocast = lambda: torch.autocast(torch_device.type, dtype=half)  # noqa: E731
+    key = ProfileKey(model_signature(full_module), device_name(torch_device), precision, world, __version__).to_dict()
+    data = synthetic_data(spec, lengths, max(micro_batch_sizes))
+    try:
+        profile = profile_module(
+            module, data, device=torch_device, precision=precision, autocast=autocast,
+            optimizer=module.configure_optimizers(), lengths=sorted(set(data.lengths)),
+            micro_batch_sizes=micro_batch_sizes, sp_sizes=sp_sizes, time_budget_s=time_budget_s,
+            memory_limit_bytes=memory_limit_bytes, num_layers=spec.num_layers, num_heads=spec.num_heads, key=key,
+            states_module=full_module,
+        )
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    profile["meta"]["model_name"] = spec.name
+    profile["meta"]["profiled_layers"] = small.num_layers
+    return profile
+
+
 def _init_distributed(device: str) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
@@ -94,15 +138,10 @@ def _init_distributed(device: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
-    from lightning_dcp._version import __version__
-    from lightning_dcp.models.module import DCPTransformerModule, resolve_spec
+    from lightning_dcp.models.module import resolve_spec
     from lightning_dcp.planning.profile import save_profile
-    from lightning_dcp.profiling.cache import ProfileKey, device_name, model_signature
-    from lightning_dcp.profiling import profile_module
 
     try:
         spec = resolve_spec(args.model)
@@ -121,38 +160,13 @@ def run(args: argparse.Namespace) -> int:
     lengths = _int_list(args.lengths, "lengths") if args.lengths else default_lengths(spec)
     mbs = _int_list(args.micro_batch_sizes, "micro-batch-sizes")
     rank, world = _init_distributed(args.device)
-    device = torch.device(args.device if world == 1 or not args.device.startswith("cuda")
-                          else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     sp_sizes = _int_list(args.sp_sizes, "sp-sizes") if args.sp_sizes else None
     if world == 1 and sp_sizes and sp_sizes != [1]:
         raise CLIError(f"--sp-sizes {args.sp_sizes} needs that many processes: run under torchrun --nproc-per-node N")
-    precision = _PRECISION[args.dtype]
-
-    # the full model's signature, without allocating it
-    with torch.device("meta"):
-        full_module = DCPTransformerModule(spec)
-    full_signature = model_signature(full_module)
-    small = dataclasses.replace(spec, num_layers=min(args.layers, spec.num_layers) if spec.num_layers >= 2 else args.layers)
-    torch.manual_seed(0)
-    module = DCPTransformerModule(small).to(device)
-    optimizer = module.configure_optimizers()
-    autocast = None
-    if precision != "32-true":
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float16
-        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
-    key = ProfileKey(full_signature, device_name(device), precision, world, __version__).to_dict()
-    data = synthetic_data(spec, lengths, max(mbs))
-    try:
-        profile = profile_module(
-            module, data, device=device, precision=precision, autocast=autocast, optimizer=optimizer,
-            lengths=sorted(set(data.lengths)), micro_batch_sizes=mbs, sp_sizes=sp_sizes, time_budget_s=args.time_budget,
-            memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib else None,
-            num_layers=spec.num_layers, num_heads=spec.num_heads, key=key, states_module=full_module,
-        )
-    except ValueError as err:
-        raise CLIError(str(err)) from None
-    profile["meta"]["model_name"] = spec.name
-    profile["meta"]["profiled_layers"] = small.num_layers
+    profile = measure_named(spec, lengths=lengths, micro_batch_sizes=mbs, device=args.device, dtype=args.dtype,
+                            layers=args.layers, time_budget_s=args.time_budget, sp_sizes=sp_sizes, world=world,
+                            memory_limit_bytes=args.memory_limit_gib * 2**30 if args.memory_limit_gib else None)
+    key, precision = profile["key"], profile["key"]["dtype"]
     if rank == 0:
         out = save_profile(profile, Path(args.out))
         meta = profile["meta"]

@@ -275,7 +275,6 @@ def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     n = len(rows)
@@ -300,37 +299,7 @@ def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
     # (hatch included) for a collection whose face and edge are both "none".
     with plt.rc_context({"hatch.linewidth": 0.6, "hatch.color": "black"}):
         for ax, r, note in zip(axes, rows, notes):
-            sim, plan = r["_sim"], r["_plan"]
-            ax.set_facecolor(IDLE_COLOUR)  # idle: what no bar covers
-            if sim.timeline:
-                bars, allreduce, ends = _run_bars(plan, sim, eps=1e-9 * horizon)
-                for key in sorted((k for k in bars if k != "recompute"), key=int):
-                    sizes.add(key)
-                    verts = _rects(*bars[key])
-                    ax.add_collection(PolyCollection(verts, facecolors=SP_COLOURS.get(key, "0.4"), edgecolors="none",
-                                                     linewidths=0), autolim=False)
-                    drawn += len(verts)
-                if "recompute" in bars:
-                    verts = _rects(*bars["recompute"])
-                    ax.add_collection(PolyCollection(verts, facecolors=(0, 0, 0, 0), edgecolors="none", hatch="////",
-                                                     linewidths=0), autolim=False)
-                    drawn += len(verts)
-                if allreduce:
-                    a = np.asarray(allreduce)
-                    verts = _rects(np.full(len(a), (W - 1) / 2), a[:, 0], a[:, 0] + a[:, 1], height=W)
-                    ax.add_collection(PolyCollection(verts, facecolors="0.25", edgecolors="none", linewidths=0), autolim=False)
-                    drawn += len(verts)
-                ax.vlines(ends, -0.5, W - 0.5, colors="black", linewidth=0.4)
-                ax.axvspan(sim.total_time, horizon * 1.01, facecolor="white", edgecolor="none")  # run over
-            ax.set_ylim(W - 0.5, -0.5)
-            ax.set_ylabel("rank", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.set_title(f"{r['policy']}: {r['steps']} steps, {r['total_time_s']:.1f} s, idle {100 * r['imbalance']:.0f}%, "
-                         f"{100 * r['fraction_of_bound']:.0f}% of step bound", fontsize=9, loc="left",
-                         pad=4 + 9 * len(note))
-            if note:
-                ax.text(0.0, 1.02, "\n".join(note), transform=ax.transAxes, fontsize=7, style="italic", color="0.2",
-                        va="bottom", linespacing=1.2)
+            drawn += _draw_run(ax, r, note, W, horizon, sizes)
             if ax is not axes[-1]:
                 plt.setp(ax.get_xticklabels(), visible=False)
         axes[-1].set_xlim(0, horizon * 1.01)
@@ -350,6 +319,45 @@ def plot_gantt(rows: list[dict[str, Any]], path: Path, title: str = "") -> int:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(buf.getvalue())
+    return drawn
+
+
+def _draw_run(ax: Any, r: dict[str, Any], note: list[str], W: int, horizon: float, sizes: set[int]) -> int:
+    """One policy's Gantt panel (see :func:`plot_gantt`); adds the SP sizes drawn to ``sizes``, returns the bars drawn."""
+    from matplotlib.collections import PolyCollection
+
+    drawn = 0
+    sim, plan = r["_sim"], r["_plan"]
+    ax.set_facecolor(IDLE_COLOUR)  # idle: what no bar covers
+    if sim.timeline:
+        bars, allreduce, ends = _run_bars(plan, sim, eps=1e-9 * horizon)
+        for key in sorted((k for k in bars if k != "recompute"), key=int):
+            sizes.add(key)
+            verts = _rects(*bars[key])
+            ax.add_collection(PolyCollection(verts, facecolors=SP_COLOURS.get(key, "0.4"), edgecolors="none",
+                                             linewidths=0), autolim=False)
+            drawn += len(verts)
+        if "recompute" in bars:
+            verts = _rects(*bars["recompute"])
+            ax.add_collection(PolyCollection(verts, facecolors=(0, 0, 0, 0), edgecolors="none", hatch="////",
+                                             linewidths=0), autolim=False)
+            drawn += len(verts)
+        if allreduce:
+            a = np.asarray(allreduce)
+            verts = _rects(np.full(len(a), (W - 1) / 2), a[:, 0], a[:, 0] + a[:, 1], height=W)
+            ax.add_collection(PolyCollection(verts, facecolors="0.25", edgecolors="none", linewidths=0), autolim=False)
+            drawn += len(verts)
+        ax.vlines(ends, -0.5, W - 0.5, colors="black", linewidth=0.4)
+        ax.axvspan(sim.total_time, horizon * 1.01, facecolor="white", edgecolor="none")  # run over
+    ax.set_ylim(W - 0.5, -0.5)
+    ax.set_ylabel("rank", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_title(f"{r['policy']}: {r['steps']} steps, {r['total_time_s']:.1f} s, idle {100 * r['imbalance']:.0f}%, "
+                 f"{100 * r['fraction_of_bound']:.0f}% of step bound", fontsize=9, loc="left",
+                 pad=4 + 9 * len(note))
+    if note:
+        ax.text(0.0, 1.02, "\n".join(note), transform=ax.transAxes, fontsize=7, style="italic", color="0.2",
+                va="bottom", linespacing=1.2)
     return drawn
 
 
@@ -412,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
         pool = dataset
         source = str(args.lengths)
     run_lengths = draw_run(pool, args.num_steps * gbt)
+    if getattr(args, "sharding", None) == "hsdp" and args.shard_group_size == "auto":
+        cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress)
     progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
@@ -448,4 +458,35 @@ def run(args: argparse.Namespace) -> int:
 def _sharding_note(cost_model: Any) -> str:
     """``, sharding zero1`` for the header line (empty when the cost model does not say)."""
     mode = getattr(cost_model, "sharding", None)
+    if mode == "hsdp":
+        return f", sharding hsdp over shard groups of {cost_model.shard_group_size}" + (", offload" if cost_model.offload else "")
     return f", sharding {mode}" if mode else ""
+
+
+def best_shard_group(args: argparse.Namespace, cost_model: Any, dataset: list[int], run_lengths: list[int], gbt: int,
+                     progress: Progress) -> Any:
+    """``--shard-group-size auto``: simulate dcp with every power-of-two shard group size dividing the world and
+    return the cost model of the fastest (printing each one's figure)."""
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.shard_group import hsdp_view
+
+    base = cost_model.base
+    best, best_rate, k = None, -1.0, 1
+    while k <= args.world_size:
+        if args.world_size % k == 0:
+            candidate = hsdp_view(base, k, offload=args.offload)
+            try:
+                (row,) = compare(args.world_size, candidate, dataset, run_lengths, ["dcp"], global_batch_tokens=gbt,
+                                 seed=args.seed)
+            except PlanningError as err:
+                print(f"shard group {k}: does not run ({str(err).split(':')[0]})")
+            else:
+                print(f"shard group {k}: states {candidate.state_bytes / 2**30:.1f} GiB per rank in the loop, dcp "
+                      f"{row['tokens_per_s']:,.0f} tokens/s")
+                if row["tokens_per_s"] > best_rate:
+                    best, best_rate = candidate, row["tokens_per_s"]
+        k *= 2
+    if best is None:
+        raise CLIError("no shard group size runs this dataset under --sharding hsdp; add ranks or --offload")
+    print(f"best shard group size: {best.shard_group_size}")
+    return best

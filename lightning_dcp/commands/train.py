@@ -130,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
         from lightning_dcp.profiling import DCPProfiler
 
         limit_mib = args.memory_limit_mib if args.memory_limit_mib is not None else (None if cuda else CPU_MEMORY_LIMIT_MIB[args.model])
-        callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20))
+        source = (f"--memory-limit-mib {args.memory_limit_mib:g}" if args.memory_limit_mib is not None else
+                  f"lightning-dcp train's CPU default for {args.model}; change it with --memory-limit-mib")
+        callbacks.append(DCPProfiler(memory_limit_bytes=None if limit_mib is None else limit_mib * 2**20,
+                                     memory_limit_source=None if limit_mib is None else source))
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=devices, strategy=strategy, max_steps=args.steps,
         precision=args.precision, logger=False, enable_checkpointing=False, enable_model_summary=False,

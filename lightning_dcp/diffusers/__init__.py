@@ -1,20 +1,28 @@
-"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2, CogVideoX, HunyuanVideo) on any-size videos under DCP.
+"""Hugging Face diffusers support: train a video DiT (Wan 2.1 / 2.2, LTX-Video, CogVideoX, HunyuanVideo) on any-size
+videos under DCP.
 
-* :func:`adapt` prepares a ``WanTransformer3DModel`` in place: a packed, sequence-parallel
-  attention processor (Ulysses self-attention within each sample, cross-attention of each sample
-  to its own text), the per-block recompute switch, ``dcp_num_heads`` and ``dcp_repeated_layers()``;
+* :func:`adapt` prepares a ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
+  ``CogVideoXTransformer3DModel`` or ``HunyuanVideoTransformer3DModel`` in place (the family table
+  :data:`~lightning_dcp.diffusers.family.FAMILIES` says how for each): a packed, sequence-parallel
+  attention (Ulysses self-attention within each sample; for Wan and LTX-Video cross-attention of each
+  sample to its own text), the per-block recompute switch, ``dcp_num_heads`` and ``dcp_repeated_layers()``;
   ``state_dict`` keys and the model's own ``forward`` are unchanged.
 * :func:`packed_forward` runs it on a packed micro-batch of videos of different frame counts and
   resolutions (or on this rank's SP shard of one).
-* :func:`video_sample` turns a latent ``[C, F, H, W]`` and its text embeddings into the token-first
-  sample DCP packs; :func:`unpatchify` / :func:`unpack_output` go back.
-* :class:`VideoDiffusionModule` trains it with flow matching (``dcp_support = "sp"``).
+* :func:`video_sample` (Wan) and :func:`ltx_video_sample` (LTX-Video: unpadded text, rotary scale) turn a
+  latent ``[C, F, H, W]`` and its text embeddings into the token-first sample DCP packs;
+  :func:`unpatchify` / :func:`unpack_output` go back.
+* CogVideoX and HunyuanVideo are *joint-attention* DiTs: each sample's text tokens are rows of its
+  attention sequence, sharded with its video rows (:mod:`~lightning_dcp.diffusers.joint`); build
+  their samples with :func:`cogvideox_sample` / :func:`hunyuan_sample` (the dataset's ``lengths``
+  then count text + video rows) and unpack outputs with :func:`unpack_joint_output`.
+* :class:`VideoDiffusionModule` trains any of them with flow matching (``dcp_support = "sp"``) and
+  checks the train dataset against the model config at fit start (:mod:`~lightning_dcp.diffusers.checks`).
+* :func:`encode_videos` (``lightning-dcp encode``) encodes your own video files and captions with the
+  model's VAE and text encoder into resumable shards; :class:`EncodedVideoDataset` trains on them
+  (``pip install "lightning-dcp[encode]"`` for PyAV).
 
-CogVideoX and HunyuanVideo are *joint-attention* DiTs: each sample's text tokens are rows of its
-attention sequence, sharded with its video rows (:mod:`~lightning_dcp.diffusers.joint`); build
-their samples with :func:`cogvideox_sample` / :func:`hunyuan_sample` (the dataset's ``lengths``
-then count text + video rows) and unpack outputs with :func:`unpack_joint_output`. Which class
-runs how is one :class:`~lightning_dcp.diffusers.family.VideoFamily` per model in :data:`FAMILIES`.
+Which class runs how is one :class:`~lightning_dcp.diffusers.family.VideoFamily` per model in :data:`FAMILIES`.
 
 Needs ``diffusers>=0.35`` (``pip install "lightning-dcp[diffusers]"``); importing this package
 without it raises an ImportError saying so. ``import lightning_dcp`` never imports it.
@@ -30,14 +38,19 @@ except ImportError as _err:  # pragma: no cover - exercised only without diffuse
         '`pip install "lightning-dcp[diffusers]"` (or `pip install "diffusers>=0.35"`).'
     ) from _err
 
-from lightning_dcp.diffusers.adapt import SUPPORTED_MODELS, adapt, is_adapted
+from lightning_dcp.diffusers.adapt import adapt, is_adapted
+from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
 from lightning_dcp.diffusers.cogvideox import cogvideox_sample
-from lightning_dcp.diffusers.family import FAMILIES, VideoFamily, family_of
+from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
+from lightning_dcp.diffusers.encoded import EncodedVideoDataset
 from lightning_dcp.diffusers.hunyuan import hunyuan_sample
 from lightning_dcp.diffusers.joint import JOINT_TEXT, unpack_joint_output
+from lightning_dcp.diffusers.video_io import VideoDecodeError
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
+from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, packed_forward
+from lightning_dcp.diffusers.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
 from lightning_dcp.diffusers.module import VideoDiffusionModule
 from lightning_dcp.diffusers.samples import (
     CONDITION,
@@ -59,7 +72,11 @@ from lightning_dcp.diffusers.samples import (
 )
 
 __all__ = [
-    "FAMILIES", "JOINT_TEXT", "VideoFamily", "cogvideox_sample", "family_of", "hunyuan_sample", "unpack_joint_output",
+    "FAMILIES", "LTX_PIPELINE_ROPE_SCALE", "ROPE_SCALE", "DCPLTXAttnProcessor", "VideoFamily", "family_of",
+    "ltx_video_sample",
+    "JOINT_TEXT", "cogvideox_sample", "hunyuan_sample", "unpack_joint_output",
+    "EncodeResult", "EncodeSettings", "EncodedVideoDataset", "ModelInputs", "VideoDecodeError", "VideoShape",
+    "check_video_shapes", "encode_videos",
     "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
     "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",

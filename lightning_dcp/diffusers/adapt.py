@@ -7,10 +7,7 @@ from torch import nn
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor
 from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers
 
-__all__ = ["SUPPORTED_MODELS", "adapt", "adapt_wan", "is_adapted", "is_adapted_wan"]
-
-#: Model classes :func:`adapt` supports (:data:`lightning_dcp.diffusers.family.FAMILIES`).
-SUPPORTED_MODELS = ("WanTransformer3DModel", "CogVideoXTransformer3DModel", "HunyuanVideoTransformer3DModel")
+__all__ = ["adapt", "adapt_wan", "is_adapted", "is_wan_adapted"]
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -45,12 +42,38 @@ def _check_supported(model: nn.Module) -> None:
 
 
 def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
-    """Prepare a diffusers video transformer for DCP, in place: Wan (below), CogVideoX and HunyuanVideo
-    (joint attention, :mod:`lightning_dcp.diffusers.joint`), by class (:func:`~lightning_dcp.diffusers.family.family_of`).
+    """Prepare a diffusers video transformer for DCP, in place: the adapter of its family
+    (:data:`~lightning_dcp.diffusers.family.FAMILIES`): :func:`adapt_wan` for ``WanTransformer3DModel``,
+    :func:`~lightning_dcp.diffusers.ltx.adapt_ltx` for ``LTXVideoTransformer3DModel``, and for the
+    joint-attention DiTs (:mod:`lightning_dcp.diffusers.joint`)
+    :func:`~lightning_dcp.diffusers.cogvideox.adapt_cogvideox` for ``CogVideoXTransformer3DModel`` and
+    :func:`~lightning_dcp.diffusers.hunyuan.adapt_hunyuan` for ``HunyuanVideoTransformer3DModel``.
 
     Every family gets the packed, sequence-parallel attention, ``model.dcp_recompute``,
     ``model.dcp_num_heads`` and ``model.dcp_repeated_layers()``, with ``state_dict`` keys and the
-    model's own ``forward`` unchanged. For Wan:
+    model's own ``forward`` unchanged.
+
+    Raises:
+        NotImplementedError: variants not supported yet (Wan FLF2V, CogVideoX-5b-I2V, HunyuanVideo
+            token-replace I2V, ...) -- the message says what is missing.
+        TypeError: any other model, naming the supported ones.
+        ValueError: a model with a custom attention processor.
+    """
+    from lightning_dcp.diffusers.family import family_of  # the family table imports this module
+
+    return family_of(model).adapt(model, recompute_override=recompute_override)
+
+
+def is_adapted(model: nn.Module) -> bool:
+    """Whether :func:`adapt` has prepared ``model`` (False for a model of no supported family)."""
+    from lightning_dcp.diffusers.family import find_family
+
+    family = find_family(model)
+    return family is not None and family.is_adapted(model)
+
+
+def adapt_wan(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
+    """Prepare a diffusers ``WanTransformer3DModel`` (Wan 2.1 / 2.2) for DCP, in place.
 
     * attention: every ``WanAttention`` gets a :class:`~lightning_dcp.diffusers.attention.DCPWanAttnProcessor`:
       in :func:`~lightning_dcp.diffusers.forward.packed_forward` it runs Ulysses self-attention over the SP
@@ -69,17 +92,10 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
     Calling it again is a no-op apart from a new ``recompute_override``.
 
     Raises:
-        NotImplementedError: variants not supported yet (Wan FLF2V, CogVideoX-5b-I2V, HunyuanVideo
-            token-replace I2V, ...) -- the message says what is missing.
-        TypeError / ValueError: any other model (the message names the supported ones), or a custom attention processor.
+        NotImplementedError: Wan FLF2V -- the message says what is missing.
+        TypeError: not a ``WanTransformer3DModel``.
+        ValueError: a Wan model with a custom attention processor.
     """
-    from lightning_dcp.diffusers.family import family_of
-
-    return family_of(model).adapt(model, recompute_override)
-
-
-def adapt_wan(model: nn.Module, recompute_override: int | None = None) -> nn.Module:
-    """:func:`adapt` for a ``WanTransformer3DModel``."""
     _check_supported(model)
     for block in model.blocks:
         for attn in (block.attn1, block.attn2):
@@ -99,18 +115,8 @@ def adapt_wan(model: nn.Module, recompute_override: int | None = None) -> nn.Mod
     return model
 
 
-def is_adapted(model: nn.Module) -> bool:
-    """Whether :func:`adapt` has prepared ``model`` (its recompute switch and packed blocks are in place)."""
-    from lightning_dcp.diffusers.family import family_of
-
-    try:
-        return family_of(model).is_adapted(model)
-    except TypeError:
-        return False
-
-
-def is_adapted_wan(model: nn.Module) -> bool:
-    """:func:`is_adapted` for a ``WanTransformer3DModel``."""
+def is_wan_adapted(model: nn.Module) -> bool:
+    """Whether :func:`adapt_wan` has prepared ``model`` (its recompute switch and packed processors are in place)."""
     blocks = getattr(model, "blocks", None)
     return (isinstance(getattr(model, "dcp_recompute", None), LayerRecompute) and isinstance(blocks, nn.ModuleList)
             and all(isinstance(b.attn1.processor, DCPWanAttnProcessor) and isinstance(b.attn2.processor, DCPWanAttnProcessor)

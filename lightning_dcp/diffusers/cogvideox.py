@@ -45,7 +45,7 @@ from lightning_dcp.diffusers.samples import GRID, sample_labels
 from lightning_dcp.sp.recompute import LayerRecompute
 
 __all__ = ["PackedCogVideoXBlock", "adapt_cogvideox", "cogvideox_packed_forward", "cogvideox_patch_size",
-           "cogvideox_rotary", "cogvideox_sample", "is_adapted_cogvideox"]
+           "cogvideox_rotary", "cogvideox_sample", "is_cogvideox_adapted"]
 
 
 def cogvideox_patch_size(config: Any) -> tuple[int, int, int]:
@@ -153,7 +153,7 @@ def _check(model: nn.Module) -> None:
                              "with model.set_attn_processor(CogVideoXAttnProcessor2_0()) before adapting)")
 
 
-def adapt_cogvideox(model: nn.Module, recompute_override: int | None = None) -> nn.Module:
+def adapt_cogvideox(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
     """Prepare a ``CogVideoXTransformer3DModel`` in place (see :func:`lightning_dcp.diffusers.adapt`)."""
     _check(model)
     for block in model.transformer_blocks:
@@ -170,7 +170,7 @@ def adapt_cogvideox(model: nn.Module, recompute_override: int | None = None) -> 
     return model
 
 
-def is_adapted_cogvideox(model: nn.Module) -> bool:
+def is_cogvideox_adapted(model: nn.Module) -> bool:
     blocks = getattr(model, "transformer_blocks", None)
     return (isinstance(getattr(model, "dcp_recompute", None), LayerRecompute) and isinstance(blocks, nn.ModuleList)
             and all(isinstance(b, PackedCogVideoXBlock) for b in blocks))

@@ -88,9 +88,10 @@ class FlowMatching:
             ``boundary_ratio`` (``transformer`` for ``t >= boundary_ratio * num_train_timesteps``,
             ``transformer_2`` below): ``(boundary_ratio, 1.0)`` for the high-noise expert,
             ``(0.0, boundary_ratio)`` for the low-noise one. Default ``(0.0, 1.0)``: the whole schedule.
-        output_layout: the per-token feature order of the model's output, which the target takes:
-            ``"output"`` (``pt x ph x pw x C``, Wan) or ``"input"`` (``C x pt x ph x pw``, CogVideoX and
-            HunyuanVideo); :func:`~lightning_dcp.diffusers.family.family_of` knows each model's.
+        target_layout: the per-token feature order of the model's prediction, which the target is put
+            in: ``"output"`` (``pt x ph x pw x C``, Wan) or ``"input"`` (``C x pt x ph x pw``, as the
+            latents are patchified: LTX-Video, CogVideoX, HunyuanVideo); the model's family says which
+            (:attr:`~lightning_dcp.diffusers.family.VideoFamily.output_layout`).
     """
 
     patch_size: Sequence[int]
@@ -102,13 +103,14 @@ class FlowMatching:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     timestep_range: tuple[float, float] = (0.0, 1.0)
-    output_layout: str = "output"
+    target_layout: str = "output"
 
     def __post_init__(self) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        if self.output_layout not in ("output", "input"):
-            raise ValueError(f"output_layout must be 'output' or 'input', got {self.output_layout!r}")
+        if self.target_layout not in ("output", "input"):
+            raise ValueError(f"target_layout must be 'output' (pt x ph x pw x C per token, Wan) or 'input' "
+                             f"(C x pt x ph x pw, LTX-Video / CogVideoX / HunyuanVideo), got {self.target_layout!r}")
         if self.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {self.weighting_scheme!r}")
         shift = self.shift
@@ -194,8 +196,8 @@ class FlowMatching:
         condition = batch.get(CONDITION)
         out[HIDDEN_STATES] = noisy if condition is None else torch.cat([noisy, condition.float()], dim=-1)
         out[TIMESTEP] = timestep
-        out[TARGET] = (input_to_output_layout(noise - x0f, self.patch_size) if self.output_layout == "output"
-                       else noise - x0f)
+        velocity = noise - x0f
+        out[TARGET] = input_to_output_layout(velocity, self.patch_size) if self.target_layout == "output" else velocity
         out[LOSS_SCALE] = scale
         return out
 

@@ -111,12 +111,20 @@ def _concat(parts: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor
 
 
 def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """Velocity (or noise) prediction of an adapted video transformer on a packed micro-batch (or SP shard):
-    its family's packed forward (:mod:`lightning_dcp.diffusers.family`); Wan's is :func:`wan_packed_forward`,
-    CogVideoX's and HunyuanVideo's return ``[local rows, C*pt*ph*pw]`` over joint rows, zeros on text rows."""
-    from lightning_dcp.diffusers.family import family_of
+    """The prediction ``[local_tokens, features]`` of a model prepared by :func:`~lightning_dcp.diffusers.adapt` on a
+    packed micro-batch (whole or this SP rank's shard): the packed forward of its family
+    (:data:`~lightning_dcp.diffusers.family.FAMILIES`; :func:`wan_packed_forward` for Wan,
+    :func:`~lightning_dcp.diffusers.ltx_forward.ltx_packed_forward` for LTX-Video; the joint-attention families'
+    -- :func:`~lightning_dcp.diffusers.cogvideox.cogvideox_packed_forward`,
+    :func:`~lightning_dcp.diffusers.hunyuan.hunyuan_packed_forward` -- return one row per text or video row,
+    zeros on text rows)."""
+    from lightning_dcp.diffusers.family import find_family  # the family table imports this module
 
-    return family_of(model).packed_forward(model, batch)
+    family = find_family(model)
+    if family is None or not family.is_adapted(model):
+        raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
+                         "is not (call adapt(model) once, before training)")
+    return family.packed_forward(model, batch)
 
 
 def wan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -134,9 +142,9 @@ def wan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tens
         ValueError: a malformed batch (wrong feature count, a grid past the rotary table, a
             sample without text, ...), naming the sample.
     """
-    from lightning_dcp.diffusers.adapt import is_adapted_wan
+    from lightning_dcp.diffusers.adapt import is_wan_adapted
 
-    if not is_adapted_wan(model):
+    if not is_wan_adapted(model):
         raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
                          "is not (call adapt(model) once, before training)")
     x = batch[HIDDEN_STATES]

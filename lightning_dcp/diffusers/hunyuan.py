@@ -51,7 +51,7 @@ from lightning_dcp.sp.context import SEGMENT_IDS
 from lightning_dcp.sp.recompute import LayerRecompute
 
 __all__ = ["GUIDANCE", "POOLED", "PackedHunyuanVideoBlock", "PackedHunyuanVideoSingleBlock", "adapt_hunyuan",
-           "hunyuan_packed_forward", "hunyuan_patch_size", "hunyuan_sample", "is_adapted_hunyuan"]
+           "hunyuan_packed_forward", "hunyuan_patch_size", "hunyuan_sample", "is_hunyuan_adapted"]
 
 #: Per-sample pooled text projection (CLIP), a 1-tuple ``(tensor [1, pooled_projection_dim],)``.
 POOLED = "pooled_projections"
@@ -170,7 +170,7 @@ def _check(model: nn.Module) -> None:
                                  f"{cls.__name__} with HunyuanVideoAttnProcessor2_0 (reset custom processors first)")
 
 
-def adapt_hunyuan(model: nn.Module, recompute_override: int | None = None) -> nn.Module:
+def adapt_hunyuan(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
     """Prepare a ``HunyuanVideoTransformer3DModel`` in place (see :func:`lightning_dcp.diffusers.adapt`)."""
     _check(model)
     for block in model.transformer_blocks:
@@ -190,7 +190,7 @@ def adapt_hunyuan(model: nn.Module, recompute_override: int | None = None) -> nn
     return model
 
 
-def is_adapted_hunyuan(model: nn.Module) -> bool:
+def is_hunyuan_adapted(model: nn.Module) -> bool:
     return (isinstance(getattr(model, "dcp_recompute", None), LayerRecompute)
             and all(isinstance(b, PackedHunyuanVideoBlock) for b in model.transformer_blocks)
             and all(isinstance(b, PackedHunyuanVideoSingleBlock) for b in model.single_transformer_blocks))

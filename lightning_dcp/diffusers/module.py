@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from lightning_dcp.diffusers.adapt import adapt, is_adapted
+from lightning_dcp.diffusers.checks import check_train_data
+from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, packed_forward
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
@@ -31,12 +33,16 @@ __all__ = ["VideoDiffusionModule"]
 
 
 class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
-    """Trains a diffusers video transformer (Wan, CogVideoX, HunyuanVideo) with flow matching, under DCPStrategy or a plain Trainer.
+    """Trains a diffusers video transformer (Wan, LTX-Video, CogVideoX, HunyuanVideo) with flow matching, under
+    DCPStrategy or a plain Trainer.
 
-    Samples are :func:`~lightning_dcp.diffusers.video_sample` dicts (clean VAE latents of any
-    size, text embeddings; give ``index=`` so the noise is keyed on the dataset index under a plain
-    DataLoader too). The dataset's ``lengths`` are the samples' video tokens,
-    ``(F/pt) * (H/ph) * (W/pw)`` of the latent.
+    Samples are the family's sample dicts (:attr:`~lightning_dcp.diffusers.family.VideoFamily.sample`:
+    :func:`~lightning_dcp.diffusers.video_sample` for Wan, :func:`~lightning_dcp.diffusers.ltx_video_sample`,
+    :func:`~lightning_dcp.diffusers.cogvideox_sample`, :func:`~lightning_dcp.diffusers.hunyuan_sample`): clean
+    VAE latents of any size, text embeddings; give ``index=`` so the noise is keyed on the dataset index under a
+    plain DataLoader too. The dataset's ``lengths`` are the samples' video tokens,
+    ``(F/pt) * (H/ph) * (W/pw)`` of the latent -- plus the text tokens for the joint-attention families
+    (:mod:`lightning_dcp.diffusers.joint`), whose text rows carry no loss.
 
     Loss: the squared error between the predicted and the true velocity ``noise - x0``, averaged
     over each token's ``C x pt x ph x pw`` values (times the sigma weight of ``weighting_scheme``,
@@ -51,10 +57,10 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     different explicit value is refused at setup); under a plain Trainer this module's (default ``"token"``).
 
     Args:
-        model: a diffusers ``WanTransformer3DModel``, ``CogVideoXTransformer3DModel`` or
-            ``HunyuanVideoTransformer3DModel``; :func:`~lightning_dcp.diffusers.adapt` is applied unless done.
-            For the joint-attention families the dataset's ``lengths`` count text and video rows
-            (:mod:`lightning_dcp.diffusers.joint`) and the loss covers the video rows only.
+        model: a diffusers ``WanTransformer3DModel``, ``LTXVideoTransformer3DModel``,
+            ``CogVideoXTransformer3DModel`` or ``HunyuanVideoTransformer3DModel``
+            (:data:`~lightning_dcp.diffusers.family.FAMILIES`); :func:`~lightning_dcp.diffusers.adapt` is applied
+            unless done.
         lr, weight_decay, betas: AdamW settings of the default :meth:`configure_optimizers`.
         seed, shift, num_train_timesteps, weighting_scheme, logit_mean, logit_std, mode_scale:
             the flow-matching schedule and sampling (:class:`~lightning_dcp.diffusers.flow.FlowMatching`).
@@ -71,6 +77,11 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     #: The epoch validation draws its noise and timesteps for, whatever the training epoch: each
     #: validation sample gets the same noise every epoch, so ``val_loss`` is comparable across epochs.
     validation_epoch = 0
+    #: At fit start the train dataset is checked against the model config (channels, text width, patch
+    #: divisibility, rotary table): every sample of a dataset with ``video_shapes`` (an index, e.g.
+    #: :class:`~lightning_dcp.diffusers.EncodedVideoDataset`), else the first this-many samples (``None``: all,
+    #: ``0``: no check). See :mod:`lightning_dcp.diffusers.checks`.
+    setup_check_samples: int | None = 32
 
     def __init__(self, model: nn.Module, lr: float = 1e-5, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0, shift: float = 5.0,
@@ -83,13 +94,11 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         self.model = model if is_adapted(model) else adapt(model)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.loss_reduction = loss_reduction
-        from lightning_dcp.diffusers.family import family_of
-
         family = family_of(model)
-        self.flow = FlowMatching(family.patch_size(model.config), seed=seed, shift=shift, output_layout=family.output_layout,
+        self.flow = FlowMatching(family.patch_size(model.config), seed=seed, shift=shift,
                                  num_train_timesteps=num_train_timesteps, weighting_scheme=weighting_scheme,
                                  logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
-                                 timestep_range=timestep_range)
+                                 timestep_range=timestep_range, target_layout=family.output_layout)
 
     @property
     def dcp_num_heads(self) -> int:
@@ -102,6 +111,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
             raise ValueError(f"{type(self).__name__}(loss_reduction={self.loss_reduction!r}) but the strategy reduces by "
                              f"{strategy_reduction!r}; under DCPStrategy the strategy's loss_reduction decides: pass the "
                              "same value to both, or leave the module's at None")
+        if stage == "fit" and self._trainer is not None:
+            check_train_data(self._trainer, self.model, self.setup_check_samples)
 
     def dcp_prepare_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """DCPStrategy hook, on the whole packed micro-batch before sharding: noise, timestep and target per token."""
@@ -110,7 +121,8 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         return self.flow.prepare(batch, self.current_epoch)
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Predicted velocity ``[local_tokens, pt*ph*pw*C]`` of a prepared (possibly SP-sharded) batch."""
+        """Predicted velocity ``[local_tokens, features]`` (in the family's output layout) of a prepared (possibly
+        SP-sharded) batch."""
         return packed_forward(self.model, batch)
 
     def token_losses(self, batch: Mapping[str, Any]) -> torch.Tensor:

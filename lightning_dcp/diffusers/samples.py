@@ -223,11 +223,16 @@ def sample_labels(batch: Mapping[str, Any]) -> list[str]:
     return [f"sample #{j} of the micro-batch" for j in range(num)]
 
 
-def unpack_output(output: torch.Tensor, batch: Mapping[str, Any], patch_size: Sequence[int]) -> list[torch.Tensor]:
-    """The model's packed output ``[tokens, pt*ph*pw*C]`` of a whole (unsharded) micro-batch -> ``[C, F, H, W]`` per sample."""
+def unpack_output(output: torch.Tensor, batch: Mapping[str, Any], patch_size: Sequence[int],
+                  layout: str = "output") -> list[torch.Tensor]:
+    """The model's packed output ``[tokens, features]`` of a whole (unsharded) micro-batch -> ``[C, F, H, W]`` per sample.
+
+    ``layout``: the output's per-token feature order (:func:`unpatchify`): ``"output"`` for Wan, ``"input"`` for
+    LTX-Video, CogVideoX and HunyuanVideo (its family's
+    :attr:`~lightning_dcp.diffusers.family.VideoFamily.output_layout`)."""
     out, start = [], 0
     for grid in batch[GRID]:
         n = math.prod(int(v) for v in grid)
-        out.append(unpatchify(output[start:start + n], grid, patch_size))
+        out.append(unpatchify(output[start:start + n], grid, patch_size, layout))
         start += n
     return out

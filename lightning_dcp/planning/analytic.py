@@ -48,6 +48,19 @@ def _positive_int(value, what: str) -> int:
     return v
 
 
+def _check_dtype_and_model(dtype_bytes: int, model: ModelSpec) -> None:
+    """The dtype and model shapes :class:`AnalyticCostModel` can cost (``ValueError`` naming the fix otherwise)."""
+    if dtype_bytes not in (1, 2, 4):
+        raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
+    if model.kind not in ("1d", "2d", "3d"):
+        raise ValueError(f"model {model.name!r} has kind {model.kind!r}; the analytic model knows '1d', '2d' and '3d'")
+    if model.kind == "2d" and model.spatial_tokens <= 0:
+        raise ValueError(f"2d model {model.name!r} needs spatial_tokens > 0 to split a length into frames")
+    if model.kind == "3d" and (model.text_len < 0 or (model.text_len > 0) != (model.text_dim > 0)):
+        raise ValueError(f"3d model {model.name!r}: text_len ({model.text_len}) and text_dim ({model.text_dim}) must "
+                         "both be positive (cross-attention to the text) or both 0 (none)")
+
+
 def default_activation_factor(model: ModelSpec, dtype_bytes: int = 2) -> float:
     """Bytes stashed for backward per token per attention+MLP block, divided by ``hidden_size``.
 
@@ -169,23 +182,17 @@ class AnalyticCostModel(CostModel):
             divided by ``hidden_size``).
         state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
             measured elsewhere (the runtime's), instead of the estimate from the model shape.
+        memory_limit_source: where ``memory_limit`` came from, for messages (default: ``"memory_limit="``
+            when given, else the hardware's usable memory).
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, world_size: int, *,
                  memory_limit: float | None = None, dtype_bytes: int = 2, sharding: str | None = None,
                  zero_stage: int | None = None, activation_factor: float | None = None,
-                 state_parts: Mapping[str, float] | None = None) -> None:
+                 state_parts: Mapping[str, float] | None = None, memory_limit_source: str | None = None) -> None:
         world_size = _positive_int(world_size, "world_size")
         self.sharding = resolve_sharding(sharding, zero_stage)
-        if dtype_bytes not in (1, 2, 4):
-            raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
-        if model.kind not in ("1d", "2d", "3d"):
-            raise ValueError(f"model {model.name!r} has kind {model.kind!r}; the analytic model knows '1d', '2d' and '3d'")
-        if model.kind == "2d" and model.spatial_tokens <= 0:
-            raise ValueError(f"2d model {model.name!r} needs spatial_tokens > 0 to split a length into frames")
-        if model.kind == "3d" and (model.text_len < 0 or (model.text_len > 0) != (model.text_dim > 0)):
-            raise ValueError(f"3d model {model.name!r}: text_len ({model.text_len}) and text_dim ({model.text_dim}) must "
-                             "both be positive (cross-attention to the text) or both 0 (none)")
+        _check_dtype_and_model(dtype_bytes, model)
         self.model = model
         self.hardware = hardware
         self.world_size = world_size
@@ -198,20 +205,26 @@ class AnalyticCostModel(CostModel):
         self.memory_limit = float(hardware.usable_memory_bytes if memory_limit is None else memory_limit)
         if not self.memory_limit > 0:
             raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
+        self.memory_limit_source = (memory_limit_source or
+                                    (f"hardware {hardware.name!r} usable memory" if memory_limit is None else "memory_limit="))
         self.activation_factor = (default_activation_factor(model, dtype_bytes) if activation_factor is None
                                   else float(activation_factor))
         if not self.activation_factor > 0:
             raise ValueError(f"activation_factor must be positive, got {activation_factor!r}")
-
-        hw, h, L = hardware, model.hidden_size, model.num_layers
-        blocks = model.blocks_per_layer
-        peak = hw.peak_flops
         self._causal = model.causal
         self._is_1d = model.kind == "1d"
         self._square_work = model.kind != "2d"  # attention work l^2 (1d, 3d) or spatial + temporal (2d)
         self._spatial = float(model.spatial_tokens)
+        self._init_layer_times()
+        self._init_head_times()
+        self._init_ideal()
+        self._init_memory(world_size, state_parts)
+        self._coef: dict[int, tuple] = {}
 
-        # --- per-layer, per-rank time coefficients (sp-independent parts) ---
+    def _init_layer_times(self) -> None:
+        """Per-layer, per-rank time coefficients (the SP-independent parts)."""
+        model, hw, dtype_bytes = self.model, self.hardware, self.dtype_bytes
+        h, blocks, peak = model.hidden_size, model.blocks_per_layer, hw.peak_flops
         layer_params = model.layer_params()
         kv = model.cross_kv_params()  # 3d: cross-attention k, v projections, on the text
         text = float(model.text_len)
@@ -233,7 +246,10 @@ class AnalyticCostModel(CostModel):
         self._a2a_per_layer = 4 * blocks                                     # forward all-to-alls
         self._a2a_bytes_per_token = float(h * dtype_bytes)
 
-        # --- head / embedding, per micro-batch ---
+    def _init_head_times(self) -> None:
+        """Head / embedding time per micro-batch (per token and constant), and 3d's text MLP per sample."""
+        model, hw, dtype_bytes = self.model, self.hardware, self.dtype_bytes
+        h, peak, text = model.hidden_size, hw.peak_flops, float(model.text_len)
         if self._is_1d:
             head_params = h * model.vocab_size
             self.head_bytes_per_token = float(model.vocab_size * (dtype_bytes + 4))
@@ -252,7 +268,10 @@ class AnalyticCostModel(CostModel):
         text_gemm = 3.0 * 2.0 * self._text_params / (peak * hw.gemm_max_efficiency)
         self._head_s_per_sample = text_gemm * (text + self._gemm_half) if self._text_params else 0.0
 
-        # --- ideal (the simulator's bound; see the class docstring): per sample, on one device ---
+    def _init_ideal(self) -> None:
+        """The ideal's coefficients (the simulator's bound; see the class docstring): per sample, on one device."""
+        hw, L, text = self.hardware, self.num_layers, float(self.model.text_len)
+        text_gemm = 3.0 * 2.0 * self._text_params / (hw.peak_flops * hw.gemm_max_efficiency)
         # every layer's forward + backward GEMMs at gemm_max_efficiency with no small-GEMM penalty,
         # attention (forward + ATTN_BWD_RATIO x forward) at attn_max_efficiency, element-wise
         # passes at hbm_bandwidth, and the head's per-token GEMM + loss passes; no all-to-all, no
@@ -262,7 +281,9 @@ class AnalyticCostModel(CostModel):
         self._ideal_s_per_work = L * (1.0 + ATTN_BWD_RATIO) * self._attn_s_per_work
         self._ideal_s_per_sample = L * 3.0 * self._kv_ideal_per_sample + text_gemm * text
 
-        # --- memory ---
+    def _init_memory(self, world_size: int, state_parts: Mapping[str, float] | None) -> None:
+        """Model-state bytes per rank (estimated from the shape, or ``state_parts``) and the per-token memory terms."""
+        model, dtype_bytes, L = self.model, self.dtype_bytes, self.num_layers
         P = model.params()
         self.param_count = P
         db = dtype_bytes
@@ -283,8 +304,6 @@ class AnalyticCostModel(CostModel):
         self._transient_per_token = max(self.act_bytes_per_token, self.head_bytes_per_token)
         # per rank-token bytes with r = 0; each recomputed layer removes act_bytes_per_token
         self._mem_per_token_r0 = L * (self.input_bytes_per_token + self.act_bytes_per_token) + self._transient_per_token
-
-        self._coef: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -468,7 +487,8 @@ class AnalyticCostModel(CostModel):
         rebuilt = AnalyticCostModel(self.model, self.hardware, int(states["world_size"]), memory_limit=self.memory_limit,
                                     dtype_bytes=self.dtype_bytes, sharding=states["sharding"],
                                     activation_factor=self.activation_factor,
-                                    state_parts=state_parts_of(states, required=False))
+                                    state_parts=state_parts_of(states, required=False),
+                                    memory_limit_source=self.memory_limit_source)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def signature(self) -> dict:

@@ -43,6 +43,7 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.units import describe_limit
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class StepBounder:
             bad = max(n for n in lens if not math.isfinite(gs[n]))
             raise PlanningError(
                 f"a sample of {bad} tokens fits no SP size up to {self.view.sp_sizes[-1]} ranks with every layer "
-                f"recomputed ({_mem(self.cost_model.memory_limit)} per device): no step runs it; drop or "
+                f"recomputed (memory budget {describe_limit(self.cost_model)}): no step runs it; drop or "
                 f"split it, or use more ranks / memory")
         top = sorted(set(lens), reverse=True)[:4]  # best time grows with length; look at a few for safety
         heaviest = max(self.best_alone(n) for n in top)
@@ -165,10 +166,6 @@ class StepBounder:
     def seconds(self, lengths: Sequence[int]) -> float:
         """``parts(lengths).seconds``."""
         return self.parts(lengths).seconds
-
-
-def _mem(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes:g} bytes"
 
 
 _BOUNDERS: "weakref.WeakKeyDictionary[CostModel, dict[tuple, StepBounder]]" = weakref.WeakKeyDictionary()

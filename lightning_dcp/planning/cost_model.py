@@ -51,13 +51,22 @@ class CostModel(abc.ABC):
     """Time and memory of any micro-batch for any SP size and recompute count.
 
     Subclasses set ``num_layers``, ``memory_limit`` (usable bytes per device), ``num_heads``
-    (SP sizes must divide it) and ``gpus_per_node``.
+    (SP sizes must divide it) and ``gpus_per_node``; optionally ``memory_limit_source`` (where the
+    limit came from, printed in errors by :meth:`describe_limit`).
     """
 
     num_layers: int
     memory_limit: float
     num_heads: int
     gpus_per_node: int = 8
+    memory_limit_source: str = ""
+    """Where ``memory_limit`` came from (an argument, a default, the device), for messages; may be empty."""
+
+    def describe_limit(self) -> str:
+        """The memory budget with its source, for messages: ``"5.25 MiB per device (...)"``."""
+        from lightning_dcp.planning.units import limit_text
+
+        return limit_text(self.memory_limit, self.memory_limit_source)
 
     @abc.abstractmethod
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:

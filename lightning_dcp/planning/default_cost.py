@@ -27,6 +27,11 @@ class DefaultCostModel(CostModel):
         self.max_tokens = int(max_tokens)
         self.memory_limit = float(self.max_tokens * (1 + self.num_layers))
 
+    def describe_limit(self) -> str:
+        """The limit is tokens, not bytes."""
+        return (f"{self.max_tokens} tokens per rank without recompute (DefaultCostModel(max_tokens=...): no measured "
+                "memory; measure the model with DCPProfiler or pass a cost model)")
+
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
         lin = sum(lengths) * 1e-6
         sq = sum(n * n for n in lengths) * 1e-9

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from lightning_dcp.planning.units import format_bytes
+
 GiB = 1 << 30
 
 
@@ -74,8 +76,8 @@ class HardwareSpec:
             if not v > 0:
                 raise ValueError(f"HardwareSpec {self.name!r}: {f} must be positive, got {v!r}")
         if self.usable_memory_bytes > self.memory_bytes:
-            raise ValueError(f"HardwareSpec {self.name!r}: usable_memory_bytes {self.usable_memory_bytes:.3g} exceeds "
-                             f"memory_bytes {self.memory_bytes:.3g}; lower the usable limit")
+            raise ValueError(f"HardwareSpec {self.name!r}: usable_memory_bytes {format_bytes(self.usable_memory_bytes)} exceeds "
+                             f"memory_bytes {format_bytes(self.memory_bytes)}; lower the usable limit")
         for f in ("gemm_max_efficiency", "attn_max_efficiency"):
             v = getattr(self, f)
             if not 0 < v <= 1:

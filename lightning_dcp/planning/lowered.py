@@ -31,6 +31,7 @@ class LoweredMemory(CostModel):
         self.num_layers = base.num_layers
         self.num_heads = base.num_heads
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
+        self.memory_limit_source = f"lowered after an out-of-memory error from {base.describe_limit()}"
 
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
         return self.base.item_cost(lengths, sp, recompute)

@@ -1,5 +1,5 @@
 """Named model descriptions: the paper's Transformer-1D / Transformer-2D (Table 1), a Llama-2-7B
-shape, Wan 2.1 text-to-video DiTs (1.3B, 14B) and tiny CPU sizes.
+shape, Wan 2.1 text-to-video DiTs (1.3B, 14B), LTX-Video 2B and tiny CPU sizes.
 
 A :class:`ModelSpec` is what the analytic cost model reasons about and what the reference
 models in :mod:`lightning_dcp.models` are built from (kinds ``"1d"`` and ``"2d"``; the ``"3d"``
@@ -40,6 +40,11 @@ class ModelSpec:
             (the text encoder's padded length, 512 for Wan's umT5).
         text_dim: 3d only: width of the text encoder's output, projected to ``hidden_size``
             once per sample (4096 for umT5-XXL).
+        num_kv_heads: key/value heads (grouped-query attention); 0: as many as ``num_heads``.
+        stored_layer_params: parameters one layer *stores* when that differs from the weights a token
+            passes through (:meth:`layer_params`): HunyuanVideo's dual-stream blocks keep separate text
+            and video weights, each token uses one set. 0: the same. Counts in :meth:`params` (memory,
+            sharding), not in FLOPs.
     """
 
     name: str
@@ -54,6 +59,8 @@ class ModelSpec:
     spatial_tokens: int = 0
     text_len: int = 0
     text_dim: int = 0
+    num_kv_heads: int = 0
+    stored_layer_params: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -84,11 +91,12 @@ class ModelSpec:
     def layer_params(self) -> int:
         """Parameters of one repeated layer (norm weights, biases and modulation tables ignored).
 
-        Per block: q, k, v, o projections (``4 h^2``) and the MLP; a layer with cross-attention
-        adds its q, k, v, o (another ``4 h^2``).
+        Per block: q, k, v, o projections (``4 h^2``; k and v narrower with grouped-query attention) and
+        the MLP; a layer with cross-attention adds its q, k, v, o (another ``4 h^2``).
         """
         h = self.hidden_size
-        block = 4 * h * h + self.mlp_matrices * h * self.ffn_hidden_size
+        kv = h * self.num_kv_heads // self.num_heads if self.num_kv_heads else h
+        block = 2 * h * h + 2 * h * kv + self.mlp_matrices * h * self.ffn_hidden_size
         if self.cross_attention:
             block += 4 * h * h
         return self.blocks_per_layer * block
@@ -108,7 +116,7 @@ class ModelSpec:
 
     def params(self) -> int:
         """All parameters: layers plus :meth:`edge_params`."""
-        return self.num_layers * self.layer_params() + self.edge_params()
+        return self.num_layers * (self.stored_layer_params or self.layer_params()) + self.edge_params()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,6 +140,21 @@ MODELS: dict[str, ModelSpec] = {
     # ffn 8960 (1.42B parameters counted here). 14B: dim 5120, 40 layers, 40 heads, ffn 13824.
     "wan-1.3b": ModelSpec("wan-1.3b", "3d", 30, 1536, 12, False, 8960, in_channels=64, text_len=512, text_dim=4096),
     "wan-14b": ModelSpec("wan-14b", "3d", 40, 5120, 40, False, 13824, in_channels=64, text_len=512, text_dim=4096),
+    # LTX-Video 2B (Lightricks/LTX-Video 0.9.x, diffusers' LTXVideoTransformer3DModel defaults): patch 1 over
+    # the 128-channel latent of its (8, 32, 32)-stride VAE, 28 layers, dim 2048, 32 heads of 64, GELU MLP 8192,
+    # cross-attention to T5-XXL text of 128 tokens x 4096 (1.922B parameters counted here, 1.923B in diffusers).
+    "ltx-2b": ModelSpec("ltx-2b", "3d", 28, 2048, 32, False, 8192, in_channels=128, text_len=128, text_dim=4096),
+    # Llama-2-70B (Touvron et al. 2023): 80 layers, 8192 hidden, 64 heads with 8 key/value heads
+    # (grouped-query attention), SwiGLU 28672, 32000 vocabulary: 68.98B parameters counted here.
+    "llama-70b": ModelSpec("llama-70b", "1d", 80, 8192, 64, True, 28672, vocab_size=32000, num_kv_heads=8),
+    # HunyuanVideo 13B (diffusers' HunyuanVideoTransformer3DModel defaults): 20 dual-stream + 40 single-stream
+    # blocks, 3072 hidden, 24 heads of 128, MLP ratio 4, patch (1, 2, 2) over a 16-channel latent. The
+    # nearest spec our kinds describe: 60 "3d" layers without cross-attention (joint attention: a
+    # sample's text tokens are part of its length), each passing a token through 12 h^2 weights (the
+    # single-stream block's fused qkv+MLP, or one stream of a dual block), storing 215M parameters on
+    # average (dual blocks keep two streams; adaLN modulation tables): 12.9B in all.
+    "hunyuanvideo-13b": ModelSpec("hunyuanvideo-13b", "3d", 60, 3072, 24, False, 12288, in_channels=64,
+                                  stored_layer_params=215_000_000),
 }
 
 

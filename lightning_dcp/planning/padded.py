@@ -36,6 +36,11 @@ class PaddedCostModel(CostModel):
         self.memory_limit = float(self.max_padded_tokens)
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
 
+    def describe_limit(self) -> str:
+        """The limit is padded tokens, not bytes."""
+        return (f"{self.max_padded_tokens} padded tokens per micro-batch (safe mode: the DataLoader's batch_size x the "
+                "dataset's longest sample)")
+
     @staticmethod
     def _padded(lengths: Sequence[int]) -> list[int]:
         return [max(lengths)] * len(lengths) if lengths else []

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from lightning_dcp.planning.units import describe_limit, format_bytes
+
 PLAN_SCHEMA = "lightning-dcp/plan/v1"
 
 
@@ -191,7 +193,7 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
             if need > cost_model.memory_limit:
                 raise PlanError(
                     f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, recompute {item.recompute}) "
-                    f"needs {need / 2**30:.2f} GiB per device; the limit is {cost_model.memory_limit / 2**30:.2f} GiB"
+                    f"needs {format_bytes(need)} per device; the budget is {describe_limit(cost_model)}"
                 )
     check_deadlock_free(step, world_size)
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
+from lightning_dcp.planning.rounds import align_rounds
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.bucket import BucketPolicy
@@ -38,6 +39,7 @@ from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
 from lightning_dcp.planning.policies.packed import PackedPolicy
 from lightning_dcp.planning.policies.static import StaticPolicy
+from lightning_dcp.planning.units import describe_limit
 
 POLICIES: dict[str, type[Policy]] = {
     "dcp": DCPPolicy,
@@ -147,10 +149,6 @@ def _collector_paused():
             gc.enable()
 
 
-def _mem(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes:g} bytes"
-
-
 def _check_lengths(lengths: Sequence[Any], what: str = "lengths") -> list[int]:
     try:
         seq = list(lengths)
@@ -219,7 +217,7 @@ class Planner:
         if self.view.longest_fitting() <= 0:
             raise PlanningError(
                 f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks"
-                f"{self._cap_note()}, limit {_mem(cost_model.memory_limit)} per device): use {self._more()}"
+                f"{self._cap_note()}, memory budget {describe_limit(cost_model)}): use {self._more()}"
             )
         ds = None
         if dataset_lengths is not None:
@@ -263,7 +261,7 @@ class Planner:
                 raise PlanningError(
                     f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
                     f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
-                    f"layer recomputed, {_mem(self.cost_model.memory_limit)} per device) is {limit} tokens: drop or split "
+                    f"layer recomputed, memory budget {describe_limit(self.cost_model)}) is {limit} tokens: drop or split "
                     f"the sample, or use {self._more()}"
                 )
 
@@ -286,6 +284,10 @@ class Planner:
             steps = self.policy.plan_batch(samples, lengths, step)
         if not self.view.exact_memory:
             steps = [self._verify_memory(s) for s in steps]
+        if getattr(self.cost_model, "sharding", None) == "hsdp":  # lockstep rounds pair items of similar cost
+            k, cm = self.cost_model.shard_group_size, self.cost_model
+            steps = [align_rounds(s, self.world_size, k, lambda it: cm.item_time(it.lengths, it.sp_size, it.recompute))
+                     for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:

@@ -85,6 +85,37 @@ def nonneg_fit(X: np.ndarray, y: np.ndarray, *, relative: bool = True,
     return best[2] / norms
 
 
+def fit_entries(p: int, entries: Sequence[Mapping[str, Any]], per_sample: bool) -> dict[str, tuple[float, ...] | None]:
+    """Fits of one SP size's profile entries: ``forward``/``backward``/``recompute`` ``(a, b, c, d)`` (``recompute``
+    None unless every entry has ``recompute_s``; ``d`` 0 unless ``per_sample``), ``activation``/``input`` ``(k, m)``."""
+    sq = np.array([e["micro_batch"] * float(e["seq_len"]) ** 2 for e in entries])
+    tok = np.array([float(e["micro_batch"] * e["seq_len"]) for e in entries])
+    X3 = np.stack([sq, tok, np.ones_like(tok)], axis=1)
+    X2 = X3[:, 1:]
+    if per_sample:  # (a, b, c, d): d per sample of the micro-batch
+        X4 = np.concatenate([X3, np.array([[float(e["micro_batch"])] for e in entries])], axis=1)
+        time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X4, y))  # noqa: E731
+    else:
+        time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X3, y)) + (0.0,)  # noqa: E731
+    f = np.array([float(e["forward_s"]) for e in entries])
+    b = np.array([float(e["backward_s"]) for e in entries])
+    if not np.any(f > 0) or not np.any(b > 0):
+        raise ProfileError(f"profile entries for sp={p} have all-zero forward_s or backward_s: nothing was timed; "
+                           "re-run the profiler (on CUDA, timings need torch.cuda.synchronize)")
+    act = np.array([float(e["activation_bytes"]) for e in entries])
+    inp = np.array([float(e["input_bytes"]) for e in entries])
+    fit = {
+        "forward": time_fit(f),
+        # measured extra time of one checkpointed layer when every entry has it, else t_f (eq. 5)
+        "recompute": (time_fit(np.array([float(e["recompute_s"]) for e in entries]))
+                      if all(e.get("recompute_s") is not None for e in entries) else None),
+        "backward": time_fit(b),
+        "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
+        "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
+    }
+    return fit
+
+
 class ProfiledCostModel(CostModel):
     """Cost model fitted to a measured dual-layer profile.
 
@@ -142,10 +173,13 @@ class ProfiledCostModel(CostModel):
         state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
             measured elsewhere (the runtime's :class:`~lightning_dcp.runtime.states.ModelStates`), used
             instead of the profile's constant fields; ``None`` (default): the profile's.
+        memory_limit_source: where ``memory_limit`` came from, printed in errors (default:
+            ``"memory_limit="`` when given, else the profile's ``device.memory_limit_bytes``).
     """
 
     def __init__(self, profile: dict, *, memory_limit: float | None = None, sharding: str | None = None,
-                 world_size: int | None = None, state_parts: Mapping[str, float] | None = None) -> None:
+                 world_size: int | None = None, state_parts: Mapping[str, float] | None = None,
+                 memory_limit_source: str | None = None) -> None:
         data = validate_profile(profile)
         self.profile = data
         model, device, const = data["model"], data["device"], data["constant"]
@@ -160,6 +194,8 @@ class ProfiledCostModel(CostModel):
         self.memory_limit = float(device["memory_limit_bytes"] if memory_limit is None else memory_limit)
         if not self.memory_limit > 0:
             raise ValueError(f"memory_limit must be positive, got {memory_limit!r}")
+        self.memory_limit_source = memory_limit_source or (
+            "the profile's device.memory_limit_bytes" if memory_limit is None else "memory_limit=")
         self.constant_time = float(const["time_s"])
         self.constant_memory = float(const["memory_bytes"])
         # optional (profiler >= the recompute/per-token fields): per local token, outside the layers
@@ -188,35 +224,13 @@ class ProfiledCostModel(CostModel):
         if bad:
             raise ProfileError(f"profile entries use sp={sorted(bad)}, which do not divide num_heads={self.num_heads}; "
                                "re-profile with SP sizes that divide the head count")
-        self.fits_by_sp: dict[int, dict[str, tuple[float, ...]]] = {}
-        for p, entries in sorted(by_sp.items()):
-            sq = np.array([e["micro_batch"] * float(e["seq_len"]) ** 2 for e in entries])
-            tok = np.array([float(e["micro_batch"] * e["seq_len"]) for e in entries])
-            X3 = np.stack([sq, tok, np.ones_like(tok)], axis=1)
-            X2 = X3[:, 1:]
-            if self.per_sample:  # (a, b, c, d): d per sample of the micro-batch
-                X4 = np.concatenate([X3, np.array([[float(e["micro_batch"])] for e in entries])], axis=1)
-                time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X4, y))  # noqa: E731
-            else:
-                time_fit = lambda y: tuple(float(v) for v in nonneg_fit(X3, y)) + (0.0,)  # noqa: E731
-            f = np.array([float(e["forward_s"]) for e in entries])
-            b = np.array([float(e["backward_s"]) for e in entries])
-            if not np.any(f > 0) or not np.any(b > 0):
-                raise ProfileError(f"profile entries for sp={p} have all-zero forward_s or backward_s: nothing was timed; "
-                                   "re-run the profiler (on CUDA, timings need torch.cuda.synchronize)")
-            act = np.array([float(e["activation_bytes"]) for e in entries])
-            inp = np.array([float(e["input_bytes"]) for e in entries])
-            fit = {
-                "forward": time_fit(f),
-                # measured extra time of one checkpointed layer when every entry has it, else t_f (eq. 5)
-                "recompute": (time_fit(np.array([float(e["recompute_s"]) for e in entries]))
-                              if all(e.get("recompute_s") is not None for e in entries) else None),
-                "backward": time_fit(b),
-                "activation": tuple(float(v) for v in nonneg_fit(X2, act, subsets=_SUBSETS_2)),
-                "input": tuple(float(v) for v in nonneg_fit(X2, inp, subsets=_SUBSETS_2)),
-            }
-            self.fits_by_sp[p] = fit
+        self.fits_by_sp: dict[int, dict[str, tuple[float, ...]]] = {
+            p: fit_entries(p, entries, self.per_sample) for p, entries in sorted(by_sp.items())}
         self.measured_sp = tuple(sorted(self.fits_by_sp))
+        self._build_coefficients()
+
+    def _build_coefficients(self) -> None:
+        """The ideal's coefficients and, per measured SP size, the closed forms' coefficients (``self._coef``)."""
         p0 = self.measured_sp[0]
         f0, b0 = self.fits_by_sp[p0]["forward"], self.fits_by_sp[p0]["backward"]
         L = self.num_layers
@@ -247,11 +261,14 @@ class ProfiledCostModel(CostModel):
 
     @classmethod
     def from_file(cls, path: str | Path, *, memory_limit: float | None = None, sharding: str | None = None,
-                  world_size: int | None = None) -> "ProfiledCostModel":
+                  world_size: int | None = None, memory_limit_source: str | None = None) -> "ProfiledCostModel":
         """Load, validate and fit a profile file; :class:`ProfileError` names the file on problems."""
         data = load_profile(path)
+        if memory_limit is None and memory_limit_source is None:
+            memory_limit_source = f"device.memory_limit_bytes of profile {path}"
         try:
-            return cls(data, memory_limit=memory_limit, sharding=sharding, world_size=world_size)
+            return cls(data, memory_limit=memory_limit, sharding=sharding, world_size=world_size,
+                       memory_limit_source=memory_limit_source)
         except ProfileError as err:
             raise ProfileError(f"profile file {path}: {err}") from None
 
@@ -289,7 +306,8 @@ class ProfiledCostModel(CostModel):
         the runtime), else from the profile's. ``states`` is
         :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
         rebuilt = ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
-                                    world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False))
+                                    world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False),
+                                    memory_limit_source=self.memory_limit_source)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def _allreduce_seconds(self, W: int) -> float:

@@ -46,7 +46,8 @@ from typing import Any
 
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.plan import Plan, PlanError, check_deadlock_free
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
+from lightning_dcp.planning.rounds import lockstep_rounds, round_span
 
 
 @dataclass
@@ -93,9 +94,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     W = plan.world_size
     overhead = cost_model.step_overhead(W) if plan.steps else 0.0
     step_times, spans, step_imb, busy_all, lines = [], [], [], [], []
-    tokens = 0
-    comm = rec = comp = ideal_spent = busy_total = 0.0
-    ideal_compute = 0.0
+    totals = _Totals()
+    busy_total = 0.0
     idle_total = 0.0
     cache: dict[tuple, Any] = {}
     for s_idx, step in enumerate(plan.steps):
@@ -104,30 +104,9 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
                 check_deadlock_free(step, W)
             except PlanError as err:
                 raise PlanError(f"step {s_idx}: {err}") from None
-        free = [0.0] * W
-        busy = [0.0] * W
-        line: list[tuple[int, float, float, int, str]] = []
-        for i, item in enumerate(step.items):
-            key = (item.lengths, item.sp_size, item.recompute)
-            cost = cache.get(key)
-            if cost is None:
-                cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute)
-                cache[key] = cost
-            t = cost.total
-            start = max(free[r] for r in item.ranks)
-            end = start + t
-            for r in item.ranks:
-                free[r] = end
-                busy[r] += t
-                if timeline:
-                    line.append((r, start, end, i, "item"))
-            p = item.sp_size
-            comm += cost.comm * p
-            rec += cost.recompute * p
-            comp += (cost.compute + cost.overhead) * p
-            ideal_spent += cost.ideal * p
-            tokens += item.tokens
-        span = max(free) if W else 0.0
+        busy, span, line = _run_step(step, W, cost_model, cache, totals, timeline)
+        if getattr(cost_model, "sharding", None) == "hsdp":  # lockstep rounds inside each shard group
+            span = lockstep_span(step, W, cost_model, cache)
         idle = sum(span - b for b in busy)
         idle_total += idle
         busy_total += sum(busy)
@@ -138,14 +117,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         if timeline:
             line.extend((r, span, span + overhead, -1, "allreduce") for r in range(W))
             lines.append(line)
-    for step in plan.steps:
-        for item in step.items:
-            for n in item.lengths:
-                c = cache.get(("ideal", n))
-                if c is None:
-                    c = cost_model.item_cost([n], 1, 0).ideal
-                    cache[("ideal", n)] = c
-                ideal_compute += c
+    ideal_compute = _ideal_compute(plan, cost_model, cache)
+    tokens, comm, rec, comp = totals.tokens, totals.comm, totals.rec, totals.comp
     total = sum(step_times)
     span_total = sum(spans)
     ideal_time = ideal_compute / W if W else 0.0
@@ -170,3 +143,68 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,
         timeline=lines if timeline else [],
     )
+
+
+@dataclass
+class _Totals:
+    """Rank-time sums over every item of the run (each item's part times its SP size), in run order."""
+
+    tokens: int = 0
+    comm: float = 0.0
+    rec: float = 0.0
+    comp: float = 0.0
+    ideal_spent: float = 0.0
+
+
+def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals: _Totals,
+              timeline: bool) -> tuple[list[float], float, list[tuple[int, float, float, int, str]]]:
+    """Run one step's items in list order: ``(busy seconds per rank, compute span, timeline rows)``.
+
+    Item costs are memoized in ``cache``; ``totals`` gathers the rank-time sums."""
+    free = [0.0] * W
+    busy = [0.0] * W
+    line: list[tuple[int, float, float, int, str]] = []
+    for i, item in enumerate(step.items):
+        key = (item.lengths, item.sp_size, item.recompute)
+        cost = cache.get(key)
+        if cost is None:
+            cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute)
+            cache[key] = cost
+        t = cost.total
+        start = max(free[r] for r in item.ranks)
+        end = start + t
+        for r in item.ranks:
+            free[r] = end
+            busy[r] += t
+            if timeline:
+                line.append((r, start, end, i, "item"))
+        p = item.sp_size
+        totals.comm += cost.comm * p
+        totals.rec += cost.recompute * p
+        totals.comp += (cost.compute + cost.overhead) * p
+        totals.ideal_spent += cost.ideal * p
+        totals.tokens += item.tokens
+    span = max(free) if W else 0.0
+    return busy, span, line
+
+
+def _ideal_compute(plan: Plan, cost_model: CostModel, cache: dict) -> float:
+    """Sum over the plan's samples of their ideal time on one device (``item_cost([l], 1, 0).ideal``)."""
+    ideal_compute = 0.0
+    for step in plan.steps:
+        for item in step.items:
+            for n in item.lengths:
+                c = cache.get(("ideal", n))
+                if c is None:
+                    c = cost_model.item_cost([n], 1, 0).ideal
+                    cache[("ideal", n)] = c
+                ideal_compute += c
+    return ideal_compute
+
+
+def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict) -> float:
+    """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
+    rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
+    times = [cache[(it.lengths, it.sp_size, it.recompute)].total for it in step.items]  # each: round(t)
+    groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
+    return max((round_span(g, times) for g in groups), default=0.0)

@@ -15,6 +15,14 @@ and optimizer-state bytes (``O`` includes an fp32 master copy when the optimizer
     zero1   W + B + G + O/N                                       the same
     zero2   W + W/N + B + G + O/N                                 W + W/N + B + G/N + O/N
     fsdp    W + W/N + B + G + O/N                                 (W + G + O)/N + B
+    hsdp    (W + G + O)/K + B + 2R + 4L                           (W + G + O)/K + B
+    hsdp, offload   B + 2R + 4L                                   B
+
+``hsdp`` (per-layer sharding inside the loop, over shard groups of ``K`` ranks; ``K = N``: ZeRO-3)
+is planned by :class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel`: ``R`` the weight
+bytes outside the repeated layers, ``L`` the largest layer's; with ``offload`` the shards live on
+the host. The runtime does not run it yet: ``DCPStrategy(sharding=...)`` accepts
+:data:`SHARDING_MODES`, the cost models and ``simulate``/``plan`` also :data:`PLANNED_SHARDING_MODES`.
 
 These are the runtime's, measured (``benchmarks/sharding_memory.py``). On one rank the runtime runs
 ``"none"`` whatever was asked: every mode holds ``W + B + G + O``. Buffers are never sharded.
@@ -40,14 +48,14 @@ and ``fsdp`` have the same peak in the loop, ``W/N`` above ``zero1``'s: ``zero1`
 room for activations during a step; ``zero2`` and ``fsdp`` save memory between steps (evaluation,
 co-resident models) and write sharded checkpoints.
 
-Not built: a per-layer ZeRO-3 (each layer's weights gathered just before its forward and backward,
-its gradients reduce-scattered after its backward), which is what weights that do not fit one
-device *during* a step would need. Its world collectives would run inside the micro-batch loop,
-where ranks run different numbers of micro-batches in per-step SP groups: a rank waiting in a
-world all-gather while its SP partner waits in an all-to-all deadlocks, and a rank with fewer
-micro-batches never reaches the others' collectives. It would need every rank to run equal,
-aligned micro-batch rounds (each SP item in the same round on all its ranks, zero-weight dummy
-micro-batches where a rank has none).
+Per-layer ZeRO-3 (``hsdp``): each layer's weights gathered just before its forward and backward, its
+gradients reduce-scattered after its backward, which is what weights that do not fit one device
+*during* a step need. Its collectives run inside the micro-batch loop, where ranks run different
+numbers of micro-batches in per-step SP groups, so inside a shard group every rank must run the same
+number of aligned micro-batch rounds (each SP item in the same round on all its ranks, zero-weight
+dummy micro-batches where a rank has none): :mod:`lightning_dcp.planning.rounds` builds them and
+:class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel` prices them. Planning and simulation
+only for now: the runtime does not run ``hsdp`` yet.
 
 Pure Python.
 """
@@ -58,6 +66,9 @@ from typing import Any, Mapping
 
 SHARDING_MODES = ("none", "zero1", "zero2", "fsdp")
 """Names accepted by ``sharding=`` (``DCPStrategy`` and both cost models), from least to most sharded."""
+
+PLANNED_SHARDING_MODES = SHARDING_MODES + ("hsdp",)
+"""What :func:`state_bytes` and the planning commands know: :data:`SHARDING_MODES` plus per-layer ``hsdp``."""
 
 STATE_PARTS = ("weights", "buffers", "gradients", "optimizer")
 """The full model's state bytes :func:`state_bytes` takes (and ``ModelStates.to_dict`` carries)."""
@@ -97,7 +108,8 @@ def state_parts(given: Mapping[str, Any], *, required: bool = True) -> dict[str,
 
 
 def state_bytes(mode: str, world_size: int, *, weights: float, buffers: float = 0.0, gradients: float,
-                optimizer: float, at_rest: bool = False) -> float:
+                optimizer: float, at_rest: bool = False, shard_group_size: int | None = None,
+                layer_bytes: float = 0.0, root_bytes: float = 0.0, offload: bool = False) -> float:
     """Model-state bytes one rank holds under ``mode`` (the module docstring's table).
 
     Args:
@@ -107,9 +119,16 @@ def state_bytes(mode: str, world_size: int, *, weights: float, buffers: float = 
         weights, buffers, gradients, optimizer: the full model's bytes (``gradients``: of the
             trainable parameters; ``optimizer`` includes an fp32 master copy when there is one).
         at_rest: between steps instead of in the micro-batch loop.
+        shard_group_size, layer_bytes, root_bytes, offload: ``hsdp`` only: the ranks ``K`` the states are
+            sharded over (default the world), the largest layer's and the non-layer weight bytes, and
+            whether the shards live on the host.
     """
+    if mode == "hsdp":
+        k = float(world_size if shard_group_size is None else shard_group_size)
+        held = buffers if offload else (weights + gradients + optimizer) / k + buffers
+        return held if at_rest else held + 2.0 * root_bytes + 4.0 * layer_bytes
     if mode not in SHARDING_MODES:
-        raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {mode!r}")
+        raise ValueError(f"sharding must be one of {', '.join(PLANNED_SHARDING_MODES)}, got {mode!r}")
     n = float(world_size)
     if mode == "none" or world_size <= 1:
         return weights + buffers + gradients + optimizer

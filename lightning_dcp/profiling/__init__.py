@@ -11,7 +11,9 @@ Rooms:
 * :mod:`~lightning_dcp.profiling.harness` — driving a user's module without changing it;
 * :mod:`~lightning_dcp.profiling.assemble` — :func:`profile_module`, the sequence and the v1 dict;
 * :mod:`~lightning_dcp.profiling.callback` — :class:`DCPProfiler`, the Lightning callback;
-* :mod:`~lightning_dcp.profiling.cache` — the on-disk cache (pure Python).
+* :mod:`~lightning_dcp.profiling.cache` — the on-disk cache (pure Python);
+* :mod:`~lightning_dcp.profiling.budget` — :func:`measure_budget`: profile, then report the memory
+  budget per SP size and the dataset's thresholds (:mod:`lightning_dcp.planning.budget`).
 
 Names are imported lazily (``from lightning_dcp.profiling import DCPProfiler`` imports Lightning;
 ``from lightning_dcp.profiling.cache import ProfileKey`` does not import torch).
@@ -107,7 +109,10 @@ _EXPORTS = {
     # cache
     "CACHE_ENV": "cache", "CacheLookup": "cache", "ProfileCacheWarning": "cache", "ProfileKey": "cache",
     "default_cache_dir": "cache", "device_name": "cache", "load_cached": "cache", "model_signature": "cache",
-    "profile_path": "cache", "resolve_cache_dir": "cache", "store": "cache",
+    "profile_path": "cache", "resolve_cache_dir": "cache", "store": "cache", "describe_sample": "cache",
+    "inputs_signature": "cache",
+    # the budget helper
+    "measure_budget": "budget", "resolve_budget": "budget",
 }
 
 __all__ = sorted(_EXPORTS)

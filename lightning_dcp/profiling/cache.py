@@ -1,14 +1,19 @@
 """On-disk cache of dual-layer profiles, keyed by what makes a profile valid.
 
 A profile (schema ``lightning-dcp/profile/v1``, see :mod:`lightning_dcp.planning.profile`) is
-valid for one model, one device type, one precision, one world size and one package version.
-Those five values form the :class:`ProfileKey`; the file name is a hash of the whole key, so
-profiles of different keys never overwrite each other::
+valid for one model (architecture and configuration), one kind of input sample (everything but
+its length: the text length and width of a video sample, the patch size, the dtypes), one device
+type, one precision, one world size and one package version. Those values form the
+:class:`ProfileKey`; the file name is a hash of the whole key, so profiles of different keys never
+overwrite each other::
 
     <cache_dir>/<sha256(key)[:16]>.json
 
 ``cache_dir`` is, in order: the explicit argument, the ``LIGHTNING_DCP_CACHE`` environment
 variable, ``~/.cache/lightning-dcp/profiles``.
+
+The cache holds measurements: a run's memory budget is not part of a cached profile's meaning
+(:class:`~lightning_dcp.DCPProfiler` plans with the budget of the run, whatever the file says).
 
 A lookup never trusts a file it cannot verify: a file that is not JSON or fails
 :func:`~lightning_dcp.planning.profile.validate_profile` is *corrupt*; a valid profile whose
@@ -27,7 +32,7 @@ import platform
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from lightning_dcp.planning.profile import ProfileError, validate_profile
 
@@ -56,6 +61,8 @@ class ProfileKey:
         dtype: the precision the layers ran in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
         world_size: number of ranks the profile was made on (it holds SP sizes up to this).
         package_version: ``lightning_dcp.__version__``.
+        inputs_signature: :func:`inputs_signature` of the profiled samples and the measured layer stack
+            (``""``: not recorded, e.g. a profile of synthetic data the key's model fully determines).
     """
 
     model_signature: str
@@ -63,13 +70,14 @@ class ProfileKey:
     dtype: str
     world_size: int
     package_version: str
+    inputs_signature: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProfileKey":
-        return cls(**{f: data[f] for f in cls.__dataclass_fields__})
+        return cls(**{f: data[f] for f in cls.__dataclass_fields__ if f in data or f != "inputs_signature"})
 
     def digest(self) -> str:
         """sha256 hex of the canonical JSON of the key."""
@@ -93,17 +101,72 @@ class CacheLookup:
         return self.status == HIT
 
 
+#: Configuration fields that name where a model came from, not what it computes.
+_CONFIG_NOISE = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "_diffusers_version",
+                           "_use_default_values"})
+
+
+def _config_dict(config: Any) -> dict | None:
+    """A model configuration as a plain dict: a mapping (diffusers' ``FrozenDict``), an object with
+    ``to_dict()`` (transformers' ``PretrainedConfig``) or a dataclass; ``None`` for anything else."""
+    import dataclasses
+
+    if isinstance(config, Mapping):
+        data = dict(config)
+    elif callable(getattr(config, "to_dict", None)):
+        data = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        data = dataclasses.asdict(config)
+    else:
+        return None
+    return {str(k): v for k, v in data.items() if k not in _CONFIG_NOISE} if isinstance(data, Mapping) else None
+
+
 def model_signature(module: "torch.nn.Module") -> str:
-    """sha256 hex over the module class (``module.qualname``) and every parameter's (name, shape, dtype).
+    """sha256 hex over the module class (``module.qualname``), every parameter's (name, shape, dtype)
+    and the configuration of every submodule that has one (a ``config`` attribute: diffusers' and
+    transformers' models; the fields naming a checkpoint path or a library version left out).
 
     Weights' values are not part of it: a profile measures time and memory, which depend on the
-    architecture only. Changing a layer width, the layer count or a parameter dtype changes it.
+    architecture only. Changing a layer width, the layer count, a parameter dtype or a configuration
+    value (patch size, attention implementation, text length...) changes it.
     """
     cls = type(module)
     h = hashlib.sha256(f"{cls.__module__}.{cls.__qualname__}".encode())
     for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
         h.update(f"|{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    for name, sub in module.named_modules():
+        config = _config_dict(getattr(sub, "config", None))
+        if config is not None:
+            h.update(f"|config {name}:{json.dumps(config, sort_keys=True, default=str)}".encode())
     return h.hexdigest()
+
+
+def describe_sample(sample: Any, length: int | None = None, _top: bool = True) -> Any:
+    """A JSON-able description of one sample without its length: every tensor as (dtype, shape),
+    the first dimension of a top-level tensor written ``"L"`` when it equals ``length`` (the
+    sample's tokens); lists, tuples and dicts recursively; other values by type name only (a
+    sample's index or grid differs from sample to sample without changing the cost per token)."""
+    if hasattr(sample, "shape") and hasattr(sample, "dtype"):
+        shape = [int(d) for d in sample.shape]
+        dims: list = ["L" if _top and i == 0 and length is not None and d == length else d for i, d in enumerate(shape)]
+        return ["tensor", str(sample.dtype), dims]
+    if isinstance(sample, Mapping):
+        return {str(k): describe_sample(v, length, _top) for k, v in sorted(sample.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(sample, (list, tuple)):
+        if all(not hasattr(v, "shape") and not isinstance(v, (Mapping, list, tuple)) for v in sample):
+            return [type(sample).__name__, len(sample)]
+        return [describe_sample(v, length, False) for v in sample]
+    return type(sample).__name__
+
+
+def inputs_signature(samples: Sequence[tuple[Any, int]], layers_attr: str | None = None) -> str:
+    """sha256 hex of :func:`describe_sample` of each ``(sample, length)`` (the profiler passes the
+    dataset's shortest and longest samples) and the measured layer stack's name: what a profiled
+    forward depends on besides the sample lengths and the model."""
+    described = [describe_sample(s, n) for s, n in samples]
+    text = json.dumps({"samples": described, "layers_attr": layers_attr}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def device_name(device: "torch.device | str") -> str:

@@ -14,7 +14,8 @@ from torch import nn
 
 from lightning_dcp.profiling import cache as profile_cache
 from lightning_dcp.profiling.assemble import profile_module
-from lightning_dcp.profiling.grid import DENSITIES
+from lightning_dcp.profiling.budget import resolve_budget
+from lightning_dcp.profiling.grid import DENSITIES, Samples
 from lightning_dcp.profiling.harness import find_int_attr
 from lightning_dcp.profiling.layers import LayerStack, NoRepeatedLayersError, find_layer_stack
 
@@ -29,12 +30,15 @@ class DCPProfiler(Callback):
     At ``on_fit_start`` (after ``strategy.setup``, before the dataloaders and the DCP sampler
     exist): under :class:`~lightning_dcp.DCPStrategy`, first the agreement check (every rank must
     have the same sample lengths, settings and profiler inputs; else every rank stops with one
-    :class:`~lightning_dcp.AgreementError` before any profiling collective); compute the cache key (model signature, device name, precision, world size, package
-    version); rank 0 looks it up in the cache; on a hit the profile is broadcast to every rank;
+    :class:`~lightning_dcp.AgreementError` before any profiling collective); compute the cache key
+    (model signature with its configuration, the shape of the dataset's shortest and longest samples
+    apart from their length, device name, precision, world size, package version); rank 0 looks it up in the cache; on a hit the profile is broadcast to every rank;
     otherwise every rank runs :func:`~lightning_dcp.profiling.profile_module` together (SP sizes
     above 1 on the strategy's real groups) and rank 0 writes the file. A corrupt or foreign cache
     file is reported with a warning and replaced. Then
-    ``trainer.strategy.set_cost_model(ProfiledCostModel(profile))`` when the strategy has it; the
+    ``trainer.strategy.set_cost_model(ProfiledCostModel(profile, memory_limit=budget))`` when the
+    strategy has it, ``budget`` being this run's ``memory_limit_bytes`` or the documented default
+    (the cache stores measurements, not a run's budget); the
     profile and cost model also stay on the callback (:attr:`profile`, :attr:`cost_model`), as do
     :attr:`cache_status` and :attr:`profiling_s`. Rank 0 prints one line when profiling starts
     and one when it ends (or one for a cache hit).
@@ -51,7 +55,11 @@ class DCPProfiler(Callback):
         micro_batch_sizes: explicit micro-batch sizes (default by density).
         sp_sizes: explicit SP sizes (default: powers of two up to the world size dividing the
             heads under a strategy with ``sp_groups``; ``[1]`` otherwise).
-        memory_limit_bytes: usable bytes per device (default: CUDA total x 0.9, CPU 8 GiB).
+        memory_limit_bytes: usable bytes per device the planner may use: this run's budget, applied to a
+            cached profile too (default: CUDA total x 0.9, CPU 8 GiB; a cached profile's stored limit
+            is never used).
+        memory_limit_source: how errors name where ``memory_limit_bytes`` came from (default
+            ``"DCPProfiler(memory_limit_bytes=...)"``; e.g. a command-line flag).
         enabled: ``False`` turns the callback into a no-op.
         layers_attr: dotted name of the RecomputeLayers when the model has several.
         dataset: the dataset to draw micro-batches from (default: the train dataloader's dataset,
@@ -64,7 +72,8 @@ class DCPProfiler(Callback):
                  lengths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
                  sp_sizes: Sequence[int] | None = None, memory_limit_bytes: float | None = None, enabled: bool = True,
                  layers_attr: str | None = None, dataset: Any = None,
-                 step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, use_cache: bool = True):
+                 step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, use_cache: bool = True,
+                 memory_limit_source: str | None = None):
         if density not in DENSITIES:
             raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
         if time_budget_s is not None and time_budget_s < 0:
@@ -75,7 +84,10 @@ class DCPProfiler(Callback):
         self.lengths = list(lengths) if lengths is not None else None
         self.micro_batch_sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
         self.sp_sizes = list(sp_sizes) if sp_sizes is not None else None
+        if memory_limit_bytes is not None and not memory_limit_bytes > 0:
+            raise ValueError(f"memory_limit_bytes must be positive (bytes per device), got {memory_limit_bytes!r}")
         self.memory_limit_bytes = memory_limit_bytes
+        self.memory_limit_source = memory_limit_source
         self.enabled = enabled
         self.layers_attr = layers_attr
         self.dataset = dataset
@@ -100,12 +112,16 @@ class DCPProfiler(Callback):
             next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0])
         return getattr(loader, "dataset", loader)
 
-    def _key(self, trainer: Any, module: nn.Module) -> profile_cache.ProfileKey:
+    def _key(self, trainer: Any, module: nn.Module, data: Any) -> profile_cache.ProfileKey:
         from lightning_dcp._version import __version__
 
+        samples = Samples(data)
+        ends = sorted({min(samples.lengths), max(samples.lengths)})
+        picked = [(samples[samples.pick(n, 1)[1][0]], n) for n in ends]  # the shortest and the longest sample
         return profile_cache.ProfileKey(profile_cache.model_signature(module),
                                         profile_cache.device_name(trainer.strategy.root_device), str(trainer.precision),
-                                        trainer.world_size, __version__)
+                                        trainer.world_size, __version__,
+                                        profile_cache.inputs_signature(picked, self.layers_attr))
 
     def _sp_sizes(self, strategy: Any, pl_module: Any) -> list[int] | None:
         sp_groups = getattr(strategy, "sp_groups", None)
@@ -126,7 +142,7 @@ class DCPProfiler(Callback):
                 "memory_limit_bytes": self.memory_limit_bytes, "layers_attr": self.layers_attr,
                 "time_budget_s": self.time_budget_s, "use_cache": self.use_cache}
 
-    def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack) -> dict:
+    def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack, data: Any) -> dict:
         strategy = trainer.strategy
         path = profile_cache.profile_path(key, self.cache_dir) if self.use_cache else None
         budget = "no time budget" if self.time_budget_s is None else f"budget {self.time_budget_s:g} s"
@@ -134,11 +150,12 @@ class DCPProfiler(Callback):
                        + (f"cache {self.cache_status}, will write {path}" if path else "cache off"))
         optimizers = getattr(trainer, "optimizers", None) or [None]
         profile = profile_module(
-            pl_module, self._dataset(trainer), device=strategy.root_device, precision=str(trainer.precision),
+            pl_module, data, device=strategy.root_device, precision=str(trainer.precision),
             autocast=strategy.precision_plugin.train_step_context, step_fn=self.step_fn, optimizer=optimizers[0],
             group_for=getattr(getattr(strategy, "sp_groups", None), "group_for", None), lengths=self.lengths,
             micro_batch_sizes=self.micro_batch_sizes, sp_sizes=self._sp_sizes(strategy, pl_module), density=self.density,
-            time_budget_s=self.time_budget_s, memory_limit_bytes=self.memory_limit_bytes, layers_attr=self.layers_attr,
+            # the file records the device's own limit: a run's budget is applied when planning, not cached
+            time_budget_s=self.time_budget_s, memory_limit_bytes=None, layers_attr=self.layers_attr,
             key=key.to_dict(),
         )
         if self.use_cache and trainer.is_global_zero:
@@ -178,22 +195,24 @@ class DCPProfiler(Callback):
             return
         t0 = time.perf_counter()
         strategy = trainer.strategy
-        key = self._key(trainer, pl_module)
+        data = self._dataset(trainer)
+        key = self._key(trainer, pl_module, data)
         agree = getattr(strategy, "check_agreement_before_profiling", None)
         if callable(agree):  # before any collective: ranks that disagree stop with one clear error
-            agree(self._dataset(trainer), self._inputs(key))
+            agree(data, self._inputs(key))
         lookup = profile_cache.load_cached(key, self.cache_dir) if self.use_cache and trainer.is_global_zero else None
         status, profile = strategy.broadcast((lookup.status, lookup.profile) if lookup else ("off", None), src=0)
         self.cache_status = status
         self.cache_file = str(profile_cache.profile_path(key, self.cache_dir)) if self.use_cache else None
         if profile is None:
-            profile = self._measure(trainer, pl_module, key, stack)
+            profile = self._measure(trainer, pl_module, key, stack, data)
         self.profiling_s = time.perf_counter() - t0
         self.profile = profile
         from lightning_dcp.planning.profiled import ProfiledCostModel
 
-        # An explicit limit is a planning budget, not a measurement: it applies to cached profiles too.
-        self.cost_model = ProfiledCostModel(profile, memory_limit=self.memory_limit_bytes)
+        # The budget is this run's (argument or documented default), on a cache hit too.
+        limit, source = resolve_budget(strategy.root_device, self.memory_limit_bytes, self.memory_limit_source)
+        self.cost_model = ProfiledCostModel(profile, memory_limit=limit, memory_limit_source=source)
         set_cost_model = getattr(strategy, "set_cost_model", None)
         if callable(set_cost_model):
             set_cost_model(self.cost_model)

@@ -8,6 +8,12 @@ the full weights or the full optimizer state. States are taken and set with
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``set_model_state_dict`` and
 the optimizer's), so their keys are parameter names and a checkpoint loads on another world size.
 Every function here is collective: all ranks call it together.
+
+Saving is atomic: the states go to a sibling directory ``.<name>.partial`` and ``meta.pt`` is written
+last, after every rank's shards; only then does rank 0 move the finished directory to ``path`` (an
+earlier checkpoint there is moved aside first and deleted after). A process killed during a save
+therefore leaves the previous checkpoint at ``path`` untouched, and a directory without ``meta.pt``
+(an interrupted save) is refused by :func:`load_sharded` with an error that names it.
 """
 
 from __future__ import annotations
@@ -19,12 +25,32 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["METADATA_FILENAME", "is_sharded_checkpoint", "load_sharded", "model_state", "optimizer_state",
+__all__ = ["METADATA_FILENAME", "IncompleteCheckpointError", "is_sharded_checkpoint", "partial_path", "load_sharded", "model_state", "optimizer_state",
            "save_sharded"]
 
 #: The file of a sharded checkpoint directory holding everything but the model and optimizer states
 #: (the name Lightning's ``ModelParallelStrategy`` uses, so either strategy recognises the other's).
 METADATA_FILENAME = "meta.pt"
+
+
+class IncompleteCheckpointError(ValueError):
+    """A sharded checkpoint directory whose save did not finish (no ``meta.pt``)."""
+
+
+def partial_path(path: Path) -> Path:
+    """Where :func:`save_sharded` writes ``path`` until the save is complete."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def _aside_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.previous")
+
+
+def _remove(path: Path) -> None:
+    if path.is_file() or path.is_symlink():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -50,21 +76,27 @@ def optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
 def save_sharded(checkpoint: dict[str, Any], path: Path, *, rank: int, barrier: Any) -> None:
     """Write Lightning's ``checkpoint`` (built with :func:`model_state` / :func:`optimizer_state`) to the
     directory ``path``: the states through ``torch.distributed.checkpoint``, the rest to ``meta.pt``.
-    An earlier file or directory at ``path`` is replaced."""
+    An earlier file or directory at ``path`` is replaced once the new one is complete (see the module
+    docstring)."""
     from torch.distributed.checkpoint import save
 
+    partial = partial_path(path)
     if rank == 0:
-        if path.is_file() or path.is_symlink():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)
+        _remove(partial)  # a save interrupted earlier
+        partial.mkdir(parents=True)
     barrier()
     states = {"state_dict": checkpoint.pop("state_dict")}
     states.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    save(states, checkpoint_id=path)
+    save(states, checkpoint_id=partial)
+    barrier()  # every rank's shards are on disk before meta.pt marks the directory complete
     if rank == 0:
-        torch.save(checkpoint, path / METADATA_FILENAME)
+        torch.save(checkpoint, partial / METADATA_FILENAME)
+        aside = _aside_path(path)
+        _remove(aside)
+        if path.exists() or path.is_symlink():
+            path.rename(aside)
+        partial.rename(path)
+        _remove(aside)
     barrier()
 
 
@@ -73,6 +105,7 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], *, strict
     (in place); return the rest of Lightning's checkpoint (``meta.pt``).
 
     Raises:
+        IncompleteCheckpointError: ``path`` is a directory whose save was interrupted (no ``meta.pt``).
         ValueError: ``path`` is not a sharded checkpoint directory (e.g. a single file written without
             ``sharding="zero2"`` / ``"fsdp"``), naming the fix.
     """
@@ -80,6 +113,7 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], *, strict
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    _check_complete(path)
     if not is_sharded_checkpoint(path):
         kind = "a single file (written without sharded weights)" if path.is_file() else "not a sharded checkpoint"
         raise ValueError(f"{str(path)!r} is {kind}; DCPStrategy(sharding='zero2' | 'fsdp') resumes from the sharded "
@@ -94,3 +128,20 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], *, strict
         load(opt_states, checkpoint_id=path)
         set_optimizer_state_dict(module, getattr(opt, "_optimizer", opt), optim_state_dict=opt_states[key])
     return torch.load(path / METADATA_FILENAME, weights_only=False)
+
+
+def _check_complete(path: Path) -> None:
+    """Refuse an interrupted save by name (a ``.partial`` directory, or one without ``meta.pt``)."""
+    if path.is_dir() and not (path / METADATA_FILENAME).is_file():
+        final = path.with_name(path.name[1:-len(".partial")]) if path.name.startswith(".") and \
+            path.name.endswith(".partial") else path
+        raise IncompleteCheckpointError(
+            f"{str(path)!r} is an incomplete sharded checkpoint: its save was interrupted before "
+            f"{METADATA_FILENAME} was written, so its shards may be missing or torn. Resume from the last complete "
+            f"checkpoint instead ({str(final)!r} if it exists, or another one the checkpoint callback kept)")
+    if not path.exists():
+        aside = _aside_path(path)
+        if (aside / METADATA_FILENAME).is_file():
+            raise FileNotFoundError(
+                f"{str(path)!r} does not exist: a save replacing it was interrupted after the previous checkpoint "
+                f"was moved aside to {str(aside)!r}, which is complete; rename it back to {str(path)!r} to resume")

@@ -38,6 +38,7 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.lowered import LoweredMemory, lowered_limit
 from lightning_dcp.planning.padded import PaddedCostModel
 from lightning_dcp.runtime.faults import describe_item
+from lightning_dcp.planning.units import format_bytes
 
 __all__ = ["CHECKPOINT_KEY", "OOM_ERRORS", "OOMRecovery", "StepOutOfMemoryError", "sp_oom_message"]
 
@@ -72,7 +73,7 @@ def sp_oom_message(where: str, item: str, rank: int, timeout_s: float | None, ch
             f"collectives, so the step cannot be retried in process; the run stops (the partners fail when this rank "
             f"exits, at the latest after the collective time-out of {limit}). ")
     if checkpoint is not None:
-        lowered = (f"re-planned with the memory limit lowered to {memory_limit / 2**30:.3g} GiB"
+        lowered = (f"re-planned with the memory limit lowered to {format_bytes(memory_limit)}"
                    if memory_limit is not None else "re-planned by your planner with another step seed")
         return (head + f"The state before this step is saved in {checkpoint}: resume with trainer.fit(..., "
                 f"ckpt_path={checkpoint!r}) and this step is {lowered}; no sample is skipped or trained twice")

@@ -21,6 +21,7 @@ import torch
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
+from lightning_dcp.planning.units import describe_limit
 from lightning_dcp.runtime.lengths import check_lengths
 
 __all__ = ["DCPBatchSampler"]
@@ -181,7 +182,7 @@ class DCPBatchSampler:
                 raise PlanningError(
                     f"sample {idx} has {self.lengths[idx]} tokens, but the largest setting (SP size {self._max_sp}, all "
                     f"{getattr(self.cost_model, 'num_layers', '?')} layers recomputed) holds at most {self._max_len} "
-                    f"tokens within the memory limit of {getattr(self.cost_model, 'memory_limit', float('nan')) / 2**30:.2f} GiB; "
+                    f"tokens within the memory budget of {describe_limit(self.cost_model)}; "
                     "drop or split that sample (filter the dataset by length), or run on more ranks / larger devices"
                 )
 

@@ -57,6 +57,7 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.runtime.agreement import check_setup, planner_settings, setup_row
 from lightning_dcp.runtime.executor import StepExecutor, is_step_batch, world_all_gather
 from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, check_precision
+from lightning_dcp.runtime.exit import destroy_at_exit
 from lightning_dcp.sp.groups import SPGroups
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.loader import DCPDataLoader
@@ -250,6 +251,8 @@ class DCPStrategy(DDPStrategy):
             requested = 1
         self.sp_cap = resolve_sp_cap(requested, self.world_size, self.num_heads)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        if dist.is_available() and dist.is_initialized():
+            destroy_at_exit()
         self.sp_groups = SPGroups(self.world_size, self.global_rank, self.sp_cap.size, create=create,
                                   timeout=self._timeout)
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
@@ -662,4 +665,6 @@ class DCPStrategy(DDPStrategy):
             self.batch_sampler.shutdown()
         self.executor = None
         self.oom.clear()
+        if self.sp_groups is not None:
+            self.sp_groups.destroy()
         super().teardown()

@@ -141,6 +141,25 @@ def varlen_attention(
     Returns:
         ``[total_tokens, heads, head_dim]``, same dtype and device as ``q``.
     """
+    _check_varlen_inputs(q, k, v, cu_seqlens, backend)
+    max_seqlen = int(max_seqlen)
+    softcap = float(softcap) if softcap else None
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"varlen_attention: softcap must be positive (or None for no soft-capping), got {softcap}")
+
+    if backend == "auto":
+        backend = attention_backend(q.device, q.dtype)
+        if softcap is not None and backend == "torch-varlen":
+            backend = "sdpa"
+    if backend == "flash":
+        return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale, softcap=softcap)
+    if backend == "torch-varlen":
+        return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale, softcap=softcap)
+    return _sdpa_varlen(q, k, v, cu_seqlens, causal=causal, scale=scale, softcap=softcap)
+
+
+def _check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, backend: str) -> None:
+    """:func:`varlen_attention`'s argument checks (``ValueError`` naming the expected shapes)."""
     if backend not in BACKENDS:
         raise ValueError(f"varlen_attention: unknown backend={backend!r}; use one of {BACKENDS}.")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -158,50 +177,48 @@ def varlen_attention(
         raise ValueError(
             f"varlen_attention: cu_seqlens must be 1-D [num_segments + 1], got shape {tuple(cu_seqlens.shape)}."
         )
-    max_seqlen = int(max_seqlen)
-    softcap = float(softcap) if softcap else None
-    if softcap is not None and softcap < 0:
-        raise ValueError(f"varlen_attention: softcap must be positive (or None for no soft-capping), got {softcap}")
 
-    if backend == "auto":
-        backend = attention_backend(q.device, q.dtype)
-        if softcap is not None and backend == "torch-varlen":
-            backend = "sdpa"
-    if backend == "flash":
-        fn = _flash_varlen_func()
-        if fn is None:
-            raise RuntimeError(
-                "varlen_attention(backend='flash'): flash_attn is not importable; install flash-attn "
-                "(`pip install lightning-dcp[flash]`) or use backend='auto'."
-            )
-        _require_cuda_half(q, "flash")
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        extra: dict[str, Any] = {}
-        if softcap is not None:
-            if "softcap" not in _flash_varlen_params():
-                raise RuntimeError("varlen_attention(softcap=...): the installed flash_attn.flash_attn_varlen_func has no "
-                                   "softcap argument; upgrade flash-attn (>= 2.6) or use backend='sdpa'.")
-            extra["softcap"] = softcap
-        return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
-    if backend == "torch-varlen":
-        if softcap is not None:
-            raise RuntimeError("varlen_attention(backend='torch-varlen') has no logit soft-capping (softcap="
-                               f"{softcap}); use backend='auto', 'flash' or 'sdpa'.")
-        if not _torch_varlen_usable():
-            raise RuntimeError(
-                f"varlen_attention(backend='torch-varlen'): torch {torch.__version__} has no usable "
-                f"torch.nn.attention.varlen.varlen_attn; upgrade torch or use backend='auto'."
-            )
-        _require_cuda_half(q, "torch-varlen")
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        kwargs: dict[str, Any] = {"scale": scale}
-        if causal:
-            if "window_size" in _torch_varlen_params():
-                kwargs["window_size"] = (-1, 0)
-            else:
-                kwargs["is_causal"] = True
-        return _torch_varlen_func()(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
-    return _sdpa_varlen(q, k, v, cu_seqlens, causal=causal, scale=scale, softcap=softcap)
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                  causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """:func:`varlen_attention` on flash-attn's ``flash_attn_varlen_func``."""
+    fn = _flash_varlen_func()
+    if fn is None:
+        raise RuntimeError(
+            "varlen_attention(backend='flash'): flash_attn is not importable; install flash-attn "
+            "(`pip install lightning-dcp[flash]`) or use backend='auto'."
+        )
+    _require_cuda_half(q, "flash")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    extra: dict[str, Any] = {}
+    if softcap is not None:
+        if "softcap" not in _flash_varlen_params():
+            raise RuntimeError("varlen_attention(softcap=...): the installed flash_attn.flash_attn_varlen_func has no "
+                               "softcap argument; upgrade flash-attn (>= 2.6) or use backend='sdpa'.")
+        extra["softcap"] = softcap
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
+
+
+def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                  causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """:func:`varlen_attention` on ``torch.nn.attention.varlen.varlen_attn``."""
+    if softcap is not None:
+        raise RuntimeError("varlen_attention(backend='torch-varlen') has no logit soft-capping (softcap="
+                           f"{softcap}); use backend='auto', 'flash' or 'sdpa'.")
+    if not _torch_varlen_usable():
+        raise RuntimeError(
+            f"varlen_attention(backend='torch-varlen'): torch {torch.__version__} has no usable "
+            f"torch.nn.attention.varlen.varlen_attn; upgrade torch or use backend='auto'."
+        )
+    _require_cuda_half(q, "torch-varlen")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    kwargs: dict[str, Any] = {"scale": scale}
+    if causal:
+        if "window_size" in _torch_varlen_params():
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+    return _torch_varlen_func()(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 def _require_cuda_half(q: torch.Tensor, name: str) -> None:

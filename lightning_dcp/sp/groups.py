@@ -110,6 +110,15 @@ class SPGroups:
             )
         return self._groups[ranks]
 
+    def destroy(self) -> None:
+        """Destroy this rank's SP process groups (at teardown; a group left alive at interpreter exit can
+        abort the process from a C++ destructor after all work is done). Idempotent."""
+        groups, self._groups = list(self._groups.values()), {}
+        if dist.is_available() and dist.is_initialized():
+            for group in groups:
+                if group is not None:
+                    dist.destroy_process_group(group)
+
     def __len__(self) -> int:
         return len(self.blocks)
 

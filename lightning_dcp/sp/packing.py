@@ -85,26 +85,7 @@ def pack_samples(samples: Sequence[Mapping[str, Any]], pad_to_multiple: int = 1,
     padded = -(-total // pad_to_multiple) * pad_to_multiple
     pad = padded - total
 
-    out: dict[str, Any] = {}
-    for key in keys:
-        values = [s[key] for s in samples]
-        is_seq = [isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n for v, n in zip(values, lengths)]
-        if all(is_seq):
-            parts = list(values)
-            if pad:
-                ref = values[0]
-                parts.append(torch.full((pad, *ref.shape[1:]), pads.get(key, 0), dtype=ref.dtype, device=ref.device))
-            try:
-                out[key] = torch.cat(parts, dim=0)
-            except RuntimeError as err:
-                raise ValueError(f"cannot concatenate {key!r} across samples (shapes "
-                                 f"{[tuple(v.shape) for v in values]}): {err}") from None
-        elif any(is_seq):
-            raise ValueError(f"{key!r} is a sequence tensor in some samples and metadata in others (lengths {lengths}, "
-                             f"first dims {[getattr(v, 'shape', (None,))[:1] for v in values]}); make it one or the other")
-        else:
-            out[key] = values
-
+    out = _concatenated(samples, keys, lengths, pad, pads)
     seg_lens = lengths + ([pad] if pad else [])
     cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seg_lens, dtype=torch.int64), 0).to(torch.int32)
@@ -125,6 +106,32 @@ def pack_samples(samples: Sequence[Mapping[str, Any]], pad_to_multiple: int = 1,
         if len(sample_indices) != len(samples):
             raise ValueError(f"got {len(sample_indices)} sample_indices for {len(samples)} samples")
         out[SAMPLE_INDICES] = [int(i) for i in sample_indices]
+    return out
+
+
+def _concatenated(samples: Sequence[Mapping[str, Any]], keys: list[str], lengths: list[int], pad: int,
+                  pads: Mapping[str, Any]) -> dict[str, Any]:
+    """Each key's sequence tensors concatenated along dim 0 (plus ``pad`` rows of its pad value), or its
+    per-sample metadata as a list."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [s[key] for s in samples]
+        is_seq = [isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n for v, n in zip(values, lengths)]
+        if all(is_seq):
+            parts = list(values)
+            if pad:
+                ref = values[0]
+                parts.append(torch.full((pad, *ref.shape[1:]), pads.get(key, 0), dtype=ref.dtype, device=ref.device))
+            try:
+                out[key] = torch.cat(parts, dim=0)
+            except RuntimeError as err:
+                raise ValueError(f"cannot concatenate {key!r} across samples (shapes "
+                                 f"{[tuple(v.shape) for v in values]}): {err}") from None
+        elif any(is_seq):
+            raise ValueError(f"{key!r} is a sequence tensor in some samples and metadata in others (lengths {lengths}, "
+                             f"first dims {[getattr(v, 'shape', (None,))[:1] for v in values]}); make it one or the other")
+        else:
+            out[key] = values
     return out
 
 

@@ -6,11 +6,15 @@ group's SP size), among the groups whose SP size can hold it. Groups of one SP s
 interchangeable, so each SP class keeps a heap of loads and a unit looks at one head per class:
 O(units x classes x log groups). Extra trials repeat the greedy on seeded, slightly perturbed
 orders (Hydraulis shuffles); the trial with the lowest makespan wins.
+
+Also here: :func:`fill_costs`, the dispatch costs of units on groups larger than the SP size
+they prefer (on all the group's ranks, or as a fill on a sub-group).
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -66,15 +70,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         by_class.setdefault(p, []).append(g)
     present = sorted(by_class)
     rows = [row_of[p] for p in present]
-    if costT is None:
-        colsT = cost.T.tolist()  # units x classes as Python floats: fast scalar access
-    else:
-        colsT = costT
-    if floor is None:
-        floorT = None
-    else:
-        floorT = floorT_all if floorT_all is not None else floor.T.tolist()
-    inf = float("inf")
+    colsT = cost.T.tolist() if costT is None else costT  # units x classes as Python floats: fast scalar access
+    floorT = None if floor is None else (floorT_all if floorT_all is not None else floor.T.tolist())
     best = None
     cut_any = False
     for t in range(max(1, trials)):
@@ -82,105 +79,141 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             order = np.argsort(-order_key, kind="stable")
         else:
             order = np.argsort(-order_key * rng.uniform(0.85, 1.15, size=n), kind="stable")
-        heaps = [[(0.0, g) for g in by_class[p]] for p in present]
-        members: list[list[int]] = [[] for _ in layout]
-        loads = [0.0] * len(layout)
-        spread = [0.0] * len(layout)
-        flo = [0.0] * len(layout)
-        own = [0.0] * len(layout)
-        ok = True
-        cut = False
-        kr = list(enumerate(rows))  # (heap index, row of cost)
-        heapreplace = heapq.heapreplace
-        olist = order.tolist()
         seq = None
         if chunk > 0 and n > 8 * len(layout):
-            ng = chunk_groups or len(layout)
-            if t == 0 and chunk_cache is not None:
-                ck = (ng, floor is not None)
-                if ck not in chunk_cache:
-                    chunk_cache[ck] = _chunks(cost, floor, order, ng, chunk)
-                seq = chunk_cache[ck]
-            else:
-                seq = _chunks(cost, floor, order, ng, chunk)
-        if seq is None:
-            seq_c = [colsT[i] for i in olist]
-            seq_f = [floorT[i] for i in olist] if floorT is not None else None
-            seq_m = None
-        else:
-            head, cc, cf, starts = seq
-            seq_c = cc + [colsT[i] for i in olist[head:]]
-            seq_f = (cf + [floorT[i] for i in olist[head:]]) if floorT is not None else None
-            bounds = starts + [head]
-            seq_m = [olist[bounds[j]:bounds[j + 1]] for j in range(len(starts))]
-        nhead = len(seq_m) if seq_m is not None else 0
-        shift = (seq[0] - nhead) if seq is not None else 0  # seq_c[u], u >= nhead, is unit olist[u + shift]
-        for u in range(len(seq_c)):
-            c = seq_c[u]
-            bk, bval, br = -1, inf, -1
-            if seq_f is None:
-                for k, r in kr:
-                    ck = c[r]
-                    if ck == inf:
-                        continue
-                    v = heaps[k][0][0] + ck
-                    if v < bval:
-                        bk, bval = k, v
-            else:
-                f = seq_f[u]
-                for k, r in kr:
-                    ck = c[r]
-                    if ck == inf:
-                        continue
-                    g0 = heaps[k][0][1]
-                    v = spread[g0] + ck  # max(spread + cost, own units + longest fill)
-                    fu = f[r]
-                    fl = flo[g0]
-                    if not fills_after_own:
-                        fv = fu if fu > fl else fl
-                    elif fu > 0.0:  # a fill: runs after the group's own units
-                        fv = own[g0] + (fu if fu > fl else fl)
-                    else:
-                        fv = own[g0] + ck + fl
-                    if fv > v:
-                        v = fv
-                    if v < bval:
-                        bk, bval, br = k, v, r
-            if bk < 0:
-                ok = False
-                break
-            if bval >= cutoff:
-                cut = True
-                break
-            h = heaps[bk]
-            g = h[0][1]
-            heapreplace(h, (bval, g))  # pop the head, push it back with its new load
-            if u < nhead:
-                members[g].extend(seq_m[u])  # type: ignore[index]
-            else:
-                members[g].append(olist[u + shift])
-            loads[g] = bval
-            if seq_f is not None:
-                spread[g] += c[br]
-                fb = f[br]
-                if fb > 0.0:
-                    if fb > flo[g]:
-                        flo[g] = fb
-                else:
-                    own[g] += c[br]
-        if not ok:
+            seq = _trial_chunks(cost, floor, order, chunk_groups or len(layout), chunk, chunk_cache if t == 0 else None)
+        units = _unit_sequence(order.tolist(), seq, colsT, floorT)
+        got = _greedy_pass(units, [[(0.0, g) for g in by_class[p]] for p in present], rows, len(layout),
+                           fills_after_own, cutoff)
+        if got is None:  # a unit fits no group
             continue
-        if cut:
+        if got is _CUT:
             cut_any = True
             continue
+        members, loads = got
         span = max(loads) if loads else 0.0
         if best is None or span < best[2] * (1 - 1e-12):
             best = (members, loads, span)
     if best is None:
         if cut_any:
-            return None, None, inf  # type: ignore[return-value]
+            return None, None, float("inf")  # type: ignore[return-value]
         raise ValueError("a unit fits no group of the layout")
     return best
+
+
+def _trial_chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngroups: int, chunk: float,
+                  chunk_cache: dict | None):
+    """:func:`_chunks` of one trial's order, kept in ``chunk_cache`` (the first trial's) when given."""
+    if chunk_cache is None:
+        return _chunks(cost, floor, order, ngroups, chunk)
+    ck = (ngroups, floor is not None)
+    if ck not in chunk_cache:
+        chunk_cache[ck] = _chunks(cost, floor, order, ngroups, chunk)
+    return chunk_cache[ck]
+
+
+_CUT = object()
+"""What :func:`_greedy_pass` returns when a group's load reached the cutoff."""
+
+
+@dataclass
+class _Units:
+    """Units in dispatch order: ``cost[u]`` (and ``floor[u]``) per class row; the first ``nhead``
+    are chunks with unit lists ``chunk_members``; unit ``u >= nhead`` is ``order[u + shift]``."""
+
+    cost: list
+    floor: list | None
+    chunk_members: list[list[int]] | None
+    nhead: int
+    shift: int
+    order: list[int]
+
+
+def _unit_sequence(olist: list[int], seq, colsT: list, floorT: list | None) -> _Units:
+    """The dispatch sequence of one trial: ``olist``'s units, its head merged into ``seq``'s chunks if any."""
+    if seq is None:
+        seq_c = [colsT[i] for i in olist]
+        seq_f = [floorT[i] for i in olist] if floorT is not None else None
+        seq_m = None
+    else:
+        head, cc, cf, starts = seq
+        seq_c = cc + [colsT[i] for i in olist[head:]]
+        seq_f = (cf + [floorT[i] for i in olist[head:]]) if floorT is not None else None
+        bounds = starts + [head]
+        seq_m = [olist[bounds[j]:bounds[j + 1]] for j in range(len(starts))]
+    nhead = len(seq_m) if seq_m is not None else 0
+    shift = (seq[0] - nhead) if seq is not None else 0  # seq_c[u], u >= nhead, is unit olist[u + shift]
+    return _Units(seq_c, seq_f, seq_m, nhead, shift, olist)
+
+
+def _greedy_pass(units: _Units, heaps: list[list[tuple[float, int]]], rows: list[int], ngroups: int,
+                 fills_after_own: bool, cutoff: float):
+    """One longest-first pass: each unit to the group (one heap per SP class) where it finishes earliest.
+
+    Returns ``(members, loads)``, None when a unit fits no group, or ``_CUT`` at the cutoff.
+    """
+    seq_c, seq_f, seq_m, nhead, shift, olist = (units.cost, units.floor, units.chunk_members, units.nhead,
+                                                units.shift, units.order)
+    inf = float("inf")
+    members: list[list[int]] = [[] for _ in range(ngroups)]
+    loads = [0.0] * ngroups
+    spread = [0.0] * ngroups
+    flo = [0.0] * ngroups
+    own = [0.0] * ngroups
+    kr = list(enumerate(rows))  # (heap index, row of cost)
+    heapreplace = heapq.heapreplace
+    for u in range(len(seq_c)):
+        c = seq_c[u]
+        bk, bval, br = -1, inf, -1
+        if seq_f is None:
+            for k, r in kr:
+                ck = c[r]
+                if ck == inf:
+                    continue
+                v = heaps[k][0][0] + ck
+                if v < bval:
+                    bk, bval = k, v
+        else:
+            f = seq_f[u]
+            for k, r in kr:
+                ck = c[r]
+                if ck == inf:
+                    continue
+                g0 = heaps[k][0][1]
+                v = spread[g0] + ck  # max(spread + cost, own units + longest fill)
+                fu = f[r]
+                fl = flo[g0]
+                if not fills_after_own:
+                    fv = fu if fu > fl else fl
+                elif fu > 0.0:  # a fill: runs after the group's own units
+                    fv = own[g0] + (fu if fu > fl else fl)
+                else:
+                    fv = own[g0] + ck + fl
+                if fv > v:
+                    v = fv
+                if v < bval:
+                    bk, bval, br = k, v, r
+        if bk < 0:
+            return None
+        if bval >= cutoff:
+            return _CUT
+        h = heaps[bk]
+        g = h[0][1]
+        heapreplace(h, (bval, g))  # pop the head, push it back with its new load
+        if u < nhead:
+            members[g].extend(seq_m[u])  # type: ignore[index]
+        else:
+            members[g].append(olist[u + shift])
+        loads[g] = bval
+        if seq_f is not None:
+            spread[g] += c[br]
+            fb = f[br]
+            if fb > 0.0:
+                if fb > flo[g]:
+                    flo[g] = fb
+            else:
+                own[g] += c[br]
+    return members, loads
 
 
 def _chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngroups: int, chunk: float):
@@ -211,3 +244,26 @@ def _chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngrou
     cc = np.add.reduceat(cost[:, oh], starts, axis=1).T.tolist()
     cf = np.maximum.reduceat(floor[:, oh], starts, axis=1).T.tolist() if floor is not None else None
     return head, cc, cf, starts.tolist()
+
+
+def fill_costs(times: np.ndarray, pref: np.ndarray, cols: np.ndarray, gpu_s: np.ndarray,
+               classes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dispatch costs of units on groups of each SP class, and the floors fills impose.
+
+    ``times[k, i]``: unit i's time on a group of ``classes[k]`` ranks; ``pref[i]``: the class it
+    prefers; ``gpu_s[i]``: its GPU-seconds at that class. On a larger class than it prefers, a
+    unit either runs on all the group's ranks (``times``) or as a fill on a sub-group of its own
+    size, costing the group its GPU-seconds spread over the ranks (whichever is cheaper); a fill
+    still lasts its own time, returned as the floor ``F``. Returns ``(C, F, own_time)``.
+    """
+    C = times.copy()
+    F = np.zeros_like(times)
+    own = times[pref, cols]
+    for k in range(1, len(classes)):
+        fill = pref < k
+        if fill.any():
+            spread = gpu_s[fill] / classes[k]
+            use = spread < times[k, fill]
+            C[k, fill] = np.where(use, spread, times[k, fill])
+            F[k, fill] = np.where(use, own[fill], 0.0)
+    return C, F, own

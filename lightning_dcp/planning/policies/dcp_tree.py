@@ -1,0 +1,199 @@
+"""dcp's buddy-tree search (step 6 of :mod:`~lightning_dcp.planning.policies.dcp`): a step as a tree of SP groups.
+
+A buddy tree (:class:`~lightning_dcp.planning.policies.tree.BuddyTree`) is a hierarchy of aligned
+blocks that split over the step: a block runs its own micro-batches on all its ranks, then its
+two halves go on independently, to any depth. :class:`BuddyTreeSearch` places every sample on a
+node by a deadline greedy (the cheapest SP size that still ends by a deadline just above the
+step bound), packs each node's samples exactly, and refines the placement -- and the layout
+plan's, itself a two-level tree -- by moving and swapping samples off the critical path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from lightning_dcp.planning.policies.base import interleave_items
+from lightning_dcp.planning.policies.tree import BuddyTree
+
+TREE_SLACK = 0.005
+"""dcp keeps its layout plan without trying buddy-tree schedules when that plan is within this fraction of the step bound."""
+
+TREE_DEADLINES = (1.0, 1.02, 1.05, 1.1, 1.2)
+"""Deadlines of the buddy-tree greedy, as multiples of the step bound's compute part (larger ones never won
+on the benchmark grid)."""
+
+TREE_REFINE_WIDTH = 8
+"""Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
+
+
+class BuddyTreeSearch:
+    """Mixin of :class:`~lightning_dcp.planning.policies.dcp.DCPPolicy`: buddy-tree schedules of one step.
+
+    Uses the policy's ``world_size``, ``classes`` (SP sizes), ``view``, ``budget`` (token budget
+    per SP size), ``refine_rounds`` and its packer ``_pack`` (from
+    :class:`~lightning_dcp.planning.policies.dcp_schedule.LayoutScheduler`).
+    """
+
+    _tree: BuddyTree | None = None
+
+    def _tree_schedule(self, L: np.ndarray, E: np.ndarray, floor: float, span: float, blocks: list):
+        """A buddy-tree schedule of the step (:mod:`~lightning_dcp.planning.policies.tree`) if it beats ``span``.
+
+        Tries the deadlines ``floor x TREE_DEADLINES`` (``floor``: the step bound's compute
+        part), keeps the lowest exact span, then moves samples off its critical path while that
+        lowers the span (:meth:`_tree_refine`); the layout plan (``blocks``: its groups, then
+        their fills on sub-blocks, is a tree schedule too) is refined the same way. Returns
+        ``(item lists per level, largest SP first; span; SP size of every node that runs
+        items)``, or None when no tree schedule is faster than ``span``.
+        """
+        if self._tree is None:
+            self._tree = BuddyTree(self.world_size, self.classes)
+        tree = self._tree
+        Ll = self._Ll
+        var, const = [], []
+        for p in self.classes:
+            v, c = self.view.split_costs(L, p)
+            var.append(v.tolist())
+            const.append(c.tolist())
+        order = np.argsort(-L, kind="stable").tolist()
+        best = None
+        for f in TREE_DEADLINES:
+            for best_fit in (False, True):
+                where = tree.assign(var, const, Ll, self.budget, order, floor * f, best_fit=best_fit)
+                packs, own = self._tree_realize(tree, where, L, E)
+                got = tree.span(own)
+                if best is None or got < best[0] * (1 - 1e-9):
+                    best = (got, where, packs, own)
+            if best[0] <= floor * (1 + TREE_SLACK):
+                break
+        if self.refine_rounds:
+            got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
+            best = (got, where, packs, own)
+            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well
+            node = {(tree.offset[v], tree.size[v]): v for v in range(len(tree.size))}
+            where = [-1] * len(Ll)
+            for blk in blocks:
+                for ranks, idx, _ in blk:
+                    v = node[(ranks[0], len(ranks))]
+                    for i in idx:
+                        where[i] = v
+            packs, own = self._tree_realize(tree, where, L, E)
+            got, where, packs, own = self._tree_refine(tree, where, packs, own, L, E, var)
+            if got < best[0] * (1 - 1e-9):
+                best = (got, where, packs, own)
+        got, where, packs, own = best  # type: ignore[misc]
+        if got >= span * (1 - 1e-9):
+            return None
+        levels: dict[int, list[list]] = {}
+        nodes = sorted(packs, key=lambda u: (-tree.size[u], tree.offset[u]))
+        for v in nodes:
+            ranks = tree.ranks(v)
+            levels.setdefault(tree.size[v], []).append([(ranks, idx, rec) for idx, rec, _ in packs[v]])
+        return [interleave_items(levels[p]) for p in sorted(levels, reverse=True)], got, [tree.size[v] for v in nodes]
+
+    def _tree_realize(self, tree: BuddyTree, where: Sequence[int], L: np.ndarray, E: np.ndarray):
+        """Micro-batches of every node that holds samples, and every node's exact own time."""
+        members: dict[int, list[int]] = {}
+        for i, v in enumerate(where):
+            members.setdefault(v, []).append(i)
+        own = [0.0] * len(tree.size)
+        packs = {}
+        for v, mem in members.items():
+            packs[v] = self._pack(mem, tree.size[v], L, E)
+            own[v] = sum(t for _, _, t in packs[v])
+        return packs, own
+
+    def _tree_refine(self, tree: BuddyTree, where: list[int], packs: dict, own: list[float], L: np.ndarray,
+                     E: np.ndarray, var: list[list[float]]):
+        """Move or swap samples off the critical path of a tree schedule while that lowers its exact span.
+
+        Each round looks at the nodes on the slowest root-to-leaf paths and, for their samples,
+        at moves to the three least-loaded nodes of each SP size that holds them (off those
+        paths) and at swaps with the samples there, ranked by the estimated span of the pair
+        afterwards (own times, ``var``); it makes the first of the best six that lowers the
+        exact span (both nodes re-packed).
+        """
+        where = list(where)
+        members: dict[int, list[int]] = {}
+        for i, v in enumerate(where):
+            members.setdefault(v, []).append(i)
+        span = tree.span(own)
+        spread = tree.spread(own)
+        tried: set[tuple[int, int, int, int]] = set()
+        for _ in range(self.refine_rounds):
+            cands = self._tree_moves(tree, members, tree.through(own), span, var, L, tried)
+            moved = False
+            for _, _, s_, i, d, j in cands[:6]:
+                tried.add((s_, i, d, j))
+                src = [x for x in members[s_] if x != i] + ([j] if j >= 0 else [])
+                dst = [x for x in members.get(d, []) if x != j] + [i]
+                ps = self._pack(src, tree.size[s_], L, E) if src else []
+                pd = self._pack(dst, tree.size[d], L, E)
+                new = list(own)
+                new[s_] = sum(t for _, _, t in ps)
+                new[d] = sum(t for _, _, t in pd)
+                got = tree.span(new)
+                sq = tree.spread(new)
+                if got < span * (1 - 1e-9) or (got <= span and sq < spread * (1 - 1e-9)):
+                    spread = sq
+                    members[s_], members[d] = src, dst
+                    packs[d] = pd
+                    if src:
+                        packs[s_] = ps
+                    else:
+                        packs.pop(s_, None)
+                        members.pop(s_)
+                    own, span = new, got
+                    where[i] = d
+                    if j >= 0:
+                        where[j] = s_
+                    moved = True
+                    break
+            if not moved:
+                break
+        return span, where, packs, own
+
+    def _tree_moves(self, tree: BuddyTree, members: dict[int, list[int]], thr: list[float], span: float,
+                    var: list[list[float]], L: np.ndarray, tried: set) -> list[tuple]:
+        """Candidate moves and swaps off the critical paths, best estimated span first.
+
+        Each is ``(estimated span, -length, source node, sample, destination node, swapped sample or -1)``
+        (see :meth:`_tree_refine`); ``thr[v]`` is the slowest root-to-leaf path through node ``v``.
+        """
+        inf = math.inf
+        kof = {p: k for k, p in enumerate(self.classes)}
+        anc = tree.ancestors
+        cut = span * (1 - 1e-12)
+        crit = [v for v in members if thr[v] >= cut]
+        # per SP size, its least-loaded nodes off the critical paths (destinations)
+        light = {p: sorted((u for u in nodes if thr[u] < cut), key=lambda u: (thr[u], u))[:3 + len(crit)]
+                 for p, nodes in tree.level.items() if p in kof}
+        cands = []
+        for s_ in crit:
+            rs = var[kof[tree.size[s_]]]
+            mine = sorted(members[s_], key=lambda i: (-rs[i], i))[:TREE_REFINE_WIDTH]
+            for p, nodes in light.items():
+                rd = var[kof[p]]
+                dests = [u for u in nodes if s_ not in anc[u] and u not in anc[s_]][:3]
+                for d in dests:
+                    theirs = sorted(members.get(d, ()), key=lambda j: (-rd[j], j))[:TREE_REFINE_WIDTH]
+                    for i in mine:
+                        ti = rd[i]
+                        if ti == inf:
+                            continue
+                        gain = rs[i]
+                        est = thr[d] + ti
+                        if est < span and (s_, i, d, -1) not in tried:
+                            cands.append((max(est, span - gain), -int(L[i]), s_, i, d, -1))
+                        for j in theirs:
+                            back = rs[j]
+                            if back == inf or back >= gain:
+                                continue
+                            e2 = max(span - gain + back, thr[d] - rd[j] + ti)
+                            if e2 < span and (s_, i, d, j) not in tried:
+                                cands.append((e2, -int(L[i]), s_, i, d, j))
+        cands.sort()
+        return cands

@@ -1,0 +1,36 @@
+"""A clean interpreter exit for every backend and launcher.
+
+A process group still alive when the interpreter exits can abort the process from a C++ static
+destructor after all work is done (``terminate called without an active exception``, exit by SIGABRT):
+measured with a torch-only script that initialises gloo, creates one ``new_group`` and exits, a rank
+aborted in a few of every 30 launches, and in none once ``destroy_process_group()`` ran first. Under a
+spawn launcher that turns a finished fit into ``ProcessExitedException`` in the main process.
+
+Lightning registers the default group's destruction at exit for NCCL only; the strategy registers it
+for every backend (:func:`destroy_at_exit`) and destroys its own SP groups at teardown
+(:meth:`~lightning_dcp.sp.groups.SPGroups.destroy`).
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import torch.distributed as dist
+
+__all__ = ["destroy_at_exit"]
+
+_registered = False
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group (and with it every group left) when the interpreter exits.
+    Registered once per process; a no-op at exit if someone destroyed the group before."""
+    global _registered
+    if not _registered:
+        atexit.register(_destroy_default_group)
+        _registered = True

@@ -1,0 +1,198 @@
+"""Per-layer sharding (``sharding="hsdp"``) in planning: lockstep rounds of a shard group
+(:mod:`lightning_dcp.planning.rounds`), the memory and time of :class:`ShardGroupCostModel`, the planner's
+round alignment, the simulator's lockstep span, the CLI, and the large-model presets."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dcp import cli
+from lightning_dcp.planning.analytic import AnalyticCostModel
+from lightning_dcp.planning.hardware import get_hardware
+from lightning_dcp.planning.models import get_model
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, check_deadlock_free
+from lightning_dcp.planning.planner import Planner
+from lightning_dcp.planning.rounds import align_rounds, check_shard_groups, lockstep_rounds, round_span, shard_groups
+from lightning_dcp.planning.shard_group import ShardGroupCostModel, hsdp_view
+from lightning_dcp.planning.simulator import simulate
+from lightning_dcp.planning.state_sharding import state_bytes
+
+H100 = get_hardware("h100")
+
+
+@st.composite
+def steps(draw, max_world=16):
+    """A deadlock-free step: items on aligned power-of-two blocks, in a global order."""
+    world = draw(st.sampled_from([w for w in (2, 4, 8, 16) if w <= max_world]))
+    k = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16) if d <= world and world % d == 0]))
+    n = draw(st.integers(1, 24))
+    items, sample = [], 0
+    for _ in range(n):
+        sp = draw(st.sampled_from([p for p in (1, 2, 4) if p <= k]))
+        start = draw(st.integers(0, world // sp - 1)) * sp
+        length = draw(st.integers(1, 5000))
+        items.append(WorkItem(tuple(range(start, start + sp)), (sample,), (length,), draw(st.integers(0, 3))))
+        sample += 1
+    return world, k, StepPlan(tuple(items))
+
+
+def _per_rank(step, world):
+    return {r: [id(it) for it in step.items if r in it.ranks] for r in range(world)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_rounds_keep_order_run_sp_items_together_and_one_item_per_rank(case):
+    world, k, step = case
+    groups = lockstep_rounds(step, world, k)
+    assert [g.ranks for g in groups] == shard_groups(world, k)
+    seen = sorted(i for g in groups for rnd in g.rounds for i in rnd)
+    assert seen == list(range(len(step.items)))  # every item once
+    for g in groups:
+        for rnd in g.rounds:
+            assert rnd, "a round without an item"
+            ranks = [r for i in rnd for r in step.items[i].ranks]
+            assert len(ranks) == len(set(ranks)), "a rank runs two items in one round"
+            assert set(ranks) <= set(g.ranks)
+        per_rank_rounds = {r: [n for n, rnd in enumerate(g.rounds) for i in rnd if r in step.items[i].ranks]
+                           for r in g.ranks}
+        for r, rounds in per_rank_rounds.items():  # each rank's items keep the plan's order
+            items = [i for i in range(len(step.items)) if r in step.items[i].ranks]
+            assert rounds == sorted(rounds) and len(rounds) == len(items)
+        most = max((len(v) for v in per_rank_rounds.values()), default=0)
+        assert g.num_rounds >= most
+        assert g.dummies(step) == len(g.ranks) * g.num_rounds - sum(step.items[i].sp_size for rnd in g.rounds
+                                                                     for i in rnd)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_alignment_moves_no_item_to_another_rank_and_stays_deadlock_free(case):
+    world, k, step = case
+    aligned = align_rounds(step, world, k, lambda it: float(sum(it.lengths)))
+    assert sorted(aligned.items, key=lambda it: it.samples) == sorted(step.items, key=lambda it: it.samples)
+    check_deadlock_free(aligned, world)
+    first_sp1 = [n for n, it in enumerate(aligned.items) if it.sp_size == 1]
+    last_sp = [n for n, it in enumerate(aligned.items) if it.sp_size > 1]
+    groups_of = [it.ranks[0] // k for it in aligned.items]
+    assert groups_of == sorted(groups_of)
+    if first_sp1 and last_sp and k == world:
+        assert max(last_sp) < min(first_sp1)  # SP items open the rounds
+
+
+@settings(max_examples=200, deadline=None)
+@given(world=st.sampled_from([2, 4, 8]), data=st.data())
+def test_alignment_never_lengthens_sp1_rounds(world, data):
+    """SP-1 items only: the i-th costliest items of every rank share round i, which no other order beats."""
+    costs = {r: data.draw(st.lists(st.integers(1, 1000), max_size=6), label=f"rank {r}") for r in range(world)}
+    items, s = [], 0
+    order = [(r, c) for r in range(world) for c in costs[r]]
+    random.Random(data.draw(st.integers(0, 99))).shuffle(order)
+    for r, c in order:
+        items.append(WorkItem((r,), (s,), (c,), 0))
+        s += 1
+    step = StepPlan(tuple(items))
+    cost = lambda it: float(it.lengths[0])  # noqa: E731
+    span = lambda st_: sum(round_span(g, [cost(it) for it in st_.items]) for g in lockstep_rounds(st_, world, world))  # noqa: E731
+    aligned = align_rounds(step, world, world, cost)
+    assert span(aligned) <= span(step)
+    assert span(aligned) == sum(max((sorted(v, reverse=True)[i] if i < len(v) else 0) for v in costs.values())
+                                for i in range(max(map(len, costs.values()), default=0)))
+
+
+def test_an_item_across_two_shard_groups_is_refused_by_name():
+    step = StepPlan((WorkItem((0, 1, 2, 3), (0,), (10,), 0),))
+    with pytest.raises(PlanError, match=r"ranks \[0, 1, 2, 3\].*spans two shard groups of 2 ranks.*max_sp_size at 2"):
+        check_shard_groups(step, 4, 2)
+    with pytest.raises(PlanError, match="must be a positive divisor of the world size"):
+        shard_groups(8, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(w=st.floats(1, 1e11), g=st.floats(1, 1e11), o=st.floats(1, 1e12), b=st.floats(0, 1e9),
+       layer=st.floats(0, 1e9), root=st.floats(0, 1e9), world=st.sampled_from([8, 16, 64, 256]))
+def test_hsdp_state_formula(w, g, o, b, layer, root, world):
+    parts = {"weights": w, "gradients": g, "optimizer": o, "buffers": b}
+    flight = 2 * root + 4 * layer
+    by_k = [state_bytes("hsdp", world, shard_group_size=k, layer_bytes=layer, root_bytes=root, **parts)
+            for k in (1, 2, 4, 8)]
+    assert by_k == sorted(by_k, reverse=True)  # larger shard groups hold less
+    zero3 = state_bytes("hsdp", world, layer_bytes=layer, root_bytes=root, **parts)
+    assert zero3 == pytest.approx((w + g + o) / world + b + flight)
+    assert state_bytes("hsdp", world, at_rest=True, **parts) == pytest.approx((w + g + o) / world + b)
+    offload = state_bytes("hsdp", world, shard_group_size=8, layer_bytes=layer, root_bytes=root, offload=True, **parts)
+    assert offload == pytest.approx(b + flight) and offload <= by_k[-1]
+    # inside the loop ZeRO-3 holds (W+G+O)/N plus the layers in flight, never W+G as zero2/fsdp do
+    assert zero3 < state_bytes("fsdp", world, **parts) or flight >= w + g
+
+
+def test_shard_group_view_memory_time_and_sp_cap():
+    base = AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="none")
+    cm = hsdp_view(base, 8)
+    assert isinstance(cm, ShardGroupCostModel) and cm.shard_group_size == 8 and cm.sharding == "hsdp"
+    assert max(cm.sp_sizes(32)) == 8 and max(base.sp_sizes(32)) == 8  # 40 heads: SP <= 8 either way
+    lengths = [20000, 3000]
+    assert cm.item_memory(lengths, 2, 0) == pytest.approx(base.item_memory(lengths, 2, 0) - base.state_bytes
+                                                          + cm.state_bytes)
+    assert cm.item_memory_tokens(23000, 2, 0) == pytest.approx(cm.item_memory(lengths, 2, 0))
+    assert cm.item_time(lengths, 2, 1) == pytest.approx(cm.round_time(base.item_time(lengths, 2, 1)))
+    assert cm.item_cost(lengths, 2, 1).total == pytest.approx(cm.item_time(lengths, 2, 1))
+    assert cm.item_time_sum(23000, base.attention_work(20000) + base.attention_work(3000), 2, 2, 1) == \
+        pytest.approx(cm.item_time(lengths, 2, 1))
+    assert cm.state_bytes < AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="zero1").state_bytes
+    c = cm.layer_collective_s()
+    assert c > 0 and cm.round_time(0.0) == pytest.approx(cm.num_layers * c + c)  # a round of dummies: comm only
+    assert cm.round_time(10.0) == pytest.approx(10.0 + c)  # a long round hides all but the first gather
+    assert hsdp_view(base, 1).layer_collective_s() == 0.0
+    assert hsdp_view(base, 32).layer_collective_s() > c  # across nodes the gathers are slower
+    off = hsdp_view(base, 8, offload=True)
+    assert off.state_bytes < cm.state_bytes and off.layer_collective_s() > c and off.step_overhead(32) > cm.step_overhead(32)
+
+
+def test_planned_hsdp_steps_stay_in_their_groups_and_pay_for_lockstep():
+    base = AnalyticCostModel(get_model("wan-14b"), H100, 16, sharding="none")
+    cm = hsdp_view(base, 8)
+    lengths = [random.Random(i).choice([2000, 8000, 30000, 75000]) for i in range(40)]
+    plan = Planner(16, cm, "dcp").plan(lengths, global_batch_tokens=400_000)
+    for step in plan.steps:
+        check_shard_groups(step, 16, 8)
+        assert all(cm.fits(it.lengths, it.sp_size, it.recompute) for it in step.items)
+    sim = simulate(plan, cm)
+    free_running = simulate(plan, base.with_sharding({"sharding": "zero1", "world_size": 16,
+                                                      **base.full_state_parts}), check=False)
+    assert all(a >= b for a, b in zip(sim.compute_spans, free_running.compute_spans))  # lockstep only adds
+
+
+def test_presets_for_models_that_do_not_fit_one_gpu():
+    llama = get_model("llama-70b")
+    assert llama.params() == pytest.approx(68.98e9, rel=1e-3)  # grouped-query attention: 8 KV heads
+    hunyuan = get_model("hunyuanvideo-13b")
+    assert hunyuan.params() == pytest.approx(12.97e9, rel=1e-3)
+    assert hunyuan.layer_params() < hunyuan.stored_layer_params  # FLOPs use the weights a token passes
+    for name, world in (("llama-70b", 64), ("hunyuanvideo-13b", 32)):
+        none = AnalyticCostModel(get_model(name), H100, world, sharding="none")
+        assert none.state_bytes > H100.memory_bytes  # one replica's states do not fit one GPU
+        assert hsdp_view(none, world).state_bytes < H100.usable_memory_bytes
+
+
+def test_cli_simulates_and_plans_hsdp(tmp_path, capsys):
+    assert cli.main(["simulate", "--model", "wan-14b", "--dataset", "wan", "--world-size", "16", "--num-steps", "1",
+                     "--policies", "dcp", "--sharding", "hsdp", "--shard-group-size", "auto", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "shard group 8:" in out and "best shard group size:" in out and "sharding hsdp over shard groups of" in out
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([4000, 30000, 12000, 800] * 6))
+    plan_file = tmp_path / "plan.json"
+    assert cli.main(["plan", "--lengths", str(lengths), "--out", str(plan_file), "--world-size", "8", "--model",
+                     "wan-14b", "--sharding", "hsdp", "--shard-group-size", "4"]) == 0
+    plan = Plan.from_json(plan_file.read_text())
+    for step in plan.steps:
+        check_shard_groups(step, 8, 4)
+    assert cli.main(["plan", "--lengths", str(lengths), "--out", str(plan_file), "--world-size", "8",
+                     "--shard-group-size", "4"]) != 0
+    assert "apply to --sharding hsdp only" in capsys.readouterr().err
