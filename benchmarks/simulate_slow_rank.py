@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{r['aware']:,.0f} ({r['aware'] / r['blind']:.2f}x)  healthy {r['healthy']:,.0f}  "
                       f"[{time.perf_counter() - t1:.1f} s]", flush=True)
     elapsed = time.perf_counter() - t0
-    command = "python benchmarks/simulate_slow_rank.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = ("python benchmarks/simulate_slow_rank.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     text = (f"# Simulated slow node\n\n- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
             f"- machine: {platform.platform()}, {os.cpu_count()} CPUs (simulation only; {elapsed:.0f} s)\n"
             f"- command: `{command}`\n- cost model: {args.hardware} analytic; rank speeds `{args.slow}` "

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lightning_dcp.planning.speeds import RANK_SPEED_SYNTAX
 
     parser.add_argument("--rank-speed", default=None, metavar="SPEC",
-                        help=f"simulate ranks slower or faster than the cost model: {RANK_SPEED_SYNTAX}. An item runs at "
+                        help=f"simulate ranks slower or faster than the cost model: {RANK_SPEED_SYNTAX.replace('%', '%%')}. An item runs at "
                              "its slowest member's pace")
     aware = parser.add_mutually_exclusive_group()
     aware.add_argument("--speed-aware", dest="speed_aware", action="store_true", default=True,
@@ -414,13 +414,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CLIError(f"--plot writes a PNG; give a path ending in .png, got {args.plot}")
     cost_model = build_cost_model(args)
-    speeds = None
-    if getattr(args, "rank_speed", None):
-        from lightning_dcp.planning.speeds import parse_rank_speeds
-        try:
-            speeds = parse_rank_speeds(args.rank_speed, args.world_size)
-        except PlanningError as err:
-            raise CLIError(f"--rank-speed: {err}") from None
+    speeds = rank_speeds_arg(args)
     if defaults:
         print(f"using defaults {' '.join(defaults)} (pass them to change)")
     progress = Progress(enabled=not args.quiet)
@@ -476,6 +470,19 @@ def run(args: argparse.Namespace) -> int:
         progress.line(f"drew {bars:,} bars in {time.perf_counter() - t0:.1f} s")
         print(f"wrote {args.plot}")
     return 0
+
+
+def rank_speeds_arg(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """``--rank-speed``'s speeds for ``--world-size`` ranks, or None."""
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.speeds import parse_rank_speeds
+
+    if not getattr(args, "rank_speed", None):
+        return None
+    try:
+        return parse_rank_speeds(args.rank_speed, args.world_size)
+    except PlanningError as err:
+        raise CLIError(f"--rank-speed: {err}") from None
 
 
 def _sharding_note(cost_model: Any) -> str:

@@ -21,6 +21,11 @@ is the tightest simple bound that every plan of the step must respect under the 
   the sample, and adding samples to a micro-batch never makes it faster.
 - ``step_overhead(W)``: the step-end gradient all-reduce and optimizer step, paid once per step.
 
+With per-rank speeds (:mod:`~lightning_dcp.planning.speeds`; a rank at speed ``s`` runs everything
+in ``t / s``): ``max(work / sum(speeds), heaviest / max(speeds))`` -- the work spread over the ranks'
+combined pace, the heaviest sample on the fastest rank's pace (an SP group only runs as fast as its
+slowest member, so both stay lower bounds).
+
 "Usable" SP sizes are powers of two dividing the heads, no larger than the world's largest
 aligned power-of-two block and ``max_sp_size``, i.e. exactly what the planner may use.
 

@@ -2,7 +2,7 @@
 
 Semantics (one step at a time): each rank runs its items in list order; an item starts when
 *all* its ranks are free (finished their previous items) and lasts ``cost_model.item_cost(...)
-.total`` on each of them. The step's compute ends when the last rank finishes; then every rank
+.total`` on each of them (divided by the slowest member's speed, given per-rank speeds: ``rank_speeds``). The step's compute ends when the last rank finishes; then every rank
 joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world_size)``.
 
 Reported (all exact definitions):

@@ -68,15 +68,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         and the largest load.
     """
     n = cost.shape[1]
-    row_of = {p: k for k, p in enumerate(classes)}
-    if group_speed is not None and all(x == 1.0 for x in group_speed):
-        group_speed = None
-    by_class: dict = {}
-    for g, p in enumerate(layout):
-        by_class.setdefault(p if group_speed is None else (p, float(group_speed[g])), []).append(g)
-    present = sorted(by_class)
-    rows = [row_of[p] for p in present] if group_speed is None else [row_of[p] for p, _ in present]
-    spd = None if group_speed is None else [x for _, x in present]
+    by_class, present, rows, spd = _heap_keys(layout, classes, group_speed)
     colsT = cost.T.tolist() if costT is None else costT  # units x classes as Python floats: fast scalar access
     floorT = None if floor is None else (floorT_all if floorT_all is not None else floor.T.tolist())
     best = None
@@ -90,9 +82,7 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         if chunk > 0 and n > 8 * len(layout):
             seq = _trial_chunks(cost, floor, order, chunk_groups or len(layout), chunk, chunk_cache if t == 0 else None)
         units = _unit_sequence(order.tolist(), seq, colsT, floorT)
-        heap_rows = rows
-        if spd is not None:  # one cost column per heap: the class's cost at the heap's speed
-            units, heap_rows = _at_speed(units, rows, spd), list(range(len(rows)))
+        units, heap_rows = (units, rows) if spd is None else (_at_speed(units, rows, spd), list(range(len(rows))))
         got = _greedy_pass(units, [[(0.0, g) for g in by_class[p]] for p in present], heap_rows, len(layout),
                            fills_after_own, cutoff)
         if got is None:  # a unit fits no group
@@ -109,6 +99,21 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             return None, None, float("inf")  # type: ignore[return-value]
         raise ValueError("a unit fits no group of the layout")
     return best
+
+
+def _heap_keys(layout: Sequence[int], classes: Sequence[int], group_speed: Sequence[float] | None):
+    """``(groups per heap key, heap keys in order, cost row per heap, pace per heap or None)``: one heap per
+    SP size, or per (SP size, pace) with uneven group paces."""
+    row_of = {p: k for k, p in enumerate(classes)}
+    if group_speed is not None and all(x == 1.0 for x in group_speed):
+        group_speed = None
+    by_class: dict = {}
+    for g, p in enumerate(layout):
+        by_class.setdefault(p if group_speed is None else (p, float(group_speed[g])), []).append(g)
+    present = sorted(by_class)
+    rows = [row_of[p] for p in present] if group_speed is None else [row_of[p] for p, _ in present]
+    spd = None if group_speed is None else [x for _, x in present]
+    return by_class, present, rows, spd
 
 
 def _trial_chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngroups: int, chunk: float,
