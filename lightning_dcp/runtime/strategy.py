@@ -8,7 +8,8 @@ What each hook does (the work is done by the runtime's other rooms):
   (:func:`~lightning_dcp.sp.contract.read_model`: its repeated layers, support level, heads and hooks,
   which every other room reads; :attr:`DCPStrategy.model_contract`), the SP cap
   (:mod:`~lightning_dcp.runtime.model`) and the SP groups of every aligned power-of-two block
-  (:class:`~lightning_dcp.sp.groups.SPGroups`), once, in the same order on every rank; the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
+  (:class:`~lightning_dcp.sp.groups.SPGroups`), once, in the same order on every rank; the SIGTERM
+  watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
 - ``setup``: checks the module and the Trainer, adds the profiler, no DDP wrapper (``configure_ddp``
   broadcasts rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with
   ``fully_shard``, :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
