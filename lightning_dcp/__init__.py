@@ -28,6 +28,7 @@ from lightning_dcp._version import __version__
 #: Public name -> module that defines it.
 _EXPORTS = {
     "AgreementError": "lightning_dcp.runtime.agreement",
+    "AmbiguousLayersError": "lightning_dcp.sp.contract",
     "CollectiveError": "lightning_dcp.runtime.faults",
     "StepOutOfMemoryError": "lightning_dcp.runtime.oom",
     "DCPBatchSampler": "lightning_dcp.runtime.sampler",
@@ -54,6 +55,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_dcp.runtime.agreement import AgreementError
+    from lightning_dcp.sp.contract import AmbiguousLayersError
     from lightning_dcp.runtime.faults import CollectiveError
     from lightning_dcp.runtime.oom import StepOutOfMemoryError
     from lightning_dcp.sp.attention import varlen_attention

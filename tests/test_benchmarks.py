@@ -131,6 +131,17 @@ def test_simulate_scaling_tiny_grid(tmp_path):
     assert "| 8 | balanced |" in text and out.with_suffix(".png").exists()
 
 
+def test_simulate_slow_rank_tiny_grid(tmp_path):
+    from benchmarks import simulate_slow_rank
+
+    out = tmp_path / "slow.md"
+    simulate_slow_rank.main(["--worlds", "16", "--dists", "long", "--steps", "1", "--out", str(out)])
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| transformer-1d | 16 | long |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    blind, aware, healthy = (float(cells[i].replace(",", "")) for i in (4, 5, 10))
+    assert aware > blind and healthy >= aware
+
+
 def test_step_bound_tiny_grid_with_before_after(tmp_path):
     import json as _json
 

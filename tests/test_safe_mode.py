@@ -31,7 +31,7 @@ from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp import DCPStrategy, DefaultCostModel
 from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
-from lightning_dcp.runtime.support import micro_batch_loss_units, resolve_support
+from lightning_dcp.sp.contract import local_batch, read_model
 
 VOCAB = 24
 
@@ -185,24 +185,29 @@ def test_unchanged_module_trains_exactly_in_safe_mode(tmp_path, case, world):
 def test_support_levels_are_detected_and_declared():
     from _dcp_helpers import TinyLM
 
-    assert resolve_support(PlainEncoderLM()) == "safe"
-    assert resolve_support(TinyLM()) == "sp"
-    assert resolve_support(PlainEncoderLM(), "packed") == "packed"
+    assert read_model(PlainEncoderLM()).support == "safe"
+    assert read_model(TinyLM()).support == "sp"
+    assert read_model(PlainEncoderLM(), support="packed").support == "packed"
     m = PlainRegressor()
     m.dcp_support = "packed"
-    assert resolve_support(m) == "packed"
+    assert read_model(m).support == "packed"
     m.dcp_support = "ulysses"
     with pytest.raises(ValueError, match=r"PlainRegressor.dcp_support is 'ulysses'; use one of \('safe', 'packed', 'sp'\)"):
-        resolve_support(m)
+        read_model(m)
     with pytest.raises(ValueError, match="support must be one of"):
         DCPStrategy(support="all")
 
 
 def test_safe_mode_loss_units_and_padded_costs():
     batch = pad_collate([PromptTokens()[i] for i in range(3)])
-    assert micro_batch_loss_units(PlainEncoderLM(), batch, 3, "token") == int((batch["labels"] != -100).sum())
-    assert micro_batch_loss_units(PlainEncoderLM(), batch, 3, "sample") == 3
-    assert micro_batch_loss_units(PlainRegressor(), (torch.zeros(3, 6), torch.zeros(3)), 3, "token") == 3
+    def units(module, mb, reduction):
+        local = local_batch(read_model(module), mb, 0, 1, reduction, lengths=[5, 6, 7])
+        assert local.data is mb and local.real_tokens == 18 and local.loss_units == local.local_loss_tokens
+        return local.loss_units
+
+    assert units(PlainEncoderLM(), batch, "token") == int((batch["labels"] != -100).sum())
+    assert units(PlainEncoderLM(), batch, "sample") == 3
+    assert units(PlainRegressor(), (torch.zeros(3, 6), torch.zeros(3)), "token") == 3
     base = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 8)
     padded = PaddedCostModel(base, max_padded_tokens=40)
     assert padded.item_time([100, 4000], 1, 0) == pytest.approx(base.item_time([4000, 4000], 1, 0))

@@ -12,7 +12,8 @@ from lightning_dcp.sp.groups import SPGroups, aligned_blocks
 from lightning_dcp.runtime.metrics import step_metrics
 from lightning_dcp.sp.tokens import add_token_weights, is_weighted, shard_batch, weighted_loss
 from lightning_dcp.runtime.buckets import GradBuckets
-from lightning_dcp.runtime.model import SPCap, find_num_heads, resolve_sp_cap
+from lightning_dcp.runtime.model import SPCap, resolve_sp_cap
+from lightning_dcp.sp.contract import read_model
 from lightning_dcp.runtime.row import GatheredStep, StepRow
 from lightning_dcp.runtime.strategy import DCPStrategy
 
@@ -87,7 +88,7 @@ def test_weighted_loss_marks_and_falls_back_outside_dcp():
 def test_heads_check_names_both_values():
     with pytest.raises(ValueError, match=r"max_sp_size=8 allows SP size 8, which does not divide the model's 4 attention heads"):
         resolve_sp_cap(8, world_size=8, heads=4)
-    assert find_num_heads(TinyLM()) == 4
+    assert read_model(TinyLM()).num_heads == 4
 
 
 def test_default_max_sp_follows_heads_and_world():

@@ -72,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
     parser.add_argument("--csv", type=Path, default=None, help="write the rows as CSV")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from lightning_dcp.planning.speeds import RANK_SPEED_SYNTAX
+
+    parser.add_argument("--rank-speed", default=None, metavar="SPEC",
+                        help=f"simulate ranks slower or faster than the cost model: {RANK_SPEED_SYNTAX.replace('%', '%%')}. An item runs at "
+                             "its slowest member's pace")
+    aware = parser.add_mutually_exclusive_group()
+    aware.add_argument("--speed-aware", dest="speed_aware", action="store_true", default=True,
+                       help="with --rank-speed: the planner knows the speeds (default; dcp places work accordingly)")
+    aware.add_argument("--speed-blind", dest="speed_aware", action="store_false",
+                       help="with --rank-speed: the planner does not know them (what a run without calibration does)")
 
 
 class Progress:
@@ -119,10 +129,13 @@ def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]
 
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
             global_batch_tokens: int, seed: int = 0, timeline: bool = False,
-            progress: Progress | None = None) -> list[dict[str, Any]]:
+            progress: Progress | None = None, rank_speeds: Any = None,
+            speed_aware: bool = True) -> list[dict[str, Any]]:
     """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result).
 
     ``progress``: where to report each policy as it finishes (and slow planning as it goes).
+    ``rank_speeds``: the ranks' true speeds: the simulation (and the run's step bound) uses them; the
+    planners see them only when ``speed_aware``.
     The run's step bound and every simulation share one cached
     :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
     """
@@ -131,11 +144,12 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     from lightning_dcp.planning.simulator import simulate
 
     batches = cut_batches(run_lengths, global_batch_tokens)
-    bound_time = sum(step_bound(b, cost_model, world_size) for b in batches)
+    bound_time = sum(step_bound(b, cost_model, world_size, rank_speeds=rank_speeds) for b in batches)
+    plan_speeds = rank_speeds if speed_aware or rank_speeds is None else [1.0] * world_size
     rows = []
     for k, name in enumerate(policies):
         tag = f"[{k + 1}/{len(policies)}] {name}"
-        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset)
+        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds)
         t0 = time.perf_counter()
         report: Callable[[int, int], None] | None = None
         if progress is not None:
@@ -143,7 +157,7 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
                 progress.update(f"{tag}: planned {done}/{total} global batches ({time.perf_counter() - t0:.1f} s)")
         plan = planner.plan(run_lengths, global_batch_tokens=global_batch_tokens, progress=report)
         elapsed = time.perf_counter() - t0
-        sim = simulate(plan, cost_model, timeline=timeline)
+        sim = simulate(plan, cost_model, timeline=timeline, rank_speeds=rank_speeds)
         if progress is not None:
             progress.line(f"{tag}: {len(plan.steps)} steps planned in {elapsed:.2f} s, simulated in "
                           f"{time.perf_counter() - t0 - elapsed:.2f} s")
@@ -400,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CLIError(f"--plot writes a PNG; give a path ending in .png, got {args.plot}")
     cost_model = build_cost_model(args)
+    speeds = rank_speeds_arg(args)
     if defaults:
         print(f"using defaults {' '.join(defaults)} (pass them to change)")
     progress = Progress(enabled=not args.quiet)
@@ -425,12 +440,14 @@ def run(args: argparse.Namespace) -> int:
     progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
-                       seed=args.seed, timeline=args.plot is not None, progress=progress)
+                       seed=args.seed, timeline=args.plot is not None, progress=progress, rank_speeds=speeds,
+                       speed_aware=args.speed_aware)
     except PlanningError as err:
         raise CLIError(str(err)) from None
     model = (args.model or "transformer-1d") if args.profile is None else args.profile
     print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {rows[0]['global_batches']} global batches of "
-          f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(cost_model)}")
+          f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(cost_model)}"
+          + (f", rank speeds {args.rank_speed} (planner {'aware' if args.speed_aware else 'blind'})" if speeds else ""))
     print(format_table(rows))
     for r in rows:
         note = steps_note(r)
@@ -453,6 +470,19 @@ def run(args: argparse.Namespace) -> int:
         progress.line(f"drew {bars:,} bars in {time.perf_counter() - t0:.1f} s")
         print(f"wrote {args.plot}")
     return 0
+
+
+def rank_speeds_arg(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """``--rank-speed``'s speeds for ``--world-size`` ranks, or None."""
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.speeds import parse_rank_speeds
+
+    if not getattr(args, "rank_speed", None):
+        return None
+    try:
+        return parse_rank_speeds(args.rank_speed, args.world_size)
+    except PlanningError as err:
+        raise CLIError(f"--rank-speed: {err}") from None
 
 
 def _sharding_note(cost_model: Any) -> str:

@@ -21,6 +21,11 @@ is the tightest simple bound that every plan of the step must respect under the 
   the sample, and adding samples to a micro-batch never makes it faster.
 - ``step_overhead(W)``: the step-end gradient all-reduce and optimizer step, paid once per step.
 
+With per-rank speeds (:mod:`~lightning_dcp.planning.speeds`; a rank at speed ``s`` runs everything
+in ``t / s``): ``max(work / sum(speeds), heaviest / max(speeds))`` -- the work spread over the ranks'
+combined pace, the heaviest sample on the fastest rank's pace (an SP group only runs as fast as its
+slowest member, so both stay lower bounds).
+
 "Usable" SP sizes are powers of two dividing the heads, no larger than the world's largest
 aligned power-of-two block and ``max_sp_size``, i.e. exactly what the planner may use.
 
@@ -44,6 +49,7 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.units import describe_limit
+from lightning_dcp.planning.speeds import uniform
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class StepBounder:
     """
 
     def __init__(self, cost_model: CostModel, world_size: int, max_sp_size: int | None = None, *,
-                 view: CostView | None = None):
+                 view: CostView | None = None, rank_speeds: Sequence[float] | None = None):
         if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if max_sp_size is not None and (not isinstance(max_sp_size, (int, np.integer)) or max_sp_size <= 0):
@@ -88,6 +94,9 @@ class StepBounder:
         self.view = view if view is not None and view.cm is cost_model and view.sp_sizes[-1] <= max_sp \
             else CostView(cost_model, max_sp)
         self.overhead = float(cost_model.step_overhead(self.world_size))
+        speeds = rank_speeds if rank_speeds is not None else (view.speeds if view is not None else None)
+        self.speeds = None if uniform(speeds) else tuple(float(x) for x in speeds)  # type: ignore[union-attr]
+        """Per-rank speeds: the work spreads over their sum, the heaviest sample runs at the fastest pace."""
         self._gpu_s: dict[int, float] = {}
         self._alone: dict[int, np.ndarray] = {}
 
@@ -161,6 +170,8 @@ class StepBounder:
                 f"split it, or use more ranks / memory")
         top = sorted(set(lens), reverse=True)[:4]  # best time grows with length; look at a few for safety
         heaviest = max(self.best_alone(n) for n in top)
+        if self.speeds is not None:
+            return StepBound(work / math.fsum(self.speeds), heaviest / max(self.speeds), self.overhead)
         return StepBound(work / self.world_size, heaviest, self.overhead)
 
     def seconds(self, lengths: Sequence[int]) -> float:
@@ -171,25 +182,29 @@ class StepBounder:
 _BOUNDERS: "weakref.WeakKeyDictionary[CostModel, dict[tuple, StepBounder]]" = weakref.WeakKeyDictionary()
 
 
-def _bounder(cost_model: CostModel, world_size: int, max_sp_size: int | None) -> StepBounder:
+def _bounder(cost_model: CostModel, world_size: int, max_sp_size: int | None,
+             rank_speeds: Sequence[float] | None = None) -> StepBounder:
+    speeds = None if uniform(rank_speeds) else tuple(float(x) for x in rank_speeds)  # type: ignore[union-attr]
     try:
         per = _BOUNDERS.setdefault(cost_model, {})
     except TypeError:  # not weak-referenceable: no cache
-        return StepBounder(cost_model, world_size, max_sp_size)
-    key = (int(world_size), max_sp_size)
+        return StepBounder(cost_model, world_size, max_sp_size, rank_speeds=speeds)
+    key = (int(world_size), max_sp_size, speeds)
     b = per.get(key)
     if b is None:
-        b = per[key] = StepBounder(cost_model, world_size, max_sp_size)
+        b = per[key] = StepBounder(cost_model, world_size, max_sp_size, rank_speeds=speeds)
     return b
 
 
-def step_bound(lengths: Sequence[int], cost_model: CostModel, world_size: int, max_sp_size: int | None = None) -> float:
+def step_bound(lengths: Sequence[int], cost_model: CostModel, world_size: int, max_sp_size: int | None = None,
+               rank_speeds: Sequence[float] | None = None) -> float:
     """Lower bound (seconds) on the time of one step running ``lengths``, all-reduce included.
 
-    ``max(work / W, heaviest) + step_overhead(W)`` (see the module docstring). Cached per cost
-    model, world size and ``max_sp_size``, so calling it every step costs little.
+    ``max(work / W, heaviest) + step_overhead(W)`` (see the module docstring); with ``rank_speeds``
+    ``max(work / sum(speeds), heaviest / max(speeds)) + step_overhead(W)``. Cached per cost
+    model, world size, ``max_sp_size`` and speeds, so calling it every step costs little.
     """
-    return _bounder(cost_model, world_size, max_sp_size).seconds(lengths)
+    return _bounder(cost_model, world_size, max_sp_size, rank_speeds).seconds(lengths)
 
 
 def step_bound_parts(lengths: Sequence[int], cost_model: CostModel, world_size: int,

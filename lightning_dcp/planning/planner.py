@@ -32,6 +32,7 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.rounds import align_rounds
+from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.bucket import BucketPolicy
@@ -184,6 +185,10 @@ class Planner:
             power-of-two block of the world); e.g. 8 keeps every SP group inside one node.
         sp_cap_reason: why ``max_sp_size`` cannot be raised (e.g. "the model's 3 attention
             heads"): errors name it instead of advising a larger ``max_sp_size`` or more ranks.
+        rank_speeds: per-rank speeds (:mod:`~lightning_dcp.planning.speeds`): ``dcp`` places work
+            so that an item on ranks ``R`` takes ``time / min(speed[r] for r in R)``. Default: the
+            cost model's ``rank_speeds`` (a :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`'s),
+            else none; all 1.0 plans exactly as without speeds. The other policies ignore them.
         **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
             ``target=`` for bucket, ``g_max=`` for dcp-inter.
 
@@ -194,7 +199,8 @@ class Planner:
 
     def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
                  dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None,
-                 sp_cap_reason: str | None = None, **policy_options: Any):
+                 sp_cap_reason: str | None = None, rank_speeds: Sequence[float] | None = None,
+                 **policy_options: Any):
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if policy not in POLICIES:
@@ -212,7 +218,10 @@ class Planner:
                 raise PlanningError(f"max_sp_size must be a positive integer (ranks), got {max_sp_size!r}")
             self.max_sp_size = int(max_sp_size)
             self.max_sp = min(self.max_sp, self.max_sp_size)
-        self.view = CostView(cost_model, self.max_sp)
+        self.rank_speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model),
+                                             self.world_size)
+        """The speeds the planner plans with (None: every rank at the cost model's pace)."""
+        self.view = CostView(cost_model, self.max_sp, self.rank_speeds)
         self.max_sp = max(self.view.sp_sizes)
         if self.view.longest_fitting() <= 0:
             raise PlanningError(

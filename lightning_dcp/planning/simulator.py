@@ -2,7 +2,7 @@
 
 Semantics (one step at a time): each rank runs its items in list order; an item starts when
 *all* its ranks are free (finished their previous items) and lasts ``cost_model.item_cost(...)
-.total`` on each of them. The step's compute ends when the last rank finishes; then every rank
+.total`` on each of them (divided by the slowest member's speed, given per-rank speeds: ``rank_speeds``). The step's compute ends when the last rank finishes; then every rank
 joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world_size)``.
 
 Reported (all exact definitions):
@@ -42,12 +42,13 @@ Reported (all exact definitions):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
 from lightning_dcp.planning.rounds import lockstep_rounds, round_span
+from lightning_dcp.planning.speeds import check_rank_speeds, group_speed, rank_speeds_of
 
 
 @dataclass
@@ -85,13 +86,18 @@ class SimulationResult:
 
 
 def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True,
-             max_sp_size: int | None = None) -> SimulationResult:
+             max_sp_size: int | None = None, rank_speeds: Sequence[float] | None = None) -> SimulationResult:
     """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first.
 
     ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the
     world's largest aligned block; a smaller cap only raises the bound).
+    ``rank_speeds``: the ranks' true speeds (:mod:`~lightning_dcp.planning.speeds`): an item on
+    ranks ``R`` lasts its cost-model time divided by ``min(speed[r] for r in R)`` (its time parts
+    likewise, for the ICC fractions); the step bounds spread the work over the speeds' sum.
+    Default: the cost model's ``rank_speeds``, else all 1.0.
     """
     W = plan.world_size
+    speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model), W)
     overhead = cost_model.step_overhead(W) if plan.steps else 0.0
     step_times, spans, step_imb, busy_all, lines = [], [], [], [], []
     totals = _Totals()
@@ -104,9 +110,9 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
                 check_deadlock_free(step, W)
             except PlanError as err:
                 raise PlanError(f"step {s_idx}: {err}") from None
-        busy, span, line = _run_step(step, W, cost_model, cache, totals, timeline)
+        busy, span, line = _run_step(step, W, cost_model, cache, totals, timeline, speeds)
         if getattr(cost_model, "sharding", None) == "hsdp":  # lockstep rounds inside each shard group
-            span = lockstep_span(step, W, cost_model, cache)
+            span = lockstep_span(step, W, cost_model, cache, speeds)
         idle = sum(span - b for b in busy)
         idle_total += idle
         busy_total += sum(busy)
@@ -131,7 +137,7 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     }
     # step_bound keeps one StepBounder per (cost model, world size, SP cap): the simulator, the
     # simulate command's run bound and every policy simulated on this cost model share it
-    bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size) if W else 0.0
+    bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size, speeds) if W else 0.0
               for st in plan.steps]
     bound_time = sum(bounds)
     per_step = [b / t for b, t in zip(bounds, step_times) if t > 0]
@@ -156,11 +162,12 @@ class _Totals:
     ideal_spent: float = 0.0
 
 
-def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals: _Totals,
-              timeline: bool) -> tuple[list[float], float, list[tuple[int, float, float, int, str]]]:
+def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals: _Totals, timeline: bool,
+              speeds: Sequence[float] | None = None) -> tuple[list[float], float, list[tuple[int, float, float, int, str]]]:
     """Run one step's items in list order: ``(busy seconds per rank, compute span, timeline rows)``.
 
-    Item costs are memoized in ``cache``; ``totals`` gathers the rank-time sums."""
+    Item costs are memoized in ``cache``; ``totals`` gathers the rank-time sums; an item runs at
+    its slowest member's speed."""
     free = [0.0] * W
     busy = [0.0] * W
     line: list[tuple[int, float, float, int, str]] = []
@@ -170,7 +177,8 @@ def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals
         if cost is None:
             cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute)
             cache[key] = cost
-        t = cost.total
+        pace = group_speed(speeds, item.ranks)
+        t = cost.total / pace
         start = max(free[r] for r in item.ranks)
         end = start + t
         for r in item.ranks:
@@ -179,9 +187,9 @@ def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals
             if timeline:
                 line.append((r, start, end, i, "item"))
         p = item.sp_size
-        totals.comm += cost.comm * p
-        totals.rec += cost.recompute * p
-        totals.comp += (cost.compute + cost.overhead) * p
+        totals.comm += cost.comm * p / pace
+        totals.rec += cost.recompute * p / pace
+        totals.comp += (cost.compute + cost.overhead) * p / pace
         totals.ideal_spent += cost.ideal * p
         totals.tokens += item.tokens
     span = max(free) if W else 0.0
@@ -202,9 +210,11 @@ def _ideal_compute(plan: Plan, cost_model: CostModel, cache: dict) -> float:
     return ideal_compute
 
 
-def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict) -> float:
+def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict,
+                  speeds: Sequence[float] | None = None) -> float:
     """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
     rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
-    times = [cache[(it.lengths, it.sp_size, it.recompute)].total for it in step.items]  # each: round(t)
+    times = [cache[(it.lengths, it.sp_size, it.recompute)].total / group_speed(speeds, it.ranks)
+             for it in step.items]  # each: round(t), at its slowest member's pace
     groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
     return max((round_span(g, times) for g in groups), default=0.0)

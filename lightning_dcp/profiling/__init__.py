@@ -101,7 +101,7 @@ _EXPORTS = {
     # grid
     "DENSITIES": "grid", "GridPoint": "grid", "ProfileGrid": "grid", "build_grid": "grid", "select_lengths": "grid",
     # layers
-    "LayerStack": "layers", "NoRepeatedLayersError": "layers", "find_layer_stack": "layers",
+    "LayerStack": "layers", "NoRepeatedLayersError": "layers", "find_layer_stack": "layers", "layer_stack": "layers",
     # measuring and assembly
     "make_sp_groups": "harness", "profile_module": "assemble", "CPU_MEMORY_LIMIT": "assemble",
     # callback

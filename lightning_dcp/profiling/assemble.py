@@ -26,7 +26,8 @@ from lightning_dcp.planning.profile import PROFILE_SCHEMA, validate_profile
 from lightning_dcp.profiling import harness, measure
 from lightning_dcp.profiling.grid import (DENSITIES, GridPoint, ProfileGrid, Samples, build_grid, check_sp_sizes,
                                           default_sp_sizes, select_lengths)
-from lightning_dcp.profiling.layers import LayerStack, find_layer_stack
+from lightning_dcp.profiling.layers import LayerStack, layer_stack
+from lightning_dcp.sp.contract import ModelContract, local_batch, read_model
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class _Run:
     """What every stage of one profiling run shares."""
 
     module: nn.Module
+    contract: ModelContract
     device: torch.device
     autocast: Callable[[], ContextManager]
     step_fn: Callable[[nn.Module, Any], torch.Tensor]
@@ -51,20 +53,21 @@ class _Run:
     exclude: set[int]
 
 
-def _prepare(module: nn.Module, data: Any, device: Any, autocast: Any, step_fn: Any, layers_attr: str | None,
+def _prepare(module: nn.Module, data: Any, device: Any, autocast: Any, step_fn: Any, contract: ModelContract,
              num_heads: int | None) -> _Run:
     distributed = dist.is_available() and dist.is_initialized()
     params = list(module.parameters())
     exclude = {p.untyped_storage().data_ptr() for p in params} | {b.untyped_storage().data_ptr() for b in module.buffers()}
     return _Run(
         module=module,
+        contract=contract,
         device=torch.device(device) if device is not None else params[0].device,
         autocast=autocast or contextlib.nullcontext,
         step_fn=step_fn or harness.default_step,
         world_size=dist.get_world_size() if distributed else 1,
         rank=dist.get_rank() if distributed else 0,
-        stack=find_layer_stack(module, layers_attr),
-        heads=num_heads or harness.find_int_attr(module, "num_heads"),
+        stack=layer_stack(contract),
+        heads=num_heads or contract.num_heads,
         samples=Samples(data),
         exclude=exclude,
     )
@@ -99,7 +102,7 @@ def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tup
         return seq_len, dict.fromkeys(_MEASURED, 0.0)  # it sits the point out; the MAX over ranks ignores it
     group = group_for(list(range(block, block + p))) if p > 1 else None
     batch = pack_samples([run.samples[i] for i in idx], pad_to_multiple=p, sample_indices=idx)
-    batch = harness.to_device(harness.shard_batch(run.module, batch, p, sp_rank), run.device)
+    batch = harness.to_device(local_batch(run.contract, batch, sp_rank, p, "token").data, run.device)
     with sp_context(SPContext(group=group, size=p, rank=sp_rank, recompute=0)):
         args, kwargs = measure.capture(run.module, run.stack, batch, run.step_fn, run.autocast)
         m = measure.measure_point(run.stack, args, kwargs, run.device, run.autocast, run.exclude, group)
@@ -169,7 +172,8 @@ def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _St
     for n in sorted({grid.lengths[0], grid.lengths[-1]}):
         seq_len, idx = run.samples.pick(n, 1)
         host.append((seq_len, _host_time(run, idx)))
-        batch = harness.to_device(pack_samples([run.samples[i] for i in idx], sample_indices=idx), run.device)
+        packed = pack_samples([run.samples[i] for i in idx], sample_indices=idx)
+        batch = harness.to_device(local_batch(run.contract, packed, 0, 1, "token").data, run.device)
         with sp_context(SPContext()):
             t, saved = measure.measure_constant_run(run.module, run.stack, batch, run.step_fn, run.device, run.autocast,
                                                     run.exclude)
@@ -194,14 +198,12 @@ def _host_time(run: _Run, idx: list[int], repeats: int = 5) -> float:
     samples, the module's ``dcp_prepare_batch``, token weights, the shard, the copy to the device
     (the median of ``repeats``, as the layer timings)."""
     from lightning_dcp.sp.packing import pack_samples
-    from lightning_dcp.sp.tokens import add_token_weights
 
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        batch = harness.shard_batch(run.module, pack_samples([run.samples[i] for i in idx], sample_indices=idx), 1, 0)
-        add_token_weights(batch, "token")
-        harness.to_device(batch, run.device)
+        packed = pack_samples([run.samples[i] for i in idx], sample_indices=idx)
+        harness.to_device(local_batch(run.contract, packed, 0, 1, "token").data, run.device)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         times.append(time.perf_counter() - t0)
@@ -223,23 +225,17 @@ def default_key(module: nn.Module, device: torch.device, precision: str, world_s
     return ProfileKey(model_signature(module), device_name(device), precision, world_size, __version__).to_dict()
 
 
-def _has_per_sample_cost(module: nn.Module) -> bool:
-    """Whether the model does work per sample whatever its length (a submodule's ``dcp_cost_per_sample``,
-    e.g. an adapted video DiT projecting each sample's text): the cost model then fits a per-sample term."""
-    return any(getattr(m, "dcp_cost_per_sample", False) is True for m in module.modules())
-
-
 def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[GridPoint], constant: dict[str, float],
               states: _States, *, key: Mapping[str, Any], num_layers: int | None, memory_limit_bytes: float,
               density: str, time_budget_s: float | None, profiling_s: float) -> dict:
-    hidden = harness.find_int_attr(run.module, "hidden_size")
+    hidden = run.contract.hidden_size
     device = run.device
     return {
         "schema": PROFILE_SCHEMA,
         "key": dict(key),
         "model": {"num_layers": int(num_layers or len(run.stack)), "num_heads": int(run.heads or max(grid.sp_sizes)),
                   **({"hidden_size": hidden} if hidden else {}),
-                  **({"per_sample_cost": True} if _has_per_sample_cost(run.module) else {})},
+                  **({"per_sample_cost": True} if run.contract.per_sample_cost else {})},
         "device": {"memory_limit_bytes": float(memory_limit_bytes),
                    "gpus_per_node": torch.cuda.device_count() if device.type == "cuda" else 1},
         "constant": {**constant, "memory_bytes": float(states.memory_bytes), "param_bytes": float(states.param_bytes),
@@ -277,6 +273,7 @@ def profile_module(
     key: Mapping[str, Any] | None = None,
     states_module: nn.Module | None = None,
     cpu_clock: str = "wall",
+    contract: ModelContract | None = None,
 ) -> dict:
     """Measure a dual-layer profile of ``module`` on ``data``; return a valid v1 profile dict.
 
@@ -303,10 +300,12 @@ def profile_module(
         time_budget_s: after this many seconds of profiling, points not ``required`` are skipped
             (logged); ``None``: no budget.
         memory_limit_bytes: ``device.memory_limit_bytes`` (default: CUDA total x ``memory_fraction``, CPU 8 GiB).
-        layers_attr: dotted name of the RecomputeLayers when the module has several.
+        layers_attr: dotted attribute path to the repeated layers when the module has several stacks
+            (see :mod:`lightning_dcp.sp.contract`); ignored with ``contract``.
         num_layers: ``model.num_layers`` to record (default: the number of repeated layers; the CLI
             records the full model's count after profiling a reduced one).
-        num_heads: attention heads (default: a ``num_heads`` attribute in the module; SP sizes must divide it).
+        num_heads: attention heads (default: the contract's, ``dcp_num_heads`` or ``num_heads`` in the
+            module; SP sizes must divide it).
         key: the ``key`` section (a :class:`~lightning_dcp.profiling.cache.ProfileKey` dict); default
             computed from the module, device, precision and world size.
         states_module: the module whose parameters define ``param_bytes``, ``memory_bytes`` and
@@ -315,13 +314,21 @@ def profile_module(
         cpu_clock: ``"wall"`` (default, ``time.perf_counter``) or ``"process"``
             (``time.process_time``: immune to other processes on a shared machine; use with one
             torch thread and SP 1 only, e.g. for accuracy benchmarks).
+        contract: what to read off ``module`` (:func:`~lightning_dcp.sp.contract.read_model`; the
+            strategy's :attr:`~lightning_dcp.DCPStrategy.model_contract` under the profiler callback);
+            default read here with ``layers_attr``.
     """
     t_start = time.perf_counter()
     if cpu_clock not in measure.CPU_CLOCKS:
         raise ValueError(f"cpu_clock must be one of {sorted(measure.CPU_CLOCKS)}, got {cpu_clock!r}")
     if density not in DENSITIES:
         raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
-    run = _prepare(module, data, device, autocast, step_fn, layers_attr, num_heads)
+    contract = contract if contract is not None else read_model(module, layers_attr)
+    run = _prepare(module, data, device, autocast, step_fn, contract, num_heads)
+    if contract.support == "safe":
+        raise ValueError(f"profile_module measures packed micro-batches, but {contract.name} runs in safe mode (its "
+                         "batches come from its own collate_fn); declare dcp_support = 'packed' or 'sp' if the model "
+                         "attends within each sample of a packed batch")
     grid = _plan_grid(run, lengths, micro_batch_sizes, sp_sizes, density)
     if group_for is None and run.world_size > 1 and any(p > 1 for p in grid.sp_sizes):
         group_for = harness.make_sp_groups(run.world_size, grid.sp_sizes)

@@ -16,8 +16,8 @@ from lightning_dcp.profiling import cache as profile_cache
 from lightning_dcp.profiling.assemble import profile_module
 from lightning_dcp.profiling.budget import resolve_budget
 from lightning_dcp.profiling.grid import DENSITIES, Samples
-from lightning_dcp.profiling.harness import find_int_attr
-from lightning_dcp.profiling.layers import LayerStack, NoRepeatedLayersError, find_layer_stack
+from lightning_dcp.profiling.layers import LayerStack, NoRepeatedLayersError, layer_stack
+from lightning_dcp.sp.contract import ModelContract, read_model
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class DCPProfiler(Callback):
 
     A module without repeated layers (no :class:`~lightning_dcp.sp.recompute.RecomputeLayers`, no
     ``dcp_repeated_layers()``) is not profiled: one line says so on rank 0, :attr:`cache_status`
-    is ``"no-layers"`` and no cost model is set (the strategy keeps its own).
+    is ``"no-layers"`` and no cost model is set (the strategy keeps its own); nor is a module in safe
+    mode (its batches come from its own ``collate_fn``; :attr:`cache_status` ``"safe-mode"``).
 
     Args:
         cache_dir: cache directory (default ``$LIGHTNING_DCP_CACHE`` or ``~/.cache/lightning-dcp/profiles``).
@@ -61,7 +62,10 @@ class DCPProfiler(Callback):
         memory_limit_source: how errors name where ``memory_limit_bytes`` came from (default
             ``"DCPProfiler(memory_limit_bytes=...)"``; e.g. a command-line flag).
         enabled: ``False`` turns the callback into a no-op.
-        layers_attr: dotted name of the RecomputeLayers when the model has several.
+        layers_attr: dotted attribute path to the repeated layers when the model has several stacks (see
+            :mod:`lightning_dcp.sp.contract`). Under :class:`~lightning_dcp.DCPStrategy` the profiler
+            measures the strategy's layers (``DCPStrategy(layers_attr=...)``); a ``layers_attr`` here that
+            names other layers is an error.
         dataset: the dataset to draw micro-batches from (default: the train dataloader's dataset,
             obtained by calling the ``train_dataloader`` hook once more).
         step_fn: ``step_fn(module, batch) -> loss`` (default ``module.training_step(batch, 0)``).
@@ -123,14 +127,30 @@ class DCPProfiler(Callback):
                                         trainer.world_size, __version__,
                                         profile_cache.inputs_signature(picked, self.layers_attr))
 
-    def _sp_sizes(self, strategy: Any, pl_module: Any) -> list[int] | None:
+    def _contract(self, strategy: Any, pl_module: Any) -> ModelContract:
+        """The strategy's model contract (the layers it recomputes and shards), else one read here."""
+        theirs = getattr(strategy, "model_contract", None)
+        if theirs is None:
+            return read_model(pl_module, self.layers_attr)
+        if self.layers_attr is not None:
+            mine = read_model(pl_module, self.layers_attr, theirs.support)
+            if mine.layers != theirs.layers:
+                strategy_attr = getattr(getattr(strategy, "settings", None), "layers_attr", None)
+                raise ValueError(
+                    f"DCPProfiler(layers_attr={self.layers_attr!r}) names {mine.layers_source}, {len(mine.layers)} layers, "
+                    f"but {type(strategy).__name__}(layers_attr={strategy_attr!r}) recomputes and shards "
+                    f"{theirs.layers_source}, {len(theirs.layers)} layers: the profile must measure the layers the "
+                    f"strategy runs. Pass layers_attr={self.layers_attr!r} to the strategy (the profiler then needs none)")
+        return theirs
+
+    def _sp_sizes(self, strategy: Any, contract: ModelContract) -> list[int] | None:
         sp_groups = getattr(strategy, "sp_groups", None)
         if self.sp_sizes is not None:
             return self.sp_sizes
         if getattr(sp_groups, "group_for", None) is None:
             return [1]  # no SP groups to profile on (not a DCP strategy)
         if getattr(sp_groups, "sizes", None):
-            heads = find_int_attr(pl_module, "num_heads")  # the strategy's groups, those the heads allow
+            heads = contract.num_heads  # the strategy's groups, those the heads allow
             return [p for p in sp_groups.sizes if heads is None or heads % p == 0]
         return None
 
@@ -142,7 +162,8 @@ class DCPProfiler(Callback):
                 "memory_limit_bytes": self.memory_limit_bytes, "layers_attr": self.layers_attr,
                 "time_budget_s": self.time_budget_s, "use_cache": self.use_cache}
 
-    def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack, data: Any) -> dict:
+    def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack, data: Any,
+                 contract: ModelContract) -> dict:
         strategy = trainer.strategy
         path = profile_cache.profile_path(key, self.cache_dir) if self.use_cache else None
         budget = "no time budget" if self.time_budget_s is None else f"budget {self.time_budget_s:g} s"
@@ -153,10 +174,9 @@ class DCPProfiler(Callback):
             pl_module, data, device=strategy.root_device, precision=str(trainer.precision),
             autocast=strategy.precision_plugin.train_step_context, step_fn=self.step_fn, optimizer=optimizers[0],
             group_for=getattr(getattr(strategy, "sp_groups", None), "group_for", None), lengths=self.lengths,
-            micro_batch_sizes=self.micro_batch_sizes, sp_sizes=self._sp_sizes(strategy, pl_module), density=self.density,
+            micro_batch_sizes=self.micro_batch_sizes, sp_sizes=self._sp_sizes(strategy, contract), density=self.density,
             # the file records the device's own limit: a run's budget is applied when planning, not cached
-            time_budget_s=self.time_budget_s, memory_limit_bytes=None, layers_attr=self.layers_attr,
-            key=key.to_dict(),
+            time_budget_s=self.time_budget_s, memory_limit_bytes=None, key=key.to_dict(), contract=contract,
         )
         if self.use_cache and trainer.is_global_zero:
             profile_cache.store(profile, self.cache_dir)
@@ -186,12 +206,18 @@ class DCPProfiler(Callback):
         if not self.enabled:
             self.cache_status = "disabled"
             return
+        contract = self._contract(trainer.strategy, pl_module)
         try:
-            stack = find_layer_stack(pl_module, self.layers_attr)
+            stack = layer_stack(contract)
         except NoRepeatedLayersError:
             self.cache_status = "no-layers"
             rank_zero_info(f"no repeated layers found in {type(pl_module).__name__}: profiling skipped; the strategy runs "
                            "without a measured cost model; add RecomputeLayers or dcp_repeated_layers() to profile")
+            return
+        if contract.support == "safe":
+            self.cache_status = "safe-mode"
+            rank_zero_info(f"{contract.name} runs in safe mode (batches from its own collate_fn, no packing): profiling "
+                           "(which measures packed micro-batches) skipped")
             return
         t0 = time.perf_counter()
         strategy = trainer.strategy
@@ -205,7 +231,7 @@ class DCPProfiler(Callback):
         self.cache_status = status
         self.cache_file = str(profile_cache.profile_path(key, self.cache_dir)) if self.use_cache else None
         if profile is None:
-            profile = self._measure(trainer, pl_module, key, stack, data)
+            profile = self._measure(trainer, pl_module, key, stack, data, contract)
         self.profiling_s = time.perf_counter() - t0
         self.profile = profile
         from lightning_dcp.planning.profiled import ProfiledCostModel

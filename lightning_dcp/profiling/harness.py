@@ -1,5 +1,6 @@
-"""How the profiler drives a user's module without changing it: the default step, the batch of
-one SP rank, muted ``self.log``, state restored afterwards, attributes looked up by name."""
+"""How the profiler drives a user's module without changing it: the default step, muted ``self.log``,
+state restored afterwards. (One SP rank's batch is :func:`lightning_dcp.sp.contract.local_batch`, as in
+training; what the module says about itself is its :class:`~lightning_dcp.sp.contract.ModelContract`.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["default_step", "find_int_attr", "make_sp_groups", "muted_logging", "preserved_state", "shard_batch", "to_device"]
+__all__ = ["default_step", "make_sp_groups", "muted_logging", "preserved_state", "to_device"]
 
 
 def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequence[int]], Any]:
@@ -22,23 +23,6 @@ def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequen
     from lightning_dcp.sp.groups import SPGroups
 
     return SPGroups(world_size, dist.get_rank(), max_sp_size=max(sp_sizes)).group_for
-
-
-def shard_batch(module: nn.Module, batch: dict, sp: int, sp_rank: int) -> dict:
-    """This rank's shard of a packed micro-batch, as :class:`~lightning_dcp.DCPStrategy` builds it:
-    the module's ``dcp_prepare_batch`` hook first (e.g. the per-sample label shift), then its
-    ``dcp_shard_batch`` hook if it has one, else :mod:`lightning_dcp.sp.tokens`'s function."""
-    prepare = getattr(module, "dcp_prepare_batch", None)
-    if callable(prepare):
-        batch = prepare(batch)
-    if sp == 1:
-        return batch
-    hook = getattr(module, "dcp_shard_batch", None)  # (batch, sp_rank, sp_size), as DCPStrategy calls it
-    if callable(hook):
-        return hook(batch, sp_rank, sp)
-    from lightning_dcp.sp.tokens import shard_batch as _shard
-
-    return _shard(batch, sp_rank, sp)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -97,16 +81,3 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 p.grad = g
             for m, mode in modes.items():
                 m.training = mode
-
-
-def find_int_attr(module: nn.Module, name: str) -> int | None:
-    """A positive int attribute ``name`` on the module, its ``spec``, its ``model.spec`` or any submodule."""
-    for holder in (module, getattr(module, "spec", None), getattr(getattr(module, "model", None), "spec", None)):
-        value = getattr(holder, name, None) if holder is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    for m in module.modules():
-        value = getattr(m, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None

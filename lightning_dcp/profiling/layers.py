@@ -1,12 +1,13 @@
 """Where a model keeps its repeated layers, and how the profiler drives them.
 
-Two ways for a model to show its layer stack to the profiler:
+The layers are the model contract's (:func:`lightning_dcp.sp.contract.read_model`: ``layers_attr``,
+else the module's one :class:`~lightning_dcp.sp.recompute.RecomputeLayers` or
+``dcp_repeated_layers()`` list), the same ones the strategy recomputes and shards. Two kinds:
 
-* a :class:`~lightning_dcp.sp.recompute.RecomputeLayers` anywhere in the module (the stack runs the
-  layers; the strategy switches its recomputation per micro-batch);
-* a method ``dcp_repeated_layers()`` on the LightningModule or any submodule, returning the
-  repeated layers in call order, for models that loop over their layers themselves (Hugging Face
-  decoders). The profiler then captures the *first layer's* call and checkpoints with
+* layers run by a :class:`~lightning_dcp.sp.recompute.RecomputeLayers` (the stack runs them; the
+  strategy switches its recomputation per micro-batch);
+* layers a model loops over itself (Hugging Face decoders, listed by ``dcp_repeated_layers()``). The
+  profiler then captures the *first layer's* call and checkpoints with
   :func:`torch.utils.checkpoint.checkpoint` (``use_reentrant=False``) under the SP context of the
   measurement.
 
@@ -18,20 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from typing import Any, Callable, Iterator
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from lightning_dcp.sp.context import active_context, sp_context
+from lightning_dcp.sp.contract import REPEATED_LAYERS_METHOD, ModelContract, read_model
+from lightning_dcp.sp.recompute import LayerRecompute, RecomputeLayers
 
-log = logging.getLogger(__name__)
-
-__all__ = ["LayerStack", "NoRepeatedLayersError", "find_layer_stack"]
-
-#: Name of the method a module may define to expose its repeated layers.
-REPEATED_LAYERS_METHOD = "dcp_repeated_layers"
+__all__ = ["LayerStack", "NoRepeatedLayersError", "find_layer_stack", "layer_stack"]
 
 
 class NoRepeatedLayersError(ValueError):
@@ -81,16 +76,8 @@ class LayerStack:
     def checkpointed(self, layer: nn.Module) -> Callable[..., Any]:
         """``fn(x, *args, **kwargs)`` running ``layer`` the way a recomputed layer runs in training."""
         if self.recompute is not None:
-            from lightning_dcp.sp.recompute import RecomputeLayers
-
             return RecomputeLayers(nn.ModuleList([layer]), recompute_override=1)
-
-        def run(x: Any, *args: Any, **kwargs: Any) -> Any:
-            ctx = active_context()
-            fn = functools.partial(_run_in_context, layer, ctx, **kwargs)
-            return checkpoint(fn, x, *args, use_reentrant=False, preserve_rng_state=True)
-
-        return run
+        return functools.partial(LayerRecompute(1, recompute_override=1).call, 0, layer)
 
     @contextlib.contextmanager
     def bypassed(self) -> Iterator[None]:
@@ -106,72 +93,23 @@ class LayerStack:
                 m.__dict__.pop("forward", None)
 
 
-def _run_in_context(layer: nn.Module, ctx: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-    # The recomputation in backward must see the SP context of the forward (same all-to-all group).
-    with sp_context(ctx):
-        return layer(x, *args, **kwargs)
-
-
-def _module_name(module: nn.Module, target: nn.Module) -> str:
-    for name, m in module.named_modules():
-        if m is target:
-            return f"{type(module).__name__}.{name}" if name else type(module).__name__
-    return type(target).__name__
-
-
-def _from_recompute_layers(module: nn.Module, layers_attr: str | None) -> LayerStack | None:
-    from lightning_dcp.sp.recompute import RecomputeLayers, find_recompute_layers
-
-    if layers_attr is not None:
-        try:
-            target = module.get_submodule(layers_attr)
-        except AttributeError:
-            raise ValueError(f"layers_attr={layers_attr!r}: {type(module).__name__} has no submodule of that name") from None
-        if not isinstance(target, RecomputeLayers):
-            raise TypeError(f"layers_attr={layers_attr!r} is a {type(target).__name__}; it must name the model's "
-                            "RecomputeLayers (wrap the repeated layers' ModuleList in lightning_dcp.RecomputeLayers)")
-        return LayerStack(list(target), target, _module_name(module, target), recompute=target)
-    found = find_recompute_layers(module)
-    if not found:
-        return None
-    target = found[0]
-    if len(found) > 1:
-        names = {id(m): n for n, m in module.named_modules()}
-        target = max(found, key=lambda m: sum(p.numel() for p in m.parameters()))
-        log.warning("%s has %d RecomputeLayers (%s); profiling the largest, %r. Pass layers_attr=... to choose.",
-                    type(module).__name__, len(found), [names.get(id(m)) for m in found], names.get(id(target)))
-    return LayerStack(list(target), target, _module_name(module, target), recompute=target)
-
-
-def _from_method(module: nn.Module) -> LayerStack | None:
-    for holder in module.modules():
-        method = getattr(holder, REPEATED_LAYERS_METHOD, None)
-        if not callable(method):
-            continue
-        layers = list(method())
-        owner = _module_name(module, holder)
-        bad = [type(m).__name__ for m in layers if not isinstance(m, nn.Module)]
-        if bad:
-            raise TypeError(f"{owner}.{REPEATED_LAYERS_METHOD}() returned non-modules {bad}; return the list of "
-                            "repeated layers (nn.Module) in call order")
-        if not layers:
-            raise NoRepeatedLayersError(f"{owner}.{REPEATED_LAYERS_METHOD}() returned no layers; return the repeated "
-                                        "layers in call order")
-        return LayerStack(layers, layers[0], f"{owner}.{REPEATED_LAYERS_METHOD}()")
-    return None
+def layer_stack(contract: ModelContract) -> LayerStack:
+    """The profiler's view of ``contract``'s repeated layers. Raises :class:`NoRepeatedLayersError` when
+    it has none."""
+    if not contract.layers:
+        raise NoRepeatedLayersError(
+            f"no repeated layers found in {contract.name}: the profiler measures two of the model's repeated "
+            "layers; wrap them in lightning_dcp.RecomputeLayers (self.layers = RecomputeLayers(nn.ModuleList([...]))) "
+            f"or define {REPEATED_LAYERS_METHOD}() returning them in call order")
+    recompute = contract.recompute_layers
+    if recompute is not None and tuple(recompute) != contract.layers:
+        recompute = None  # a part of a RecomputeLayers' layers: hook and bypass the layers themselves
+    return LayerStack(list(contract.layers), recompute if recompute is not None else contract.layers[0],
+                      contract.layers_source, recompute=recompute)
 
 
 def find_layer_stack(module: nn.Module, layers_attr: str | None = None) -> LayerStack:
-    """The repeated layers of ``module``: its RecomputeLayers (``layers_attr`` names one when it has
-    several), else the list a ``dcp_repeated_layers()`` method returns (on the module or any
-    submodule, first in ``modules()`` order). Raises :class:`NoRepeatedLayersError` when neither."""
-    stack = _from_recompute_layers(module, layers_attr)
-    if stack is None:
-        stack = _from_method(module)
-    if stack is None:
-        raise NoRepeatedLayersError(
-            f"no repeated layers found in {type(module).__name__}: the profiler measures two of the model's repeated "
-            "layers; wrap them in lightning_dcp.RecomputeLayers (self.layers = RecomputeLayers(nn.ModuleList([...]))) "
-            f"or define {REPEATED_LAYERS_METHOD}() returning them in call order"
-        )
-    return stack
+    """The repeated layers of ``module`` as :func:`~lightning_dcp.sp.contract.read_model` finds them
+    (``layers_attr`` names them when it has several stacks). Raises :class:`NoRepeatedLayersError`
+    when it has none, :class:`~lightning_dcp.sp.contract.AmbiguousLayersError` when it has several."""
+    return layer_stack(read_model(module, layers_attr))

@@ -14,7 +14,8 @@ One concept per module:
 - :mod:`~lightning_dcp.runtime.sampler`, :mod:`~lightning_dcp.runtime.loader`,
   :mod:`~lightning_dcp.runtime.lengths`: steps, their micro-batches, and the sample lengths;
 - :mod:`~lightning_dcp.runtime.planner_factory`, :mod:`~lightning_dcp.runtime.model`,
-  :mod:`~lightning_dcp.runtime.support`: which planner, what the module allows, its support level;
+  :mod:`~lightning_dcp.runtime.support`: which planner, the SP cap the heads allow, the support
+  level's messages (the module itself is read once, by :func:`lightning_dcp.sp.contract.read_model`);
 - :mod:`~lightning_dcp.sp.groups`, :mod:`~lightning_dcp.runtime.agreement`,
   :mod:`~lightning_dcp.runtime.faults`, :mod:`~lightning_dcp.runtime.watchdog`: process groups, ranks
   that must agree, collectives that fail, and SIGTERM;

@@ -44,9 +44,9 @@ from lightning_dcp.runtime.faults import collective_error, describe_item, is_col
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, step_metrics
 from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryError
 from lightning_dcp.runtime.row import GatheredStep, StepRow
-from lightning_dcp.runtime.support import micro_batch_loss_units
-from lightning_dcp.sp.context import SEGMENT_IDS, SPContext, sp_context
-from lightning_dcp.sp.tokens import add_token_weights, count_weighted_calls, is_weighted, local_loss_tokens, shard_batch
+from lightning_dcp.sp.context import SPContext, sp_context
+from lightning_dcp.sp.contract import local_batch
+from lightning_dcp.sp.tokens import count_weighted_calls, is_weighted
 
 __all__ = ["StepExecutor", "is_step_batch", "world_all_gather"]
 
@@ -118,31 +118,16 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ 1. prepare (host)
     def prepare(self, batch: dict) -> None:
-        """Build this rank's micro-batches of ``batch`` on the host (see the module docstring)."""
-        module = self.strategy.lightning_module
+        """Build this rank's micro-batches of ``batch`` on the host (see the module docstring):
+        :func:`~lightning_dcp.sp.contract.local_batch` per item."""
         meta = batch["meta"]
-        prepare = getattr(module, "dcp_prepare_batch", None)
-        shard_fn = getattr(module, "dcp_shard_batch", None)
-        reduction = self.settings.loss_reduction
+        contract, reduction = self.strategy.model_contract, self.settings.loss_reduction
         local_items = []
         for mb, it in zip(batch["items"], meta["items"]):
-            if self.strategy.support == "safe":
-                units = micro_batch_loss_units(module, mb, len(it["samples"]), reduction)
-                it.update(loss_units=units, local_loss_tokens=units, item_loss_tokens=units,
-                          real_tokens=sum(it["lengths"]))
-                local_items.append(mb)
-                continue
-            if callable(prepare):
-                mb = prepare(mb)
-            units = add_token_weights(mb, reduction)
-            sp, sp_rank = len(it["ranks"]), it["sp_rank"]
-            item_tokens = units if reduction == "token" else local_loss_tokens(mb)  # token mode: the same count
-            local = shard_fn(mb, sp_rank, sp) if callable(shard_fn) else shard_batch(mb, sp_rank, sp)
-            real = int((local[SEGMENT_IDS] >= 0).sum()) if SEGMENT_IDS in local else local_loss_tokens(local)
-            # the divisor counts each item once (its first SP rank), whatever its SP size
-            it.update(loss_units=units if sp_rank == 0 else 0, local_loss_tokens=local_loss_tokens(local),
-                      item_loss_tokens=item_tokens, real_tokens=real)
-            local_items.append(local)
+            local = local_batch(contract, mb, it["sp_rank"], len(it["ranks"]), reduction, lengths=it["lengths"])
+            it.update(loss_units=local.loss_units, local_loss_tokens=local.local_loss_tokens,
+                      item_loss_tokens=local.item_loss_tokens, real_tokens=local.real_tokens)
+            local_items.append(local.data)
         batch["items"] = local_items
         meta["prepared"] = True
 

@@ -40,14 +40,13 @@ dummy micro-batches where a rank has none, plus a reduce-scatter per round; not 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
 from lightning_dcp.runtime.buckets import ShardedGradBuckets
-from lightning_dcp.sp.recompute import find_recompute_layers
 
 __all__ = ["FULLY_SHARDED_MODES", "ShardedParameters", "ShardedSpawnLauncher", "check_precision", "shard_units"]
 
@@ -57,19 +56,17 @@ FULLY_SHARDED_MODES = ("zero2", "fsdp")
 _NEAREST = "sharding='zero1' (full weights and gradients, optimizer state sharded)"
 
 
-def shard_units(module: nn.Module) -> list[nn.Module]:
-    """The modules to shard one by one, innermost first: every repeated layer (``RecomputeLayers``
-    entries and ``dcp_repeated_layers()`` lists); the caller shards ``module`` itself last. A unit is
-    all-gathered as one piece, so per-layer units bound the all-gather's transient memory by a layer."""
+def shard_units(module: nn.Module, layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules to shard one by one, innermost first: every repeated layer with parameters (``layers``:
+    the model contract's, :attr:`lightning_dcp.sp.contract.ModelContract.layers`); the caller shards
+    ``module`` itself last. A unit is all-gathered as one piece, so per-layer units bound the all-gather's
+    transient memory by a layer."""
     units: list[nn.Module] = []
     seen: set[int] = set()
-    stacks: list[Iterable[nn.Module]] = [list(r) for r in find_recompute_layers(module)]
-    stacks += [list(m.dcp_repeated_layers()) for m in module.modules() if callable(getattr(m, "dcp_repeated_layers", None))]
-    for stack in stacks:
-        for layer in stack:
-            if id(layer) not in seen and layer is not module and any(True for _ in layer.parameters()):
-                seen.add(id(layer))
-                units.append(layer)
+    for layer in layers:
+        if id(layer) not in seen and layer is not module and any(True for _ in layer.parameters()):
+            seen.add(id(layer))
+            units.append(layer)
     depth = {id(m): name.count(".") + (1 if name else 0) for name, m in module.named_modules()}
     return sorted(units, key=lambda m: -depth.get(id(m), 0))
 
@@ -107,13 +104,15 @@ class ShardedParameters:
         mode: ``"zero2"`` or ``"fsdp"``.
         device: the root device (its type names the mesh: ``"cpu"`` with gloo, ``"cuda"`` with NCCL).
         world_size: ranks in the world (the mesh).
+        layers: the repeated layers (the model contract's), each its own unit; the module is the last unit.
 
     Raises:
         ValueError: a parameter ``fully_shard`` cannot shard (scalar, non-contiguous, shared across
             units...), naming the parameter and the nearest mode that works.
     """
 
-    def __init__(self, module: nn.Module, mode: str, device: torch.device, world_size: int) -> None:
+    def __init__(self, module: nn.Module, mode: str, device: torch.device, world_size: int,
+                 layers: Sequence[nn.Module] = ()) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -123,7 +122,7 @@ class ShardedParameters:
         self.world_size = world_size
         _check_parameters(module, mode)
         self.mesh = init_device_mesh(device.type, (world_size,))
-        units = shard_units(module)
+        units = shard_units(module, layers)
         try:
             for unit in units:
                 fully_shard(unit, mesh=self.mesh, reshard_after_forward=False)

@@ -1,43 +1,15 @@
-"""What the runtime reads off the user's module: attention heads, repeated layers, the SP cap they allow."""
+"""The SP cap the model's attention heads allow (the heads and the repeated layers are read once, by
+:func:`lightning_dcp.sp.contract.read_model`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dcp.sp.groups import largest_power_of_two
-from lightning_dcp.sp.recompute import find_recompute_layers
 
-__all__ = ["SPCap", "count_recompute_layers", "find_num_heads", "largest_dividing_power_of_two", "resolve_sp_cap"]
-
-
-def find_num_heads(module: torch.nn.Module) -> int | None:
-    """The attention head count SP sizes must divide: ``dcp_num_heads`` or ``num_heads`` on the
-    module or (first found) on a submodule or its ``spec``; ``None`` when nothing says."""
-    for attr in ("dcp_num_heads", "num_heads"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    spec = getattr(module, "spec", None)
-    if isinstance(getattr(spec, "num_heads", None), int):
-        return spec.num_heads
-    for sub in module.modules():
-        if sub is module:
-            continue
-        for attr in ("dcp_num_heads", "num_heads"):
-            value = getattr(sub, attr, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
-def count_recompute_layers(module: torch.nn.Module) -> int:
-    """Repeated layers: the longest RecomputeLayers, or a ``dcp_repeated_layers()`` list (HF models)."""
-    stacks = [len(r) for r in find_recompute_layers(module)]
-    stacks += [len(m.dcp_repeated_layers()) for m in module.modules() if callable(getattr(m, "dcp_repeated_layers", None))]
-    return max(stacks, default=0)
+__all__ = ["SPCap", "largest_dividing_power_of_two", "resolve_sp_cap"]
 
 
 def largest_dividing_power_of_two(heads: int | None) -> int:

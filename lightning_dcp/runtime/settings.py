@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.state_sharding import SHARDING_MODES  # what sharding= accepts: the planner's modes
-from lightning_dcp.runtime.support import SUPPORT_LEVELS
+from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
 
 __all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSettings", "split_strategy_kwargs"]
@@ -80,6 +80,7 @@ class DCPSettings:
     sigterm_grace_s: float | None = 30.0
     max_oom_replans: int = 3
     oom_checkpoint: bool = True
+    layers_attr: str | None = None
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -101,6 +102,10 @@ class DCPSettings:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.support is not None and self.support not in SUPPORT_LEVELS:
             raise ValueError(f"support must be one of {SUPPORT_LEVELS} (or None to detect), got {self.support!r}")
+        attr = self.layers_attr
+        if attr is not None and (not isinstance(attr, str) or not attr or any(not p for p in attr.split("."))):
+            raise ValueError(f"layers_attr must be a dotted attribute path from the LightningModule to its repeated "
+                             f"layers (e.g. 'model.layers'), or None to find them; got {attr!r}")
         if not isinstance(self.max_oom_replans, int) or self.max_oom_replans < 0:
             raise ValueError(f"max_oom_replans must be an int >= 0, got {self.max_oom_replans!r}")
         if not self.bucket_cap_mb > 0:

@@ -4,10 +4,12 @@ What each hook does (the work is done by the runtime's other rooms):
 
 - ``__init__``: the arguments become a frozen :class:`~lightning_dcp.runtime.settings.DCPSettings`
   (validated; a misspelled argument is a ``TypeError`` naming the closest valid one).
-- ``setup_environment``: after DDP's process-group setup, the support level
-  (:mod:`~lightning_dcp.runtime.support`), the SP cap (:mod:`~lightning_dcp.runtime.model`) and the SP
-  groups of every aligned power-of-two block (:class:`~lightning_dcp.sp.groups.SPGroups`), once,
-  in the same order on every rank; the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
+- ``setup_environment``: after DDP's process-group setup, the module's contract, read once
+  (:func:`~lightning_dcp.sp.contract.read_model`: its repeated layers, support level, heads and hooks,
+  which every other room reads; :attr:`DCPStrategy.model_contract`), the SP cap
+  (:mod:`~lightning_dcp.runtime.model`) and the SP groups of every aligned power-of-two block
+  (:class:`~lightning_dcp.sp.groups.SPGroups`), once, in the same order on every rank; the SIGTERM
+  watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
 - ``setup``: checks the module and the Trainer, adds the profiler, no DDP wrapper (``configure_ddp``
   broadcasts rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with
   ``fully_shard``, :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
@@ -62,15 +64,16 @@ from lightning_dcp.sp.groups import SPGroups
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker
-from lightning_dcp.runtime.model import SPCap, count_recompute_layers, find_num_heads, resolve_sp_cap
+from lightning_dcp.runtime.model import SPCap, resolve_sp_cap
 from lightning_dcp.runtime.oom import OOMRecovery
 from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
 from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, SHARDING_MODES, DCPSettings, split_strategy_kwargs
 from lightning_dcp.runtime.states import ModelStates
-from lightning_dcp.runtime.support import resolve_support, support_message, uniform_lengths
+from lightning_dcp.runtime.support import support_message, uniform_lengths
 from lightning_dcp.runtime.watchdog import ShutdownWatchdog
+from lightning_dcp.sp.contract import ModelContract, read_model
 
 __all__ = ["DCPStrategy"]
 
@@ -136,6 +139,10 @@ class DCPStrategy(DDPStrategy):
             ``<default_root_dir>/dcp_oom/``; resuming from it re-plans that step with less memory.
         sigterm_grace_s: after SIGTERM, seconds before a rank still blocked in a collective exits
             (and kills the ranks it launched); ``None`` leaves SIGTERM to Lightning alone.
+        layers_attr: dotted attribute path from the LightningModule to its repeated layers (a
+            ``RecomputeLayers``, a ``ModuleList`` or a callable returning them), when it has several
+            layer stacks (see :mod:`lightning_dcp.sp.contract`); default the module's ``dcp_layers_attr``,
+            else its one stack. What the strategy read is :attr:`model_contract`.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
             (``start_method``, ``process_group_backend``, ``cluster_environment``...). Arguments of
             the DDP *wrapper* (``find_unused_parameters``, ``static_graph``...) are ignored with a
@@ -171,6 +178,7 @@ class DCPStrategy(DDPStrategy):
         sigterm_grace_s: float | None = 30.0,
         max_oom_replans: int = 3,
         oom_checkpoint: bool = True,
+        layers_attr: str | None = None,
         **kwargs: Any,
     ) -> None:
         ddp_kwargs, ignored = split_strategy_kwargs(kwargs)
@@ -181,12 +189,13 @@ class DCPStrategy(DDPStrategy):
             plan_ahead=plan_ahead, max_sp_size=max_sp_size, lengths=lengths, shuffle=shuffle, drop_last=drop_last,
             planner_options=planner_options or {}, log_metrics=log_metrics, bucket_cap_mb=bucket_cap_mb,
             support=support, timeout=timeout, sigterm_grace_s=sigterm_grace_s, max_oom_replans=max_oom_replans,
-            oom_checkpoint=oom_checkpoint)
+            oom_checkpoint=oom_checkpoint, layers_attr=layers_attr)
         if ignored:
             rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {ignored}")
         timeout = self.settings.timeout
         super().__init__(timeout=timeout if timeout is not None else default_pg_timeout, **ddp_kwargs)
         self._cost_model: CostModel | None = cost_model
+        self._model_contract: ModelContract | None = None
         self.support: str | None = None
         self.num_heads: int | None = None
         self.sp_cap = SPCap(1)
@@ -207,6 +216,12 @@ class DCPStrategy(DDPStrategy):
         """The largest SP size the runtime creates groups for (resolved at setup from the world, the heads
         and ``DCPStrategy(max_sp_size=...)``)."""
         return self.sp_cap.size
+
+    @property
+    def model_contract(self) -> ModelContract | None:
+        """What the strategy read off the LightningModule at setup (:func:`~lightning_dcp.sp.contract.read_model`):
+        its repeated layers, support level, heads and hooks; ``None`` before setup."""
+        return self._model_contract
 
     @property
     def oom_replans(self) -> int:
@@ -241,8 +256,10 @@ class DCPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         module = self.lightning_module
-        self.num_heads = find_num_heads(module) if module is not None else None
-        self.support = resolve_support(module, self.settings.support) if module is not None else "sp"
+        contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
+        self._model_contract = contract
+        self.num_heads = contract.num_heads if contract is not None else None
+        self.support = contract.support if contract is not None else "sp"
         requested = self.settings.max_sp_size
         if self.support != "sp":
             if requested not in (None, 1):
@@ -277,7 +294,7 @@ class DCPStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.oom.replans = 0  # dcp/oom_replans counts this fit's re-plans
             self._check_fit(trainer, module)
-            message = support_message(module, self.support)
+            message = support_message(self._model_contract)
             if message:
                 rank_zero_info(message)
             mend_progress_bars(trainer)
@@ -374,7 +391,8 @@ class DCPStrategy(DDPStrategy):
                 return
             _sync_module_states(self.model)
             if self._fully_sharded:
-                self.shards = ShardedParameters(self.model, self.sharding, self.root_device, self.world_size)
+                self.shards = ShardedParameters(self.model, self.sharding, self.root_device, self.world_size,
+                                                layers=self._model_contract.layers)
 
     def _check_sharding_agreement(self) -> None:
         """Every rank must run the same sharding mode (else their first collectives differ and hang): one
@@ -431,8 +449,7 @@ class DCPStrategy(DDPStrategy):
         planners = PlannerFactory(s, self.world_size, self.sp_cap, self.num_heads, self.support,
                                   states=self.model_states())
         if s.planner is None:
-            self._cost_model = planners.cost_model(self._cost_model, lengths, count_recompute_layers(self.lightning_module),
-                                                   per_rank)
+            self._cost_model = planners.cost_model(self._cost_model, lengths, self._model_contract.num_layers, per_rank)
         planner = planners.planner(self._cost_model, lengths)
         self.batch_sampler = DCPBatchSampler(
             lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,

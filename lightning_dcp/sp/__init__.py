@@ -7,7 +7,9 @@
   :func:`~lightning_dcp.sp.tokens.weighted_loss`;
 - :mod:`~lightning_dcp.sp.attention`: local variable-length attention (flash-attn, torch varlen, SDPA);
 - :mod:`~lightning_dcp.sp.ulysses`: the Ulysses all-to-all and :func:`ulysses_attention`;
-- :mod:`~lightning_dcp.sp.recompute`: :class:`RecomputeLayers`, the per-layer recompute switch.
+- :mod:`~lightning_dcp.sp.recompute`: :class:`RecomputeLayers`, the per-layer recompute switch;
+- :mod:`~lightning_dcp.sp.contract`: what the runtime and the profiler read off the model (its
+  repeated layers, heads, hooks), once, and the one path from a micro-batch to an SP rank's part.
 
 Nothing here decides anything: the runtime (:mod:`lightning_dcp.runtime`) sets the context from the
 step plan, and these helpers read it.

@@ -105,7 +105,9 @@ class FixedSPPolicy(Policy):
 
 def step_span(step: StepPlan, view: CostView) -> float:
     """Compute span of ``step`` exactly as the simulator runs it (no all-reduce): each rank runs its
-    items in list order, an item starts when all its ranks are free and lasts its cost-model time."""
+    items in list order, an item starts when all its ranks are free and lasts its cost-model time
+    (divided by its slowest member's speed, with the view's rank speeds)."""
+    speeds = view.speeds
     free: dict[int, float] = {}
     cache: dict[tuple, float] = {}
     span = 0.0
@@ -115,7 +117,7 @@ def step_span(step: StepPlan, view: CostView) -> float:
         if t is None:
             t = cache[key] = view.time(item.lengths, item.sp_size, item.recompute)
         start = max(free.get(r, 0.0) for r in item.ranks)
-        end = start + t
+        end = start + (t if speeds is None else t / view.speed(item.ranks))
         for r in item.ranks:
             free[r] = end
         span = max(span, end)

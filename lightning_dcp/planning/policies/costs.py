@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.speeds import group_speed, uniform
 
 
 class CostView:
@@ -31,10 +32,14 @@ class CostView:
     Args:
         cost_model: any :class:`CostModel`.
         max_sp: the largest SP group the world's aligned power-of-two blocks allow.
+        rank_speeds: per-rank speeds the speed-aware policies plan with (:mod:`~lightning_dcp.planning.speeds`;
+            None or all 1.0: the cost model as is).
     """
 
-    def __init__(self, cost_model: CostModel, max_sp: int):
+    def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None):
         self.cm = cost_model
+        self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
+        """Per-rank speeds, or None when every rank runs at the cost model's pace."""
         self.num_layers = int(cost_model.num_layers)
         self.sp_sizes = [p for p in cost_model.sp_sizes(max_sp) if p <= max_sp]
         if not self.sp_sizes:
@@ -102,6 +107,10 @@ class CostView:
         return self.max_len(self.sp_sizes[-1])
 
     # -- time ----------------------------------------------------------------------------
+    def speed(self, ranks: Sequence[int]) -> float:
+        """Pace of an item on ``ranks``: its slowest member's speed (1.0 without speeds)."""
+        return group_speed(self.speeds, ranks)
+
     def time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
         """Time of one packed micro-batch."""
         if self._time_fast is not None:

@@ -224,5 +224,6 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
     def _step_bounder(self) -> StepBounder:
         """The step bounder on this policy's cost view (its SP sizes are ``self.classes``), built once."""
         if self._bounder is None:
-            self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view)
+            self._bounder = StepBounder(self.view.cm, self.world_size, self.view.sp_sizes[-1], view=self.view,
+                                        rank_speeds=self.view.speeds)
         return self._bounder

@@ -84,6 +84,10 @@ class LayoutScheduler:
         # early exit: a dispatch estimate within 1% of the lower bound (mean rank load at the
         # preferred sizes, or the longest sample's best time) cannot be beaten by much
         bound = max(mean_load, float(np.min(Es, axis=0).max()) if n else 0.0) * 1.01
+        speeds = self.view.speeds
+        if speeds is not None:  # the block's ranks at their own pace
+            blk = speeds[offset:offset + size]
+            bound = max(mean_load * size / math.fsum(blk), float(np.min(Es, axis=0).max()) / max(blk) if n else 0.0) * 1.01
         block = BlockCosts(ids, L, E, G, Es, C, F, pref, classes, size, offset, rng, bound)
         result = None
         # two modes, each with its best layout by dispatch estimate: nested (groups may run fill
@@ -161,26 +165,45 @@ class LayoutScheduler:
             floorT = None
         best = None
         chunk_cache: dict = {}  # the same chunks of small samples for every candidate
+        done = False
         for lay in cands:
-            members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, block.rng, floor=floor,
-                                                costT=costT, floorT_all=floorT, chunk=self.dispatch_chunk,
-                                                chunk_groups=len(cands[0]), chunk_cache=chunk_cache,
-                                                fills_after_own=True,
-                                                cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf)
-            if best is None or span < best[3] * (1 - 1e-9):
-                best = (lay, members, loads, span)
-            if span <= block.bound:
+            for groups in self._placements(lay, block):
+                gs = None if self.view.speeds is None else [self.view.speed(g) for g in groups]
+                members, loads, span = lpt_dispatch(cost, lay, classes, key, self.trials, block.rng, floor=floor,
+                                                    costT=costT, floorT_all=floorT, chunk=self.dispatch_chunk,
+                                                    chunk_groups=len(cands[0]), chunk_cache=chunk_cache,
+                                                    fills_after_own=True,
+                                                    cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf,
+                                                    group_speed=gs)
+                if best is None or span < best[3] * (1 - 1e-9):
+                    best = (lay, members, groups, span)
+                if span <= block.bound:
+                    done = True
+                    break
+            if done:
                 break
-        layout, members, _, _ = best  # type: ignore[misc]
-        groups = place(layout, block.size)
-        assert groups is not None
-        groups = [tuple(r + block.offset for r in g) for g in groups]
+        layout, members, groups, _ = best  # type: ignore[misc]
         # fill[k][j]: sample j runs as a fill (on a sub-block) on a group of class k
         isfill = (Es > C).tolist() if nested else None
         ctx = (ids, block.L, block.E, block.G, Es, C if nested else Es, block.pref, block.rng, isfill, ids.tolist())
         plans = [self._group(list(members[g]), groups[g], ctx) for g in range(len(groups))]
         span = max((t for _, t in plans), default=0.0)
         return plans, span, layout, groups, members, ctx
+
+    def _placements(self, layout: Layout, block: BlockCosts) -> list[list[tuple[int, ...]]]:
+        """Rank tuples of ``layout``'s groups on the block (in layout order): the aligned placement, and
+        with uneven rank speeds on a power-of-two block also its mirror image (the large groups on the
+        block's other end), so the dispatch can keep the slow ranks out of the long samples' groups."""
+        groups = place(layout, block.size)
+        assert groups is not None
+        out = [[tuple(r + block.offset for r in g) for g in groups]]
+        speeds = self.view.speeds
+        size = block.size
+        if speeds is not None and size & (size - 1) == 0 and len(set(speeds[block.offset:block.offset + size])) > 1:
+            mirror = [tuple(range(block.offset + size - g[0] - len(g), block.offset + size - g[0])) for g in groups]
+            if [self.view.speed(g) for g in mirror] != [self.view.speed(g) for g in out[0]]:
+                out.append(mirror)
+        return out
 
     def _group(self, mem: list[int], ranks: tuple[int, ...], ctx) -> tuple[list, float]:
         """Items and estimated time of one group running the (local) samples ``mem``."""
@@ -197,9 +220,10 @@ class LayoutScheduler:
             own, fill = list(mem), []
         items, t = [], 0.0
         if own:
+            speed = self.view.speed(ranks)
             for idx, rec, ti in self._pack([idl[j] for j in own], P, L, E):
                 items.append((ranks, idx, rec))
-                t += ti
+                t += ti / speed
         if fill:
             sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng)
             items.extend(interleave_items(sub))
@@ -262,11 +286,12 @@ class LayoutScheduler:
         times = [t for _, t in plans]
         sizes = [len(g) for g in groups]
         kidx = [self.classes.index(p) for p in sizes]
+        gsp = [self.view.speed(g) for g in groups]
         tried: set[tuple[int, int]] = set()
         for _ in range(self.refine_rounds):
             slow = max(range(len(times)), key=times.__getitem__)
             span = times[slow]
-            moves = self._refine_moves(slow, span, members, times, kidx, C, L, ids)
+            moves = self._refine_moves(slow, span, members, times, kidx, C, L, ids, gsp)
             moved = False
             for _, j, g in moves:
                 if (slow, j) in tried:
@@ -287,17 +312,17 @@ class LayoutScheduler:
         return plans
 
     @staticmethod
-    def _refine_moves(slow, span, members, times, kidx, C, L, ids, top=4):
-        """Candidate moves ``(estimated pair makespan, sample, destination)``, best first."""
+    def _refine_moves(slow, span, members, times, kidx, C, L, ids, gsp, top=4):
+        """Candidate moves ``(estimated pair makespan, sample, destination)``, best first (``gsp``: group paces)."""
         mem = np.asarray(members[slow], dtype=np.int64)
         if len(mem) == 0:
             return []
-        here = C[kidx[slow], mem]
+        here = C[kidx[slow], mem] / gsp[slow]
         order = sorted((g for g in range(len(times)) if g != slow), key=lambda g: (times[g], g))[:3]
         out = []
         lens = L[ids[mem]]
         for g in order:
-            there = C[kidx[g], mem]
+            there = C[kidx[g], mem] / gsp[g]
             est = np.maximum(span - here, times[g] + there)
             ok = np.isfinite(there) & (est < span)
             if not ok.any():

@@ -94,6 +94,13 @@ class BuddyTreeSearch:
             levels.setdefault(tree.size[v], []).append([(ranks, idx, rec) for idx, rec, _ in packs[v]])
         return [interleave_items(levels[p]) for p in sorted(levels, reverse=True)], got, [tree.size[v] for v in nodes]
 
+    def _pace(self, tree: BuddyTree, v: int) -> float:
+        """Node ``v``'s pace: its slowest rank's speed (1.0 without rank speeds)."""
+        speeds = self.view.speeds
+        if speeds is None:
+            return 1.0
+        return min(speeds[tree.offset[v]:tree.offset[v] + tree.size[v]])
+
     def _tree_realize(self, tree: BuddyTree, where: Sequence[int], L: np.ndarray, E: np.ndarray):
         """Micro-batches of every node that holds samples, and every node's exact own time."""
         members: dict[int, list[int]] = {}
@@ -103,7 +110,7 @@ class BuddyTreeSearch:
         packs = {}
         for v, mem in members.items():
             packs[v] = self._pack(mem, tree.size[v], L, E)
-            own[v] = sum(t for _, _, t in packs[v])
+            own[v] = sum(t for _, _, t in packs[v]) / self._pace(tree, v)
         return packs, own
 
     def _tree_refine(self, tree: BuddyTree, where: list[int], packs: dict, own: list[float], L: np.ndarray,
@@ -133,8 +140,8 @@ class BuddyTreeSearch:
                 ps = self._pack(src, tree.size[s_], L, E) if src else []
                 pd = self._pack(dst, tree.size[d], L, E)
                 new = list(own)
-                new[s_] = sum(t for _, _, t in ps)
-                new[d] = sum(t for _, _, t in pd)
+                new[s_] = sum(t for _, _, t in ps) / self._pace(tree, s_)
+                new[d] = sum(t for _, _, t in pd) / self._pace(tree, d)
                 got = tree.span(new)
                 sq = tree.spread(new)
                 if got < span * (1 - 1e-9) or (got <= span and sq < spread * (1 - 1e-9)):

@@ -25,7 +25,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
                  floor: np.ndarray | None = None, costT: list | None = None,
                  floorT_all: list | None = None, chunk: float = 0.0, chunk_groups: int | None = None,
                  chunk_cache: dict | None = None, fills_after_own: bool = False,
-                 cutoff: float = float("inf")) -> tuple[list[list[int]], list[float], float]:
+                 cutoff: float = float("inf"),
+                 group_speed: Sequence[float] | None = None) -> tuple[list[list[int]], list[float], float]:
     """Assign units to the groups of ``layout``.
 
     Args:
@@ -58,18 +59,16 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         cutoff: give up as soon as a group's load reaches ``cutoff`` (loads only grow, so the
             makespan would too): a caller comparing layouts passes its best makespan so far and
             skips the rest of a losing layout's dispatch. Returns ``(None, None, inf)`` then.
+        group_speed: optional pace of every group of ``layout`` (its slowest rank's speed): a unit
+            costs ``cost / speed`` there (and its floor ``floor / speed``); groups of one SP size and
+            one speed share a heap. None (or all 1.0) dispatches exactly as without speeds.
 
     Returns:
         ``(members, loads, makespan)``: unit indices per group, estimated busy time per group,
         and the largest load.
     """
     n = cost.shape[1]
-    row_of = {p: k for k, p in enumerate(classes)}
-    by_class: dict[int, list[int]] = {}
-    for g, p in enumerate(layout):
-        by_class.setdefault(p, []).append(g)
-    present = sorted(by_class)
-    rows = [row_of[p] for p in present]
+    by_class, present, rows, spd = _heap_keys(layout, classes, group_speed)
     colsT = cost.T.tolist() if costT is None else costT  # units x classes as Python floats: fast scalar access
     floorT = None if floor is None else (floorT_all if floorT_all is not None else floor.T.tolist())
     best = None
@@ -83,7 +82,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
         if chunk > 0 and n > 8 * len(layout):
             seq = _trial_chunks(cost, floor, order, chunk_groups or len(layout), chunk, chunk_cache if t == 0 else None)
         units = _unit_sequence(order.tolist(), seq, colsT, floorT)
-        got = _greedy_pass(units, [[(0.0, g) for g in by_class[p]] for p in present], rows, len(layout),
+        units, heap_rows = (units, rows) if spd is None else (_at_speed(units, rows, spd), list(range(len(rows))))
+        got = _greedy_pass(units, [[(0.0, g) for g in by_class[p]] for p in present], heap_rows, len(layout),
                            fills_after_own, cutoff)
         if got is None:  # a unit fits no group
             continue
@@ -99,6 +99,21 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             return None, None, float("inf")  # type: ignore[return-value]
         raise ValueError("a unit fits no group of the layout")
     return best
+
+
+def _heap_keys(layout: Sequence[int], classes: Sequence[int], group_speed: Sequence[float] | None):
+    """``(groups per heap key, heap keys in order, cost row per heap, pace per heap or None)``: one heap per
+    SP size, or per (SP size, pace) with uneven group paces."""
+    row_of = {p: k for k, p in enumerate(classes)}
+    if group_speed is not None and all(x == 1.0 for x in group_speed):
+        group_speed = None
+    by_class: dict = {}
+    for g, p in enumerate(layout):
+        by_class.setdefault(p if group_speed is None else (p, float(group_speed[g])), []).append(g)
+    present = sorted(by_class)
+    rows = [row_of[p] for p in present] if group_speed is None else [row_of[p] for p, _ in present]
+    spd = None if group_speed is None else [x for _, x in present]
+    return by_class, present, rows, spd
 
 
 def _trial_chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngroups: int, chunk: float,
@@ -144,6 +159,14 @@ def _unit_sequence(olist: list[int], seq, colsT: list, floorT: list | None) -> _
     nhead = len(seq_m) if seq_m is not None else 0
     shift = (seq[0] - nhead) if seq is not None else 0  # seq_c[u], u >= nhead, is unit olist[u + shift]
     return _Units(seq_c, seq_f, seq_m, nhead, shift, olist)
+
+
+def _at_speed(units: _Units, rows: list[int], spd: list[float]) -> _Units:
+    """``units`` with one cost (and floor) column per heap: row ``rows[h]`` divided by ``spd[h]``."""
+    pairs = list(zip(rows, spd))
+    cost = [[c[r] / x for r, x in pairs] for c in units.cost]
+    floor = None if units.floor is None else [[f[r] / x for r, x in pairs] for f in units.floor]
+    return _Units(cost, floor, units.chunk_members, units.nhead, units.shift, units.order)
 
 
 def _greedy_pass(units: _Units, heaps: list[list[tuple[float, int]]], rows: list[int], ngroups: int,

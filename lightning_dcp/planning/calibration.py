@@ -1,0 +1,458 @@
+"""Plans that learn from the run: per-item measurements and the refit of the cost model's time terms.
+
+The cost model is fixed at fit start; real steps run 6-33% slower than it predicts (measured on
+2 CPU processes), and on clusters some ranks are slower than others (a throttled GPU, a slow node).
+This module turns what the run measured into two kinds of factors the planner uses
+(:class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`):
+
+- a *time scale* per SP size: measured / predicted time of that size's micro-batches on a rank
+  at typical speed (one ``default_scale`` for the SP sizes not measured yet);
+- a *speed* per rank: how fast the rank runs relative to the typical (median) rank; an SP item
+  runs at the pace of its slowest member (:mod:`~lightning_dcp.planning.speeds`).
+
+The runtime's part (interfaces only here): every rank times each micro-batch it executes and
+builds an :class:`ItemMeasurement` per item; the rows (:meth:`ItemMeasurement.to_floats`, a fixed
+width of :data:`NUM_FIELDS` floats, padded with :func:`pack_rows` to a fixed row count, float64)
+ride on the step-end all-gather; every rank decodes the gathered rows (:func:`unpack_rows`) and
+calls :meth:`Calibrator.observe`. Every rank thus sees the same rows and computes the same refit,
+bit for bit: the refit first sorts the rows into a canonical order and sums with ``math.fsum``
+(correctly rounded), so it depends only on the *set* of gathered rows -- not on which rank
+computes it nor on the order the rows arrived in.
+
+The refit (:meth:`Calibrator.refit`, every ``config.every`` observed steps, over the rows of those
+steps):
+
+1. Items: the rows of one ``(step, item)`` are one micro-batch; its duration is the largest
+   member's measured seconds and its ratio ``measured / predicted`` (``predicted``: the
+   *uncalibrated* model's time, so factors never compound).
+2. Speeds from SP-1 items: per rank the robust mean of its ratios; the typical ratio ``scale[1]``
+   is the median over ranks; a rank's speed sample from an item is ``scale[1] / ratio``.
+3. SP sizes above 1: ``scale[p]`` is the robust mean of ``ratio x (slowest member's speed)``; the
+   item's speed sample ``scale[p] / ratio`` goes to its slowest member: the one that waited
+   least in the all-to-alls when waits were measured, else the one with the lowest current speed
+   (none when they tie).
+4. Each factor with at least ``min_samples`` samples moves towards its estimate by exponential
+   smoothing (``alpha``), at most ``max_change`` x per refit, clamped to ``[low, high]``.
+
+"Robust mean": samples further than ``mad_cut`` x 1.4826 x MAD (at least ``rel_floor`` of the
+median) from the median are dropped, the rest averaged -- one crazy step (a stall, a checkpoint
+write) among the window's steps is dropped, not averaged in.
+
+Modes: ``"adaptive"`` (refit), ``"fixed"`` (the factors given or loaded stay; measurements are
+still compared with the predictions, for the logs), ``"off"`` (every factor 1.0, nothing kept).
+:meth:`Calibrator.state_dict` is JSON-able and goes with the checkpoint; a resumed run continues
+from the same factors and window.
+
+Pure Python: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = [
+    "CalibrationConfig", "CalibrationFactors", "Calibrator", "ItemMeasurement", "MODES", "NUM_FIELDS",
+    "StepPrediction", "pack_rows", "robust_mean", "unpack_rows",
+]
+
+MODES = ("adaptive", "fixed", "off")
+"""Calibrator modes: refit every ``every`` steps; keep the given factors; everything 1.0."""
+
+_UNKNOWN = -1.0
+"""``wait_s`` when the all-to-all wait was not measured; ``rank`` of a padding row."""
+
+
+@dataclass(frozen=True)
+class ItemMeasurement:
+    """What one rank measured for one micro-batch it executed (one row of floats on the all-gather).
+
+    ``tokens`` and ``work`` (sum of the samples' attention work, ``sum(l**2)`` for 1-D models) are
+    kept so later refits can fit the time terms themselves; the refit of this version uses
+    ``predicted_s`` (the *uncalibrated* cost model's time of the item, the same on every member).
+    """
+
+    step: int
+    """Optimizer step the item belongs to."""
+    item: int
+    """Index of the item in the step plan's ``items``."""
+    rank: int
+    """The rank that measured it."""
+    sp: int
+    """SP size of the item."""
+    recompute: int
+    """Recomputed layers."""
+    samples: int
+    """Samples packed in the micro-batch."""
+    tokens: float
+    """Sum of the samples' lengths."""
+    work: float
+    """Sum of the samples' attention work (``sum(l**2)`` for 1-D models)."""
+    predicted_s: float
+    """The uncalibrated cost model's time of the item (seconds)."""
+    measured_s: float
+    """Seconds this rank spent on the item (forward + backward, recompute included)."""
+    wait_s: float = _UNKNOWN
+    """Seconds of it this rank waited in the item's all-to-alls (``-1``: not measured)."""
+
+    def to_floats(self) -> list[float]:
+        """The :data:`NUM_FIELDS` floats of this row, in field order (exact for integers below 2**53)."""
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_floats(cls, row: Sequence[float]) -> ItemMeasurement | None:
+        """The measurement of ``row`` (:meth:`to_floats`), or None for a padding row (negative rank).
+
+        Raises:
+            ValueError: a row of another width, or non-finite values in a real row.
+        """
+        vals = [float(v) for v in row]
+        if len(vals) != NUM_FIELDS:
+            raise ValueError(f"a measurement row has {NUM_FIELDS} floats, got {len(vals)}; build rows with "
+                             "ItemMeasurement.to_floats / pack_rows")
+        if vals[2] < 0:
+            return None
+        if not all(math.isfinite(v) for v in vals):
+            raise ValueError(f"measurement row {vals} has non-finite values")
+        ints = {f.name for f in fields(cls) if f.type in ("int", int)}
+        kw = {f.name: (int(v) if f.name in ints else v) for f, v in zip(fields(cls), vals)}
+        return cls(**kw)
+
+    def sort_key(self) -> tuple:
+        return tuple(self.to_floats())
+
+
+NUM_FIELDS = len(fields(ItemMeasurement))
+"""Floats per measurement row."""
+
+
+def pack_rows(measurements: Sequence[ItemMeasurement], rows: int) -> list[float]:
+    """``measurements`` as ``rows x NUM_FIELDS`` floats (row-major), padded with padding rows (rank -1).
+
+    The runtime puts this (as a float64 tensor of shape ``(rows, NUM_FIELDS)``) on its all-gather;
+    ``rows`` must be the same on every rank (e.g. the step plan's largest per-rank item count).
+
+    Raises:
+        ValueError: more measurements than ``rows``.
+    """
+    if len(measurements) > rows:
+        raise ValueError(f"{len(measurements)} measurements do not fit {rows} rows; pass rows >= the most items any "
+                         "rank runs in the step")
+    out: list[float] = []
+    for m in measurements:
+        out.extend(m.to_floats())
+    pad = [0.0] * NUM_FIELDS
+    pad[2] = _UNKNOWN
+    for _ in range(rows - len(measurements)):
+        out.extend(pad)
+    return out
+
+
+def unpack_rows(flat: Sequence[float]) -> list[ItemMeasurement]:
+    """The measurements in ``flat`` (rows of :data:`NUM_FIELDS` floats, e.g. every rank's :func:`pack_rows`
+    concatenated), padding rows skipped.
+
+    Raises:
+        ValueError: a length that is not a multiple of :data:`NUM_FIELDS`.
+    """
+    vals = list(flat)
+    if len(vals) % NUM_FIELDS:
+        raise ValueError(f"{len(vals)} floats are not whole rows of {NUM_FIELDS}")
+    out = []
+    for i in range(0, len(vals), NUM_FIELDS):
+        m = ItemMeasurement.from_floats(vals[i:i + NUM_FIELDS])
+        if m is not None:
+            out.append(m)
+    return out
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How the :class:`Calibrator` refits (see the module docstring)."""
+
+    every: int = 20
+    """Refit after this many observed steps (over their measurements)."""
+    alpha: float = 0.5
+    """Exponential smoothing: a factor moves this fraction of the way to its new estimate."""
+    low: float = 0.25
+    """Smallest factor (time scale or speed)."""
+    high: float = 4.0
+    """Largest factor."""
+    max_change: float = 2.0
+    """A factor changes by at most this ratio per refit."""
+    min_samples: int = 3
+    """Samples (items) a factor needs to be refitted; fewer leave it unchanged."""
+    mad_cut: float = 3.0
+    """Outlier cut: samples more than this many (normal-scaled) MADs from the median are dropped."""
+    rel_floor: float = 0.05
+    """The outlier cut is at least this fraction of the median (noise-free samples keep a margin)."""
+
+    def __post_init__(self) -> None:
+        if int(self.every) < 1:
+            raise ValueError(f"CalibrationConfig.every={self.every}: refit after at least 1 step")
+        if not 0.0 < float(self.alpha) <= 1.0:
+            raise ValueError(f"CalibrationConfig.alpha={self.alpha} must be in (0, 1]")
+        if not 0.0 < float(self.low) <= 1.0 <= float(self.high):
+            raise ValueError(f"CalibrationConfig low={self.low}, high={self.high}: need 0 < low <= 1 <= high")
+        if float(self.max_change) < 1.0:
+            raise ValueError(f"CalibrationConfig.max_change={self.max_change} must be >= 1")
+        if int(self.min_samples) < 1:
+            raise ValueError(f"CalibrationConfig.min_samples={self.min_samples} must be >= 1")
+
+
+@dataclass(frozen=True)
+class CalibrationFactors:
+    """The refitted factors: what :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel` scales by."""
+
+    time_scale: tuple[tuple[int, float], ...] = ()
+    """``(sp, factor)`` pairs, ascending SP: measured / predicted time on that SP size."""
+    default_scale: float = 1.0
+    """Time scale of the SP sizes without a factor of their own."""
+    rank_speeds: tuple[float, ...] | None = None
+    """Speed of every rank (None: all 1.0)."""
+
+    def scale(self, sp: int) -> float:
+        for p, f in self.time_scale:
+            if p == sp:
+                return f
+        return self.default_scale
+
+    def to_dict(self) -> dict:
+        return {"time_scale": {str(p): f for p, f in self.time_scale}, "default_scale": self.default_scale,
+                "rank_speeds": None if self.rank_speeds is None else list(self.rank_speeds)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CalibrationFactors:
+        ts = tuple(sorted((int(p), float(f)) for p, f in dict(d.get("time_scale", {})).items()))
+        speeds = d.get("rank_speeds")
+        return cls(ts, float(d.get("default_scale", 1.0)), None if speeds is None else tuple(float(s) for s in speeds))
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted vs measured for one step (what the runtime logs): per-rank busy seconds, their maximum."""
+
+    step: int
+    predicted_s: float
+    """Slowest rank's predicted busy time under the current factors."""
+    base_predicted_s: float
+    """The same under the uncalibrated cost model."""
+    measured_s: float
+    """Slowest rank's measured busy time."""
+
+    @property
+    def relative_error(self) -> float:
+        """``(measured - predicted) / measured`` (positive: the prediction was too low)."""
+        return (self.measured_s - self.predicted_s) / self.measured_s if self.measured_s > 0 else 0.0
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def robust_mean(xs: Sequence[float], mad_cut: float = 3.0, rel_floor: float = 0.05) -> float:
+    """Mean of ``xs`` after dropping the samples further than ``mad_cut`` x 1.4826 x MAD (at least
+    ``rel_floor`` x |median|) from the median. Order-independent (sorted, ``math.fsum``)."""
+    med = _median(xs)
+    mad = _median([abs(x - med) for x in xs])
+    cut = max(mad_cut * 1.4826 * mad, rel_floor * abs(med))
+    kept = sorted(x for x in xs if abs(x - med) <= cut)
+    return math.fsum(kept) / len(kept)
+
+
+@dataclass
+class _Item:
+    """One micro-batch of the window: its members' rows, combined."""
+
+    sp: int
+    ranks: tuple[int, ...]
+    ratio: float
+    waits: tuple[float, ...]
+
+
+class Calibrator:
+    """Refits per-SP-size time scales and per-rank speeds from gathered measurements (module docstring).
+
+    Args:
+        world_size: ranks of the run.
+        config: refit settings.
+        mode: ``"adaptive"``, ``"fixed"`` or ``"off"`` (:data:`MODES`).
+        factors: the starting factors (e.g. a fixed model for reproducibility; default all 1.0).
+    """
+
+    def __init__(self, world_size: int, config: CalibrationConfig | None = None, *, mode: str = "adaptive",
+                 factors: CalibrationFactors | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"calibration mode {mode!r} is not one of {MODES}")
+        self.world_size = int(world_size)
+        self.config = config or CalibrationConfig()
+        self.mode = mode
+        self.factors = CalibrationFactors() if mode == "off" or factors is None else factors
+        if self.factors.rank_speeds is not None and len(self.factors.rank_speeds) != self.world_size:
+            raise ValueError(f"factors carry {len(self.factors.rank_speeds)} rank speeds for a world of {self.world_size}")
+        self.window: list[ItemMeasurement] = []
+        self.steps_seen = 0
+        self.refits = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    # -- the run's side ------------------------------------------------------------------
+    def observe(self, measurements: Iterable[ItemMeasurement]) -> CalibrationFactors | None:
+        """Record one step's gathered measurements (all ranks'); refit when ``config.every`` steps are in.
+
+        Returns the new factors after a refit, else None. ``"off"`` ignores the measurements;
+        ``"fixed"`` never refits.
+        """
+        if self.mode == "off":
+            return None
+        rows = [m for m in measurements if 0 <= m.rank < self.world_size]
+        self.steps_seen += 1
+        if self.mode != "adaptive":
+            return None
+        self.window.extend(rows)
+        if self.steps_seen % int(self.config.every):
+            return None
+        return self.refit()
+
+    def predict(self, measurements: Iterable[ItemMeasurement], step: int = -1) -> StepPrediction:
+        """Predicted (current factors, and uncalibrated) vs measured busy time of the slowest rank."""
+        items, rows = self._items(measurements)
+        pred = [0.0] * self.world_size
+        base = [0.0] * self.world_size
+        meas = [0.0] * self.world_size
+        for m in rows:
+            meas[m.rank] += m.measured_s
+        for key, it in items.items():
+            p = it[0]
+            s = 1.0 if self.factors.rank_speeds is None else min(self.factors.rank_speeds[r] for r in it[1])
+            for r in it[1]:
+                base[r] += p.predicted_s
+                pred[r] += p.predicted_s * self.factors.scale(p.sp) / s
+        return StepPrediction(step, max(pred, default=0.0), max(base, default=0.0), max(meas, default=0.0))
+
+    # -- the refit -----------------------------------------------------------------------
+    def refit(self) -> CalibrationFactors:
+        """New factors from the window's measurements (module docstring); clears the window."""
+        items = self._combine(self.window)
+        self.window = []
+        cfg = self.config
+        old = self.factors
+        speeds = list(old.rank_speeds) if old.rank_speeds is not None else [1.0] * self.world_size
+        est_scale: dict[int, float] = {}
+        speed_samples: dict[int, list[float]] = {}
+        # SP-1 items: per-rank typical ratio; the median rank defines speed 1.0
+        per_rank: dict[int, list[float]] = {}
+        for it in items:
+            if it.sp == 1:
+                per_rank.setdefault(it.ranks[0], []).append(it.ratio)
+        rank_ratio = {r: robust_mean(v, cfg.mad_cut, cfg.rel_floor) for r, v in sorted(per_rank.items())
+                      if len(v) >= cfg.min_samples}
+        if rank_ratio:
+            s1 = _median(list(rank_ratio.values()))
+            est_scale[1] = s1
+            for r, v in sorted(per_rank.items()):
+                speed_samples[r] = [s1 / x for x in v]
+        first = {r: est_scale[1] / x for r, x in rank_ratio.items()} if rank_ratio else {}
+        cur = [first.get(r, speeds[r]) for r in range(self.world_size)]
+        # SP items: scale per size at the slowest member's pace; the sample of speed to that member
+        by_sp: dict[int, list[_Item]] = {}
+        for it in items:
+            if it.sp > 1:
+                by_sp.setdefault(it.sp, []).append(it)
+        for p, its in sorted(by_sp.items()):
+            if len(its) < cfg.min_samples:
+                continue
+            sp_scale = robust_mean([it.ratio * min(cur[r] for r in it.ranks) for it in its], cfg.mad_cut, cfg.rel_floor)
+            est_scale[p] = sp_scale
+            for it in its:
+                who = _slowest(it, cur)
+                if who is not None:
+                    speed_samples.setdefault(who, []).append(sp_scale / it.ratio)
+        adjusted = [it.ratio * min(cur[r] for r in it.ranks) for it in items]
+        default = old.default_scale
+        if len(adjusted) >= cfg.min_samples:
+            default = self._move(old.default_scale, robust_mean(adjusted, cfg.mad_cut, cfg.rel_floor))
+        scales = dict(old.time_scale)
+        for p, e in est_scale.items():
+            scales[p] = self._move(scales.get(p, old.default_scale), e)
+        for r, v in speed_samples.items():
+            if len(v) >= cfg.min_samples:
+                speeds[r] = self._move(speeds[r], robust_mean(v, cfg.mad_cut, cfg.rel_floor))
+        rank_speeds = None if all(s == 1.0 for s in speeds) else tuple(speeds)
+        self.factors = CalibrationFactors(tuple(sorted(scales.items())), default, rank_speeds)
+        self.refits += 1
+        return self.factors
+
+    def _move(self, old: float, estimate: float) -> float:
+        """``old`` smoothed towards ``estimate``, limited to ``max_change`` x, clamped."""
+        cfg = self.config
+        new = old + cfg.alpha * (estimate - old)
+        new = min(max(new, old / cfg.max_change), old * cfg.max_change)
+        return min(max(new, cfg.low), cfg.high)
+
+    def _items(self, measurements: Iterable[ItemMeasurement]):
+        """``({(step, item): (first row, ranks, rows)}, rows)`` of valid rows, in canonical order."""
+        rows = sorted((m for m in measurements if 0 <= m.rank < self.world_size), key=ItemMeasurement.sort_key)
+        items: dict[tuple[int, int], tuple[ItemMeasurement, tuple[int, ...], list[ItemMeasurement]]] = {}
+        grouped: dict[tuple[int, int], list[ItemMeasurement]] = {}
+        for m in rows:
+            grouped.setdefault((m.step, m.item), []).append(m)
+        for key in sorted(grouped):
+            ms = sorted(grouped[key], key=lambda m: (m.rank, m.sort_key()))
+            ranks = tuple(sorted({m.rank for m in ms}))
+            items[key] = (ms[0], ranks, ms)
+        return items, rows
+
+    def _combine(self, measurements: Iterable[ItemMeasurement]) -> list[_Item]:
+        """One :class:`_Item` per ``(step, item)`` with a positive prediction, in canonical order."""
+        items, _ = self._items(measurements)
+        out = []
+        for first, ranks, ms in items.values():
+            if first.predicted_s <= 0:
+                continue
+            measured = max(m.measured_s for m in ms)
+            if measured <= 0:
+                continue
+            waits = tuple(min(m.wait_s for m in ms if m.rank == r) for r in ranks)
+            out.append(_Item(first.sp, ranks, measured / first.predicted_s, waits))
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """JSON-able state: mode, config, factors, the window's rows, counters."""
+        return {"version": 1, "mode": self.mode, "world_size": self.world_size, "config": asdict(self.config),
+                "factors": self.factors.to_dict(), "window": [m.to_floats() for m in self.window],
+                "steps_seen": self.steps_seen, "refits": self.refits}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the mode given at construction wins over the saved one).
+
+        Raises:
+            ValueError: a state of another world size or version.
+        """
+        if int(state.get("version", 0)) != 1:
+            raise ValueError(f"calibration state version {state.get('version')!r} is not 1")
+        if int(state["world_size"]) != self.world_size:
+            raise ValueError(f"calibration state is of a world of {state['world_size']} ranks, this run has "
+                             f"{self.world_size}; start calibration afresh (mode='adaptive' without loading)")
+        self.config = CalibrationConfig(**state["config"])
+        self.factors = CalibrationFactors() if self.mode == "off" else CalibrationFactors.from_dict(state["factors"])
+        self.window = [m for m in (ItemMeasurement.from_floats(r) for r in state["window"]) if m is not None]
+        self.steps_seen = int(state["steps_seen"])
+        self.refits = int(state["refits"])
+
+
+def _slowest(it: _Item, speeds: Sequence[float]) -> int | None:
+    """The member an SP item's pace is attributed to: least all-to-all wait, else lowest speed (None on ties)."""
+    if len(it.ranks) == 1:
+        return it.ranks[0]
+    if all(w >= 0 for w in it.waits):
+        return min(zip(it.waits, it.ranks))[1]
+    low = min(speeds[r] for r in it.ranks)
+    who = [r for r in it.ranks if speeds[r] == low]
+    return who[0] if len(who) == 1 else None
