@@ -319,24 +319,14 @@ def profile_module(
             default read here with ``layers_attr``.
     """
     t_start = time.perf_counter()
-    if cpu_clock not in measure.CPU_CLOCKS:
-        raise ValueError(f"cpu_clock must be one of {sorted(measure.CPU_CLOCKS)}, got {cpu_clock!r}")
-    if density not in DENSITIES:
-        raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
+    _check_options(cpu_clock, density)
     contract = contract if contract is not None else read_model(module, layers_attr)
     run = _prepare(module, data, device, autocast, step_fn, contract, num_heads)
-    if contract.support == "safe":
-        raise ValueError(f"profile_module measures packed micro-batches, but {contract.name} runs in safe mode (its "
-                         "batches come from its own collate_fn); declare dcp_support = 'packed' or 'sp' if the model "
-                         "attends within each sample of a packed batch")
+    _refuse_safe_mode(contract)
     grid = _plan_grid(run, lengths, micro_batch_sizes, sp_sizes, density)
-    if group_for is None and run.world_size > 1 and any(p > 1 for p in grid.sp_sizes):
-        group_for = harness.make_sp_groups(run.world_size, grid.sp_sizes)
     states = _model_states(module, states_module, optimizer)
-    with measure.cpu_clock(cpu_clock), harness.preserved_state(module), harness.muted_logging(module):
-        module.train()
-        entries, skipped = _measure_grid(run, grid, group_for, time_budget_s, t_start)
-        constant = _measure_constants(run, grid, optimizer, states)
+    entries, skipped, constant = _measure_all(module, run, grid, group_for, optimizer, states, cpu_clock,
+                                              time_budget_s, t_start)
     profile = _assemble(
         run, grid, entries, skipped, constant, states,
         key=key if key is not None else default_key(module, run.device, precision, run.world_size),
@@ -346,3 +336,36 @@ def profile_module(
     )
     profile = measure.broadcast(profile)  # rank 0's copy everywhere (profiling_s and host may differ per rank)
     return validate_profile(profile)
+
+
+def _check_options(cpu_clock: str, density: str) -> None:
+    if cpu_clock not in measure.CPU_CLOCKS:
+        raise ValueError(f"cpu_clock must be one of {sorted(measure.CPU_CLOCKS)}, got {cpu_clock!r}")
+    if density not in DENSITIES:
+        raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
+
+
+def _refuse_safe_mode(contract: ModelContract) -> None:
+    if contract.support == "safe":
+        raise ValueError(f"profile_module measures packed micro-batches, but {contract.name} runs in safe mode (its "
+                         "batches come from its own collate_fn); declare dcp_support = 'packed' or 'sp' if the model "
+                         "attends within each sample of a packed batch")
+
+
+def _measure_all(module: nn.Module, run: Any, grid: Any, group_for: Any, optimizer: Any, states: Any, cpu_clock: str,
+                 time_budget_s: float | None, t_start: float) -> tuple[Any, Any, Any]:
+    """The grid's entries, the skipped points and the constant parts; SP groups this creates (no
+    ``group_for`` given on several ranks) are destroyed before it returns (none left alive at exit)."""
+    own_groups = None
+    if group_for is None and run.world_size > 1 and any(p > 1 for p in grid.sp_sizes):
+        own_groups = harness.make_sp_groups(run.world_size, grid.sp_sizes)
+        group_for = own_groups.group_for
+    try:
+        with measure.cpu_clock(cpu_clock), harness.preserved_state(module), harness.muted_logging(module):
+            module.train()
+            entries, skipped = _measure_grid(run, grid, group_for, time_budget_s, t_start)
+            constant = _measure_constants(run, grid, optimizer, states)
+    finally:
+        if own_groups is not None:
+            own_groups.destroy()
+    return entries, skipped, constant

@@ -5,7 +5,7 @@ training; what the module says about itself is its :class:`~lightning_dcp.sp.con
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,15 +14,15 @@ from torch import nn
 __all__ = ["default_step", "make_sp_groups", "muted_logging", "preserved_state", "to_device"]
 
 
-def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Callable[[Sequence[int]], Any]:
-    """Create the SP groups of every aligned block up to ``max(sp_sizes)`` (:class:`lightning_dcp.sp.groups.SPGroups`;
-    a collective: every rank calls it with the same arguments) and return their ``group_for``.
+def make_sp_groups(world_size: int, sp_sizes: Sequence[int]) -> Any:
+    """Create the SP groups of every aligned block up to ``max(sp_sizes)`` (a collective: every rank calls it
+    with the same arguments): a :class:`lightning_dcp.sp.groups.SPGroups` (``group_for``; ``destroy()`` when done).
 
     For use outside :class:`~lightning_dcp.DCPStrategy`, which has its own ``sp_groups``.
     """
     from lightning_dcp.sp.groups import SPGroups
 
-    return SPGroups(world_size, dist.get_rank(), max_sp_size=max(sp_sizes)).group_for
+    return SPGroups(world_size, dist.get_rank(), max_sp_size=max(sp_sizes))
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
