@@ -149,7 +149,7 @@ class Dump(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(batch.step.plan.to_dict())
         m = getattr(strategy, "last_step_metrics", None)
         if m is not None:
             self.metrics.append(m.to_dict())
