@@ -1,13 +1,32 @@
-"""What the strategy adds to a fit at setup: the profiler callback and the ZeRO-1 optimizer wrapper."""
+"""What the strategy resolves and adds at setup: the module's heads, support level and SP cap, the
+profiler callback and the ZeRO-1 optimizer wrapper."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any, Sequence
 
-from lightning_dcp.runtime.settings import DCPSettings
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-__all__ = ["maybe_add_profiler", "wrap_zero1"]
+from lightning_dcp.runtime.model import SPCap, find_num_heads, resolve_sp_cap
+from lightning_dcp.runtime.settings import DCPSettings
+from lightning_dcp.runtime.support import resolve_support
+
+__all__ = ["maybe_add_profiler", "resolve_model_setup", "wrap_zero1"]
+
+
+def resolve_model_setup(module: Any, settings: DCPSettings, world_size: int) -> tuple[int | None, str, SPCap]:
+    """(attention heads, support level, SP cap) of ``module`` on ``world_size`` ranks; a module below the
+    ``"sp"`` support level runs at SP 1 (a ``max_sp_size`` above 1 is warned about and ignored)."""
+    num_heads = find_num_heads(module) if module is not None else None
+    support = resolve_support(module, settings.support) if module is not None else "sp"
+    requested = settings.max_sp_size
+    if support != "sp":
+        if requested not in (None, 1):
+            rank_zero_warn(f"max_sp_size={requested} ignored: the module runs at support level {support!r}, "
+                           "which has no sequence parallelism (SP size 1)")
+        requested = 1
+    return num_heads, support, resolve_sp_cap(requested, world_size, num_heads)
 
 
 def maybe_add_profiler(trainer: Any, settings: DCPSettings, cost_model: Any, support: str | None) -> None:

@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -63,11 +62,11 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.runtime.checks import (SYNC_IN_LOOP_WARNING, check_fit, check_sharding, check_sharding_agreement,
                                           in_micro_loop_error, unsaveable_reason)
 from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
-from lightning_dcp.runtime.fit_setup import maybe_add_profiler, wrap_zero1
+from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
 from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
-from lightning_dcp.runtime.model import SPCap, count_recompute_layers, find_num_heads, resolve_sp_cap
+from lightning_dcp.runtime.model import SPCap, count_recompute_layers
 from lightning_dcp.runtime.oom import CHECKPOINT_KEY, OOMRecovery
 from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
@@ -77,11 +76,11 @@ from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, DCPSettings, split
 from lightning_dcp.runtime.setup_agreement import agreement_settings, check_setup_agreement
 from lightning_dcp.runtime.states import ModelStates, measure_model_states
 from lightning_dcp.runtime.step import LoadedStep
-from lightning_dcp.runtime.support import resolve_support, support_message
+from lightning_dcp.runtime.support import support_message
 from lightning_dcp.runtime.train_loader import (build_loader, build_sampler, check_not_empty, global_batch,
                                                 map_style_dataset, train_lengths)
 from lightning_dcp.sp.groups import SPGroups
-from lightning_dcp.runtime.watchdog import ShutdownWatchdog
+from lightning_dcp.runtime.watchdog import ShutdownWatchdog, rank_watchdog
 
 __all__ = ["DCPStrategy"]
 
@@ -257,36 +256,20 @@ class DCPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        module = self.lightning_module
-        self.num_heads = find_num_heads(module) if module is not None else None
-        self.support = resolve_support(module, self.settings.support) if module is not None else "sp"
-        requested = self.settings.max_sp_size
-        if self.support != "sp":
-            if requested not in (None, 1):
-                rank_zero_warn(f"max_sp_size={requested} ignored: the module runs at support level {self.support!r}, "
-                               "which has no sequence parallelism (SP size 1)")
-            requested = 1
-        self.sp_cap = resolve_sp_cap(requested, self.world_size, self.num_heads)
+        self.num_heads, self.support, self.sp_cap = resolve_model_setup(self.lightning_module, self.settings,
+                                                                        self.world_size)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         self.sp_groups = SPGroups(self.world_size, self.global_rank, self.sp_cap.size, create=create,
                                   timeout=self._timeout)
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
-            self._start_watchdog()
+            self._watchdog = rank_watchdog(self.launcher, self.cluster_environment, self.settings.sigterm_grace_s,
+                                           self.global_rank)
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self.settings.sharding in FULLY_SHARDED_MODES and self._start_method != "popen":
             self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
-
-    def _start_watchdog(self) -> None:
-        """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
-        blocked in a collective; a launched rank exits when its launcher is gone."""
-        launcher = self.launcher
-        is_launcher = isinstance(launcher, _SubprocessScriptLauncher) and not self.cluster_environment.creates_processes_externally
-        children = (lambda: list(launcher.procs)) if is_launcher else (lambda: ())
-        self._watchdog = ShutdownWatchdog(self.settings.sigterm_grace_s, watch_parent=not is_launcher,
-                                          children=children, name=f"rank {self.global_rank}").start()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -318,11 +301,6 @@ class DCPStrategy(DDPStrategy):
         mend_progress_bars(trainer)
         maybe_add_profiler(trainer, self.settings, self._cost_model, self.support)
         check_sharding(self.settings.sharding, self.world_size, self._fully_sharded, self.precision_plugin)
-
-    def unsaveable_reason(self) -> str | None:
-        """Why one rank alone cannot write a full checkpoint (``None``: it can); an out-of-memory stop
-        in an SP > 1 item writes one only when it can."""
-        return unsaveable_reason(self.sharding)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -393,11 +371,7 @@ class DCPStrategy(DDPStrategy):
             device=self.root_device, world_size=self.world_size, rank=self.global_rank, sp_groups=self.sp_groups,
             num_heads=self.num_heads, shards=self.shards, to_device=self._move_to_device,
             train_step_context=self.precision_plugin.train_step_context, checkpoint_io=self.checkpoint_io,
-            unsaveable_reason=self.unsaveable_reason())
-
-    def _agreement_settings(self, planner: Any, **resolved: Any) -> dict:
-        return agreement_settings(self.settings, planner, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                  support=self.support, **resolved)
+            unsaveable_reason=unsaveable_reason(self.sharding))
 
     def _check_setup_agreement(self, lengths: list[int], planner: Any, **resolved: Any) -> None:
         """One world all-gather at setup: every rank must have the same lengths, planner settings and
@@ -405,8 +379,9 @@ class DCPStrategy(DDPStrategy):
         if self.world_size == 1 or not dist.is_initialized():
             return
         cost_model = self._cost_model if self.settings.planner is None else getattr(planner, "cost_model", None)
-        check_setup_agreement(lengths, self._agreement_settings(planner, **resolved), cost_model,
-                              gather=self._world_gather)
+        settings = agreement_settings(self.settings, planner, world_size=self.world_size, max_sp_size=self.max_sp_size,
+                                      support=self.support, **resolved)
+        check_setup_agreement(lengths, settings, cost_model, gather=self._world_gather)
 
     def check_agreement_before_profiling(self, dataset: Any, profiler_inputs: Mapping[str, Any]) -> None:
         """The setup agreement check, run by the profiler before its first collective: lengths, settings
@@ -415,7 +390,8 @@ class DCPStrategy(DDPStrategy):
         raises the same :class:`~lightning_dcp.runtime.agreement.AgreementError` instead."""
         if self.world_size == 1 or not dist.is_initialized():
             return
-        settings = self._agreement_settings(None, profiler=dict(profiler_inputs))
+        settings = agreement_settings(self.settings, None, world_size=self.world_size, max_sp_size=self.max_sp_size,
+                                      support=self.support, profiler=dict(profiler_inputs))
         check_setup_agreement(self.train_lengths(dataset), settings, None, gather=self._world_gather,
                               where="at fit start, before profiling")
 
