@@ -165,8 +165,9 @@ class StepExecutor:
                 raise ValueError(f"{step.where()}: item {idx} runs on ranks {ranks}, which is not an SP group of this "
                                  f"world ({groups}); fix the plan or max_sp_size")
 
-    def _ready(self, batch: Any) -> PreparedStep:
-        """``batch`` prepared and on the device (a batch that bypassed ``batch_to_device`` is prepared here)."""
+    def ready(self, batch: Any) -> PreparedStep:
+        """``batch`` prepared (:meth:`prepare`) and on the device (the strategy's ``batch_to_device``; a batch
+        that bypassed it is made ready in :meth:`run_step`)."""
         if isinstance(batch, LoadedStep):
             batch = self.prepare(batch)
         if not isinstance(batch, PreparedStep):
@@ -178,7 +179,7 @@ class StepExecutor:
     # ------------------------------------------------------------------ the step
     def run_step(self, batch: LoadedStep | PreparedStep, batch_idx: int) -> StepResult:
         """Run this rank's micro-batches of one optimizer step; return the step's exact global loss and metrics."""
-        prepared = self._ready(batch)
+        prepared = self.ready(batch)
         self.validate(prepared.step)
         self.check_plan_before_loop(prepared.step)
         self.oom.begin_step()
@@ -224,7 +225,7 @@ class StepExecutor:
     def _replan(self, step: Step, planner: Any, seed_offset: int) -> PreparedStep:
         """Plan ``step``'s samples again with ``planner``; the new step loaded, prepared and on the device."""
         new_plan = self.sampler.replan(step.epoch, step.index, step.plan, planner, seed_offset=seed_offset)
-        return self._ready(self.step_dataset[step.with_plan(new_plan)])
+        return self.ready(self.step_dataset[step.with_plan(new_plan)])
 
     # ------------------------------------------------------------------ 2. micro-batch loop
     def run_items(self, prepared: PreparedStep, batch_idx: int) -> tuple[float, float, int]:

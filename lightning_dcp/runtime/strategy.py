@@ -70,7 +70,7 @@ from lightning_dcp.runtime.model import SPCap, count_recompute_layers
 from lightning_dcp.runtime.oom import CHECKPOINT_KEY, OOMRecovery
 from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
-from lightning_dcp.runtime.rank import RankRuntime
+from lightning_dcp.runtime.rank import BatchTransfer, PrecisionBackward, RankRuntime
 from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, DCPSettings, split_strategy_kwargs
 from lightning_dcp.runtime.setup_agreement import agreement_settings, check_setup_agreement
@@ -367,9 +367,11 @@ class DCPStrategy(DDPStrategy):
     def _rank_runtime(self) -> RankRuntime:
         """What the executor needs from this rank (it never holds the strategy)."""
         return RankRuntime(
-            module=self.lightning_module, settings=self.settings, backward=self.micro_backward, support=self.support,
-            device=self.root_device, world_size=self.world_size, rank=self.global_rank, sp_groups=self.sp_groups,
-            num_heads=self.num_heads, shards=self.shards, to_device=self._move_to_device,
+            module=self.lightning_module, settings=self.settings, support=self.support, device=self.root_device,
+            backward=PrecisionBackward(self.precision_plugin, self.lightning_module,
+                                       self.optimizers[0] if self.optimizers else None),
+            world_size=self.world_size, rank=self.global_rank, sp_groups=self.sp_groups, num_heads=self.num_heads,
+            shards=self.shards, to_device=BatchTransfer(self.lightning_module, self.root_device),
             train_step_context=self.precision_plugin.train_step_context, checkpoint_io=self.checkpoint_io,
             unsaveable_reason=unsaveable_reason(self.sharding))
 
@@ -407,11 +409,7 @@ class DCPStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """A DCP step becomes this rank's prepared micro-batches on the host (the executor); only they move."""
         if isinstance(batch, LoadedStep) and self.executor is not None:
-            return self.executor.prepare(batch).to_device(lambda data: self._move_to_device(data, device, dataloader_idx))
-        return super().batch_to_device(batch, device, dataloader_idx)
-
-    def _move_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Lightning's ``batch_to_device`` (the module's transfer hooks, then the move)."""
+            return self.executor.ready(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -427,11 +425,6 @@ class DCPStrategy(DDPStrategy):
         if self.settings.log_metrics:
             log_step_metrics(self.lightning_module, result.metrics, self.oom_replans)
         return result.loss
-
-    def micro_backward(self, loss: Tensor) -> None:
-        """Backward of one micro-batch's loss through the precision plugin (the executor's ``backward``)."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        super().backward(loss, optimizer)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
