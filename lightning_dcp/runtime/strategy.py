@@ -212,6 +212,8 @@ class DCPStrategy(DDPStrategy):
         """The ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"`` on more than one rank), from setup on."""
         self.last_step_metrics: StepMetrics | None = None
         """The last step's metrics (set by ``training_step`` from the executor's result)."""
+        self.last_step_plan: dict | None = None
+        """The plan the last step ran (after any out-of-memory re-plan), as ``StepPlan.to_dict()``."""
         self.metrics_tracker = StepMetricsTracker()
         self._watchdog: ShutdownWatchdog | None = None
         self._warned_sync = False
@@ -420,7 +422,7 @@ class DCPStrategy(DDPStrategy):
             raise RuntimeError("DCPStrategy.training_step ran before the train dataloader was built "
                                "(process_dataloader); train through Trainer.fit")
         result = self.executor.run_step(batch, batch_idx)
-        self.last_step_metrics = result.metrics
+        self.last_step_metrics, self.last_step_plan = result.metrics, result.plan.to_dict()
         self.metrics_tracker.record(result.metrics)
         if self.settings.log_metrics:
             log_step_metrics(self.lightning_module, result.metrics, self.oom_replans)
