@@ -67,6 +67,22 @@ def test_loaded_step_pickles_for_worker_processes():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
 
 
+def test_loaded_step_passes_lightning_precision_conversion_and_the_executor_converts_it():
+    """Lightning's loop runs ``precision_plugin.convert_input`` over the batch before the strategy sees it."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    plan = StepPlan((WorkItem((0,), (1,), (3,)),))
+    loaded = LoadedStep(Step.build(plan, epoch=0, index=0, rank=0, world_size=1), ({"x": torch.ones(3)},))
+    precision = HalfPrecision("bf16-true")
+    assert precision.convert_input(loaded) is loaded
+    runtime = RankRuntime(module=TinyLM(), settings=DCPSettings(support="safe"), backward=lambda loss: None,
+                          support="safe", convert_input=precision.convert_input)
+    executor = StepExecutor(runtime, None, None, None, OOMRecovery(None, max_replans=0, write_checkpoint=False))
+    ready = executor.ready(loaded)
+    assert ready.on_device and ready.micro_batches[0].data["x"].dtype == torch.bfloat16
+    assert loaded.batches[0]["x"].dtype == torch.float32  # the loaded step is not edited
+
+
 class _Groups:
     """Stands in for SPGroups: the group of an SP > 1 block is a marker object."""
 

@@ -169,7 +169,7 @@ class StepExecutor:
         """``batch`` prepared (:meth:`prepare`) and on the device (the strategy's ``batch_to_device``; a batch
         that bypassed it is made ready in :meth:`run_step`)."""
         if isinstance(batch, LoadedStep):
-            batch = self.prepare(batch)
+            batch = self.prepare(batch.with_batches(self.runtime.convert_input(batch.batches)))
         if not isinstance(batch, PreparedStep):
             raise TypeError("DCPStrategy.training_step expects the batches of its own train dataloader (a LoadedStep "
                             f"or PreparedStep); got {type(batch).__name__}. Did a custom train dataloader bypass "

@@ -68,6 +68,8 @@ class RankRuntime:
         num_heads: the model's attention heads (``None``: unknown, no SP-size check).
         shards: the ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"``), else ``None``.
         to_device: moves a batch to ``device`` (the strategy gives a :class:`BatchTransfer`).
+        convert_input: the precision plugin's ``convert_input`` (e.g. ``"bf16-true"``: floating-point
+            tensors to bf16), applied to the loaded micro-batches before they are prepared.
         train_step_context: the precision plugin's ``train_step_context``.
         checkpoint_io: writes an out-of-memory checkpoint (``None``: none is written).
         unsaveable_reason: why one rank alone cannot write a full checkpoint (``None``: it can).
@@ -84,6 +86,7 @@ class RankRuntime:
     num_heads: int | None = None
     shards: Any = None
     to_device: Callable[[Any], Any] = _no_move
+    convert_input: Callable[[Any], Any] = _no_move
     train_step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     checkpoint_io: Any = None
     unsaveable_reason: str | None = None

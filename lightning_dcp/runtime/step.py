@@ -22,8 +22,8 @@ rank's work items, ``batch.micro_batches`` the local shards. The plan's JSON for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import FrozenInstanceError, dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.agreement import plan_fingerprint
@@ -143,23 +143,49 @@ class Step:
         return f"step {self.index} of epoch {self.epoch}"
 
 
-@dataclass(frozen=True)
 class LoadedStep:
-    """What the train DataLoader yields per optimizer step: the step and one loaded micro-batch per rank item."""
+    """What the train DataLoader yields per optimizer step: the step and one loaded micro-batch per rank item.
 
+    Immutable (``with_batches`` gives a new one) and picklable. Not a dataclass on purpose: Lightning
+    runs its precision plugin's ``convert_input`` (``apply_to_collection``, which refuses frozen
+    dataclasses) over the batch before the strategy sees it; this value passes through unchanged,
+    and the executor converts the micro-batches itself (:attr:`RankRuntime.convert_input
+    <lightning_dcp.runtime.rank.RankRuntime>`), before preparing them, as Lightning would have.
+    """
+
+    __slots__ = ("step", "batches")
     step: Step
     batches: tuple[Any, ...]
 
-    def __post_init__(self) -> None:
-        if len(self.batches) != len(self.step.items):
-            raise ValueError(f"{self.step.where()}: {len(self.batches)} loaded micro-batches for "
-                             f"{len(self.step.items)} work items of rank {self.step.rank}")
+    def __init__(self, step: Step, batches: Sequence[Any]) -> None:
+        batches = tuple(batches)
+        if len(batches) != len(step.items):
+            raise ValueError(f"{step.where()}: {len(batches)} loaded micro-batches for {len(step.items)} work items "
+                             f"of rank {step.rank}")
+        object.__setattr__(self, "step", step)
+        object.__setattr__(self, "batches", batches)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}: a LoadedStep is immutable (use with_batches)")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}: a LoadedStep is immutable")
+
+    def __reduce__(self) -> tuple:
+        return (LoadedStep, (self.step, self.batches))
+
+    def __repr__(self) -> str:
+        return f"LoadedStep(step={self.step!r}, batches=<{len(self.batches)} micro-batches>)"
+
+    def with_batches(self, batches: Sequence[Any]) -> "LoadedStep":
+        """The same step with other micro-batches (converted, pinned...)."""
+        return LoadedStep(self.step, batches)
 
     def pin_memory(self) -> "LoadedStep":
         """The DataLoader's ``pin_memory=True`` calls this: every micro-batch's tensors pinned."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return replace(self, batches=tuple(pin_memory(b) for b in self.batches))
+        return self.with_batches([pin_memory(b) for b in self.batches])
 
 
 @dataclass(frozen=True)

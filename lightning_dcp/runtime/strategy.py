@@ -374,6 +374,7 @@ class DCPStrategy(DDPStrategy):
                                        self.optimizers[0] if self.optimizers else None),
             world_size=self.world_size, rank=self.global_rank, sp_groups=self.sp_groups, num_heads=self.num_heads,
             shards=self.shards, to_device=BatchTransfer(self.lightning_module, self.root_device),
+            convert_input=self.precision_plugin.convert_input,
             train_step_context=self.precision_plugin.train_step_context, checkpoint_io=self.checkpoint_io,
             unsaveable_reason=unsaveable_reason(self.sharding))
 
