@@ -161,7 +161,8 @@ class StepExecutor:
                                  f"which does not divide the model's {heads} attention heads; cap the planner at "
                                  f"max_sp_size={largest_dividing_power_of_two(heads)}")
             groups = runtime.sp_groups
-            if not groups.has(ranks) if groups is not None else len(ranks) > 1:
+            known = groups.has(ranks) if groups is not None else len(ranks) == 1
+            if not known:
                 raise ValueError(f"{step.where()}: item {idx} runs on ranks {ranks}, which is not an SP group of this "
                                  f"world ({groups}); fix the plan or max_sp_size")
 
