@@ -86,7 +86,7 @@ class StepExecutor:
         runtime: this rank's :class:`~lightning_dcp.runtime.rank.RankRuntime` (module, settings, groups,
             device, backward...).
         sampler: the fit's :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` (``None``: no
-            next-plan check, no resume position, no re-plans).
+            next-plan check, no re-plans).
         step_dataset: loads a re-planned step's micro-batches (``step_dataset[step]``).
         cost_model: what the fit plans with (the out-of-memory limits start from it).
         oom: the fit's :class:`~lightning_dcp.runtime.oom.OOMRecovery`.
@@ -217,8 +217,6 @@ class StepExecutor:
         divisor = gathered.loss_units
         self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
         self.grads_parked = True
-        if self.sampler is not None:
-            self.sampler.mark_consumed(step.epoch, step.index)
         loss = float(sum(r.loss for r in gathered.rows)) / self._loss_divisor
         metrics = self._metrics(gathered.rows, step, step_s, loss)
         return StepResult(torch.tensor(loss, dtype=torch.float32, device=self.runtime.device), metrics, step)

@@ -423,6 +423,7 @@ class DCPStrategy(DDPStrategy):
             raise RuntimeError("DCPStrategy.training_step ran before the train dataloader was built "
                                "(process_dataloader); train through Trainer.fit")
         result = self.executor.run_step(batch, batch_idx)
+        self.batch_sampler.mark_consumed(result.step.epoch, result.step.index)  # the resume position
         self.last_step_metrics, self.last_step_plan = result.metrics, result.plan.to_dict()
         self.metrics_tracker.record(result.metrics)
         if self.settings.log_metrics:
