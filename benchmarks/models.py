@@ -130,9 +130,10 @@ class BenchmarkModule(DCPTransformerModule):
         strategy = self.trainer.strategy
         metrics = getattr(strategy, "last_step_metrics", None)
         plan = getattr(strategy, "last_step_plan", None)
-        meta = batch.get("meta", {}) if isinstance(batch, Mapping) else {}
+        step = getattr(batch, "step", None)  # a DCP step (lightning_dcp.runtime.step.PreparedStep)
         self.records.append({
-            "epoch": int(meta.get("epoch", self.current_epoch)), "step": int(meta.get("step", batch_idx)),
+            "epoch": step.epoch if step is not None else int(self.current_epoch),
+            "step": step.index if step is not None else int(batch_idx),
             "global_step": int(self.global_step), "start": self._t0, "end": end, "step_s": end - self._t0, "step_cpu_s": cpu,
             "items": self._items, "plan": plan, "metrics": metrics.to_dict() if metrics is not None else None,
         })

@@ -138,7 +138,7 @@ class PlanAndShapes(PlanPrinter):
             return
         dataset = trainer.train_dataloader.dataset
         dataset = getattr(dataset, "dataset", dataset)
-        shapes = sorted({dataset.shapes[s] for it in batch["meta"]["plan"]["items"] for s in it["samples"]})
+        shapes = sorted({dataset.shapes[s] for it in batch.step.plan.items for s in it.samples})
         pl_module.print(f"          {len(shapes)} latent shapes (frames, h, w), e.g. {shapes[:4]}")
 
 

@@ -149,7 +149,7 @@ class Dump(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(strategy.last_step_plan)  # the plan that ran (batch.step.plan before any OOM re-plan)
         m = getattr(strategy, "last_step_metrics", None)
         if m is not None:
             self.metrics.append(m.to_dict())

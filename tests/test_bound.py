@@ -89,8 +89,10 @@ def test_step_metrics_logs_the_bound_fraction_only_when_known():
     torch = pytest.importorskip("torch")
     from lightning_dcp.runtime.metrics import step_metrics
 
-    plan = {"items": [{"ranks": [0], "samples": [0], "lengths": [10], "recompute": 0}]}
+    from lightning_dcp.planning.plan import StepPlan
     from lightning_dcp.runtime.row import StepRow
+
+    plan = StepPlan.from_dict({"items": [{"ranks": [0], "samples": [0], "lengths": [10], "recompute": 0}]})
 
     gathered = [StepRow(1.0, 0.0, 10, 1, 0, 1.0, 0.0), StepRow(0.5, 0.0, 0, 0, 0, 1.0, 0.0)]
     m = step_metrics(gathered, epoch=0, step=0, step_s=2.0, plan=plan, global_tokens=10)

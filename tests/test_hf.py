@@ -547,7 +547,7 @@ class _E2EDump(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
         self.out_dir, self.plans = out_dir, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(batch.step.plan.to_dict())
 
     def on_train_end(self, trainer, pl_module):
         import os

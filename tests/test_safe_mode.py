@@ -126,7 +126,7 @@ class Record(pl.Callback):
         self.out_dir, self.at, self.plans, self.losses = out_dir, at, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(batch.step.plan.to_dict())
         self.losses.append((float(outputs["loss"]), trainer.strategy.last_step_metrics.loss))
         if trainer.global_step == self.at:
             sd = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
@@ -232,8 +232,11 @@ def test_padded_planner_splits_oversized_micro_batches():
 
 
 def test_tuple_samples_outside_safe_mode_name_the_fix():
+    from lightning_dcp.planning.plan import StepPlan, WorkItem
     from lightning_dcp.runtime.loader import StepDataset
+    from lightning_dcp.runtime.step import Step
 
     ds = StepDataset(TensorDataset(torch.zeros(4, 3), torch.zeros(4)))
+    step = Step.build(StepPlan((WorkItem((0,), (1,), (3,)),)), epoch=0, index=0, rank=0, world_size=1)
     with pytest.raises(TypeError, match=r"sample 1 is a tuple, but packing needs dict samples.*support='safe'"):
-        ds[{"items": [{"samples": [1], "lengths": [3], "ranks": [0]}]}]
+        ds[step]

@@ -12,6 +12,7 @@ from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.sampler import DCPBatchSampler
+from lightning_dcp.runtime.step import LoadedStep
 
 
 def _sampler(rank=0, world=2, **kw):
@@ -26,39 +27,40 @@ def test_len_equal_and_items_cover_each_batch_once():
     assert len({len(s) for s in samplers}) == 1 and len(samplers[0]) == 48 // 8
     for steps in zip(*(list(s) for s in samplers)):
         descs = [x[0] for x in steps]
-        plan = descs[0]["plan"]
-        assert all(d["plan"] == plan for d in descs)
-        seen = sorted(s for it in plan["items"] for s in it["samples"])
+        plan = descs[0].plan
+        assert all(d.plan == plan and d.plan_hash == descs[0].plan_hash for d in descs)
+        seen = sorted(plan.samples)
         assert len(seen) == 8 and len(set(seen)) == 8
         for r, d in enumerate(descs):
-            assert [it["samples"] for it in d["items"]] == [it["samples"] for it in plan["items"] if r in it["ranks"]]
-            for it in d["items"]:
-                assert it["ranks"][it["sp_rank"]] == r
+            assert d.rank == r and d.world_size == 4
+            assert [it.samples for it in d.items] == [it.samples for it in plan.items if r in it.ranks]
+            for k, it in enumerate(d.items):
+                assert it.ranks[it.sp_rank] == r and it.micro_batch == k and plan.items[it.index].samples == it.samples
 
 
 def test_epoch_changes_order_and_is_deterministic():
     a, b = _sampler(), _sampler()
-    e0 = [x[0]["plan"] for x in a]
-    assert e0 == [x[0]["plan"] for x in b]
+    e0 = [x[0].plan for x in a]
+    assert e0 == [x[0].plan for x in b]
     a.sampler.set_epoch(1)  # Lightning's _set_sampler_epoch reaches batch_sampler.sampler
-    assert [x[0]["plan"] for x in a] != e0
+    assert [x[0].plan for x in a] != e0
 
 
 def test_state_dict_resumes_mid_epoch_with_same_order():
     a = _sampler(plan_ahead=True)
-    full = [x[0]["plan"] for x in a]
+    full = [x[0].plan for x in a]
     b = _sampler()
     it = iter(b)
     for _ in range(2):
         d = next(it)[0]
-        b.mark_consumed(d["epoch"], d["step"])
+        b.mark_consumed(d.epoch, d.index)
     next(it)  # prefetched by Lightning but not trained: not in the state
     state = b.state_dict()
     assert state["step"] == 2
     c = _sampler()
     c.load_state_dict(state)
-    assert [x[0]["plan"] for x in c] == full[2:]
-    assert [x[0]["plan"] for x in c] == full  # the offset applies once
+    assert [x[0].plan for x in c] == full[2:]
+    assert [x[0].plan for x in c] == full  # the offset applies once
 
 
 def test_state_at_epoch_end_moves_to_next_epoch():
@@ -87,9 +89,9 @@ def test_multi_step_planner_plans_epoch_up_front():
     s = _sampler(planner=_MultiStep(), gbs=4)
     assert len(s) == 48
     descs = [x[0] for x in s]
-    assert len(descs) == 48 and all(len(d["items"]) == 1 for d in descs)
+    assert len(descs) == 48 and all(len(d.items) == 1 for d in descs)
     s1 = _sampler(rank=1, planner=_MultiStep(), gbs=4)
-    assert len(s1) == 48 and all(x[0]["items"] == [] for x in s1)  # a rank with no work still yields each step
+    assert len(s1) == 48 and all(x[0].items == () for x in s1)  # a rank with no work still yields each step
 
 
 def test_lengths_errors():
@@ -126,7 +128,8 @@ def test_dataloader_packs_items_and_is_stateful():
     dl = DCPDataLoader(ds, s)
     assert isinstance(dl, _Stateful) and len(dl) == len(s)
     batch = next(iter(dl))
-    for packed, it in zip(batch["items"], batch["meta"]["items"]):
-        assert packed["sample_indices"] == it["samples"]
-        assert packed["loss_mask"].shape[0] % len(it["ranks"]) == 0
-        assert int(packed["loss_mask"].sum()) == sum(it["lengths"])
+    assert isinstance(batch, LoadedStep) and len(batch.batches) == len(batch.step.items) > 0
+    for packed, it in zip(batch.batches, batch.step.items):
+        assert packed["sample_indices"] == list(it.samples)
+        assert packed["loss_mask"].shape[0] % it.sp_size == 0
+        assert int(packed["loss_mask"].sum()) == sum(it.lengths)

@@ -57,7 +57,7 @@ class Record(pl.Callback):
         self.sharded_at_rest: list[bool] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(batch.step.plan.to_dict())
         self.sharded_at_rest.append(isinstance(next(pl_module.parameters()), DTensor))
 
 

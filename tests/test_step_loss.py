@@ -48,7 +48,7 @@ class RecordPlans(pl.Callback):
         self.out_dir, self.plans = out_dir, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(batch.step.plan.to_dict())
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.save(self.plans, os.path.join(self.out_dir, f"plans_rank{trainer.global_rank}.pt"))

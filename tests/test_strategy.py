@@ -9,6 +9,7 @@ from _dcp_helpers import TinyLM
 from lightning_dcp.sp.context import LOSS_MASK, TOKEN_WEIGHT
 from lightning_dcp.data import pack_samples
 from lightning_dcp.sp.groups import SPGroups, aligned_blocks
+from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.runtime.metrics import step_metrics
 from lightning_dcp.sp.tokens import add_token_weights, is_weighted, shard_batch, weighted_loss
 from lightning_dcp.runtime.buckets import GradBuckets
@@ -151,8 +152,8 @@ def _rows(*values):
 
 
 def test_step_metrics_imbalance():
-    plan = {"items": [{"ranks": [0], "samples": [0], "lengths": [100], "recompute": 1},
-                      {"ranks": [0, 1], "samples": [1], "lengths": [100], "recompute": 0}]}
+    plan = StepPlan.from_dict({"items": [{"ranks": [0], "samples": [0], "lengths": [100], "recompute": 1},
+                                         {"ranks": [0, 1], "samples": [1], "lengths": [100], "recompute": 0}]})
     m = step_metrics(_rows((1.0, 0.5, 100, 2), (0.5, 0.25, 50, 1)), epoch=0, step=3, step_s=2.0, plan=plan,
                      global_tokens=200, loss=0.75)
     assert m.idle_s == [0.0, 0.5] and abs(m.imbalance - 0.25) < 1e-12

@@ -41,7 +41,7 @@ class PlanPrinter(pl.Callback):
         m = getattr(trainer.strategy, "last_step_metrics", None)
         if self.quiet or m is None:
             return
-        plan = batch["meta"]["plan"]
+        plan = batch.step.plan
         pl_module.print(f"step {trainer.global_step:3d}: {format_plan(plan, trainer.world_size)} "
                         f"imbalance={m.imbalance:.3f} time={m.step_s:.2f}s loss={m.loss:.4f}")
 

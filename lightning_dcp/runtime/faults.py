@@ -9,7 +9,7 @@ to resume. Errors that are not from a collective (a user's ``TypeError``...) pas
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +44,10 @@ def collective_error(err: BaseException, *, epoch: int, step: int, what: str, gr
         "the last saved step")
 
 
-def describe_item(it: Mapping[str, Any]) -> str:
-    """``item 3 (samples [4, 9], lengths [120, 33], SP 2, recompute 1)``."""
-    return (f"item {it.get('index', '?')} (samples {list(it['samples'])}, lengths {list(it['lengths'])}, "
-            f"SP {len(it['ranks'])}, recompute {it['recompute']})")
+def describe_item(item: Any, index: int | None = None) -> str:
+    """``item 3 (samples [4, 9], lengths [120, 33], SP 2, recompute 1)`` for a plan's
+    :class:`~lightning_dcp.planning.plan.WorkItem` at ``index`` or a
+    :class:`~lightning_dcp.runtime.step.RankItem` (which knows its index)."""
+    index = getattr(item, "index", index)
+    return (f"item {'?' if index is None else index} (samples {list(item.samples)}, lengths {list(item.lengths)}, "
+            f"SP {len(item.ranks)}, recompute {item.recompute})")

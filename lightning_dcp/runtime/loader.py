@@ -1,27 +1,28 @@
 """The train DataLoader the strategy builds: it loads and packs each step's micro-batches.
 
 :class:`DCPDataLoader` iterates a :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler`, which
-yields one step descriptor per optimizer step; :class:`StepDataset` turns a descriptor into this
-rank's micro-batches -- samples loaded with ``dataset[i]`` (in worker processes when
-``num_workers > 0``) and packed with :func:`~lightning_dcp.sp.packing.pack_samples` (or, in safe
-mode, collated by the user's own ``collate_fn``). A training batch is ``{"items": [micro-batch,
-...], "meta": descriptor}``; the strategy shards and runs it.
+yields one :class:`~lightning_dcp.runtime.step.Step` per optimizer step; :class:`StepDataset` turns
+a step into this rank's micro-batches -- samples loaded with ``dataset[i]`` (in worker processes
+when ``num_workers > 0``) and packed with :func:`~lightning_dcp.sp.packing.pack_samples` (or, in
+safe mode, collated by the user's own ``collate_fn``). A training batch is a
+:class:`~lightning_dcp.runtime.step.LoadedStep`; the strategy shards and runs it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dcp.runtime.sampler import DCPBatchSampler
+from lightning_dcp.runtime.step import LoadedStep, RankItem, Step
 from lightning_dcp.sp.packing import pack_samples, sample_length
 
 __all__ = ["DCPDataLoader", "StepDataset", "collate_step"]
 
 
 class StepDataset(Dataset):
-    """Wraps the user's map-style dataset: ``ds[descriptor]`` loads and builds a step's micro-batches.
+    """Wraps the user's map-style dataset: ``ds[step]`` loads and builds a step's micro-batches.
 
     Each item's samples are loaded with ``dataset[i]`` and packed with
     :func:`lightning_dcp.sp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size); with
@@ -38,30 +39,30 @@ class StepDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, desc: Mapping[str, Any]) -> dict[str, Any]:
-        items = []
-        for it in desc["items"]:
-            samples = [self.dataset[i] for i in it["samples"]]
-            if self.collate_fn is not None:
-                items.append(self.collate_fn(samples))
-                continue
-            for i, s, n in zip(it["samples"], samples, it["lengths"]):
-                if not isinstance(s, Mapping):
-                    raise TypeError(f"sample {i} is a {type(s).__name__}, but packing needs dict samples (tensors "
-                                    "with the token dimension first); return a dict from __getitem__, or let the "
-                                    "strategy run the module in safe mode (DCPStrategy(support='safe')), which "
-                                    "batches samples with your DataLoader's collate_fn")
-                got = sample_length(s)
-                if got != n:
-                    raise ValueError(f"sample {i} has {got} tokens but its length is given as {n}; the dataset's "
-                                     "`lengths` must match what __getitem__ returns")
-            items.append(pack_samples(samples, pad_to_multiple=len(it["ranks"]), pad_values=self.pad_values,
-                                      sample_indices=it["samples"]))
-        return {"items": items, "meta": dict(desc)}
+    def __getitem__(self, step: Step) -> LoadedStep:
+        return LoadedStep(step, tuple(self.load_item(item) for item in step.items))
+
+    def load_item(self, item: RankItem) -> Any:
+        """One work item's samples, loaded and packed (or collated by ``collate_fn``)."""
+        samples = [self.dataset[i] for i in item.samples]
+        if self.collate_fn is not None:
+            return self.collate_fn(samples)
+        for i, s, n in zip(item.samples, samples, item.lengths):
+            if not isinstance(s, Mapping):
+                raise TypeError(f"sample {i} is a {type(s).__name__}, but packing needs dict samples (tensors "
+                                "with the token dimension first); return a dict from __getitem__, or let the "
+                                "strategy run the module in safe mode (DCPStrategy(support='safe')), which "
+                                "batches samples with your DataLoader's collate_fn")
+            got = sample_length(s)
+            if got != n:
+                raise ValueError(f"sample {i} has {got} tokens but its length is given as {n}; the dataset's "
+                                 "`lengths` must match what __getitem__ returns")
+        return pack_samples(samples, pad_to_multiple=item.sp_size, pad_values=self.pad_values,
+                            sample_indices=list(item.samples))
 
 
-def collate_step(batch: list[dict[str, Any]]) -> dict[str, Any]:
-    """The batch sampler yields one descriptor per step, so a batch is that one loaded step."""
+def collate_step(batch: Sequence[LoadedStep]) -> LoadedStep:
+    """The batch sampler yields one step at a time, so a batch is that one loaded step."""
     if len(batch) != 1:
         raise ValueError(f"a DCP batch holds exactly one step, got {len(batch)}")
     return batch[0]

@@ -22,11 +22,12 @@ without any distributed sync: every rank holds the same gathered values).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
+from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.runtime.row import StepRow
 
-__all__ = ["StepMetrics", "StepMetricsTracker", "plan_summary", "step_metrics"]
+__all__ = ["StepMetrics", "StepMetricsTracker", "format_plan", "log_step_metrics", "plan_summary", "step_metrics"]
 
 
 @dataclass
@@ -74,30 +75,30 @@ class StepMetrics:
         return asdict(self)
 
 
-def plan_summary(plan: Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """SP sizes, micro-batches per rank and recompute counts of a step plan (``StepPlan.to_dict()``)."""
+def plan_summary(plan: StepPlan, world_size: int) -> dict[str, Any]:
+    """SP sizes, micro-batches per rank and recompute counts of a step plan."""
     per_rank = [0] * world_size
     sizes, recompute = set(), set()
-    for item in plan["items"]:
-        sizes.add(len(item["ranks"]))
-        recompute.add(int(item.get("recompute", 0)))
-        for r in item["ranks"]:
+    for item in plan.items:
+        sizes.add(item.sp_size)
+        recompute.add(item.recompute)
+        for r in item.ranks:
             per_rank[r] += 1
     return {"sp_sizes": sorted(sizes), "microbatches": per_rank, "recompute": sorted(recompute),
-            "items": len(plan["items"])}
+            "items": len(plan.items)}
 
 
-def format_plan(plan: Mapping[str, Any], world_size: int) -> str:
+def format_plan(plan: StepPlan, world_size: int) -> str:
     """One line: ``items=6 sp={1:4, 2:1} mb/rank=[3,2] recompute=[0,2]``."""
     counts: dict[int, int] = {}
-    for item in plan["items"]:
-        counts[len(item["ranks"])] = counts.get(len(item["ranks"]), 0) + 1
+    for item in plan.items:
+        counts[item.sp_size] = counts.get(item.sp_size, 0) + 1
     s = plan_summary(plan, world_size)
     sp = ", ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
     return f"items={s['items']} sp={{{sp}}} mb/rank={s['microbatches']} recompute={s['recompute']}"
 
 
-def step_metrics(rows: Sequence[StepRow], *, epoch: int, step: int, step_s: float, plan: Mapping[str, Any],
+def step_metrics(rows: Sequence[StepRow], *, epoch: int, step: int, step_s: float, plan: StepPlan,
                  global_tokens: int, loss: float = float("nan"), step_bound_s: float = float("nan")) -> StepMetrics:
     """Build :class:`StepMetrics` from the step-end rows (one :class:`~lightning_dcp.runtime.row.StepRow` per rank).
 
@@ -133,6 +134,14 @@ class StepMetricsTracker:
         self.steps = SumMetric(**kw)
         self.history: list[StepMetrics] = []
         self.keep_history = 10_000
+        self._epoch: int | None = None
+
+    def record(self, m: StepMetrics) -> None:
+        """Add one step's metrics; a step of a new epoch first resets the epoch aggregates."""
+        if self._epoch != m.epoch:
+            self.reset()
+            self._epoch = m.epoch
+        self.update(m)
 
     def update(self, m: StepMetrics) -> None:
         self.imbalance.update(m.imbalance)
@@ -158,3 +167,16 @@ class StepMetricsTracker:
     def mean_imbalance(self, skip: int = 0) -> float:
         vals = [m.imbalance for m in self.history[skip:]]
         return sum(vals) / len(vals) if vals else float("nan")
+
+
+def log_step_metrics(module: Any, m: StepMetrics, oom_replans: int) -> None:
+    """Log ``m`` (and ``dcp/oom_replans``) through ``module.log`` on step; without a logger only the
+    progress bar's ``dcp/imbalance`` and ``dcp/oom_replans`` (for ``callback_metrics``)."""
+    if module is None or getattr(module, "_trainer", None) is None:
+        return
+    has_logger = bool(module.trainer.loggers)
+    values = dict(m.as_log_dict(), **{"dcp/oom_replans": float(oom_replans)})
+    for key, value in values.items():
+        if has_logger or key in ("dcp/imbalance", "dcp/oom_replans"):
+            module.log(key, value, on_step=True, on_epoch=False, prog_bar=key == "dcp/imbalance",
+                       logger=has_logger, batch_size=1, sync_dist=False)

@@ -28,7 +28,7 @@ every rank, built from what every rank agreed on (the step plan and the gathered
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -37,14 +37,18 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.lowered import LoweredMemory, lowered_limit
 from lightning_dcp.planning.padded import PaddedCostModel
+from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.faults import describe_item
 from lightning_dcp.planning.units import format_bytes
 
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.runtime.step import PreparedStep, RankItem, Step
+
 __all__ = ["CHECKPOINT_KEY", "OOM_ERRORS", "OOMRecovery", "StepOutOfMemoryError", "sp_oom_message"]
 
-#: ``replan(batch, planner, seed_offset) -> (meta, items, plan hash)``: the step's samples planned
-#: again by ``planner``, loaded and prepared (the executor provides it).
-Replan = Callable[[dict, Any, int], "tuple[dict, list, float]"]
+#: ``replan(step, planner, seed_offset) -> PreparedStep``: the step's samples planned again by
+#: ``planner``, loaded, prepared and on the device (the executor provides it).
+Replan = Callable[["Step", Any, int], "PreparedStep"]
 
 #: What counts as an out-of-memory error (``torch.cuda.OutOfMemoryError`` is the same class).
 OOM_ERRORS: tuple[type[BaseException], ...] = tuple({getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
@@ -91,19 +95,23 @@ class OOMRecovery:
     """Everything the runtime does about out-of-memory errors, and the state it keeps for it.
 
     Args:
+        planners: the fit's :class:`~lightning_dcp.runtime.planner_factory.PlannerFactory` (re-plans use it).
         max_replans: how often one step may be re-planned (``DCPStrategy(max_oom_replans=...)``).
         write_checkpoint: write the state before the step after an SP > 1 failure
             (``DCPStrategy(oom_checkpoint=...)``).
-        planners: the fit's :class:`~lightning_dcp.runtime.planner_factory.PlannerFactory` (re-plans use it).
+        resume_entry: a loaded out-of-memory checkpoint's entry (:data:`CHECKPOINT_KEY`), if any: its
+            step is re-planned when it comes.
+        replans: re-plans already counted this fit (a train loader built again mid-fit keeps counting).
     """
 
-    def __init__(self, max_replans: int, write_checkpoint: bool, planners: Any = None) -> None:
+    def __init__(self, planners: Any, *, max_replans: int, write_checkpoint: bool,
+                 resume_entry: Mapping[str, Any] | None = None, replans: int = 0) -> None:
+        self.planners = planners
         self.max_replans = int(max_replans)
         self.write_checkpoint = bool(write_checkpoint)
-        self.planners = planners
-        self.replans = 0
+        self.replans = int(replans)
         """Steps re-planned after an out-of-memory error this fit (logged as ``dcp/oom_replans``)."""
-        self.resume_entry: dict | None = None
+        self.resume_entry: Mapping[str, Any] | None = resume_entry
         """An out-of-memory checkpoint's entry, until its step is re-planned."""
         self.attempts = 0
         """Earlier out-of-memory stops of the current step (from a resumed checkpoint)."""
@@ -116,62 +124,60 @@ class OOMRecovery:
         self.lowered = None
         self.attempts = 0
 
-    def resume_due(self, meta: Mapping[str, Any]) -> bool:
-        """Whether ``meta``'s step is the one a loaded out-of-memory checkpoint stopped in."""
+    def resume_due(self, step: "Step") -> bool:
+        """Whether ``step`` is the one a loaded out-of-memory checkpoint stopped in."""
         entry = self.resume_entry
-        return entry is not None and (entry["epoch"], entry["step"]) == (meta["epoch"], meta["step"])
+        return entry is not None and (entry["epoch"], entry["step"]) == (step.epoch, step.index)
 
     def _seed_offset(self, attempt: int) -> int:
         """Step-seed offset for a user planner's re-plan: a new one for every attempt, across resumes."""
         return 7919 * (self.attempts + attempt + 1)
 
-    def replan_resumed(self, batch: dict, cost_model: CostModel, replan: Replan) -> tuple[dict, list, float]:
+    def replan_resumed(self, step: "Step", cost_model: CostModel, replan: Replan) -> "PreparedStep":
         """The step that ran out of memory in an SP > 1 item before the resume, planned again with the
         checkpoint's lowered memory limit (a user's planner: with another step seed)."""
         entry, self.resume_entry = self.resume_entry, None
-        meta = batch["meta"]
         self.attempts = int(entry.get("attempts", 1))
         self.replans += 1
-        rank_zero_info(f"resuming after an out-of-memory error in step {meta['step']} of epoch {meta['epoch']} "
-                       f"({entry['item']}): re-planning the step with less memory")
-        lengths = [n for it in meta["plan"]["items"] for n in it["lengths"]]
+        rank_zero_info(f"resuming after an out-of-memory error in {step.where()} ({entry['item']}): re-planning the "
+                       "step with less memory")
+        lengths = step.plan_lengths
         user_planner = self.planners.settings.planner
         try:
             if user_planner is not None or entry.get("memory_limit") is None:
                 planner = user_planner if user_planner is not None else self.planners.planner(cost_model, lengths)
-                return replan(batch, planner, self._seed_offset(0))
+                return replan(step, planner, self._seed_offset(0))
             self.lowered = LoweredMemory(cost_model, min(float(entry["memory_limit"]), float(cost_model.memory_limit)))
-            return replan(batch, self.planners.planner(self.lowered, lengths), 0)
+            return replan(step, self.planners.planner(self.lowered, lengths), 0)
         except PlanningError as err:
-            raise StepOutOfMemoryError(f"step {meta['step']} of epoch {meta['epoch']} ran out of memory before the "
+            raise StepOutOfMemoryError(f"{step.where()} ran out of memory before the "
                                        f"resume ({entry['item']}), and cannot be re-planned with less memory: {err}. "
                                        "Resume from an earlier checkpoint with a smaller memory limit or more ranks, or "
                                        "split or drop the longest samples") from err
 
-    def replan_failed(self, batch: dict, failed_items: list[int], attempt: int, cost_model: CostModel,
-                      replan: Replan) -> tuple[dict, list, float]:
+    def replan_failed(self, step: "Step", failed_items: list[int], attempt: int, cost_model: CostModel,
+                      replan: Replan) -> "PreparedStep":
         """Every rank saw these plan items run out of memory at SP 1: re-plan the step's samples with the
-        memory limit just below the failed items' estimate; (meta, items, plan hash) of the next attempt."""
-        meta = batch["meta"]
-        epoch, step, plan = meta["epoch"], meta["step"], meta["plan"]
-        failed = [dict(plan["items"][i], index=i) for i in failed_items]
-        what = "; ".join(describe_item(it) for it in failed)
+        memory limit just below the failed items' estimate; the next attempt's prepared step."""
+        epoch, index, plan = step.epoch, step.index, step.plan
+        failed = [plan.items[i] for i in failed_items]
+        what = "; ".join(describe_item(it, i) for i, it in zip(failed_items, failed))
         self.replans += 1
         if attempt >= self.max_replans:
             raise StepOutOfMemoryError(
-                f"step {step} of epoch {epoch} ran out of memory {attempt + 1} time(s) at SP 1 ({what}) and was re-planned "
+                f"step {index} of epoch {epoch} ran out of memory {attempt + 1} time(s) at SP 1 ({what}) and was re-planned "
                 f"{attempt} time(s) with less memory; stopping. Lower the cost model's memory limit (profile with "
                 "DCPProfiler(memory_limit_bytes=...)), split or drop long samples, or raise max_oom_replans")
-        rank_zero_warn(f"step {step} of epoch {epoch}: {what} ran out of memory; re-planning the step with less memory "
+        rank_zero_warn(f"step {index} of epoch {epoch}: {what} ran out of memory; re-planning the step with less memory "
                        f"(attempt {attempt + 1} of {self.max_replans}); no sample is skipped or trained twice")
         try:
             planner, offset = self._lowered_planner(plan, failed, attempt, cost_model)
-            return replan(batch, planner, offset)
+            return replan(step, planner, offset)
         except PlanningError as err:
-            raise StepOutOfMemoryError(f"step {step} of epoch {epoch}: {what} ran out of memory, and the step cannot be "
+            raise StepOutOfMemoryError(f"step {index} of epoch {epoch}: {what} ran out of memory, and the step cannot be "
                                        f"re-planned with less memory: {err}") from err
 
-    def _lowered_planner(self, plan: Mapping[str, Any], failed: list[dict], attempt: int,
+    def _lowered_planner(self, plan: StepPlan, failed: list[WorkItem], attempt: int,
                          cost_model: CostModel) -> tuple[Any, int]:
         """(planner, step-seed offset) for a re-plan: the fit's planner over a cost model whose limit sits
         below the failed items; a user's planner is asked again with another step seed."""
@@ -179,24 +185,24 @@ class OOMRecovery:
         if user_planner is not None:
             return user_planner, self._seed_offset(attempt + 1 if self.attempts else attempt)
         base = self.lowered if self.lowered is not None else cost_model
-        batch_lengths = [n for it in plan["items"] for n in it["lengths"]]
+        batch_lengths = [n for it in plan.items for n in it.lengths]
         if isinstance(base, PaddedCostModel):
-            limit = min(base.max_padded_tokens, min(PaddedCostModel.padded_tokens(it["lengths"]) for it in failed) - 1)
+            limit = min(base.max_padded_tokens, min(PaddedCostModel.padded_tokens(list(it.lengths)) for it in failed) - 1)
             lowered: CostModel = PaddedCostModel(base.base, max(1, limit))
         else:
-            lowered = LoweredMemory(base, lowered_limit(base, failed))
+            lowered = LoweredMemory(base, lowered_limit(base, [it.to_dict() for it in failed]))
         self.lowered = lowered
         return self.planners.planner(lowered, batch_lengths), 0
 
     # -- SP > 1: stop with a checkpoint ----------------------------------------------------------
-    def sp_stop_message(self, meta: Mapping[str, Any], it: Mapping[str, Any], *, rank: int, timeout_s: float | None,
+    def sp_stop_message(self, step: "Step", it: "RankItem", *, rank: int, timeout_s: float | None,
                         cost_model: CostModel | None, trainer: Any, checkpoint_io: Any,
                         no_checkpoint_reason: str | None = None) -> str:
         """Out of memory in an SP > 1 item: write the state before the step (unless
         ``no_checkpoint_reason`` or ``oom_checkpoint=False`` says not to) and return the error message.
         The caller has already dropped the step's partial gradients."""
         _free_cuda_cache()
-        args = (f"step {meta['step']} of epoch {meta['epoch']}", describe_item(it), rank, timeout_s)
+        args = (step.where(), it.describe(), rank, timeout_s)
         if not self.write_checkpoint:
             return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
         if no_checkpoint_reason:
@@ -207,10 +213,10 @@ class OOMRecovery:
                                   f"max_oom_replans is {self.max_replans}")
         limit = None
         if self.planners.settings.planner is None:
-            limit = lowered_limit(self.lowered if self.lowered is not None else cost_model, [it])
-        path = os.path.join(trainer.default_root_dir, "dcp_oom", f"epoch={meta['epoch']}-step={meta['step']}-rank={rank}.ckpt")
-        entry = {"epoch": int(meta["epoch"]), "step": int(meta["step"]), "memory_limit": limit,
-                 "item": describe_item(it), "attempts": attempts}
+            limit = lowered_limit(self.lowered if self.lowered is not None else cost_model, [it.work_item.to_dict()])
+        path = os.path.join(trainer.default_root_dir, "dcp_oom", f"epoch={step.epoch}-step={step.index}-rank={rank}.ckpt")
+        entry = {"epoch": step.epoch, "step": step.index, "memory_limit": limit, "item": it.describe(),
+                 "attempts": attempts}
         try:
             self._save(trainer, checkpoint_io, path, entry)
         except Exception as save_err:  # never hide the out-of-memory error behind a failed save
@@ -228,10 +234,6 @@ class OOMRecovery:
         checkpoint_io.save_checkpoint(checkpoint, path)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def load(self, checkpoint: Mapping[str, Any]) -> None:
-        """Take an out-of-memory checkpoint's entry (if any): its step is re-planned when it comes."""
-        self.resume_entry = checkpoint.get(CHECKPOINT_KEY)
-
     def clear(self) -> None:
         """At teardown: an out-of-memory checkpoint's entry lives for the one fit that loaded it."""
         self.resume_entry = None

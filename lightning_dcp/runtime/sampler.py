@@ -3,8 +3,8 @@
 Per epoch the sampler draws a seeded permutation of the dataset (``seed + epoch``, the same on
 every rank), chunks it into global batches (``global_batch_size`` samples, or up to
 ``global_batch_tokens`` tokens each), asks the planner for each batch's step plan and yields,
-for every step, a *step descriptor*: a plain ``dict`` with the whole step plan and this rank's
-items. Every rank yields the same number of items (one per step, possibly with no work item for
+for every step, a typed :class:`~lightning_dcp.runtime.step.Step`: the whole step plan and this
+rank's items. Every rank yields the same number of items (one per step, possibly with no work item for
 this rank), so ``len()`` agrees across ranks whatever the accumulation counts.
 
 The :class:`~lightning_dcp.runtime.loader.DCPDataLoader` built around it loads and packs the
@@ -23,6 +23,7 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 from lightning_dcp.planning.units import describe_limit
 from lightning_dcp.runtime.lengths import check_lengths
+from lightning_dcp.runtime.step import Step
 
 __all__ = ["DCPBatchSampler"]
 
@@ -67,12 +68,10 @@ class DCPBatchSampler:
             (``cost_model.max_length(max_sp_size)``) are refused before their step, by name.
         max_sp_size: the largest SP size the runtime offers (for that check).
 
-    Each yielded item is ``[descriptor]`` (a one-element list, as a DataLoader batch sampler
-    yields lists of dataset keys): ``descriptor`` is a dict with ``epoch``, ``step`` (index in
-    the epoch), ``global_step`` (index across epochs from this sampler's start), ``plan`` (the
-    whole step as :meth:`StepPlan.to_dict`), ``items`` (this rank's items in execution order:
-    ``index`` in the step plan, ``samples``, ``lengths``, ``ranks``, ``sp_rank``, ``recompute``), ``global_tokens`` and
-    ``global_samples`` (of the whole step).
+    Each yielded item is ``[step]`` (a one-element list, as a DataLoader batch sampler yields lists
+    of dataset keys): ``step`` is a :class:`~lightning_dcp.runtime.step.Step` -- the whole step plan,
+    its epoch and index, and this rank's items in execution order
+    (:class:`~lightning_dcp.runtime.step.RankItem`).
     """
 
     def __init__(self, lengths: Sequence[int], *, planner: Any, global_batch_size: int | None = None,
@@ -253,11 +252,10 @@ class DCPBatchSampler:
                                 f"{len(steps)} steps for global batch {step} of epoch {epoch}")
         return steps[0]
 
-    def replan(self, epoch: int, step: int, plan: Mapping[str, Any], planner: Any, seed_offset: int = 0) -> StepPlan:
-        """The samples of ``plan`` (a step plan dict) planned again by ``planner`` as one step, checked
-        like any plan (after an out-of-memory error, :mod:`lightning_dcp.runtime.oom`)."""
-        batch = [int(s) for it in plan["items"] for s in it["samples"]]
-        steps = self._plan_batch(epoch, step, batch, planner=planner, seed_offset=seed_offset)
+    def replan(self, epoch: int, step: int, plan: StepPlan, planner: Any, seed_offset: int = 0) -> StepPlan:
+        """The samples of ``plan`` planned again by ``planner`` as one step, checked like any plan (after an
+        out-of-memory error, :mod:`lightning_dcp.runtime.oom`)."""
+        steps = self._plan_batch(epoch, step, plan.samples, planner=planner, seed_offset=seed_offset)
         if len(steps) != 1:
             raise PlanningError(f"re-planning step {step} of epoch {epoch} gave {len(steps)} steps; a step is re-planned "
                                 "as one step (policies with one_step_per_batch)")
@@ -277,21 +275,11 @@ class DCPBatchSampler:
         plan = self._recent.get((epoch, step))
         return plan if plan is not None else self.step_plan(epoch, step)
 
-    def describe(self, epoch: int, step: int, plan: StepPlan) -> dict[str, Any]:
-        """The step descriptor this rank yields for ``plan`` (see the class docstring)."""
-        items = []
-        for index, item in enumerate(plan.items):
-            if self.rank in item.ranks:
-                items.append({
-                    "index": index, "samples": list(item.samples), "lengths": list(item.lengths), "ranks": list(item.ranks),
-                    "sp_rank": item.ranks.index(self.rank), "recompute": item.recompute,
-                })
-        return {
-            "epoch": epoch, "step": step, "plan": plan.to_dict(), "items": items,
-            "global_tokens": plan.tokens, "global_samples": len(plan.samples), "world_size": self.num_replicas,
-        }
+    def step_for(self, epoch: int, index: int, plan: StepPlan) -> Step:
+        """The :class:`~lightning_dcp.runtime.step.Step` this rank yields for ``plan`` at (``epoch``, ``index``)."""
+        return Step.build(plan, epoch=epoch, index=index, rank=self.rank, world_size=self.num_replicas)
 
-    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+    def __iter__(self) -> Iterator[list[Step]]:
         epoch, start = self.epoch, self._start_step
         self._start_step = 0  # a resume offset applies to one iteration only
         total = self.num_steps(epoch)
@@ -307,7 +295,7 @@ class DCPBatchSampler:
                     self._recent.pop(next(iter(self._recent)))
             else:
                 plan = self._epoch_plan(epoch)[step]
-            yield [self.describe(epoch, step, plan)]
+            yield [self.step_for(epoch, step, plan)]
 
     # -- resume -------------------------------------------------------------------------------
     def mark_consumed(self, epoch: int, step: int) -> None:

@@ -21,12 +21,12 @@ used as given.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.state_sharding import SHARDING_MODES, state_bytes
 
-__all__ = ["ModelStates", "shard_cost_model"]
+__all__ = ["ModelStates", "measure_model_states", "shard_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,20 @@ def shard_cost_model(cost_model: CostModel, states: ModelStates | None) -> CostM
                          f"sharding={states.sharding!r}; build the cost model with sharding={states.sharding!r} or "
                          f"pass DCPStrategy(sharding={declared!r})")
     return cost_model
+
+
+def measure_model_states(module: Any, optimizers: Sequence[Any], *, sharding: str, world_size: int) -> ModelStates:
+    """Bytes of ``module``'s full weights, buffers, gradients and its first optimizer's state, under ``sharding``."""
+    from lightning_dcp.profiling.measure import optimizer_state_estimate
+
+    params = list(module.parameters())  # a DTensor counts its global size
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    optimizer = optimizers[0] if optimizers else None
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    # by class, not the state allocated so far: equal on every rank (ZeroRedundancyOptimizer partitions are
+    # uneven) and before and after a resume, so ranks and runs plan from the same memory
+    opt_bytes = optimizer_state_estimate(optimizer, grads)
+    return ModelStates(float(weights), float(buffers), float(grads), float(opt_bytes), sharding=sharding,
+                       world_size=world_size)

@@ -10,18 +10,24 @@ What each hook does (the work is done by the runtime's other rooms):
   (:mod:`~lightning_dcp.runtime.model`) and the SP groups of every aligned power-of-two block
   (:class:`~lightning_dcp.sp.groups.SPGroups`), once, in the same order on every rank; the SIGTERM
   watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
-- ``setup``: checks the module and the Trainer, adds the profiler, no DDP wrapper (``configure_ddp``
-  broadcasts rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with
-  ``fully_shard``, :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
+- ``setup``: checks the module and the Trainer (:mod:`~lightning_dcp.runtime.checks`), adds the
+  profiler (:mod:`~lightning_dcp.runtime.fit_setup`), no DDP wrapper (``configure_ddp`` broadcasts
+  rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with ``fully_shard``,
+  :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
 - ``process_dataloader`` (train only): the planner (:mod:`~lightning_dcp.runtime.planner_factory`), the
   :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and
-  :class:`~lightning_dcp.runtime.loader.DCPDataLoader` (one item per optimizer step), the setup
-  agreement check (:mod:`~lightning_dcp.runtime.agreement`) and the step executor
-  (:class:`~lightning_dcp.runtime.executor.StepExecutor`). Validation, test and predict loaders
-  keep Lightning's distributed sampling (SP size 1).
-- ``batch_to_device``: the executor builds this rank's shards on the host; only they move.
+  :class:`~lightning_dcp.runtime.loader.DCPDataLoader` (one item per optimizer step,
+  :mod:`~lightning_dcp.runtime.train_loader`), the setup agreement check
+  (:mod:`~lightning_dcp.runtime.setup_agreement`) and the step executor
+  (:class:`~lightning_dcp.runtime.executor.StepExecutor`, built from a
+  :class:`~lightning_dcp.runtime.rank.RankRuntime`). Validation, test and predict loaders keep
+  Lightning's distributed sampling (SP size 1).
+- ``batch_to_device``: the executor turns the :class:`~lightning_dcp.runtime.step.LoadedStep` into a
+  :class:`~lightning_dcp.runtime.step.PreparedStep` (this rank's shards, on the host); only they move.
 - ``training_step`` (called by Lightning's closure once per optimizer step): the executor runs this
-  rank's micro-batches and the step-end gather, and returns the step's exact global loss (detached);
+  rank's micro-batches and the step-end gather and returns a
+  :class:`~lightning_dcp.runtime.step.StepResult`; the strategy logs its metrics
+  (:mod:`~lightning_dcp.runtime.metrics`) and hands Lightning the step's exact global loss (detached);
   ``backward`` then skips it (backward already ran per micro-batch).
 - ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients
   (one SUM all-reduce per bucket; sharded: one SUM reduce-scatter per bucket); only then does the
@@ -40,7 +46,6 @@ Why the result is exact, the agreement checks, time-outs, and out-of-memory reco
 
 from __future__ import annotations
 
-import inspect
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
@@ -49,33 +54,40 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.runtime.agreement import check_setup, planner_settings, setup_row
-from lightning_dcp.runtime.executor import StepExecutor, is_step_batch, world_all_gather
-from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, check_precision
+from lightning_dcp.runtime.checks import (SYNC_IN_LOOP_WARNING, check_fit, check_sharding, check_sharding_agreement,
+                                          in_micro_loop_error, unsaveable_reason)
+from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
 from lightning_dcp.runtime.exit import destroy_at_exit
-from lightning_dcp.sp.groups import SPGroups
-from lightning_dcp.runtime.lengths import resolve_lengths
+from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
+from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher
 from lightning_dcp.runtime.loader import DCPDataLoader
-from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker
-from lightning_dcp.runtime.model import SPCap, resolve_sp_cap
-from lightning_dcp.runtime.oom import OOMRecovery
+from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
+from lightning_dcp.runtime.model import SPCap
+from lightning_dcp.runtime.oom import CHECKPOINT_KEY, OOMRecovery
 from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
+from lightning_dcp.runtime.rank import BatchTransfer, PrecisionBackward, RankRuntime
 from lightning_dcp.runtime.sampler import DCPBatchSampler
-from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, SHARDING_MODES, DCPSettings, split_strategy_kwargs
-from lightning_dcp.runtime.states import ModelStates
-from lightning_dcp.runtime.support import support_message, uniform_lengths
-from lightning_dcp.runtime.watchdog import ShutdownWatchdog
+from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, DCPSettings, split_strategy_kwargs
+from lightning_dcp.runtime.setup_agreement import agreement_settings, check_setup_agreement
+from lightning_dcp.runtime.states import ModelStates, measure_model_states
+from lightning_dcp.runtime.step import LoadedStep
+from lightning_dcp.runtime.support import support_message
+from lightning_dcp.runtime.train_loader import (build_loader, build_sampler, check_not_empty, global_batch,
+                                                map_style_dataset, train_lengths)
+from lightning_dcp.sp.groups import SPGroups
+from lightning_dcp.runtime.watchdog import ShutdownWatchdog, rank_watchdog
 from lightning_dcp.sp.contract import ModelContract, read_model
 
 __all__ = ["DCPStrategy"]
+
 
 class DCPStrategy(DDPStrategy):
     """Data-Centric Parallel: per step, the data chooses SP groups, micro-batches per rank and recomputation.
@@ -152,6 +164,7 @@ class DCPStrategy(DDPStrategy):
 
     strategy_name = "dcp"
 
+    @override
     def __init__(
         self,
         *,
@@ -201,12 +214,16 @@ class DCPStrategy(DDPStrategy):
         self.sp_cap = SPCap(1)
         self.sp_groups: SPGroups | None = None
         self.batch_sampler: DCPBatchSampler | None = None
-        self.oom = OOMRecovery(max_oom_replans, oom_checkpoint)
+        self.oom: OOMRecovery | None = None
+        """The fit's out-of-memory recovery (built with the train loader)."""
+        self._oom_resume: Mapping[str, Any] | None = None  # a loaded out-of-memory checkpoint's entry
         self.executor: StepExecutor | None = None
         self.shards: ShardedParameters | None = None
         """The ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"`` on more than one rank), from setup on."""
         self.last_step_metrics: StepMetrics | None = None
+        """The last step's metrics (set by ``training_step`` from the executor's result)."""
         self.last_step_plan: dict | None = None
+        """The plan the last step ran (after any out-of-memory re-plan), as ``StepPlan.to_dict()``."""
         self.metrics_tracker = StepMetricsTracker()
         self._watchdog: ShutdownWatchdog | None = None
         self._warned_sync = False
@@ -226,7 +243,7 @@ class DCPStrategy(DDPStrategy):
     @property
     def oom_replans(self) -> int:
         """Steps re-planned after an out-of-memory error this fit (``dcp/oom_replans``)."""
-        return self.oom.replans
+        return self.oom.replans if self.oom is not None else 0
 
     @property
     def sharding(self) -> str:
@@ -244,6 +261,7 @@ class DCPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ registration
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"dcp"`` (popen launcher, for scripts/CLIs) and ``"dcp_spawn"`` in ``strategy_registry``
         (what ``import lightning_dcp`` does for Lightning's registry; see :mod:`lightning_dcp._registry`).
@@ -253,53 +271,33 @@ class DCPStrategy(DDPStrategy):
         register(strategy_registry)
 
     # ------------------------------------------------------------------ environment and setup
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         module = self.lightning_module
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
         self._model_contract = contract
-        self.num_heads = contract.num_heads if contract is not None else None
-        self.support = contract.support if contract is not None else "sp"
-        requested = self.settings.max_sp_size
-        if self.support != "sp":
-            if requested not in (None, 1):
-                rank_zero_warn(f"max_sp_size={requested} ignored: the module runs at support level {self.support!r}, "
-                               "which has no sequence parallelism (SP size 1)")
-            requested = 1
-        self.sp_cap = resolve_sp_cap(requested, self.world_size, self.num_heads)
+        self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
         self.sp_groups = SPGroups(self.world_size, self.global_rank, self.sp_cap.size, create=create,
                                   timeout=self._timeout)
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
-            self._start_watchdog()
+            self._watchdog = rank_watchdog(self.launcher, self.cluster_environment, self.settings.sigterm_grace_s,
+                                           self.global_rank)
 
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self.settings.sharding in FULLY_SHARDED_MODES and self._start_method != "popen":
             self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
 
-    def _start_watchdog(self) -> None:
-        """SIGTERM ends this rank (and the ranks it launched) within ``sigterm_grace_s`` even when it is
-        blocked in a collective; a launched rank exits when its launcher is gone."""
-        launcher = self.launcher
-        is_launcher = isinstance(launcher, _SubprocessScriptLauncher) and not self.cluster_environment.creates_processes_externally
-        children = (lambda: list(launcher.procs)) if is_launcher else (lambda: ())
-        self._watchdog = ShutdownWatchdog(self.settings.sigterm_grace_s, watch_parent=not is_launcher,
-                                          children=children, name=f"rank {self.global_rank}").start()
-
+    @override
     def setup(self, trainer: Any) -> None:
-        module = self.lightning_module
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.oom.replans = 0  # dcp/oom_replans counts this fit's re-plans
-            self._check_fit(trainer, module)
-            message = support_message(self._model_contract)
-            if message:
-                rank_zero_info(message)
-            mend_progress_bars(trainer)
-            self._maybe_add_profiler(trainer)
-            self._check_sharding()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._before_fit_setup(trainer)
         elif self.shards is not None and self.shards.module is self.model:
             # validate/test/predict after a sharded fit: DDPStrategy.setup without its weight broadcast (the
             # weights are DTensor shards, equal across ranks by construction; c10d cannot broadcast DTensors)
@@ -309,83 +307,35 @@ class DCPStrategy(DDPStrategy):
             self.setup_precision_plugin()
             return
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
-            self._wrap_zero1()
-        if trainer.state.fn == TrainerFn.FITTING and self.shards is not None:
+        if fitting and self.sharding == "zero1":
+            self.optimizers = wrap_zero1(self.optimizers, self.lr_scheduler_configs)
+        if fitting and self.shards is not None:
             self.shards.check_optimizers(self.optimizers)
             self.shards.unshard()  # full weights from fit start (the profiler measures them), as in every step
 
-    def _check_sharding(self) -> None:
-        mode = self.settings.sharding
-        if mode != "none" and self.world_size == 1:
-            rank_zero_warn(f"DCPStrategy(sharding={mode!r}) on a single process: nothing to shard over, running "
-                           "with full replicas")
-        if self._fully_sharded:
-            check_precision(self.precision_plugin, mode)
+    def _before_fit_setup(self, trainer: Any) -> None:
+        """A new fit: the checks, the support message, the progress bars, the profiler."""
+        self.oom = None  # dcp/oom_replans counts this fit's re-plans
+        check_fit(trainer, self.lightning_module)
+        message = support_message(self._model_contract)
+        if message:
+            rank_zero_info(message)
+        mend_progress_bars(trainer)
+        maybe_add_profiler(trainer, self.settings, self._cost_model, self.support)
+        check_sharding(self.settings.sharding, self.world_size, self._fully_sharded, self.precision_plugin)
 
-    @staticmethod
-    def _check_fit(trainer: Any, module: Any) -> None:
-        if not module.automatic_optimization:
-            raise ValueError(
-                "DCPStrategy runs the micro-batch accumulation loop itself and needs automatic optimization; "
-                f"{type(module).__name__}.automatic_optimization is False. Let training_step return the loss "
-                "(the strategy does backward, gradient reduction and the optimizer step)")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with DCPStrategy: the strategy "
-                "accumulates per rank as the plan says; set accumulate_grad_batches=1 and make the global batch larger "
-                "instead (DCPStrategy(global_batch_size=...))")
-
-    def _maybe_add_profiler(self, trainer: Any) -> None:
-        """Append a :class:`~lightning_dcp.profiling.DCPProfiler` unless the trainer has one, ``profile=False``,
-        or (``profile=None``) a cost model or planner was given."""
-        s = self.settings
-        if s.profile is False or (s.profile is None and (self._cost_model is not None or s.planner is not None)):
-            return
-        if self.support == "safe":  # nothing to profile: no repeated layers to measure
-            return
-        from lightning_dcp.profiling import DCPProfiler
-
-        if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
-            trainer.callbacks.append(DCPProfiler())
-
-    def _wrap_zero1(self) -> None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        new = []
-        for opt in self.optimizers:
-            if isinstance(opt, ZeroRedundancyOptimizer):
-                new.append(opt)
-                continue
-            groups = [dict(g) for g in opt.param_groups]
-            # ``defaults`` can hold keys the constructor does not take (torch's AdamW records
-            # ``decoupled_weight_decay``); the param groups keep every per-group value anyway.
-            accepted = inspect.signature(type(opt).__init__).parameters
-            defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
-            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
-            for cfg in self.lr_scheduler_configs:
-                if getattr(cfg.scheduler, "optimizer", None) is opt:
-                    cfg.scheduler.optimizer = zero
-            new.append(zero)
-        self.optimizers = new
-
-    def unsaveable_reason(self) -> str | None:
-        """Why one rank alone cannot write a full checkpoint (``None``: it can); an out-of-memory stop
-        in an SP > 1 item writes one only when it can."""
-        if self.sharding != "none":
-            return f"sharding={self.sharding!r} shards the model states; gathering them needs every rank"
-        return None
-
+    @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    @override
     def configure_ddp(self) -> None:
         """No DDP wrapper: broadcast rank 0's parameters and buffers instead; with ``sharding="zero2"`` /
         ``"fsdp"`` then shard them (``fully_shard``, once: a later fit keeps the units)."""
         if self.world_size > 1 and dist.is_initialized():
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
-            self._check_sharding_agreement()
+            check_sharding_agreement(self.settings.sharding, self._world_gather)
             if self.shards is not None and self.shards.module is self.model:
                 self.shards.reshard()  # the optimizer is built over the sharded parameters; setup() then unshards
                 return
@@ -394,33 +344,11 @@ class DCPStrategy(DDPStrategy):
                 self.shards = ShardedParameters(self.model, self.sharding, self.root_device, self.world_size,
                                                 layers=self._model_contract.layers)
 
-    def _check_sharding_agreement(self) -> None:
-        """Every rank must run the same sharding mode (else their first collectives differ and hang): one
-        world all-gather of the mode at setup, the same error on every rank."""
-        modes = self._world_gather(torch.tensor([float(SHARDING_MODES.index(self.settings.sharding))],
-                                                dtype=torch.float64))[:, 0].tolist()
-        if len(set(modes)) > 1:
-            per_rank = ", ".join(f"rank {r}: {SHARDING_MODES[int(m)]!r}" for r, m in enumerate(modes))
-            raise ValueError(f"DCPStrategy(sharding=...) differs across ranks ({per_rank}); every rank must pass the "
-                             "same sharding")
-
     def model_states(self) -> ModelStates:
         """Bytes of the full model's weights, buffers, gradients and optimizer state, and the sharding mode:
         what the planner's static memory is built from (:mod:`~lightning_dcp.runtime.states`)."""
-        from lightning_dcp.profiling.measure import optimizer_state_estimate
-
-        module = self.lightning_module
-        params = list(module.parameters())  # a DTensor counts its global size
-        weights = sum(p.numel() * p.element_size() for p in params)
-        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-        optimizer = self.optimizers[0] if self.optimizers else None
-        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
-        # by class, not the state allocated so far: equal on every rank (ZeroRedundancyOptimizer partitions are
-        # uneven) and before and after a resume, so ranks and runs plan from the same memory
-        opt_bytes = optimizer_state_estimate(optimizer, grads)
-        return ModelStates(float(weights), float(buffers), float(grads), float(opt_bytes), sharding=self.sharding,
-                           world_size=self.world_size)
+        return measure_model_states(self.lightning_module, self.optimizers, sharding=self.sharding,
+                                    world_size=self.world_size)
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
@@ -430,59 +358,45 @@ class DCPStrategy(DDPStrategy):
                            "the next time the dataloader is built (next fit or reload)")
 
     # ------------------------------------------------------------------ data
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
         if isinstance(dataloader, DCPDataLoader):
             return dataloader
-        dataset = dataloader.dataset
-        if not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
-            raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
-                             f"{type(dataset).__name__}")
-        lengths = self.train_lengths(dataset)
-        s = self.settings
-        gbs, gbt = s.global_batch_size, s.global_batch_tokens
+        lengths = self.train_lengths(map_style_dataset(dataloader))
         per_rank = dataloader.batch_size or 1
-        if gbs is None and gbt is None:
-            gbs = per_rank * self.world_size
-        planners = PlannerFactory(s, self.world_size, self.sp_cap, self.num_heads, self.support,
+        gbs, gbt = global_batch(self.settings, per_rank, self.world_size)
+        planners = PlannerFactory(self.settings, self.world_size, self.sp_cap, self.num_heads, self.support,
                                   states=self.model_states())
-        if s.planner is None:
+        if self.settings.planner is None:
             self._cost_model = planners.cost_model(self._cost_model, lengths, self._model_contract.num_layers, per_rank)
         planner = planners.planner(self._cost_model, lengths)
-        self.batch_sampler = DCPBatchSampler(
-            lengths, planner=planner, global_batch_size=gbs, global_batch_tokens=gbt, num_replicas=self.world_size,
-            rank=self.global_rank, seed=s.seed, shuffle=s.shuffle, drop_last=s.drop_last, plan_ahead=s.plan_ahead)
+        self.batch_sampler = build_sampler(lengths, planner, self.settings, global_batch_size=gbs,
+                                           global_batch_tokens=gbt, world_size=self.world_size, rank=self.global_rank)
         self._check_setup_agreement(lengths, planner, global_batch_size=gbs, global_batch_tokens=gbt)
-        if len(self.batch_sampler) == 0:
-            raise ValueError(f"the train dataset ({len(lengths)} samples) gives no full global batch of "
-                             f"{gbs if gbs is not None else str(gbt) + ' tokens'}; lower the global batch or set drop_last=False")
-        loader = self._loader(dataloader)
-        self.oom.planners = planners
-        self.executor = StepExecutor(self, self.batch_sampler, loader.dataset, self._cost_model, self.oom,
-                                     bounder=planners.bounder(self._cost_model))
+        check_not_empty(self.batch_sampler, len(lengths), gbs, gbt)
+        loader = build_loader(dataloader, self.batch_sampler, self.support)
+        resume, self._oom_resume = self._oom_resume, None  # the entry moves to the fit's recovery
+        self.oom = OOMRecovery(planners, max_replans=self.settings.max_oom_replans,
+                               write_checkpoint=self.settings.oom_checkpoint, resume_entry=resume,
+                               replans=self.oom_replans)
+        self.executor = StepExecutor(self._rank_runtime(), self.batch_sampler, loader.dataset, self._cost_model,
+                                     self.oom, bounder=planners.bounder(self._cost_model))
         return loader
 
-    def _loader(self, dataloader: DataLoader) -> DCPDataLoader:
-        """The DCP train loader over ``dataloader``'s dataset, keeping its worker settings (and, in safe
-        mode, its ``collate_fn``)."""
-        kwargs: dict[str, Any] = {}
-        if dataloader.num_workers > 0:
-            kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
-                          multiprocessing_context=dataloader.multiprocessing_context)
-        collate_fn = None
-        if self.support == "safe":
-            from torch.utils.data import default_collate
-
-            collate_fn = dataloader.collate_fn or default_collate
-        return DCPDataLoader(dataloader.dataset, self.batch_sampler, collate_fn=collate_fn,
-                             num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
-                             timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn, **kwargs)
-
-    def _agreement_settings(self, planner: Any, **resolved: Any) -> dict:
-        resolved.update(world_size=self.world_size, max_sp_size=self.max_sp_size, support=self.support)
-        return planner_settings(planner, **self.settings.agreement(**resolved))
+    def _rank_runtime(self) -> RankRuntime:
+        """What the executor needs from this rank (it never holds the strategy)."""
+        return RankRuntime(
+            module=self.lightning_module, settings=self.settings, support=self.support, device=self.root_device,
+            backward=PrecisionBackward(self.precision_plugin, self.lightning_module,
+                                       self.optimizers[0] if self.optimizers else None),
+            world_size=self.world_size, rank=self.global_rank, sp_groups=self.sp_groups, num_heads=self.num_heads,
+            shards=self.shards, to_device=BatchTransfer(self.lightning_module, self.root_device),
+            convert_input=self.precision_plugin.convert_input,
+            train_step_context=self.precision_plugin.train_step_context, checkpoint_io=self.checkpoint_io,
+            unsaveable_reason=unsaveable_reason(self.sharding), contract=self._model_contract)
 
     def _check_setup_agreement(self, lengths: list[int], planner: Any, **resolved: Any) -> None:
         """One world all-gather at setup: every rank must have the same lengths, planner settings and
@@ -490,8 +404,9 @@ class DCPStrategy(DDPStrategy):
         if self.world_size == 1 or not dist.is_initialized():
             return
         cost_model = self._cost_model if self.settings.planner is None else getattr(planner, "cost_model", None)
-        row = setup_row(lengths, self._agreement_settings(planner, **resolved), cost_model)
-        check_setup(self._world_gather(torch.tensor(row, dtype=torch.float64)).tolist())
+        settings = agreement_settings(self.settings, planner, world_size=self.world_size, max_sp_size=self.max_sp_size,
+                                      support=self.support, **resolved)
+        check_setup_agreement(lengths, settings, cost_model, gather=self._world_gather)
 
     def check_agreement_before_profiling(self, dataset: Any, profiler_inputs: Mapping[str, Any]) -> None:
         """The setup agreement check, run by the profiler before its first collective: lengths, settings
@@ -500,50 +415,49 @@ class DCPStrategy(DDPStrategy):
         raises the same :class:`~lightning_dcp.runtime.agreement.AgreementError` instead."""
         if self.world_size == 1 or not dist.is_initialized():
             return
-        lengths = self.train_lengths(dataset)
-        settings = self._agreement_settings(None, profiler=dict(profiler_inputs))
-        row = setup_row(lengths, settings, None)
-        check_setup(self._world_gather(torch.tensor(row, dtype=torch.float64)).tolist(),
-                    where="at fit start, before profiling")
+        settings = agreement_settings(self.settings, None, world_size=self.world_size, max_sp_size=self.max_sp_size,
+                                      support=self.support, profiler=dict(profiler_inputs))
+        check_setup_agreement(self.train_lengths(dataset), settings, None, gather=self._world_gather,
+                              where="at fit start, before profiling")
 
     def _world_gather(self, t: Tensor) -> Tensor:
         return world_all_gather(t, world_size=self.world_size, device=self.root_device)
 
     def train_lengths(self, dataset: Any) -> list[int]:
         """Every train sample's length, without loading samples (safe mode: equal lengths when none are given)."""
-        if self.support != "safe" or self.settings.lengths is not None or getattr(dataset, "lengths", None) is not None:
-            return resolve_lengths(dataset, self.settings.lengths)
-        rank_zero_info(f"DCPStrategy (safe mode): {type(dataset).__name__} gives no sample lengths; treating samples as "
-                       "equally long (ranks balanced by sample count). Give the dataset a `lengths` attribute or pass "
-                       "DCPStrategy(lengths=...) to balance by length")
-        return uniform_lengths(dataset)
+        return train_lengths(dataset, self.settings, self.support)
 
     # ------------------------------------------------------------------ the step
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Before a DCP step batch moves to the device, the executor builds this rank's micro-batches on
-        the host; only the local shards move."""
-        if is_step_batch(batch) and not batch["meta"].get("prepared") and self.executor is not None:
-            self.executor.prepare(batch)
+        """A DCP step becomes this rank's prepared micro-batches on the host (the executor); only they move."""
+        if isinstance(batch, LoadedStep) and self.executor is not None:
+            return self.executor.ready(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    @override
     def training_step(self, batch: Any = None, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
-        """Run this rank's micro-batches of one optimizer step; return the step's global loss (detached)."""
+        """Run this rank's micro-batches of one optimizer step, log its metrics; return the step's global loss
+        (detached)."""
         if self.executor is None:
             raise RuntimeError("DCPStrategy.training_step ran before the train dataloader was built "
                                "(process_dataloader); train through Trainer.fit")
-        return self.executor.run_step(batch, batch_idx)
+        result = self.executor.run_step(batch, batch_idx)
+        self.batch_sampler.mark_consumed(result.step.epoch, result.step.index)  # the resume position
+        self.last_step_metrics, self.last_step_plan = result.metrics, result.plan.to_dict()
+        self.metrics_tracker.record(result.metrics)
+        if self.settings.log_metrics:
+            log_step_metrics(self.lightning_module, result.metrics, self.oom_replans)
+        return result.loss
 
-    def micro_backward(self, loss: Tensor) -> None:
-        """Backward of one micro-batch's loss through the precision plugin (the executor calls it)."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        super().backward(loss, optimizer)
-
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Skipped for the loss a DCP ``training_step`` returned (backward already ran per micro-batch)."""
         if self.executor is not None and self.executor.grads_parked:
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Reduce the parked gradients right after the closure, before clipping and the step."""
 
@@ -560,14 +474,17 @@ class DCPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Sharded states load into the sharded module and optimizer, so after setup."""
         return self._fully_sharded
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return not self._fully_sharded
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state; sharded (each rank's DTensor shards) with ``sharding="zero2"`` / ``"fsdp"``."""
         if self.shards is None:
@@ -576,6 +493,7 @@ class DCPStrategy(DDPStrategy):
 
         return model_state(self.lightning_module)
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.shards is None:
             return super().optimizer_state(optimizer)
@@ -583,6 +501,7 @@ class DCPStrategy(DDPStrategy):
 
         return optimizer_state(self.lightning_module, optimizer)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
         """Lightning's file; with ``sharding="zero2"`` / ``"fsdp"`` a directory at ``filepath`` where every rank
@@ -599,6 +518,7 @@ class DCPStrategy(DDPStrategy):
         save_sharded(checkpoint, Path(self.broadcast(str(filepath))), rank=self.global_rank, barrier=self.barrier)
         self.shards.at_rest()  # taking the state dicts resharded the weights; zero2 gathers them again
 
+    @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's checkpoint load (sharded: every rank reads its shards into the module and optimizers);
         an out-of-memory checkpoint's step is re-planned with its lowered limit."""
@@ -613,14 +533,16 @@ class DCPStrategy(DDPStrategy):
             self.shards.at_rest()
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self.oom.load(checkpoint)
+        self._oom_resume = checkpoint.get(CHECKPOINT_KEY)  # its step is re-planned when it comes
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self.shards is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         # sharded: load_checkpoint already loaded every rank's shards
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.shards is None:
             super().load_optimizer_state_dict(checkpoint)
@@ -644,36 +566,36 @@ class DCPStrategy(DDPStrategy):
     def _in_micro_loop(self) -> bool:
         return self.executor is not None and self.executor.in_micro_loop
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a
         world collective would hang; return the local value (on-step sync is deferred, epoch-end sync still happens)."""
         if self._in_micro_loop:
             if not self._warned_sync:
                 self._warned_sync = True
-                rank_zero_warn("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run "
-                               "different numbers of micro-batches, so on-step values are not synced (each rank logs "
-                               "its own); epoch-level values are still synced at epoch end")
+                rank_zero_warn(SYNC_IN_LOOP_WARNING)
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._in_micro_loop:
-            raise RuntimeError("a world barrier inside training_step under DCPStrategy would hang (ranks run different "
-                               "numbers of micro-batches); move it to a hook outside training_step")
+            raise in_micro_loop_error("barrier")
         super().barrier(*args, **kwargs)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         if self._in_micro_loop:
-            raise RuntimeError("self.all_gather inside training_step under DCPStrategy would hang (ranks run different "
-                               "numbers of micro-batches); gather in on_train_batch_end or an epoch-end hook instead")
+            raise in_micro_loop_error("all_gather")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._in_micro_loop:
-            raise RuntimeError("reduce_boolean_decision inside training_step under DCPStrategy would hang; call it "
-                               "outside training_step")
+            raise in_micro_loop_error("reduce_boolean_decision")
         return super().reduce_boolean_decision(decision, all=all)
 
+    @override
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -681,7 +603,9 @@ class DCPStrategy(DDPStrategy):
         if self.batch_sampler is not None:
             self.batch_sampler.shutdown()
         self.executor = None
-        self.oom.clear()
+        self._oom_resume = None  # an out-of-memory checkpoint's entry lives for the one fit that loaded it
+        if self.oom is not None:
+            self.oom.clear()
         if self.sp_groups is not None:
             self.sp_groups.destroy()
         super().teardown()

@@ -26,9 +26,9 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["ShutdownWatchdog"]
+__all__ = ["ShutdownWatchdog", "rank_watchdog"]
 
 
 class ShutdownWatchdog:
@@ -125,3 +125,14 @@ class ShutdownWatchdog:
               "run from the last saved step", file=sys.stderr, flush=True)
         self._signal_children(signal.SIGKILL)
         os._exit(code)
+
+
+def rank_watchdog(launcher: Any, cluster_environment: Any, grace_s: float, rank: int) -> ShutdownWatchdog:
+    """The started watchdog of a strategy's rank: SIGTERM ends this rank (and the ranks it launched, when
+    ``launcher`` is Lightning's subprocess launcher) within ``grace_s`` even when it is blocked in a
+    collective; a launched rank exits when its launcher is gone."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    is_launcher = isinstance(launcher, _SubprocessScriptLauncher) and not cluster_environment.creates_processes_externally
+    children = (lambda: list(launcher.procs)) if is_launcher else (lambda: ())
+    return ShutdownWatchdog(grace_s, watch_parent=not is_launcher, children=children, name=f"rank {rank}").start()

@@ -1,0 +1,82 @@
+"""What the strategy refuses, and why: the checks at fit start and the world collectives it cannot run
+inside the micro-batch loop.
+
+Each check raises with the values it saw and the fix; the strategy's hooks call them and decide
+nothing else (see :mod:`~lightning_dcp.runtime.strategy`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_dcp.runtime.fsdp import check_precision
+from lightning_dcp.runtime.settings import SHARDING_MODES
+
+__all__ = ["SYNC_IN_LOOP_WARNING", "check_fit", "check_sharding", "check_sharding_agreement", "in_micro_loop_error",
+           "unsaveable_reason"]
+
+#: Warned once when ``self.log(..., sync_dist=True)`` runs inside ``training_step`` (the value stays local).
+SYNC_IN_LOOP_WARNING = ("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run different "
+                        "numbers of micro-batches, so on-step values are not synced (each rank logs its own); "
+                        "epoch-level values are still synced at epoch end")
+
+_IN_LOOP_FIXES = {
+    "barrier": "a world barrier inside training_step under DCPStrategy would hang (ranks run different numbers of "
+               "micro-batches); move it to a hook outside training_step",
+    "all_gather": "self.all_gather inside training_step under DCPStrategy would hang (ranks run different numbers of "
+                  "micro-batches); gather in on_train_batch_end or an epoch-end hook instead",
+    "reduce_boolean_decision": "reduce_boolean_decision inside training_step under DCPStrategy would hang; call it "
+                               "outside training_step",
+}
+
+
+def in_micro_loop_error(collective: str) -> RuntimeError:
+    """The error for a world collective (``"barrier"``, ``"all_gather"``, ``"reduce_boolean_decision"``) called
+    from user code inside the micro-batch loop, where ranks run different item counts and it would hang."""
+    return RuntimeError(_IN_LOOP_FIXES[collective])
+
+
+def check_fit(trainer: Any, module: Any) -> None:
+    """The module optimizes automatically and the Trainer does not accumulate (the plan does)."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "DCPStrategy runs the micro-batch accumulation loop itself and needs automatic optimization; "
+            f"{type(module).__name__}.automatic_optimization is False. Let training_step return the loss "
+            "(the strategy does backward, gradient reduction and the optimizer step)")
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with DCPStrategy: the strategy "
+            "accumulates per rank as the plan says; set accumulate_grad_batches=1 and make the global batch larger "
+            "instead (DCPStrategy(global_batch_size=...))")
+
+
+def check_sharding(mode: str, world_size: int, fully_sharded: bool, precision_plugin: Any) -> None:
+    """A sharding mode on one process is warned about (nothing to shard over); fully sharded modes refuse
+    a GradScaler precision."""
+    if mode != "none" and world_size == 1:
+        rank_zero_warn(f"DCPStrategy(sharding={mode!r}) on a single process: nothing to shard over, running "
+                       "with full replicas")
+    if fully_sharded:
+        check_precision(precision_plugin, mode)
+
+
+def check_sharding_agreement(mode: str, gather: Callable[[Tensor], Tensor]) -> None:
+    """Every rank must run the same sharding mode (else their first collectives differ and hang): one
+    world all-gather (``gather``) of the mode at setup, the same error on every rank."""
+    modes = gather(torch.tensor([float(SHARDING_MODES.index(mode))], dtype=torch.float64))[:, 0].tolist()
+    if len(set(modes)) > 1:
+        per_rank = ", ".join(f"rank {r}: {SHARDING_MODES[int(m)]!r}" for r, m in enumerate(modes))
+        raise ValueError(f"DCPStrategy(sharding=...) differs across ranks ({per_rank}); every rank must pass the "
+                         "same sharding")
+
+
+def unsaveable_reason(sharding: str) -> str | None:
+    """Why one rank alone cannot write a full checkpoint under ``sharding`` (``None``: it can); an
+    out-of-memory stop in an SP > 1 item writes one only when it can."""
+    if sharding != "none":
+        return f"sharding={sharding!r} shards the model states; gathering them needs every rank"
+    return None
