@@ -281,9 +281,8 @@ def profile_module(
     calls it with the same arguments (rank 0's grid is broadcast) and gets the same profile.
 
     Args:
-        module: the model (a LightningModule, or any module ``step_fn`` can drive) holding one
-            :class:`~lightning_dcp.sp.recompute.RecomputeLayers` or defining ``dcp_repeated_layers()``
-            (see :mod:`lightning_dcp.profiling.layers`); already on ``device``.
+        module: the model (a LightningModule, or any module ``step_fn`` can drive; its layers as
+            :mod:`lightning_dcp.sp.contract` reads them), already on ``device``.
         data: a dataset with ``.lengths`` and ``__getitem__``, or a list of sample dicts.
         device: where to measure (default: the device of the module's first parameter).
         precision: Lightning precision name recorded in the key (``"32-true"``, ``"bf16-mixed"``...).
@@ -302,21 +301,17 @@ def profile_module(
         memory_limit_bytes: ``device.memory_limit_bytes`` (default: CUDA total x ``memory_fraction``, CPU 8 GiB).
         layers_attr: dotted attribute path to the repeated layers when the module has several stacks
             (see :mod:`lightning_dcp.sp.contract`); ignored with ``contract``.
-        num_layers: ``model.num_layers`` to record (default: the number of repeated layers; the CLI
-            records the full model's count after profiling a reduced one).
+        num_layers: ``model.num_layers`` to record (default: the repeated layers'; the CLI's full count).
         num_heads: attention heads (default: the contract's, ``dcp_num_heads`` or ``num_heads`` in the
             module; SP sizes must divide it).
         key: the ``key`` section (a :class:`~lightning_dcp.profiling.cache.ProfileKey` dict); default
             computed from the module, device, precision and world size.
-        states_module: the module whose parameters define ``param_bytes``, ``memory_bytes`` and
-            the optimizer-time scaling (default ``module``; the CLI passes the full model built on
-            the meta device when it measured a reduced-layer copy).
-        cpu_clock: ``"wall"`` (default, ``time.perf_counter``) or ``"process"``
-            (``time.process_time``: immune to other processes on a shared machine; use with one
-            torch thread and SP 1 only, e.g. for accuracy benchmarks).
-        contract: what to read off ``module`` (:func:`~lightning_dcp.sp.contract.read_model`; the
-            strategy's :attr:`~lightning_dcp.DCPStrategy.model_contract` under the profiler callback);
-            default read here with ``layers_attr``.
+        states_module: the module whose parameters define ``param_bytes``, ``memory_bytes`` and the
+            optimizer-time scaling (default ``module``; the CLI's full model when it profiles fewer layers).
+        cpu_clock: ``"wall"`` (default) or ``"process"`` (``time.process_time``: immune to other processes
+            on a shared machine; one torch thread and SP 1 only, e.g. for accuracy benchmarks).
+        contract: what to read off ``module`` (the strategy's ``model_contract`` under the profiler
+            callback); default :func:`~lightning_dcp.sp.contract.read_model` with ``layers_attr``.
     """
     t_start = time.perf_counter()
     _check_options(cpu_clock, density)

@@ -61,8 +61,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.runtime.checks import (SYNC_IN_LOOP_WARNING, check_fit, check_sharding, check_sharding_agreement,
-                                          in_micro_loop_error, unsaveable_reason)
+from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement, unsaveable_reason
+from lightning_dcp.runtime.guards import MicroLoopGuards
 from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
 from lightning_dcp.runtime.exit import destroy_at_exit
 from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
@@ -89,7 +89,7 @@ from lightning_dcp.sp.contract import ModelContract, read_model
 __all__ = ["DCPStrategy"]
 
 
-class DCPStrategy(DDPStrategy):
+class DCPStrategy(MicroLoopGuards, DDPStrategy):
     """Data-Centric Parallel: per step, the data chooses SP groups, micro-batches per rank and recomputation.
 
     Gradients equal those of plain data-parallel training on the same global batch (fp32, up
@@ -560,40 +560,6 @@ class DCPStrategy(DDPStrategy):
 
     on_validation_start = on_test_start = on_predict_start = _full_weights
     on_validation_end = on_test_end = on_predict_end = _weights_at_rest
-
-    # ------------------------------------------------------------------ collectives from user code
-    @property
-    def _in_micro_loop(self) -> bool:
-        return self.executor is not None and self.executor.in_micro_loop
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a
-        world collective would hang; return the local value (on-step sync is deferred, epoch-end sync still happens)."""
-        if self._in_micro_loop:
-            if not self._warned_sync:
-                self._warned_sync = True
-                rank_zero_warn(SYNC_IN_LOOP_WARNING)
-            return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._in_micro_loop:
-            raise in_micro_loop_error("barrier")
-        super().barrier(*args, **kwargs)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        if self._in_micro_loop:
-            raise in_micro_loop_error("all_gather")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self._in_micro_loop:
-            raise in_micro_loop_error("reduce_boolean_decision")
-        return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,57 @@
+"""What user code may not do inside the micro-batch loop: world collectives (ranks run different numbers
+of micro-batches there, so a world collective would hang). A mixin of :class:`~lightning_dcp.DCPStrategy`
+before Lightning's ``DDPStrategy``: it reads the strategy's ``executor``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dcp.runtime.checks import SYNC_IN_LOOP_WARNING, in_micro_loop_error
+
+__all__ = ["MicroLoopGuards"]
+
+
+class MicroLoopGuards:
+    """``reduce`` returns the local value inside the loop (with one warning); ``barrier``, ``all_gather``
+    and ``reduce_boolean_decision`` raise there, naming the fix. Outside the loop they are DDP's."""
+
+    executor: Any = None
+    _warned_sync: bool = False
+
+    @property
+    def _in_micro_loop(self) -> bool:
+        return self.executor is not None and self.executor.in_micro_loop
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a
+        world collective would hang; return the local value (on-step sync is deferred, epoch-end sync still happens)."""
+        if self._in_micro_loop:
+            if not self._warned_sync:
+                self._warned_sync = True
+                rank_zero_warn(SYNC_IN_LOOP_WARNING)
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._in_micro_loop:
+            raise in_micro_loop_error("barrier")
+        super().barrier(*args, **kwargs)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if self._in_micro_loop:
+            raise in_micro_loop_error("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._in_micro_loop:
+            raise in_micro_loop_error("reduce_boolean_decision")
+        return super().reduce_boolean_decision(decision, all=all)
+
