@@ -306,8 +306,7 @@ def profile_module(
             module; SP sizes must divide it).
         key: the ``key`` section (a :class:`~lightning_dcp.profiling.cache.ProfileKey` dict); default
             computed from the module, device, precision and world size.
-        states_module: the module whose parameters define ``param_bytes``, ``memory_bytes`` and the
-            optimizer-time scaling (default ``module``; the CLI's full model when it profiles fewer layers).
+        states_module: whose parameters set ``param_bytes``, ``memory_bytes``, optimizer scaling (default ``module``).
         cpu_clock: ``"wall"`` (default) or ``"process"`` (``time.process_time``: immune to other processes
             on a shared machine; one torch thread and SP 1 only, e.g. for accuracy benchmarks).
         contract: what to read off ``module`` (the strategy's ``model_contract`` under the profiler
