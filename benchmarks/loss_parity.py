@@ -351,9 +351,8 @@ class LossRecorder(pl.Callback):
         from lightning_dcp.step_loss import step_loss
 
         loss = step_loss(outputs)
-        meta = batch.get("meta") if isinstance(batch, Mapping) else None
-        if meta is not None:  # DCPStrategy: the global mean already; the step plan names its samples
-            plan = meta["plan"]
+        plan = getattr(trainer.strategy, "last_step_plan", None)
+        if plan is not None:  # DCPStrategy: the global mean already; the plan that ran names its samples
             samples = sorted(int(s) for it in plan["items"] for s in it["samples"])
         else:
             loss = trainer.strategy.reduce(loss, reduce_op="mean")
