@@ -400,7 +400,7 @@ class _Plans(pl.Callback):
         self.plans = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.plans.append(batch["meta"]["plan"])
+        self.plans.append(batch.step.plan.to_dict())
 
 
 _LR, _STEPS = 0.5, 2
