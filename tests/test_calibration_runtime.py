@@ -227,3 +227,20 @@ def test_resume_restores_the_refitted_model(tmp_path):
     assert seen["state"] == saved
     assert seen["factors_at_resume"] == CalibrationFactors.from_dict(saved["versions"][-1][1])
     assert seen["factors_at_resume"] != CalibrationFactors()  # a real refit (CPU steps are slower than the model)
+
+
+def test_closing_summary_has_a_calibration_line():
+    import types
+
+    from lightning_dcp.commands.console import calibration_summary
+    from lightning_dcp.runtime.metrics import CalibrationMetrics
+
+    cal = _calibration(0)
+    cal.calibrator.factors = CalibrationFactors((), 1.2, (1.0, 0.66))
+    steps = [types.SimpleNamespace(calibration=CalibrationMetrics(1.0, 0.8, 1.1, [1.0, 0.66], 1)) for _ in range(4)]
+    line = calibration_summary(types.SimpleNamespace(calibration=cal), steps)
+    assert "calibration adaptive" in line and "off by 9.1%" in line and "uncalibrated 27.3%" in line
+    assert "[1.00, 0.66]" in line
+    assert calibration_summary(types.SimpleNamespace(calibration=None), steps) == ""
+    m = CalibrationMetrics(1.0, 0.8, 1.1, [1.0, 0.66], 1).as_log_dict()
+    assert m["dcp/rank_speed/1"] == 0.66 and m["dcp/rank_speed_min"] == 0.66 and "dcp/prediction_error" in m
