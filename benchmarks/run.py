@@ -83,7 +83,7 @@ def build_trainer_parts(policy: str, args: argparse.Namespace, record_dir: Path)
     strategy = DCPStrategy(policy=policy, global_batch_size=args.global_batch_size, seed=args.seed,
                            shuffle=args.shuffle, plan_ahead=True, max_sp_size=args.max_sp_size, log_metrics=False,
                            planner_options=json.loads(args.planner_options) if args.planner_options else None,
-                           **strategy_kw)
+                           calibration=args.calibration, calibrate_every=args.calibrate_every, **strategy_kw)
     sp_sizes = [int(x) for x in args.profile_sp_sizes.split(",")] if args.profile_sp_sizes else None
     profiler = DCPProfiler(cache_dir=str(args.profile_cache), time_budget_s=args.profile_budget,
                            density=args.profile_density, enabled=not args.no_profile, sp_sizes=sp_sizes,
@@ -492,6 +492,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "the same global batches every epoch; see build_trainer_parts)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-sp-size", type=int, default=None)
+    p.add_argument("--calibration", default="adaptive", help="DCPStrategy(calibration=): adaptive, fixed or off")
+    p.add_argument("--calibrate-every", type=int, default=None, help="steps between calibration refits")
     p.add_argument("--planner-options", default=None, help="JSON dict of planner options")
     p.add_argument("--profile-cache", default=None, help="profile cache directory (default <out>/profile_cache)")
     p.add_argument("--profile-budget", type=float, default=60.0, help="profiling time budget, seconds")

@@ -15,13 +15,13 @@ only when ``train`` runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import lightning.pytorch as pl
 
 from lightning_dcp.runtime.metrics import format_plan
 
-__all__ = ["PlanPrinter", "training_summary"]
+__all__ = ["PlanPrinter", "calibration_summary", "training_summary"]
 
 
 class PlanPrinter(pl.Callback):
@@ -67,4 +67,21 @@ def training_summary(trainer: pl.Trainer) -> str:
     if not hist:
         return head + "\nno steps ran"
     return head + (f"\nimbalance ratio (mean over steps after the first): {mean_imb:.3f}   tokens/s: {tps:,.0f}   "
-                   f"last loss: {hist[-1].loss:.4f}")
+                   f"last loss: {hist[-1].loss:.4f}") + calibration_summary(strategy, warm)
+
+
+def calibration_summary(strategy: Any, steps: Sequence[Any]) -> str:
+    """A third line with calibration on: the mode and refits, the mean |predicted - measured| / measured step
+    time (the last quarter of the steps), the uncalibrated model's, and the rank speeds."""
+    cal = getattr(strategy, "calibration", None)
+    rows = [m.calibration for m in steps if getattr(m, "calibration", None) is not None]
+    if cal is None or not rows:
+        return ""
+    tail = rows[-max(1, len(rows) // 4):]
+    err = sum(abs(c.error) for c in tail) / len(tail)
+    base = sum(abs(c.measured_s - c.base_predicted_s) / c.measured_s for c in tail if c.measured_s > 0) / len(tail)
+    speeds = cal.factors.rank_speeds
+    shown = "all 1.00" if speeds is None else "[" + ", ".join(f"{s:.2f}" for s in speeds[:16]) + (
+        ", ..." if len(speeds) > 16 else "") + "]"
+    return (f"\ncalibration {cal.mode}: {cal.calibrator.refits} refits; predicted vs measured step time off by "
+            f"{100 * err:.1f}% (uncalibrated {100 * base:.1f}%, last {len(tail)} steps); rank speeds {shown}")

@@ -46,7 +46,7 @@ from torch import Tensor
 from lightning_dcp.runtime.agreement import STEP_CAUSE, check_column, plan_fingerprint
 from lightning_dcp.runtime.buckets import GradBuckets
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
-from lightning_dcp.runtime.metrics import StepMetrics, step_metrics
+from lightning_dcp.runtime.metrics import CalibrationMetrics, StepMetrics, step_metrics
 from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryError
 from lightning_dcp.runtime.rank import RankRuntime
 from lightning_dcp.runtime.row import GatheredStep, StepRow
@@ -91,10 +91,11 @@ class StepExecutor:
         cost_model: what the fit plans with (the out-of-memory limits start from it).
         oom: the fit's :class:`~lightning_dcp.runtime.oom.OOMRecovery`.
         bounder: the per-step achievable bound for ``dcp/step_bound_fraction`` (``None``: not logged).
+        calibration: the fit's :class:`~lightning_dcp.runtime.calibration.RunCalibration` (``None``: off).
     """
 
     def __init__(self, runtime: RankRuntime, sampler: Any, step_dataset: Any, cost_model: Any, oom: OOMRecovery,
-                 bounder: Any = None) -> None:
+                 bounder: Any = None, calibration: Any = None) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
         self.sampler = sampler
@@ -102,6 +103,7 @@ class StepExecutor:
         self.cost_model = cost_model
         self.oom = oom
         self.bounder = bounder
+        self.calibration = calibration
         self.buckets: GradBuckets | None = None
         self.grads_parked = False
         self.in_micro_loop = False
@@ -185,7 +187,11 @@ class StepExecutor:
                 break
             prepared = self.oom.replan_failed(prepared.step, gathered.failed_items, attempt, self.cost_model,
                                               self._replan)
-        return self._finish(gathered, prepared.step, step_s)
+        prediction = None
+        if self.calibration is not None:
+            planned = max(gathered.column("planned_upto"))
+            prediction = self.calibration.after_step(gathered.measurements, prepared.step, planned)
+        return self._finish(gathered, prepared.step, step_s, prediction)
 
     def _begin_step(self) -> None:
         """Full weights for the step (sharded: a world collective, before any micro-batch); the buckets once."""
@@ -199,14 +205,14 @@ class StepExecutor:
                 params = [p for p in self.runtime.module.parameters() if p.requires_grad]
                 self.buckets = GradBuckets(params, self.settings.bucket_cap_bytes)
 
-    def _finish(self, gathered: GatheredStep, step: Step, step_s: float) -> StepResult:
+    def _finish(self, gathered: GatheredStep, step: Step, step_s: float, prediction: Any = None) -> StepResult:
         """Park the divisor and the has-gradient flags for the reduction; the loss and the metrics row."""
         self._world_has_grad = gathered.has_grad
         divisor = gathered.loss_units
         self._loss_divisor = divisor if divisor > 0 else 1.0  # no loss token in the step: zero gradients
         self.grads_parked = True
         loss = float(sum(r.loss for r in gathered.rows)) / self._loss_divisor
-        metrics = self._metrics(gathered.rows, step, step_s, loss)
+        metrics = self._metrics(gathered.rows, step, step_s, loss, prediction)
         return StepResult(torch.tensor(loss, dtype=torch.float32, device=self.runtime.device), metrics, step)
 
     def _replan(self, step: Step, planner: Any, seed_offset: int) -> PreparedStep:
@@ -219,6 +225,9 @@ class StepExecutor:
         """Forward and backward of this rank's items. Returns (busy seconds, summed loss, 1 + the plan
         index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.runtime.oom`)."""
         self.buckets.begin()
+        clock = self.calibration.clock if self.calibration is not None else None
+        if clock is not None:
+            clock.begin()
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.device)  # no sync per item
         failed = 0
@@ -230,7 +239,12 @@ class StepExecutor:
                 if failed and it.sp_size == 1:
                     continue  # the step is re-run; SP > 1 items still run, their partners need this rank
                 try:
-                    local_loss += self._run_item(mb, batch_idx)
+                    if clock is None:
+                        local_loss += self._run_item(mb, batch_idx)
+                    else:
+                        clock.start(mb)
+                        local_loss += self._run_item(mb, batch_idx)
+                        clock.stop()
                 except OOM_ERRORS as err:
                     if it.sp_size > 1:
                         raise StepOutOfMemoryError(self._sp_oom_stop(step, it), this_rank_only=True) from err
@@ -313,10 +327,13 @@ class StepExecutor:
         epoch, index = step.epoch, step.index
         nxt = self.sampler.next_plan(epoch, index + 1) if self.sampler is not None else None
         next_hash = plan_fingerprint(nxt.to_dict(), epoch, index + 1) if nxt is not None else 0.0
+        upto = getattr(self.sampler, "planned_upto", -1) if self.sampler is not None else -1
         row = StepRow(busy_s=busy, loss=local_loss, tokens=prepared.real_tokens, items=len(prepared.micro_batches),
                       loss_units=prepared.loss_units, plan_hash=step.plan_hash, next_plan_hash=next_hash,
-                      oom_item=failed)
-        gathered = GatheredStep(self._gather(row.to_tensor(self.buckets.has_grad), step))
+                      oom_item=failed, planned_upto=upto)
+        rows = self.calibration.rows(step) if self.calibration is not None else None
+        width = 0 if rows is None else rows.numel()
+        gathered = GatheredStep(self._gather(row.to_tensor(self.buckets.has_grad, rows), step), width)
         where = f"at the end of {step.where()}"
         check_column(gathered.column("plan_hash"), f"the plan of {step.where()}", STEP_CAUSE, where)
         check_column(gathered.column("next_plan_hash"), f"the plan of step {index + 1} of epoch {epoch}", STEP_CAUSE,
@@ -347,7 +364,13 @@ class StepExecutor:
             self.runtime.shards.after_reduce()
 
     # ------------------------------------------------------------------ metrics
-    def _metrics(self, rows: list[StepRow], step: Step, step_s: float, loss: float) -> StepMetrics:
+    def _metrics(self, rows: list[StepRow], step: Step, step_s: float, loss: float, prediction: Any = None) -> StepMetrics:
         bound = self.bounder.seconds(step.plan_lengths) if self.bounder is not None else float("nan")
-        return step_metrics(rows, epoch=step.epoch, step=step.index, step_s=step_s, plan=step.plan,
-                            global_tokens=step.global_tokens, loss=loss, step_bound_s=bound)
+        m = step_metrics(rows, epoch=step.epoch, step=step.index, step_s=step_s, plan=step.plan,
+                         global_tokens=step.global_tokens, loss=loss, step_bound_s=bound)
+        if prediction is not None:
+            speeds = self.calibration.factors.rank_speeds
+            m.calibration = CalibrationMetrics(prediction.predicted_s, prediction.base_predicted_s,
+                                               prediction.measured_s, list(speeds) if speeds is not None else [],
+                                               self.calibration.calibrator.refits)
+        return m

@@ -27,7 +27,34 @@ from typing import Any, Sequence
 from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.runtime.row import StepRow
 
-__all__ = ["StepMetrics", "StepMetricsTracker", "format_plan", "log_step_metrics", "plan_summary", "step_metrics"]
+__all__ = ["CalibrationMetrics", "StepMetrics", "StepMetricsTracker", "format_plan", "log_step_metrics", "plan_summary", "step_metrics"]
+
+
+@dataclass
+class CalibrationMetrics:
+    """Predicted vs measured time of one step (:mod:`lightning_dcp.runtime.calibration`): the slowest rank's
+    summed item seconds under the factors the step was planned with, under the uncalibrated cost
+    model, and as measured; the rank speeds and refits so far."""
+
+    predicted_s: float
+    base_predicted_s: float
+    measured_s: float
+    rank_speeds: list[float] = field(default_factory=list)
+    refits: int = 0
+
+    @property
+    def error(self) -> float:
+        """``(measured - predicted) / measured`` (positive: the plan expected the step to be faster)."""
+        return (self.measured_s - self.predicted_s) / self.measured_s if self.measured_s > 0 else 0.0
+
+    def as_log_dict(self) -> dict[str, float]:
+        out = {"dcp/predicted_s": self.predicted_s, "dcp/measured_s": self.measured_s,
+               "dcp/prediction_error": self.error, "dcp/calibration_refits": float(self.refits)}
+        if self.rank_speeds:
+            out["dcp/rank_speed_min"] = min(self.rank_speeds)
+            if len(self.rank_speeds) <= 64:
+                out.update({f"dcp/rank_speed/{r}": s for r, s in enumerate(self.rank_speeds)})
+        return out
 
 
 @dataclass
@@ -49,6 +76,8 @@ class StepMetrics:
     loss: float = float("nan")
     step_bound_s: float = float("nan")
     """The plan's achievable bound (cost-model seconds, all-reduce included); NaN when unknown."""
+    calibration: CalibrationMetrics | None = None
+    """Predicted vs measured time and rank speeds (``None`` with ``calibration="off"``)."""
 
     @property
     def step_bound_fraction(self) -> float:
@@ -69,6 +98,8 @@ class StepMetrics:
         }
         if self.step_bound_s == self.step_bound_s:  # not NaN
             out["dcp/step_bound_fraction"] = self.step_bound_fraction
+        if self.calibration is not None:
+            out.update(self.calibration.as_log_dict())
         return out
 
     def to_dict(self) -> dict[str, Any]:

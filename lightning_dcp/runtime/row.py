@@ -39,15 +39,23 @@ class StepRow:
     """Fingerprint of the plan this rank will run next step (0 at an epoch's end)."""
     oom_item: int = 0
     """1 + the plan index of an SP-1 item that ran out of memory on this rank, else 0."""
+    planned_upto: int = -1
+    """The largest step key this rank's sampler has handed to the planner (where a refit may take effect,
+    :mod:`lightning_dcp.runtime.calibration`)."""
 
     @classmethod
     def width(cls) -> int:
         return len(fields(cls))
 
-    def to_tensor(self, flags: Tensor | None = None) -> Tensor:
-        """The row as float64, followed by ``flags`` (the per-parameter has-gradient flags)."""
-        row = torch.tensor([float(v) for v in astuple(self)], dtype=torch.float64)
-        return row if flags is None else torch.cat([row, flags.to(torch.float64)])
+    def to_tensor(self, flags: Tensor | None = None, measurements: Tensor | None = None) -> Tensor:
+        """The row as float64, then ``measurements`` (this rank's packed calibration rows, flat), then
+        ``flags`` (the per-parameter has-gradient flags)."""
+        parts = [torch.tensor([float(v) for v in astuple(self)], dtype=torch.float64)]
+        if measurements is not None:
+            parts.append(measurements.reshape(-1).to(torch.float64))
+        if flags is not None:
+            parts.append(flags.to(torch.float64))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> "StepRow":
@@ -56,17 +64,21 @@ class StepRow:
 
 
 class GatheredStep:
-    """The all-gathered ``[world, StepRow.width() + params]`` table of one step, read by field.
+    """The all-gathered ``[world, StepRow.width() + measurements + params]`` table of one step, read by field.
 
     Args:
         table: what the step-end all-gather returned (one row per rank, in rank order).
+        measurement_width: floats of calibration rows per rank after the :class:`StepRow` (0: none).
     """
 
-    def __init__(self, table: Tensor) -> None:
+    def __init__(self, table: Tensor, measurement_width: int = 0) -> None:
         width = StepRow.width()
         table = table.double().cpu()
         self.rows = [StepRow.from_values(r) for r in table[:, :width].tolist()]
-        self.has_grad = table[:, width:].sum(0)
+        end = width + int(measurement_width)
+        self.measurements: list[float] = table[:, width:end].reshape(-1).tolist()
+        """Every rank's packed calibration rows, concatenated in rank order (empty without calibration)."""
+        self.has_grad = table[:, end:].sum(0)
         """Per parameter: how many ranks produced a gradient for it (0: none did, its ``.grad`` stays ``None``)."""
 
     def column(self, name: str) -> list[float]:

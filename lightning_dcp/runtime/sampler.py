@@ -22,6 +22,7 @@ import torch
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 from lightning_dcp.planning.units import describe_limit
+from lightning_dcp.runtime.calibration import STEP_KEY_STRIDE, step_key
 from lightning_dcp.runtime.lengths import check_lengths
 from lightning_dcp.runtime.step import Step
 
@@ -111,6 +112,9 @@ class DCPBatchSampler:
         self._executor: ThreadPoolExecutor | None = None
         self._max_len: int | None = None
         self._recent: dict[tuple[int, int], StepPlan] = {}  # plans yielded lately, for next_plan()
+        self.planned_upto = -1
+        """The largest step key (:func:`~lightning_dcp.runtime.calibration.step_key`) handed to the planner so far
+        (set in the main thread when a step is submitted, before any planning thread runs it)."""
         self.sampler = _EpochHook(self)
 
     # -- pickling (DataLoader workers never need the sampler, but be safe) ------------------
@@ -190,7 +194,7 @@ class DCPBatchSampler:
         lengths = [self.lengths[i] for i in batch]
         planner = self.planner if planner is None else planner
         try:
-            steps = _as_steps(planner.plan_batch(list(batch), lengths, step=epoch * 1_000_003 + index + seed_offset))
+            steps = _as_steps(planner.plan_batch(list(batch), lengths, step=step_key(epoch, index) + seed_offset))
         except PlanningError:
             raise
         except PlanError as err:
@@ -214,6 +218,7 @@ class DCPBatchSampler:
         every epoch, so ``len()`` stays what Lightning measured in the first epoch.
         """
         if epoch not in self._epoch_steps:
+            self.planned_upto = max(self.planned_upto, step_key(epoch, STEP_KEY_STRIDE - 1))
             samples = [i for batch in self.global_batches(epoch) for i in batch]
             self._epoch_steps = {epoch: self._plan_batch(epoch, 0, samples)}
         return self._epoch_steps[epoch]
@@ -232,6 +237,7 @@ class DCPBatchSampler:
         fut = self._cache.get(key)
         if fut is None:
             batch = self.global_batches(epoch)[step]
+            self.planned_upto = max(self.planned_upto, step_key(epoch, step))
             if self.plan_ahead:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-planner")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from lightning_dcp.planning.calibration import MODES as CALIBRATION_MODES
 from lightning_dcp.planning.state_sharding import SHARDING_MODES  # what sharding= accepts: the planner's modes
 from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
@@ -81,6 +82,8 @@ class DCPSettings:
     max_oom_replans: int = 3
     oom_checkpoint: bool = True
     layers_attr: str | None = None
+    calibration: str = "adaptive"
+    calibrate_every: int | None = None
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -106,6 +109,11 @@ class DCPSettings:
         if attr is not None and (not isinstance(attr, str) or not attr or any(not p for p in attr.split("."))):
             raise ValueError(f"layers_attr must be a dotted attribute path from the LightningModule to its repeated "
                              f"layers (e.g. 'model.layers'), or None to find them; got {attr!r}")
+        if self.calibration not in CALIBRATION_MODES:
+            raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}")
+        every = self.calibrate_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"calibrate_every must be an int >= 1 (steps between refits) or None, got {every!r}")
         if not isinstance(self.max_oom_replans, int) or self.max_oom_replans < 0:
             raise ValueError(f"max_oom_replans must be an int >= 0, got {self.max_oom_replans!r}")
         if not self.bucket_cap_mb > 0:
@@ -145,7 +153,8 @@ class DCPSettings:
         user's planner is compared through its own settings), plus the values the strategy resolved at
         run time (``resolved``: the world size, the SP cap, the support level...)."""
         out: dict[str, Any] = {name: getattr(self, name) for name in (
-            "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens", "sharding")}
+            "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens", "sharding",
+            "calibration", "calibrate_every")}
         out["policy"] = self.policy if self.planner is None else None
         out.update(resolved)
         return out

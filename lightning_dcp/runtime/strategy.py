@@ -61,6 +61,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.runtime.calibration import CHECKPOINT_KEY as CALIBRATION_KEY
+from lightning_dcp.runtime.calibration import RunCalibration, build_calibration
 from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement, unsaveable_reason
 from lightning_dcp.runtime.guards import MicroLoopGuards
 from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
@@ -155,6 +157,11 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             ``RecomputeLayers``, a ``ModuleList`` or a callable returning them), when it has several
             layer stacks (see :mod:`lightning_dcp.sp.contract`); default the module's ``dcp_layers_attr``,
             else its one stack. What the strategy read is :attr:`model_contract`.
+        calibration: ``"adaptive"`` (time every micro-batch, refit the cost model's time scales and the
+            per-rank speeds every ``calibrate_every`` steps, plan later steps with them), ``"fixed"``
+            (measure and log only) or ``"off"`` (today's plans, bit for bit); see
+            :mod:`~lightning_dcp.runtime.calibration`. Gradients are exact in every mode.
+        calibrate_every: steps between refits (default 20).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
             (``start_method``, ``process_group_backend``, ``cluster_environment``...). Arguments of
             the DDP *wrapper* (``find_unused_parameters``, ``static_graph``...) are ignored with a
@@ -192,6 +199,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         max_oom_replans: int = 3,
         oom_checkpoint: bool = True,
         layers_attr: str | None = None,
+        calibration: str = "adaptive",
+        calibrate_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         ddp_kwargs, ignored = split_strategy_kwargs(kwargs)
@@ -202,7 +211,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             plan_ahead=plan_ahead, max_sp_size=max_sp_size, lengths=lengths, shuffle=shuffle, drop_last=drop_last,
             planner_options=planner_options or {}, log_metrics=log_metrics, bucket_cap_mb=bucket_cap_mb,
             support=support, timeout=timeout, sigterm_grace_s=sigterm_grace_s, max_oom_replans=max_oom_replans,
-            oom_checkpoint=oom_checkpoint, layers_attr=layers_attr)
+            oom_checkpoint=oom_checkpoint, layers_attr=layers_attr, calibration=calibration,
+            calibrate_every=calibrate_every)
         if ignored:
             rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {ignored}")
         timeout = self.settings.timeout
@@ -217,6 +227,9 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         self.oom: OOMRecovery | None = None
         """The fit's out-of-memory recovery (built with the train loader)."""
         self._oom_resume: Mapping[str, Any] | None = None  # a loaded out-of-memory checkpoint's entry
+        self._calibration_resume: dict | None = None  # a loaded checkpoint's calibration state
+        self.calibration: RunCalibration | None = None
+        """The fit's calibration (predicted vs measured, refits; ``None`` with ``calibration="off"``)."""
         self.executor: StepExecutor | None = None
         self.shards: ShardedParameters | None = None
         """The ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"`` on more than one rank), from setup on."""
@@ -373,7 +386,11 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         if self.settings.planner is None:
             self._cost_model = planners.cost_model(self._cost_model, lengths, self._model_contract.num_layers, per_rank)
         planner = planners.planner(self._cost_model, lengths)
-        self.batch_sampler = build_sampler(lengths, planner, self.settings, global_batch_size=gbs,
+        resume, self._calibration_resume = self._calibration_resume, None
+        planned_by, self.calibration = build_calibration(self.settings, planners, planner, self._cost_model, lengths,
+                                                         world_size=self.world_size, rank=self.global_rank,
+                                                         device=self.root_device, resume=resume)
+        self.batch_sampler = build_sampler(lengths, planned_by, self.settings, global_batch_size=gbs,
                                            global_batch_tokens=gbt, world_size=self.world_size, rank=self.global_rank)
         self._check_setup_agreement(lengths, planner, global_batch_size=gbs, global_batch_tokens=gbt)
         check_not_empty(self.batch_sampler, len(lengths), gbs, gbt)
@@ -383,7 +400,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
                                write_checkpoint=self.settings.oom_checkpoint, resume_entry=resume,
                                replans=self.oom_replans)
         self.executor = StepExecutor(self._rank_runtime(), self.batch_sampler, loader.dataset, self._cost_model,
-                                     self.oom, bounder=planners.bounder(self._cost_model))
+                                     self.oom, bounder=planners.bounder(self._cost_model), calibration=self.calibration)
         return loader
 
     def _rank_runtime(self) -> RankRuntime:
@@ -506,6 +523,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
                         storage_options: Any | None = None) -> None:
         """Lightning's file; with ``sharding="zero2"`` / ``"fsdp"`` a directory at ``filepath`` where every rank
         writes its shards (:mod:`~lightning_dcp.runtime.checkpoint`; all ranks call this)."""
+        if self.calibration is not None:
+            checkpoint[CALIBRATION_KEY] = self.calibration.state_dict()
         if self.shards is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
@@ -534,6 +553,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._oom_resume = checkpoint.get(CHECKPOINT_KEY)  # its step is re-planned when it comes
+        self._calibration_resume = checkpoint.get(CALIBRATION_KEY)  # the refitted model, for the next fit
         return checkpoint
 
     @override
