@@ -49,7 +49,7 @@ from lightning_dcp.planning.calibration import (
 from lightning_dcp.planning.plan import StepPlan
 
 __all__ = ["CHECKPOINT_KEY", "SLOW_RANK_ENV", "ItemClock", "RunCalibration", "VersionedPlanner", "build_calibration",
-           "parse_slow_rank", "step_key"]
+           "parse_slow_rank", "slow_rank_clock", "step_key"]
 
 CHECKPOINT_KEY = "dcp_calibration"
 """Where the calibration state goes in a checkpoint."""
@@ -271,6 +271,16 @@ class RunCalibration:
         if self.planner is not None:
             for start, f in state.get("versions", []):
                 self.planner.install(int(start), CalibrationFactors.from_dict(f), int(start))
+
+def slow_rank_clock(device: torch.device, rank: int, world_size: int) -> ItemClock | None:
+    """The slow-rank hook's clock for a fit without calibration (``None`` when the hook is unset or names
+    another rank): with ``calibration="off"`` the hook still slows its rank, so a calibrated run has a
+    baseline slowed the same way."""
+    slow = parse_slow_rank(os.environ.get(SLOW_RANK_ENV), world_size)
+    if slow is None or slow[0] != rank:
+        return None
+    return ItemClock(device, slow[1])
+
 
 def build_calibration(settings: Any, planners: Any, planner: Any, cost_model: Any, lengths: list[int], *,
                       world_size: int, rank: int, device: torch.device, resume: dict | None = None) -> tuple[Any, RunCalibration | None]:

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from lightning_dcp.runtime.agreement import STEP_CAUSE, check_column, plan_fingerprint
 from lightning_dcp.runtime.buckets import GradBuckets
+from lightning_dcp.runtime.calibration import slow_rank_clock
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
 from lightning_dcp.runtime.metrics import CalibrationMetrics, StepMetrics, step_metrics
 from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryError
@@ -104,6 +105,9 @@ class StepExecutor:
         self.oom = oom
         self.bounder = bounder
         self.calibration = calibration
+        # without calibration the slow-rank test hook (if set) still slows its rank
+        self._clock = calibration.clock if calibration is not None else slow_rank_clock(runtime.device, runtime.rank,
+                                                                                        runtime.world_size)
         self.buckets: GradBuckets | None = None
         self.grads_parked = False
         self.in_micro_loop = False
@@ -225,7 +229,7 @@ class StepExecutor:
         """Forward and backward of this rank's items. Returns (busy seconds, summed loss, 1 + the plan
         index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.runtime.oom`)."""
         self.buckets.begin()
-        clock = self.calibration.clock if self.calibration is not None else None
+        clock = self._clock
         if clock is not None:
             clock.begin()
         t0 = time.perf_counter()
