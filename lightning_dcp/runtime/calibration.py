@@ -292,7 +292,7 @@ def build_calibration(settings: Any, planners: Any, planner: Any, cost_model: An
     ``lengths`` the train lengths); any other planner is kept as is (measured, never changed). ``resume``: a checkpoint's
     :data:`CHECKPOINT_KEY` entry.
     """
-    if settings.calibration == "off":
+    if settings.calibration == "off" or cost_model is None:  # a user's planner without a cost model: nothing to predict
         return planner, None
     from lightning_dcp.planning.calibrated import CalibratedCostModel
     from lightning_dcp.planning.planner import Planner
