@@ -66,7 +66,7 @@ from lightning_dcp.runtime.guards import MicroLoopGuards
 from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
 from lightning_dcp.runtime.exit import destroy_at_exit
 from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
-from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher
+from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, shard_module
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
 from lightning_dcp.runtime.model import SPCap
@@ -124,8 +124,11 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             between steps (torch's ``fully_shard``; full weights kept); ``"fsdp"`` also the weights
             between steps. Every rank runs the same collectives whatever its micro-batch count: the
             weights are gathered once before the loop, the gradients reduce-scattered once after it.
-            Checkpoints of ``"zero2"`` / ``"fsdp"`` are directories of shards. ``"16-mixed"`` (a
-            GradScaler) is refused with them; use ``"bf16-mixed"``.
+            ``"hsdp"``: per-layer sharding inside the loop over shard groups of ``shard_group_size`` ranks
+            (lockstep rounds, :mod:`~lightning_dcp.runtime.hsdp`). Checkpoints of ``"zero2"`` / ``"fsdp"`` /
+            ``"hsdp"`` are directories of shards. ``"16-mixed"`` (a GradScaler) is refused with them.
+        shard_group_size, offload: ``"hsdp"`` only: ranks the states are sharded over (default the node's
+            processes; the world: ZeRO-3), and the sharded states on the host (``CPUOffloadPolicy``).
         zero1: deprecated spelling of ``sharding="zero1"``.
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
@@ -192,6 +195,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         max_oom_replans: int = 3,
         oom_checkpoint: bool = True,
         layers_attr: str | None = None,
+        shard_group_size: int | None = None,
+        offload: bool = False,
         **kwargs: Any,
     ) -> None:
         ddp_kwargs, ignored = split_strategy_kwargs(kwargs)
@@ -202,7 +207,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             plan_ahead=plan_ahead, max_sp_size=max_sp_size, lengths=lengths, shuffle=shuffle, drop_last=drop_last,
             planner_options=planner_options or {}, log_metrics=log_metrics, bucket_cap_mb=bucket_cap_mb,
             support=support, timeout=timeout, sigterm_grace_s=sigterm_grace_s, max_oom_replans=max_oom_replans,
-            oom_checkpoint=oom_checkpoint, layers_attr=layers_attr)
+            oom_checkpoint=oom_checkpoint, layers_attr=layers_attr, shard_group_size=shard_group_size, offload=offload)
         if ignored:
             rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {ignored}")
         timeout = self.settings.timeout
@@ -252,7 +257,13 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
 
     @property
     def _fully_sharded(self) -> bool:
-        return self.sharding in FULLY_SHARDED_MODES
+        return self.sharding in (*FULLY_SHARDED_MODES, "hsdp")
+
+    @property
+    def shard_group_size(self) -> int | None:
+        """``K`` under ``sharding="hsdp"`` (default the node's processes); ``None`` in the other modes."""
+        return self.settings.resolved_shard_group_size(self.world_size, self.num_processes) \
+            if self.sharding == "hsdp" else None
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -278,6 +289,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
         self._model_contract = contract
         self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
+        if self.shard_group_size is not None and self.sp_cap.size > self.shard_group_size:  # SP inside a shard group
+            self.sp_cap = SPCap(self.shard_group_size)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
@@ -290,7 +303,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.settings.sharding in FULLY_SHARDED_MODES and self._start_method != "popen":
+        if self.settings.sharding in (*FULLY_SHARDED_MODES, "hsdp") and self._start_method != "popen":
             self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
 
     @override
@@ -341,14 +354,17 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
                 return
             _sync_module_states(self.model)
             if self._fully_sharded:
-                self.shards = ShardedParameters(self.model, self.sharding, self.root_device, self.world_size,
-                                                layers=self._model_contract.layers)
+                self.shards = shard_module(self.model, self.sharding, self.root_device, self.world_size,
+                                           layers=self._model_contract.layers, k=self.shard_group_size,
+                                           offload=self.settings.offload)
 
     def model_states(self) -> ModelStates:
         """Bytes of the full model's weights, buffers, gradients and optimizer state, and the sharding mode:
         what the planner's static memory is built from (:mod:`~lightning_dcp.runtime.states`)."""
         return measure_model_states(self.lightning_module, self.optimizers, sharding=self.sharding,
-                                    world_size=self.world_size)
+                                    world_size=self.world_size, shard_group_size=self.shard_group_size,
+                                    offload=self.settings.offload,
+                                    layers=self._model_contract.layers if self._model_contract is not None else ())
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
@@ -405,7 +421,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             return
         cost_model = self._cost_model if self.settings.planner is None else getattr(planner, "cost_model", None)
         settings = agreement_settings(self.settings, planner, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                      support=self.support, **resolved)
+                                      support=self.support, shard_group_size=self.shard_group_size, **resolved)
         check_setup_agreement(lengths, settings, cost_model, gather=self._world_gather)
 
     def check_agreement_before_profiling(self, dataset: Any, profiler_inputs: Mapping[str, Any]) -> None:
@@ -416,7 +432,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         if self.world_size == 1 or not dist.is_initialized():
             return
         settings = agreement_settings(self.settings, None, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                      support=self.support, profiler=dict(profiler_inputs))
+                                      support=self.support, profiler=dict(profiler_inputs),
+                                      shard_group_size=self.shard_group_size)
         check_setup_agreement(self.train_lengths(dataset), settings, None, gather=self._world_gather,
                               where="at fit start, before profiling")
 
