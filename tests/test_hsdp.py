@@ -162,6 +162,8 @@ def test_rank_rounds_give_dummies_and_keep_order():
                      WorkItem((1,), (3,), (4,), 0), WorkItem((2, 3), (4,), (4,), 0)))
     assert [rank_rounds(plan, 4, 2, r) for r in range(4)] == [[0, None, None], [0, 1, 2], [0], [0]]
     assert [len(rank_rounds(plan, 4, 4, r)) for r in range(4)] == [3] * 4
+    idle = StepPlan((WorkItem((0,), (0,), (4,), 0),))  # ranks 2-3 have nothing: one dummy round (the all-reduce)
+    assert [rank_rounds(idle, 4, 2, r) for r in range(4)] == [[0], [None], [None], [None]]
     with pytest.raises(Exception, match="spans two shard groups"):
         rank_rounds(StepPlan((WorkItem((1, 2), (0,), (4,), 0),)), 4, 1, 0)
 

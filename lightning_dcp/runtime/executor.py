@@ -30,7 +30,11 @@ global loss, the metrics row, the plan that ran); the strategy logs it. The exec
 strategy: it is built from a :class:`~lightning_dcp.runtime.rank.RankRuntime`.
 
 Collectives: inside the loop only the active SP group's (Ulysses); before and after it, the
-world-wide ones above, the same number on every rank whatever its item count.
+world-wide ones above, the same number on every rank whatever its item count. Under
+``sharding="hsdp"`` (:mod:`lightning_dcp.runtime.hsdp`) the loop runs the plan's lockstep rounds of this
+rank's shard group instead (its item or a zero-weight dummy per round, the shard group's per-layer
+collectives in each); the round count comes from the plan, whose hash the ranks compared before the
+step's first micro-batch, and an out-of-memory error in a round stops the run as in an SP > 1 item.
 """
 
 from __future__ import annotations

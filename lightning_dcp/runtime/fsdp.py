@@ -35,7 +35,8 @@ co-resident models) and write sharded checkpoints without gathering anything on 
 
 A true ZeRO-3 peak (weights gathered per layer inside the loop) would need every rank to run the
 same number of micro-batch *rounds*, each SP item in the same round on all its ranks and zero-weight
-dummy micro-batches where a rank has none, plus a reduce-scatter per round; not built here.
+dummy micro-batches where a rank has none, plus a reduce-scatter per round: ``sharding="hsdp"``,
+:mod:`lightning_dcp.runtime.hsdp`.
 """
 
 from __future__ import annotations

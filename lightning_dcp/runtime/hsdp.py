@@ -54,7 +54,8 @@ _NEAREST = "sharding='fsdp' (weights gathered once per step, full during the ste
 def rank_rounds(plan: StepPlan, world_size: int, shard_group_size: int, rank: int) -> list[int | None]:
     """Per lockstep round of ``rank``'s shard group: the position of this rank's item in its micro-batch
     loop (``Step.items`` order), or ``None`` where it runs a dummy. Every rank of a group gets a list of
-    the same length (the group's round count), computed from the plan alone."""
+    the same length (the group's round count), computed from the plan alone. A group without any item
+    still runs one dummy round when there are replicas: every group takes part in the replicas' all-reduce."""
     k = int(shard_group_size)
     group = lockstep_rounds(plan, world_size, k)[int(rank) // k]
     mine = [i for i, item in enumerate(plan.items) if rank in item.ranks]
@@ -63,6 +64,8 @@ def rank_rounds(plan: StepPlan, world_size: int, shard_group_size: int, rank: in
     for rnd in group.rounds:
         hit = [position[i] for i in rnd if i in position]
         out.append(hit[0] if hit else None)
+    if not out and int(world_size) > k and plan.items:
+        out.append(None)
     return out
 
 
@@ -97,6 +100,11 @@ class HsdpGrads:
         self._parked = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+
+    @property
+    def parked(self) -> list[Tensor | None]:
+        """The parked sharded gradients (between the loop and the reduction)."""
+        return list(self._parked)
 
     @property
     def has_grad(self) -> Tensor:
