@@ -8,12 +8,15 @@ CPU RSS is too noisy for this; tensor bytes are exact. Measured at two points of
 first (when AdamW's state exists):
 
 - **loop**: after the rank's last micro-batch, before the gradient reduction -- the static memory the
-  micro-batches' activations come on top of (what the planner budgets);
+  micro-batches' activations come on top of (what the planner budgets); under ``hsdp`` also right after
+  every repeated layer's forward (the layers in flight: FSDP swaps a gathered unit's full weights onto
+  the module), the maximum of all these (one layer's transient full gradient during its backward is
+  not seen);
 - **rest**: after the optimizer step (``on_train_batch_end``) -- what stays between steps.
 
 Activations are not counted (they are the planner's variable part, equal in every mode).
 
-    python benchmarks/sharding_memory.py --devices 2 --layers 8 --hidden 768 --vocab 32000
+    python benchmarks/sharding_memory.py --devices 4 --layers 8 --hidden 768 --vocab 32000 --shard-group-size 2
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime import buckets as buckets_module
+from lightning_dcp.runtime.hsdp import HsdpGrads
 
-MODES = ("none", "zero1", "zero2", "fsdp")
+MODES = ("none", "zero1", "zero2", "fsdp", "hsdp")
 
 
 class TwoPerRank:
@@ -79,6 +83,8 @@ def resident(strategy: Any) -> dict[str, int]:
     executor = strategy.executor
     if executor is not None and isinstance(executor.buckets, buckets_module.GradBuckets):
         grads += _storages(executor.buckets.buffers, seen)
+    if executor is not None and isinstance(executor.buckets, HsdpGrads):
+        grads += _storages(executor.buckets.parked, seen)
     opt = strategy.optimizers[0]
     opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: its local optimizer
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -108,6 +114,14 @@ class Measure(pl.Callback):
 
         wrap(buckets_module.GradBuckets)
         wrap(buckets_module.ShardedGradBuckets)
+        wrap(HsdpGrads)
+        if strategy.sharding == "hsdp":  # the layers in flight: right after each layer's forward
+            def after_layer(*_: Any) -> None:
+                if trainer.global_step >= 1:
+                    records.append(resident(strategy))
+
+            for layer in strategy.model_contract.layers:
+                layer.register_forward_hook(after_layer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= 2:
@@ -130,8 +144,9 @@ def run(mode: str, spec: ModelSpec, args: argparse.Namespace, out: str) -> list[
     lengths = [args.length] * n
     loader = DataLoader(SyntheticTokenDataset(lengths, vocab_size=spec.vocab_size, seed=0), batch_size=2,
                         collate_fn=plain_collate)
+    hsdp = {"shard_group_size": args.shard_group_size} if mode == "hsdp" else {}
     strategy = DCPStrategy(planner=TwoPerRank(args.devices), global_batch_size=2 * args.devices, sharding=mode,
-                           start_method="spawn", shuffle=False, log_metrics=False)
+                           start_method="spawn", shuffle=False, log_metrics=False, **hsdp)
     torch.manual_seed(0)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -149,7 +164,8 @@ def run(mode: str, spec: ModelSpec, args: argparse.Namespace, out: str) -> list[
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--shard-group-size", type=int, default=2, help="hsdp: ranks K the states are sharded over")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=768)
@@ -177,7 +193,8 @@ def main(argv=None) -> int:
             v = r[w]
             cells += [f"{v['weights'] / mb:.0f}", f"{v['gradients'] / mb:.0f}", f"{v['optimizer'] / mb:.0f}",
                       f"**{sum(v.values()) / mb:.0f}**"]
-        print(f"| {mode} | " + " | ".join(cells) + " |")
+        name = f"hsdp K={args.shard_group_size}" if mode == "hsdp" else mode
+        print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 

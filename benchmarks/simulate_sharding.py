@@ -140,7 +140,7 @@ def main() -> None:
         "every mode. States per rank as `DCPStrategy(sharding=...)` holds them (bf16 weights and gradients, fp32 "
         "master and Adam m, v: `W`, `G`, `O`): in the micro-batch loop, which the planner budgets, `none` W+G+O, "
         "`zero1` W+G+O/N, `zero2` and `fsdp` W+W/N+G+O/N; between steps `zero2` W+W/N+G/N+O/N, `fsdp` (W+G+O)/N "
-        "(`lightning_dcp.planning.state_sharding`); `hsdp K=k` (planned and simulated, not run by the runtime yet) "
+        "(`lightning_dcp.planning.state_sharding`); `hsdp K=k` "
         "(W+G+O)/K plus two layers' weights and gradients and the root's in flight, its per-layer all-gathers and "
         "reduce-scatters priced per lockstep round of each shard group (`lightning_dcp.planning.shard_group`); "
         "`offload` keeps the shards on the host. The other modes add no time per micro-batch.\n\n" + text)

@@ -48,7 +48,7 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
                              "memory it frees in the micro-batch loop goes to activations (zero1 frees the most there; "
                              "zero2/fsdp hold W/N more, and less only between steps; hsdp shards per layer inside the "
                              "loop over shard groups of --shard-group-size ranks, in lockstep rounds: planned and "
-                             "simulated only, the runtime does not run it yet). Default: zero1 for the analytic "
+                             "DCPStrategy(sharding='hsdp') runs it). Default: zero1 for the analytic "
                              "model (the DCP paper's setting), none (as measured) with --profile")
     parser.add_argument("--shard-group-size", default=None,
                         help="hsdp: ranks the states are sharded over (a divisor of --world-size; default the GPUs of "

@@ -21,8 +21,9 @@ and optimizer-state bytes (``O`` includes an fp32 master copy when the optimizer
 ``hsdp`` (per-layer sharding inside the loop, over shard groups of ``K`` ranks; ``K = N``: ZeRO-3)
 is planned by :class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel`: ``R`` the weight
 bytes outside the repeated layers, ``L`` the largest layer's; with ``offload`` the shards live on
-the host. The runtime does not run it yet: ``DCPStrategy(sharding=...)`` accepts
-:data:`SHARDING_MODES`, the cost models and ``simulate``/``plan`` also :data:`PLANNED_SHARDING_MODES`.
+the host. ``DCPStrategy(sharding=...)`` accepts :data:`PLANNED_SHARDING_MODES` (the runtime runs
+``hsdp``: :mod:`lightning_dcp.runtime.hsdp`); the analytic and profiled cost models take
+:data:`SHARDING_MODES` and are wrapped in ``ShardGroupCostModel`` for ``hsdp``.
 
 These are the runtime's, measured (``benchmarks/sharding_memory.py``). On one rank the runtime runs
 ``"none"`` whatever was asked: every mode holds ``W + B + G + O``. Buffers are never sharded.
@@ -54,8 +55,8 @@ gradients reduce-scattered after its backward, which is what weights that do not
 numbers of micro-batches in per-step SP groups, so inside a shard group every rank must run the same
 number of aligned micro-batch rounds (each SP item in the same round on all its ranks, zero-weight
 dummy micro-batches where a rank has none): :mod:`lightning_dcp.planning.rounds` builds them and
-:class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel` prices them. Planning and simulation
-only for now: the runtime does not run ``hsdp`` yet.
+:class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel` prices them; the runtime runs them
+(:mod:`lightning_dcp.runtime.hsdp`).
 
 Pure Python.
 """

@@ -30,7 +30,11 @@ global loss, the metrics row, the plan that ran); the strategy logs it. The exec
 strategy: it is built from a :class:`~lightning_dcp.runtime.rank.RankRuntime`.
 
 Collectives: inside the loop only the active SP group's (Ulysses); before and after it, the
-world-wide ones above, the same number on every rank whatever its item count.
+world-wide ones above, the same number on every rank whatever its item count. Under
+``sharding="hsdp"`` (:mod:`lightning_dcp.runtime.hsdp`) the loop runs the plan's lockstep rounds of this
+rank's shard group instead (its item or a zero-weight dummy per round, the shard group's per-layer
+collectives in each); the round count comes from the plan, whose hash the ranks compared before the
+step's first micro-batch, and an out-of-memory error in a round stops the run as in an SP > 1 item.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from lightning_dcp.runtime.agreement import STEP_CAUSE, check_column, plan_finge
 from lightning_dcp.runtime.buckets import GradBuckets
 from lightning_dcp.runtime.calibration import slow_rank_clock
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
+from lightning_dcp.runtime.hsdp import HsdpParameters
 from lightning_dcp.runtime.metrics import CalibrationMetrics, StepMetrics, step_metrics
 from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryError
 from lightning_dcp.runtime.rank import RankRuntime
@@ -138,7 +143,23 @@ class StepExecutor:
             micro_batches.append(MicroBatch(it, local.data, loss_units=local.loss_units,
                                             local_loss_tokens=local.local_loss_tokens,
                                             item_loss_tokens=local.item_loss_tokens, real_tokens=local.real_tokens))
-        return PreparedStep(loaded.step, tuple(micro_batches))
+        return PreparedStep(loaded.step, tuple(micro_batches), dummy=self._dummy(loaded.step, contract))
+
+    def _dummy(self, step: Step, contract: Any) -> MicroBatch | None:
+        """Under ``sharding="hsdp"``, where this rank has a round without an item: the step's first sample at
+        SP 1, recompute 0, loaded here on every rank, with no loss units (its loss is multiplied by 0)."""
+        shards = self.runtime.shards
+        if not isinstance(shards, HsdpParameters) or not step.plan.items:
+            return None
+        if None not in shards.rounds(step.plan, self.runtime.rank):
+            return None
+        first = step.plan.items[0]
+        item = RankItem(index=-1, micro_batch=-1, ranks=(self.runtime.rank,), sp_rank=0, samples=first.samples[:1],
+                        lengths=first.lengths[:1], recompute=0)
+        data = self.runtime.convert_input(self.step_dataset.load_item(item))
+        local = local_batch(contract, data, 0, 1, self.settings.loss_reduction, lengths=list(item.lengths))
+        return MicroBatch(item, local.data, loss_units=0, local_loss_tokens=0, item_loss_tokens=local.item_loss_tokens,
+                          real_tokens=0)
 
     def validate(self, step: Step) -> None:
         """The step fits this world: its world size, its groups, SP sizes that divide the heads."""
@@ -237,20 +258,23 @@ class StepExecutor:
         failed = 0
         step = prepared.step
         self.in_micro_loop = True
+        shards = self.runtime.shards
         try:
-            for mb in prepared.micro_batches:
+            for mb, last in self._schedule(prepared):
                 it = mb.item
                 if failed and it.sp_size == 1:
                     continue  # the step is re-run; SP > 1 items still run, their partners need this rank
+                if last is not None:
+                    shards.begin_round(last)
                 try:
                     if clock is None:
-                        local_loss += self._run_item(mb, batch_idx)
+                        local_loss += self._run_item(mb, batch_idx, dummy=mb is prepared.dummy)
                     else:
                         clock.start(mb)
-                        local_loss += self._run_item(mb, batch_idx)
+                        local_loss += self._run_item(mb, batch_idx, dummy=mb is prepared.dummy)
                         clock.stop()
                 except OOM_ERRORS as err:
-                    if it.sp_size > 1:
+                    if it.sp_size > 1 or last is not None:  # SP > 1 or lockstep rounds: no per-rank re-plan
                         raise StepOutOfMemoryError(self._sp_oom_stop(step, it), this_rank_only=True) from err
                     failed = it.index + 1
                 except Exception as err:
@@ -268,6 +292,17 @@ class StepExecutor:
         loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
         return time.perf_counter() - t0, loss, failed
 
+    def _schedule(self, prepared: PreparedStep) -> list[tuple[MicroBatch, bool | None]]:
+        """The loop's micro-batches, each with whether it is its step's last lockstep round (``None``: no
+        rounds). Under ``sharding="hsdp"``: one per round of this rank's shard group, the dummy where it has
+        no item; every rank of the group computes the same round count from the same plan."""
+        shards = self.runtime.shards
+        if not isinstance(shards, HsdpParameters):
+            return [(mb, None) for mb in prepared.micro_batches]
+        rounds = shards.rounds(prepared.step.plan, self.runtime.rank)
+        return [(prepared.micro_batches[i] if i is not None else prepared.dummy, r == len(rounds) - 1)
+                for r, i in enumerate(rounds)]
+
     def _drop_grads(self) -> None:
         for p in self.buckets.params:
             p.grad = None
@@ -282,7 +317,7 @@ class StepExecutor:
                                         trainer=runtime.trainer, checkpoint_io=runtime.checkpoint_io,
                                         no_checkpoint_reason=runtime.unsaveable_reason)
 
-    def _run_item(self, mb: MicroBatch, batch_idx: int) -> Tensor:
+    def _run_item(self, mb: MicroBatch, batch_idx: int, dummy: bool = False) -> Tensor:
         runtime = self.runtime
         module, it, local = runtime.module, mb.item, mb.data
         trainer = runtime.trainer
@@ -294,6 +329,8 @@ class StepExecutor:
             with runtime.train_step_context():
                 out = module.training_step(local, batch_idx)
             loss = self._summed_loss(out, mb, weighted=count_weighted_calls(reset=True) > 0)
+            if dummy:  # every layer's collectives, no gradient
+                loss = loss * 0.0
             runtime.backward(loss)
         value = loss.detach().double()
         if mb.local_loss_tokens == 0:  # a shard without loss tokens: its (0-weighted) loss may be NaN

@@ -18,11 +18,14 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.calibration import MODES as CALIBRATION_MODES
-from lightning_dcp.planning.state_sharding import SHARDING_MODES  # what sharding= accepts: the planner's modes
+from lightning_dcp.planning.state_sharding import PLANNED_SHARDING_MODES
 from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
 
 __all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSettings", "split_strategy_kwargs"]
+
+SHARDING_MODES = PLANNED_SHARDING_MODES
+"""What ``sharding=`` accepts: every mode the planner knows, per-layer ``"hsdp"`` included."""
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
@@ -84,6 +87,8 @@ class DCPSettings:
     layers_attr: str | None = None
     calibration: str = "adaptive"
     calibrate_every: int | None = None
+    shard_group_size: int | None = None
+    offload: bool = False
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -142,6 +147,27 @@ class DCPSettings:
             mode = "zero1"
         object.__setattr__(self, "sharding", mode)
         object.__setattr__(self, "zero1", mode == "zero1")
+        k = self.shard_group_size
+        if mode != "hsdp" and (k is not None or self.offload):
+            raise ValueError(f"shard_group_size={k!r} and offload={self.offload!r} apply to sharding='hsdp' only "
+                             f"(got sharding={mode!r}); drop them or pass sharding='hsdp'")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"shard_group_size must be an int >= 1 (a divisor of the world size), got {k!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True or False, got {self.offload!r}")
+
+    def resolved_shard_group_size(self, world_size: int, local_world_size: int) -> int:
+        """``K`` under ``"hsdp"``: ``shard_group_size``, default the node's processes (the local world size).
+
+        Raises:
+            ValueError: ``K`` does not divide ``world_size``, naming both and the fix.
+        """
+        k = self.shard_group_size if self.shard_group_size is not None else max(1, min(local_world_size, world_size))
+        if world_size % k:
+            raise ValueError(f"sharding='hsdp' with shard_group_size={k} on {world_size} ranks: the shard group size "
+                             f"must divide the world size; pass shard_group_size={world_size} (ZeRO-3 over the world) "
+                             "or a divisor of it (e.g. the GPUs of one node)")
+        return k
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -154,7 +180,7 @@ class DCPSettings:
         run time (``resolved``: the world size, the SP cap, the support level...)."""
         out: dict[str, Any] = {name: getattr(self, name) for name in (
             "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens", "sharding",
-            "calibration", "calibrate_every")}
+            "calibration", "calibrate_every", "offload")}
         out["policy"] = self.policy if self.planner is None else None
         out.update(resolved)
         return out

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.state_sharding import SHARDING_MODES, state_bytes
+from lightning_dcp.planning.state_sharding import PLANNED_SHARDING_MODES as SHARDING_MODES, state_bytes
 
 __all__ = ["ModelStates", "measure_model_states", "shard_cost_model"]
 
@@ -38,8 +38,10 @@ class ModelStates:
         buffers: buffer bytes (never sharded).
         gradients: gradient bytes of the full model (the trainable parameters, in their dtype).
         optimizer: optimizer-state bytes of the full model (measured, or estimated by optimizer class).
-        sharding: ``"none"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+        sharding: ``"none"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` or ``"hsdp"``.
         world_size: ranks the states are sharded over.
+        shard_group_size, layer_bytes, root_bytes, offload: ``"hsdp"`` only: ``K``, the largest repeated
+            layer's and the root unit's weight bytes (from the model contract), states on the host.
     """
 
     weights: float
@@ -48,6 +50,10 @@ class ModelStates:
     optimizer: float
     sharding: str = "none"
     world_size: int = 1
+    shard_group_size: int | None = None
+    layer_bytes: float = 0.0
+    root_bytes: float = 0.0
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING_MODES:
@@ -57,7 +63,12 @@ class ModelStates:
 
     def _bytes(self, at_rest: bool) -> float:
         return state_bytes(self.sharding, self.world_size, weights=self.weights, buffers=self.buffers,
-                           gradients=self.gradients, optimizer=self.optimizer, at_rest=at_rest)
+                           gradients=self.gradients, optimizer=self.optimizer, at_rest=at_rest,
+                           **(self._hsdp() if self.sharding == "hsdp" else {}))
+
+    def _hsdp(self) -> dict[str, Any]:
+        return {"shard_group_size": self.shard_group_size, "layer_bytes": self.layer_bytes,
+                "root_bytes": self.root_bytes, "offload": self.offload}
 
     @property
     def replica_bytes(self) -> float:
@@ -90,6 +101,8 @@ def shard_cost_model(cost_model: CostModel, states: ModelStates | None) -> CostM
     """
     if states is None:
         return cost_model
+    if states.sharding == "hsdp":
+        return _hsdp_cost_model(cost_model, states)
     hook = getattr(cost_model, "with_sharding", None)
     if callable(hook):
         return hook(states.to_dict())
@@ -101,8 +114,37 @@ def shard_cost_model(cost_model: CostModel, states: ModelStates | None) -> CostM
     return cost_model
 
 
-def measure_model_states(module: Any, optimizers: Sequence[Any], *, sharding: str, world_size: int) -> ModelStates:
-    """Bytes of ``module``'s full weights, buffers, gradients and its first optimizer's state, under ``sharding``."""
+def _hsdp_cost_model(cost_model: CostModel, states: ModelStates) -> CostModel:
+    """``cost_model`` (its states as one full replica) seen through
+    :class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel`: the sharded states in the budget and
+    the per-round collectives in the time, priced at an H100 node's bandwidths (an estimate)."""
+    from dataclasses import replace
+
+    from lightning_dcp.planning.hardware import get_hardware
+    from lightning_dcp.planning.shard_group import ShardGroupCostModel
+
+    full = replace(states, sharding="none")
+    hook = getattr(cost_model, "with_sharding", None)
+    base = hook(full.to_dict()) if callable(hook) else cost_model
+    hw = get_hardware("h100")
+    k = int(states.shard_group_size or states.world_size)
+    params = states.weights / 4.0
+    return ShardGroupCostModel(
+        base, world_size=states.world_size, shard_group_size=k,
+        state_parts={"weights": states.weights, "buffers": states.buffers, "gradients": states.gradients,
+                     "optimizer": states.optimizer},
+        layer_bytes=states.layer_bytes, root_bytes=states.root_bytes, gather_bw=hw.allreduce_bw_intra,
+        gather_latency=hw.collective_latency, replica_bw=hw.allreduce_bw_inter,
+        replica_latency=hw.collective_latency_inter, params=params, optimizer_step_s=16.0 * params / hw.hbm_bandwidth,
+        base_state_bytes=float(getattr(base, "state_bytes", full.replica_bytes)),
+        offload=states.offload)
+
+
+def measure_model_states(module: Any, optimizers: Sequence[Any], *, sharding: str, world_size: int,
+                         shard_group_size: int | None = None, offload: bool = False,
+                         layers: Sequence[Any] = ()) -> ModelStates:
+    """Bytes of ``module``'s full weights, buffers, gradients and its first optimizer's state, under ``sharding``
+    (``"hsdp"``: also the largest layer's and the root unit's weight bytes of the contract's ``layers``)."""
     from lightning_dcp.profiling.measure import optimizer_state_estimate
 
     params = list(module.parameters())  # a DTensor counts its global size
@@ -114,5 +156,11 @@ def measure_model_states(module: Any, optimizers: Sequence[Any], *, sharding: st
     # by class, not the state allocated so far: equal on every rank (ZeroRedundancyOptimizer partitions are
     # uneven) and before and after a resume, so ranks and runs plan from the same memory
     opt_bytes = optimizer_state_estimate(optimizer, grads)
+    hsdp: dict[str, Any] = {}
+    if sharding == "hsdp":
+        from lightning_dcp.runtime.hsdp import unit_bytes
+
+        layer, root = unit_bytes(module, layers)
+        hsdp = {"shard_group_size": shard_group_size, "layer_bytes": layer, "root_bytes": root, "offload": offload}
     return ModelStates(float(weights), float(buffers), float(grads), float(opt_bytes), sharding=sharding,
-                       world_size=world_size)
+                       world_size=world_size, **hsdp)

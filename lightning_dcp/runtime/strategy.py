@@ -24,29 +24,23 @@ What each hook does (the work is done by the runtime's other rooms):
   Lightning's distributed sampling (SP size 1).
 - ``batch_to_device``: the executor turns the :class:`~lightning_dcp.runtime.step.LoadedStep` into a
   :class:`~lightning_dcp.runtime.step.PreparedStep` (this rank's shards, on the host); only they move.
-- ``training_step`` (called by Lightning's closure once per optimizer step): the executor runs this
-  rank's micro-batches and the step-end gather and returns a
-  :class:`~lightning_dcp.runtime.step.StepResult`; the strategy logs its metrics
-  (:mod:`~lightning_dcp.runtime.metrics`) and hands Lightning the step's exact global loss (detached);
-  ``backward`` then skips it (backward already ran per micro-batch).
+- ``training_step`` (once per optimizer step): the executor runs this rank's micro-batches and the
+  step-end gather and returns a :class:`~lightning_dcp.runtime.step.StepResult`; the strategy logs its
+  metrics and hands Lightning the exact global loss (detached; ``backward`` skips it).
 - ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients
   (one SUM all-reduce per bucket; sharded: one SUM reduce-scatter per bucket); only then does the
   precision plugin call ``on_before_optimizer_step``, clip gradients, and the optimizer step
   (``"zero2"``: then one all-gather of the updated weights).
-- checkpoints: with ``sharding="zero2"`` / ``"fsdp"`` every rank writes and reads its shards in a
-  checkpoint directory (:mod:`~lightning_dcp.runtime.checkpoint`); otherwise Lightning's file.
-- ``reduce``, ``barrier``, ``all_gather``, ``reduce_boolean_decision``: a world collective from user
-  code inside the micro-batch loop would hang (ranks run different item counts): ``reduce`` returns
-  the local value there (warned once), the others raise with the fix.
-
-Why the result is exact, the agreement checks, time-outs, and out-of-memory recovery: see
-:mod:`~lightning_dcp.runtime.executor`, :mod:`~lightning_dcp.runtime.agreement`,
-:mod:`~lightning_dcp.runtime.faults` and :mod:`~lightning_dcp.runtime.oom`.
+- checkpoints: sharded modes write and read every rank's shards in a directory
+  (:mod:`~lightning_dcp.runtime.checkpoint`); otherwise Lightning's file. World collectives from user
+  code inside the micro-batch loop: :mod:`~lightning_dcp.runtime.guards`. Exactness, agreement,
+  time-outs, out-of-memory recovery: :mod:`~lightning_dcp.runtime.executor`, ``agreement``, ``faults``, ``oom``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -65,10 +59,11 @@ from lightning_dcp.runtime.calibration import CHECKPOINT_KEY as CALIBRATION_KEY
 from lightning_dcp.runtime.calibration import RunCalibration, build_calibration
 from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement, unsaveable_reason
 from lightning_dcp.runtime.guards import MicroLoopGuards
+from lightning_dcp.runtime.checkpoint import load_sharded, save_sharded
 from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
 from lightning_dcp.runtime.exit import destroy_at_exit
 from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
-from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher
+from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, shard_module
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
 from lightning_dcp.runtime.model import SPCap
@@ -126,8 +121,11 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             between steps (torch's ``fully_shard``; full weights kept); ``"fsdp"`` also the weights
             between steps. Every rank runs the same collectives whatever its micro-batch count: the
             weights are gathered once before the loop, the gradients reduce-scattered once after it.
-            Checkpoints of ``"zero2"`` / ``"fsdp"`` are directories of shards. ``"16-mixed"`` (a
-            GradScaler) is refused with them; use ``"bf16-mixed"``.
+            ``"hsdp"``: per-layer sharding inside the loop over shard groups of ``shard_group_size`` ranks
+            (lockstep rounds, :mod:`~lightning_dcp.runtime.hsdp`). Checkpoints of ``"zero2"`` / ``"fsdp"`` /
+            ``"hsdp"`` are directories of shards. ``"16-mixed"`` (a GradScaler) is refused with them.
+        shard_group_size, offload: ``"hsdp"`` only: ranks the states are sharded over (default the node's
+            processes; the world: ZeRO-3), and the sharded states on the host (``CPUOffloadPolicy``).
         zero1: deprecated spelling of ``sharding="zero1"``.
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
@@ -201,6 +199,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         layers_attr: str | None = None,
         calibration: str = "adaptive",
         calibrate_every: int | None = None,
+        shard_group_size: int | None = None,
+        offload: bool = False,
         **kwargs: Any,
     ) -> None:
         ddp_kwargs, ignored = split_strategy_kwargs(kwargs)
@@ -212,7 +212,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             planner_options=planner_options or {}, log_metrics=log_metrics, bucket_cap_mb=bucket_cap_mb,
             support=support, timeout=timeout, sigterm_grace_s=sigterm_grace_s, max_oom_replans=max_oom_replans,
             oom_checkpoint=oom_checkpoint, layers_attr=layers_attr, calibration=calibration,
-            calibrate_every=calibrate_every)
+            calibrate_every=calibrate_every, shard_group_size=shard_group_size, offload=offload)
         if ignored:
             rank_zero_warn(f"DCPStrategy runs without the DDP wrapper; ignoring DDP wrapper arguments {ignored}")
         timeout = self.settings.timeout
@@ -265,7 +265,13 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
 
     @property
     def _fully_sharded(self) -> bool:
-        return self.sharding in FULLY_SHARDED_MODES
+        return self.sharding in (*FULLY_SHARDED_MODES, "hsdp")
+
+    @property
+    def shard_group_size(self) -> int | None:
+        """``K`` under ``sharding="hsdp"`` (default the node's processes); ``None`` in the other modes."""
+        return self.settings.resolved_shard_group_size(self.world_size, self.num_processes) \
+            if self.sharding == "hsdp" else None
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -291,6 +297,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
         self._model_contract = contract
         self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
+        if self.shard_group_size is not None and self.sp_cap.size > self.shard_group_size:  # SP inside a shard group
+            self.sp_cap = SPCap(self.shard_group_size)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
@@ -303,7 +311,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.settings.sharding in FULLY_SHARDED_MODES and self._start_method != "popen":
+        if self.settings.sharding in (*FULLY_SHARDED_MODES, "hsdp") and self._start_method != "popen":
             self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
 
     @override
@@ -354,14 +362,17 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
                 return
             _sync_module_states(self.model)
             if self._fully_sharded:
-                self.shards = ShardedParameters(self.model, self.sharding, self.root_device, self.world_size,
-                                                layers=self._model_contract.layers)
+                self.shards = shard_module(self.model, self.sharding, self.root_device, self.world_size,
+                                           layers=self._model_contract.layers, k=self.shard_group_size,
+                                           offload=self.settings.offload)
 
     def model_states(self) -> ModelStates:
         """Bytes of the full model's weights, buffers, gradients and optimizer state, and the sharding mode:
         what the planner's static memory is built from (:mod:`~lightning_dcp.runtime.states`)."""
         return measure_model_states(self.lightning_module, self.optimizers, sharding=self.sharding,
-                                    world_size=self.world_size)
+                                    world_size=self.world_size, shard_group_size=self.shard_group_size,
+                                    offload=self.settings.offload,
+                                    layers=self._model_contract.layers if self._model_contract is not None else ())
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
@@ -422,7 +433,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             return
         cost_model = self._cost_model if self.settings.planner is None else getattr(planner, "cost_model", None)
         settings = agreement_settings(self.settings, planner, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                      support=self.support, **resolved)
+                                      support=self.support, shard_group_size=self.shard_group_size, **resolved)
         check_setup_agreement(lengths, settings, cost_model, gather=self._world_gather)
 
     def check_agreement_before_profiling(self, dataset: Any, profiler_inputs: Mapping[str, Any]) -> None:
@@ -433,7 +444,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         if self.world_size == 1 or not dist.is_initialized():
             return
         settings = agreement_settings(self.settings, None, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                      support=self.support, profiler=dict(profiler_inputs))
+                                      support=self.support, profiler=dict(profiler_inputs),
+                                      shard_group_size=self.shard_group_size)
         check_setup_agreement(self.train_lengths(dataset), settings, None, gather=self._world_gather,
                               where="at fit start, before profiling")
 
@@ -528,12 +540,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         if self.shards is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
-            raise TypeError(f"DCPStrategy(sharding={self.sharding!r}).save_checkpoint(..., storage_options=...) is not "
-                            "supported: sharded checkpoints are written by torch.distributed.checkpoint")
-        from pathlib import Path
-
-        from lightning_dcp.runtime.checkpoint import save_sharded
-
+            raise TypeError(f"sharding={self.sharding!r}: storage_options is not supported (torch.distributed.checkpoint)")
         save_sharded(checkpoint, Path(self.broadcast(str(filepath))), rank=self.global_rank, barrier=self.barrier)
         self.shards.at_rest()  # taking the state dicts resharded the weights; zero2 gathers them again
 
@@ -542,10 +549,6 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         """Lightning's checkpoint load (sharded: every rank reads its shards into the module and optimizers);
         an out-of-memory checkpoint's step is re-planned with its lowered limit."""
         if self.shards is not None:
-            from pathlib import Path
-
-            from lightning_dcp.runtime.checkpoint import load_sharded
-
             module = self.lightning_module
             checkpoint = load_sharded(Path(self.broadcast(str(checkpoint_path))), module, self.optimizers,
                                       strict=module.strict_loading)
