@@ -560,7 +560,11 @@ class _E2EDump(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
 
 class _SGDCausalLM(CausalLMModule):
     """CausalLMModule with SGD, training one model per family side by side on the same batches (the
-    loss is the sum of theirs, so each model's gradient is its own): one process launch covers them all."""
+    loss is the sum of theirs, so each model's gradient is its own): one process launch covers them all.
+    Each model has its own stack of layers; the first one's is the stack DCP plans recompute for (every
+    adapted model reads the step's recompute count from the SP context)."""
+
+    dcp_layers_attr = "model.dcp_repeated_layers"
 
     def __init__(self, families, lr):
         super().__init__(make_model(families[0], layers=3, seed=3), lr=lr)
