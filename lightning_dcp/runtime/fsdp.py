@@ -49,7 +49,7 @@ from torch import nn
 
 from lightning_dcp.runtime.buckets import ShardedGradBuckets
 
-__all__ = ["FULLY_SHARDED_MODES", "ShardedParameters", "ShardedSpawnLauncher", "check_precision", "shard_module",
+__all__ = ["FULLY_SHARDED_MODES", "ShardedParameters", "ShardedSpawnLauncher", "check_precision",
            "shard_units"]
 
 #: The sharding modes this module runs (``"none"`` and ``"zero1"`` keep full replicas of the weights).
@@ -226,15 +226,3 @@ class ShardedSpawnLauncher(_MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             del module.state_dict
-
-
-def shard_module(module: nn.Module, mode: str, device: torch.device, world_size: int, *, layers: Sequence[nn.Module],
-                 k: int | None = None, offload: bool = False) -> ShardedParameters:
-    """The sharded units of ``module`` under ``mode``: :class:`ShardedParameters` (``"zero2"`` / ``"fsdp"``), or
-    :class:`~lightning_dcp.runtime.hsdp.HsdpParameters` over shard groups of ``k`` ranks (``"hsdp"``)."""
-    if mode == "hsdp":
-        from lightning_dcp.runtime.hsdp import HsdpParameters
-
-        return HsdpParameters(module, device, world_size, k if k is not None else world_size, layers=layers,
-                              offload=offload)
-    return ShardedParameters(module, mode, device, world_size, layers=layers)

@@ -43,7 +43,7 @@ from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.planning.rounds import lockstep_rounds
 from lightning_dcp.runtime.fsdp import ShardedParameters, _check_parameters, shard_units
 
-__all__ = ["FORWARD_METHODS", "HsdpGrads", "HsdpParameters", "rank_rounds", "unit_bytes"]
+__all__ = ["FORWARD_METHODS", "HsdpGrads", "HsdpParameters", "rank_rounds", "shard_module", "unit_bytes"]
 
 #: The LightningModule methods that run as the root unit's forward (its weights gathered around them).
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -196,3 +196,13 @@ class HsdpParameters(ShardedParameters):
 
     def grad_buckets(self, cap_bytes: int) -> HsdpGrads:
         return HsdpGrads(list(self.sharded.values()))
+
+
+def shard_module(module: nn.Module, mode: str, device: torch.device, world_size: int, *, layers: Sequence[nn.Module],
+                 k: int | None = None, offload: bool = False) -> ShardedParameters:
+    """The sharded units of ``module`` under ``mode``: :class:`ShardedParameters` (``"zero2"`` / ``"fsdp"``), or
+    :class:`HsdpParameters` over shard groups of ``k`` ranks (``"hsdp"``)."""
+    if mode == "hsdp":
+        return HsdpParameters(module, device, world_size, k if k is not None else world_size, layers=layers,
+                              offload=offload)
+    return ShardedParameters(module, mode, device, world_size, layers=layers)

@@ -63,7 +63,8 @@ from lightning_dcp.runtime.checkpoint import load_sharded, save_sharded
 from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
 from lightning_dcp.runtime.exit import destroy_at_exit
 from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
-from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher, shard_module
+from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher
+from lightning_dcp.runtime.hsdp import shard_module
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
 from lightning_dcp.runtime.model import SPCap
@@ -270,15 +271,14 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
     @property
     def shard_group_size(self) -> int | None:
         """``K`` under ``sharding="hsdp"`` (default the node's processes); ``None`` in the other modes."""
-        return self.settings.resolved_shard_group_size(self.world_size, self.num_processes) \
-            if self.sharding == "hsdp" else None
+        hsdp = self.sharding == "hsdp"
+        return self.settings.resolved_shard_group_size(self.world_size, self.num_processes) if hsdp else None
 
     @property
     def cost_model(self) -> CostModel | None:
         """The cost model the planner uses (given, measured by the profiler, or the fallback)."""
         return self._cost_model
 
-    # ------------------------------------------------------------------ registration
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
