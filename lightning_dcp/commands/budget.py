@@ -66,20 +66,11 @@ def _lengths(text: str | None) -> list[int] | None:
 def _measured(args: argparse.Namespace, limit: float | None, source: str | None):
     import torch
 
-    from lightning_dcp.commands.profile import _init_distributed, _int_list, default_lengths, measure_named
-    from lightning_dcp.models.module import resolve_spec
+    from lightning_dcp.commands.profile import _init_distributed, _int_list, checked_spec, default_lengths, measure_named
     from lightning_dcp.planning.profiled import ProfiledCostModel
     from lightning_dcp.profiling.budget import resolve_budget
 
-    try:
-        spec = resolve_spec(args.model)
-    except (ValueError, TypeError) as err:
-        raise CLIError(str(err)) from None
-    if args.layers < 2:
-        raise CLIError(f"--layers must be >= 2 (one layer warms up, the next is measured), got {args.layers}")
-    if not (args.device == "cpu" or args.device.startswith("cuda")) or (
-            args.device.startswith("cuda") and not torch.cuda.is_available()):
-        raise CLIError(f"--device {args.device}: use cpu, or cuda[:N] where CUDA is available")
+    spec = checked_spec(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = _int_list(args.profile_lengths, "profile-lengths") if args.profile_lengths else default_lengths(spec)

@@ -21,8 +21,12 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_dcp.cli import CLIError
+
+if TYPE_CHECKING:
+    from lightning_dcp.planning.models import ModelSpec
 
 HELP = "measure a dual-layer profile of a named model (SP 1 in one process; all SP sizes under torchrun) and write it as JSON"
 
@@ -137,11 +141,12 @@ def _init_distributed(device: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def run(args: argparse.Namespace) -> int:
+def checked_spec(args: argparse.Namespace) -> "ModelSpec":
+    """The model spec ``--model`` names, after checking ``--layers`` and ``--device`` (``CLIError`` naming the fix);
+    shared by ``profile`` and ``budget``."""
     import torch
 
     from lightning_dcp.models.module import resolve_spec
-    from lightning_dcp.planning.profile import save_profile
 
     try:
         spec = resolve_spec(args.model)
@@ -149,10 +154,19 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from None
     if args.layers < 2:
         raise CLIError(f"--layers must be >= 2 (one layer warms up, the next is measured), got {args.layers}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise CLIError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_dcp.planning.profile import save_profile
+
+    spec = checked_spec(args)
     if args.time_budget < 0:
         raise CLIError(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
     if args.threads:
