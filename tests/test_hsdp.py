@@ -64,9 +64,10 @@ class PlanRecord(pl.Callback):
         self.plans.append(batch.step.plan.to_dict())
 
 
-def _fit(world: int, k: int, planner, steps: int, callbacks=(), ckpt_path=None, **trainer_kw):
+def _fit(world: int, k: int, planner, steps: int, callbacks=(), ckpt_path=None, offload=False, **trainer_kw):
     record = PlanRecord()
-    strategy = DCPStrategy(planner=planner, global_batch_size=8, seed=1, sharding="hsdp", shard_group_size=k)
+    strategy = DCPStrategy(planner=planner, global_batch_size=8, seed=1, sharding="hsdp", shard_group_size=k,
+                           offload=offload)
     module = TinyLM(lr=LR, optimizer="momentum")
     trainer = make_trainer(world, strategy, [record, *callbacks], max_steps=steps, **trainer_kw)
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -90,11 +91,12 @@ def _check_reference(rank: int, weights: dict, plans: list[dict], steps: int, wh
         assert err < 1e-5, f"{what}: weight {name} after {steps} steps: relative error {err:.2e}"
 
 
-def _skewed(rank: int, world: int, k: int) -> None:
-    module, _, plans = _fit(world, k, SkewPlanner(world), 2)
+def _skewed(rank: int, world: int, k: int, offload: bool = False) -> None:
+    module, _, plans = _fit(world, k, SkewPlanner(world), 2, offload=offload)
     last = world - 1
     assert all([sum(r in it["ranks"] for it in p["items"]) for r in (0, last)] == [1, 7] for p in plans), plans
-    _check_reference(rank, _full_weights(module), plans, 2, f"hsdp K={k}, 1 vs 7 micro-batches")
+    _check_reference(rank, _full_weights(module), plans, 2, f"hsdp K={k}{', offload' if offload else ''}, 1 vs 7 "
+                                                             "micro-batches")
 
 
 def _mixed_and_resume(rank: int, world: int, k: int, tmp: str, resume: bool) -> None:
@@ -128,6 +130,21 @@ def test_hsdp_two_processes_skewed_mixed_sp_and_resume(tmp_path):
     """ZeRO-3 on 2 ranks: 1 vs 7 micro-batches per step and mixed SP with recompute equal the reference;
     a resumed run equals the uninterrupted one."""
     run_distributed(_two_processes, 2, str(tmp_path), timeout=500)
+
+
+def _offloaded(rank: int, world: int) -> None:
+    try:
+        _skewed(rank, world, 2, offload=True)
+    except ValueError as err:  # on CPU the shards are in host memory already: a clear refusal, on every rank
+        assert "offload=True keeps the shards in host memory" in str(err) and "'cpu'" in str(err), err
+    else:
+        raise AssertionError("offload=True on CPU was not refused")
+
+
+def test_hsdp_offload_on_cpu_is_refused_by_name():
+    """FSDP2's CPUOffloadPolicy needs an accelerator: on CPU, offload=True stops at setup with the fix (the
+    offloaded fit itself needs GPUs and is not run by this suite)."""
+    run_distributed(_offloaded, 2, timeout=500)
 
 
 def _four_processes(rank: int, world: int, tmp: str) -> None:

@@ -141,6 +141,10 @@ class HsdpParameters(ShardedParameters):
             raise ValueError(f"shard_group_size={shard_group_size} must be a positive divisor of the world size ({n})")
         self.mode, self.world_size, self.shard_group_size, self.offload = "hsdp", n, k, bool(offload)
         _check_parameters(module, "hsdp")
+        if offload and device.type != "cuda":
+            raise ValueError(f"offload=True keeps the shards in host memory and copies them to the accelerator for each "
+                             f"layer (FSDP2's CPUOffloadPolicy); this run is on {device.type!r}, where the shards are in "
+                             "host memory already: drop offload=True")
         if k == n:
             self.mesh = init_device_mesh(device.type, (n,))
         else:
