@@ -15,7 +15,6 @@ embedding (CogVideoX1.5-5B-I2V).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
@@ -27,6 +26,7 @@ from lightning_dcp.diffusers.attention import _projections
 from lightning_dcp.diffusers.joint import (
     JointRepeatedLayers,
     JointRows,
+    check_row_width,
     check_texts,
     joint_attention,
     joint_rows,
@@ -201,11 +201,7 @@ def cogvideox_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torc
     grids = [tuple(int(v) for v in g) for g in batch[GRID]]
     labels = sample_labels(batch)
     config = model.config
-    width = int(config.in_channels) * math.prod(cogvideox_patch_size(config))
-    if x.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"packed CogVideoX forward: {HIDDEN_STATES!r} has shape {tuple(x.shape)}, but the model takes "
-                         f"[rows, in_channels x patch] = [rows, {width}]; build samples with "
-                         "lightning_dcp.diffusers.cogvideox_sample for this model's patch size")
+    check_row_width(x, config.in_channels, cogvideox_patch_size(config), 'CogVideoX', 'cogvideox_sample')
     texts = check_texts(batch, labels)
     num = len(grids)
     roles = row_roles(batch, num)

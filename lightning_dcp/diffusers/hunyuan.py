@@ -19,7 +19,6 @@ is not supported yet; ``latent_concat`` is (condition channels via ``condition_l
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 from lightning_dcp.diffusers.joint import (
     JointRepeatedLayers,
     JointRows,
+    check_row_width,
     by_role,
     check_texts,
     joint_attention,
@@ -240,11 +240,7 @@ def hunyuan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.
     x = batch[HIDDEN_STATES]
     labels = sample_labels(batch)
     config = model.config
-    width = int(config.in_channels) * math.prod(hunyuan_patch_size(config))
-    if x.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"packed HunyuanVideo forward: {HIDDEN_STATES!r} has shape {tuple(x.shape)}, but the model "
-                         f"takes [rows, in_channels x patch] = [rows, {width}]; build samples with "
-                         "lightning_dcp.diffusers.hunyuan_sample for this model's patch size")
+    check_row_width(x, config.in_channels, hunyuan_patch_size(config), 'HunyuanVideo', 'hunyuan_sample')
     texts = check_texts(batch, labels)
     num = len(batch[GRID])
     roles = row_roles(batch, num)

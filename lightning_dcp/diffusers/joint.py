@@ -53,7 +53,7 @@ from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, SEGMENT_IDS
 from lightning_dcp.sp.packing import IGNORE_INDEX
 from lightning_dcp.sp.ulysses import ulysses_attention
 
-__all__ = ["JOINT_TEXT", "JointRows", "by_role", "joint_attention", "joint_sample", "per_sample_timesteps",
+__all__ = ["JOINT_TEXT", "JointRows", "by_role", "check_row_width", "joint_attention", "joint_sample", "per_sample_timesteps",
            "per_token", "rotate", "row_roles", "text_rows_input", "unpack_joint_output", "video_rows"]
 
 #: Per row of a joint sample: ``0`` on video rows, ``k + 1`` on the row of the sample's text token ``k``.
@@ -170,6 +170,15 @@ def text_rows_input(batch: Mapping[str, Any], rows: Mapping[str, torch.Tensor], 
     token = batch[JOINT_TEXT][rows["text"]].to(device) - 1
     where = offsets[rows["sample"][rows["text"]].to(device)] + token
     return torch.cat(texts).index_select(0, where)
+
+
+def check_row_width(x: torch.Tensor, in_channels: int, patch: Sequence[int], family: str, builder: str) -> None:
+    """The packed rows must carry ``in_channels x patch`` features (what the model's patch embedding takes)."""
+    width = int(in_channels) * math.prod(patch)
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"packed {family} forward: 'hidden_states' has shape {tuple(x.shape)}, but the model takes "
+                         f"[rows, in_channels x patch] = [rows, {width}]; build samples with "
+                         f"lightning_dcp.diffusers.{builder} for this model's patch size")
 
 
 def check_texts(batch: Mapping[str, Any], labels: list[str]) -> list[torch.Tensor]:
