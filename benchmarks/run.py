@@ -188,6 +188,12 @@ def analyze(policy: str, ranks: Sequence[dict], warmup_epochs: int, cost_model: 
             cpu_span += max(b)
         row.update({"step_cpu_s_mean": statistics.fmean(cpu_steps), "busy_cpu_s": cpu_busy,
                     "imbalance_cpu": sum(cpu_span - b for b in cpu_busy) / (world * cpu_span) if cpu_span > 0 else 0.0})
+    cal = [s["metrics"].get("calibration") for s in steps if s.get("metrics")]
+    if cal and all(cal):  # calibration on: each step predicted with the factors it was planned with
+        pred_cal = [c["predicted_s"] + c.get("overhead_s", 0.0) for c in cal]
+        row.update({"pred_step_s_cal_mean": statistics.fmean(pred_cal),
+                    "step_error_cal": (statistics.fmean(pred_cal) - row["step_s_mean"]) / row["step_s_mean"],
+                    "refits": cal[-1].get("refits", 0), "rank_speeds": cal[-1].get("rank_speeds") or []})
     sim = None
     if cost_model is None and rank0.get("profile"):
         cost_model = ProfiledCostModel(rank0["profile"])
@@ -245,7 +251,7 @@ def item_ratios(ranks: Sequence[dict], keys: Sequence[tuple], cost_model: Any) -
 # ---------------------------------------------------------------------------------------------
 
 CSV_FIELDS = ("policy", "world_size", "steps", "samples", "tokens", "wall_s", "tokens_per_s", "step_s_mean",
-              "pred_step_s_mean", "step_error", "step_abs_error_per_step", "step_cpu_s_mean", "step_error_cpu",
+              "pred_step_s_mean", "step_error", "pred_step_s_cal_mean", "step_error_cal", "refits", "rank_speeds", "step_abs_error_per_step", "step_cpu_s_mean", "step_error_cpu",
               "imbalance", "pred_imbalance", "imbalance_cpu",
               "imbalance_step_mean", "pred_tokens_per_s", "busy_s", "idle_s", "pred_busy_s", "busy_cpu_s", "microbatches",
               "sp_sizes", "recompute", "repeat", "tokens_per_s_all", "step_error_all", "imbalance_all")
@@ -287,7 +293,8 @@ def machine_info(args: argparse.Namespace | None = None) -> dict[str, Any]:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     head = ("| policy | steps | tokens | tokens/s | busy s per rank | idle s per rank | imbalance | pred. imbalance | "
-            "step s (meas.) | step s (pred.) | error | CPU-time step s | error vs CPU-time | SP sizes | mb per rank |")
+            "step s (meas.) | step s (pred.) | error | step s (pred., calibrated) | error, calibrated | "
+            "CPU-time step s | error vs CPU-time | SP sizes | mb per rank |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     nan = float("nan")
     for r in rows:
@@ -296,6 +303,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
             f"{' / '.join(f'{x:.2f}' for x in r['busy_s'])} | {' / '.join(f'{x:.2f}' for x in r['idle_s'])} | "
             f"{r['imbalance']:.3f} | {r.get('pred_imbalance', nan):.3f} | {r['step_s_mean']:.4f} | "
             f"{r.get('pred_step_s_mean', nan):.4f} | {100 * r.get('step_error', nan):+.1f}% | "
+            f"{r.get('pred_step_s_cal_mean', nan):.4f} | {100 * r.get('step_error_cal', nan):+.1f}% | "
             f"{r.get('step_cpu_s_mean', nan):.4f} | {100 * r.get('step_error_cpu', nan):+.1f}% | "
             f"{','.join(map(str, r['sp_sizes']))} | {' / '.join(map(str, r['microbatches']))} |")
     return "\n".join(lines)
@@ -319,7 +327,8 @@ def write_markdown(rows: Sequence[dict], path: Path, args: argparse.Namespace, i
         "to the last one's end (data loading included); step s: on_train_batch_start -> on_train_batch_end; "
         "imbalance: sum of idle / (ranks x sum over steps of the slowest rank's busy); busy/idle: summed over the "
         "measured steps (the strategy's StepMetrics); pred.: the executed plans simulated on the run's profiled cost "
-        "model; error: (pred. - meas.) / meas. of the mean step time. CPU-time step s: per step, the largest over "
+        "model; error: (pred. - meas.) / meas. of the mean step time; calibrated: each step's prediction by the "
+        "calibration with the factors the step was planned with (the slowest rank's items + the step overhead). CPU-time step s: per step, the largest over "
         "ranks of the training thread's CPU time (time.thread_time) from step start to end -- the step time without "
         "waiting for a core on a shared machine; error vs CPU-time compares the prediction with it.",
         "",
@@ -367,6 +376,11 @@ def check_targets(rows: Sequence[dict], max_error: float = 0.20) -> list[str]:
             out.append(f"  (per round, dcp tokens/s above bucket's in {wins} of {len(da)} rounds; imbalance below in "
                        f"{sum(x < y for x, y in zip(d['imbalance_all'], b['imbalance_all']))} of {len(da)})")
     errs = {r["policy"]: r["step_error"] for r in rows if "step_error" in r}
+    cal = {r["policy"]: r["step_error_cal"] for r in rows if "step_error_cal" in r}
+    if cal:
+        bad = {p: e for p, e in cal.items() if abs(e) > 0.10}
+        out.append("calibrated prediction of the mean step time within 10%: " + ("MET" if not bad else "NOT MET")
+                   + " (" + ", ".join(f"{p} {100 * e:+.1f}%" for p, e in cal.items()) + ")")
     if errs:
         bad = {p: e for p, e in errs.items() if abs(e) > max_error}
         out.append("simulator predicts the measured mean step time within "

@@ -13,7 +13,8 @@ from _fakes import FakeCostModel
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.calibrated import CalibratedCostModel
 from lightning_dcp.planning.calibration import (
-    NUM_FIELDS, CalibrationConfig, CalibrationFactors, Calibrator, ItemMeasurement, pack_rows, robust_mean, unpack_rows,
+    NUM_FIELDS, CalibrationConfig, CalibrationFactors, Calibrator, ItemMeasurement, StepTiming, pack_payload, pack_rows,
+    robust_mean, unpack_payload, unpack_rows,
 )
 from lightning_dcp.planning.distributions import get_distribution
 from lightning_dcp.planning.errors import PlanningError
@@ -35,8 +36,9 @@ def synthetic_step(step: int, scale: dict[int, float], speeds: list[float], rnd:
                    per_rank: int = 3, noise: float = 0.0, factor: float = 1.0, waits: bool = True) -> list[ItemMeasurement]:
     """Every rank's rows of one step: ``per_rank`` SP-1 items each, then one SP-2 item per rank pair.
 
-    Measured = predicted x scale[sp] / (slowest member's speed) x (1 +- noise) x ``factor``; the slowest
-    member of an SP item waits 0 in its all-to-alls, the others 0.1 s (when ``waits``)."""
+    Measured = predicted x scale[sp] / (slowest member's speed) x (1 +- noise) x ``factor``. In an SP item
+    each member computes ``predicted x scale[2] / its speed`` (x the same noise) and waits in the all-to-alls
+    for the slowest member (when ``waits``; else the waits are unmeasured, -1)."""
     out, item = [], 0
     n = len(speeds)
     for r in range(n):
@@ -49,10 +51,10 @@ def synthetic_step(step: int, scale: dict[int, float], speeds: list[float], rnd:
         pred = rnd.uniform(0.05, 1.0)
         ranks = (g, g + 1)
         pace = min(speeds[r] for r in ranks)
-        meas = pred * scale[2] / pace * (1 + rnd.uniform(-noise, noise)) * factor
-        slow = min(ranks, key=lambda r: (speeds[r], r))
+        jitter = (1 + rnd.uniform(-noise, noise)) * factor
+        meas = pred * scale[2] / pace * jitter
         for r in ranks:
-            wait = (0.0 if r == slow else 0.1) if waits else -1.0
+            wait = meas - pred * scale[2] / speeds[r] * jitter if waits else -1.0
             out.append(ItemMeasurement(step, item, r, 2, 1, 1, 8192.0, 6.7e7, pred, meas, wait))
         item += 1
     return out
@@ -124,6 +126,49 @@ def test_refit_converges_to_the_true_factors(scale, speeds, seed, waits):
     assert f.scale(2) == pytest.approx(scale[2], rel=1e-4)
     got = f.rank_speeds or (1.0,) * W
     assert list(got) == pytest.approx(speeds, rel=1e-4)
+
+
+@SETTINGS
+@given(st.sampled_from([0.5, 2 / 3, 0.8, 1.25]), st.floats(0.5, 2.0), st.integers(0, 2**31))
+def test_measured_waits_find_the_slow_member_of_sp_only_plans(slow, scale2, seed):
+    """No SP-1 item at all: the members' compute seconds (measured - all-to-all seconds) give the speed ratio."""
+    rnd = random.Random(seed)
+    steps = []
+    for s in range(12):
+        rows = synthetic_step(s, {1: 1.0, 2: scale2}, [1.0, slow], rnd, per_rank=0)
+        steps.append(rows)
+    cal = run_calibrator(steps, CalibrationConfig(every=3, alpha=1.0), world=2)
+    got = cal.factors.rank_speeds
+    assert got is not None and got[1] / got[0] == pytest.approx(slow, rel=1e-6)
+    blind = run_calibrator([[replace_wait(m) for m in rows] for rows in steps], CalibrationConfig(every=3), world=2)
+    assert blind.factors.rank_speeds is None  # without waits two members of equal current speed tie: no sample
+
+
+def replace_wait(m: ItemMeasurement) -> ItemMeasurement:
+    vals = m.to_floats()
+    vals[-1] = -1.0
+    return ItemMeasurement.from_floats(vals)
+
+
+@SETTINGS
+@given(st.floats(0.0, 0.5), st.lists(st.floats(0.01, 1.0), min_size=2, max_size=2), st.integers(0, 2**31))
+def test_the_step_overhead_is_the_whole_step_outside_the_slowest_loop(overhead, busy, seed):
+    rnd = random.Random(seed)
+    cal = Calibrator(2, CalibrationConfig(every=4, alpha=1.0))
+    for s in range(8):
+        jitter = [b * rnd.uniform(0.9, 1.1) for b in busy]
+        step_s = max(jitter) + overhead
+        timings = [StepTiming(s, r, step_s, jitter[r]) for r in range(2)]
+        flat = pack_payload(timings[0], [], 1) + pack_payload(timings[1], [], 1)
+        got_t, got_rows = unpack_payload(flat, 2)
+        assert got_t == timings and got_rows == []
+        cal.observe([], got_t if s != 5 else got_t[:1])  # step 5: one rank's timing only, no sample
+    assert cal.factors.step_overhead_s == pytest.approx(overhead, abs=1e-9)
+    assert CalibratedCostModel(FakeCostModel(), cal.factors).step_overhead(2) == pytest.approx(overhead, abs=1e-9)
+    other = Calibrator(2)
+    other.load_state_dict(json.loads(json.dumps(cal.state_dict())))
+    assert other.factors == cal.factors
+    assert CalibratedCostModel(FakeCostModel()).step_overhead(2) == FakeCostModel().step_overhead(2)
 
 
 @SETTINGS

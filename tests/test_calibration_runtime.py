@@ -22,7 +22,10 @@ from _dcp_helpers import Dump, TinyLM, make_dataset, make_trainer, max_rel_err, 
 from _fakes import FakeCostModel
 from lightning_dcp import DCPStrategy
 from lightning_dcp.planning.calibrated import CalibratedCostModel
-from lightning_dcp.planning.calibration import CalibrationFactors, ItemMeasurement, pack_rows
+from lightning_dcp.planning.calibration import (
+    CalibrationFactors, ItemMeasurement, StepTiming, pack_payload, pack_rows, unpack_payload,
+)
+from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.runtime.calibration import (
     SLOW_RANK_ENV, RunCalibration, VersionedPlanner, build_calibration, parse_slow_rank, step_key,
@@ -143,12 +146,44 @@ def test_ranks_that_measure_differently_refit_the_same_factors():
         for r in range(2):
             ms = [ItemMeasurement(k, 3 * r + i, r, 1, 0, 1, 50.0, 2500.0, 0.1, 0.1 * (1.5 if r else 1.0) * (1 + i / 50))
                   for i in range(3)]
-            gathered.extend(pack_rows(ms, 3))
+            gathered.extend(pack_payload(None, ms, 3))
         for c in cals:
             c.after_step(gathered, step, planned_upto=k + 1)
     assert cals[0].factors == cals[1].factors and cals[0].calibrator.refits == 2
     speeds = cals[0].factors.rank_speeds
     assert speeds is not None and speeds[1] < speeds[0]  # the slow rank is seen as slower
+
+
+def test_a_step_timing_rides_with_the_next_step_and_refits_the_overhead():
+    """The payload of step k carries step k-1's timing (taken at the end of its optimizer step); every rank
+    refits the same measured step overhead from the gathered timings."""
+    class _Step:
+        epoch, plan = 0, StepPlan(())
+
+    cal = _calibration(0)
+    first, second = _Step(), _Step()
+    first.index, second.index = 0, 1
+    cal.clock.begin()
+    timings, rows = unpack_payload(cal.rows(first).tolist(), 1)
+    assert timings == [] and rows == []  # nothing finished before the first step
+    cal.step_done()
+    cal.clock.begin()
+    (timing,), _ = unpack_payload(cal.rows(second).tolist(), 1)
+    assert (timing.step, timing.rank) == (step_key(0, 0), 0) and timing.step_s >= timing.busy_s >= 0
+    cals = [_calibration(0), _calibration(1)]
+    for k in range(1, 7):
+        step = _Step()
+        step.index = k
+        gathered = []
+        for r in range(2):  # rank 1 is the slowest; 0.04 s outside its loop
+            busy = 0.2 + 0.1 * r
+            ms = [ItemMeasurement(k, r, r, 1, 0, 1, 50.0, 2500.0, 0.1, busy)]
+            gathered.extend(pack_payload(StepTiming(step_key(0, k - 1), r, 0.34, busy), ms, 1))
+        for c in cals:
+            c.after_step(gathered, step, planned_upto=k + 1)
+    assert cals[0].factors == cals[1].factors
+    assert cals[0].factors.step_overhead_s == pytest.approx(0.04)
+    assert cals[0].last.overhead_s == pytest.approx(0.04)  # the prediction of the step planned with it
 
 
 # ---------------------------------------------------------------------------------------------- in a fit

@@ -133,3 +133,36 @@ def test_sp_size_one_is_plain_varlen_attention():
     assert seq_all_to_all(q, 1, 0) is q
     with pytest.raises(KeyError, match="cu_seqlens"):
         ulysses_attention(q, k, v, {})
+
+
+def _timer_worker(rank, world_size):
+    """Rank 1 sleeps before the forward and before the backward: rank 0's marked spans hold that wait, rank 1's
+    do not; one span per all-to-all, forward and backward, and none without an active timer."""
+    import time
+
+    from lightning_dcp.sp.comm_timer import AllToAllTimer, set_active
+
+    group = dist.new_group([0, 1])
+    x = torch.randn(8, HEADS, DIM, dtype=torch.float64, requires_grad=True)
+    with sp_context(SPContext(group=group, size=2, rank=rank)):
+        seq_all_to_all(x, scatter_dim=1, gather_dim=0).sum().backward()  # untimed: nothing marked anywhere
+        timer = AllToAllTimer()
+        set_active(timer)
+        try:
+            if rank == 1:
+                time.sleep(0.3)
+            out = seq_all_to_all(x, scatter_dim=1, gather_dim=0)
+            loss = (out * out).sum()
+            if rank == 1:
+                time.sleep(0.3)
+            loss.backward()
+        finally:
+            set_active(None)
+    assert len(timer.spans) == 2, timer.spans  # the forward all-to-all and its backward
+    waited = [None, None]
+    dist.all_gather_object(waited, timer.seconds())
+    assert waited[0] - waited[1] > 0.3, waited  # rank 0 waited for rank 1 twice (0.3 s each); rank 1 arrived last
+
+
+def test_all_to_all_timer_marks_forward_and_backward_with_the_wait():
+    run_distributed(_timer_worker, 2)

@@ -2,7 +2,8 @@
 
 A view of any :class:`~lightning_dcp.planning.cost_model.CostModel` (analytic, profiled, a
 :class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel`, a lowered-memory one) whose item
-times are the base's times the refitted time scale of the item's SP size
+times are the base's times the refitted time scale of the item's SP size, and whose step overhead is
+the measured one once the run measured it
 (:class:`~lightning_dcp.planning.calibration.CalibrationFactors`). Memory is the base's, untouched:
 a refit changes which plan is fastest, never whether a plan fits. ``rank_speeds`` carries the
 per-rank speeds for the planner and the simulator (:mod:`~lightning_dcp.planning.speeds`).
@@ -26,7 +27,7 @@ __all__ = ["CalibratedCostModel"]
 
 
 class CalibratedCostModel(CostModel):
-    """``base`` with item times scaled per SP size; memory, step overhead and SP sizes unchanged.
+    """``base`` with item times scaled per SP size and the measured step overhead; memory and SP sizes unchanged.
 
     Args:
         base: the cost model the run started with (the predictions the measurements compare with).
@@ -86,7 +87,9 @@ class CalibratedCostModel(CostModel):
         return self.base.max_length(sp, recompute)
 
     def step_overhead(self, world_size: int) -> float:
-        return self.base.step_overhead(world_size)
+        """The measured step overhead where the run measured one, else the base's estimate."""
+        measured = self.factors.step_overhead_s
+        return self.base.step_overhead(world_size) if measured is None else measured
 
     def sp_sizes(self, world_size: int) -> list[int]:
         return self.base.sp_sizes(world_size)

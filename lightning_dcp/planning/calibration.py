@@ -8,13 +8,18 @@ This module turns what the run measured into two kinds of factors the planner us
 - a *time scale* per SP size: measured / predicted time of that size's micro-batches on a rank
   at typical speed (one ``default_scale`` for the SP sizes not measured yet);
 - a *speed* per rank: how fast the rank runs relative to the typical (median) rank; an SP item
-  runs at the pace of its slowest member (:mod:`~lightning_dcp.planning.speeds`).
+  runs at the pace of its slowest member (:mod:`~lightning_dcp.planning.speeds`);
+- the *step overhead*: the seconds of a step outside its micro-batch loop (host preparation, the
+  step-end all-gather, the gradient reduction, the optimizer step), measured, in place of the base
+  model's estimate.
 
 The runtime's part (interfaces only here): every rank times each micro-batch it executes and
 builds an :class:`ItemMeasurement` per item; the rows (:meth:`ItemMeasurement.to_floats`, a fixed
 width of :data:`NUM_FIELDS` floats, padded with :func:`pack_rows` to a fixed row count, float64)
 ride on the step-end all-gather; every rank decodes the gathered rows (:func:`unpack_rows`) and
-calls :meth:`Calibrator.observe`. Every rank thus sees the same rows and computes the same refit,
+calls :meth:`Calibrator.observe`. Each rank also reports the previous step's
+:class:`StepTiming` (its wall seconds from preparing the step to the end of its optimizer step, and
+its loop's seconds) in the same payload (:func:`pack_payload` / :func:`unpack_payload`). Every rank thus sees the same rows and computes the same refit,
 bit for bit: the refit first sorts the rows into a canonical order and sums with ``math.fsum``
 (correctly rounded), so it depends only on the *set* of gathered rows -- not on which rank
 computes it nor on the order the rows arrived in.
@@ -27,11 +32,17 @@ steps):
    *uncalibrated* model's time, so factors never compound).
 2. Speeds from SP-1 items: per rank the robust mean of its ratios; the typical ratio ``scale[1]``
    is the median over ranks; a rank's speed sample from an item is ``scale[1] / ratio``.
-3. SP sizes above 1: ``scale[p]`` is the robust mean of ``ratio x (slowest member's speed)``; the
-   item's speed sample ``scale[p] / ratio`` goes to its slowest member: the one that waited
-   least in the all-to-alls when waits were measured, else the one with the lowest current speed
-   (none when they tie).
-4. Each factor with at least ``min_samples`` samples moves towards its estimate by exponential
+3. SP items whose members' all-to-all seconds were measured: each member's compute seconds
+   ``c = measured - wait`` give every member a speed sample ``w / c``, with the item's work ``w``
+   the members' mean of ``current speed x c``: the member that computed longest (and waited least)
+   is the slow one, whatever the SP sizes the plans use.
+4. SP sizes above 1: ``scale[p]`` is the robust mean of ``ratio x (slowest member's speed)``; in an
+   item without measured waits the speed sample ``scale[p] / ratio`` goes to its slowest member by
+   the current speeds (none when they tie).
+5. Step overhead: per step of the window reported by every rank, ``max(step seconds) - max(loop
+   seconds)`` over the ranks; the robust mean of those, smoothed (``alpha``); with fewer than
+   ``min_samples`` such steps the timings stay for the next refit.
+6. Each factor with at least ``min_samples`` samples moves towards its estimate by exponential
    smoothing (``alpha``), at most ``max_change`` x per refit, clamped to ``[low, high]``.
 
 "Robust mean": samples further than ``mad_cut`` x 1.4826 x MAD (at least ``rel_floor`` of the
@@ -49,12 +60,12 @@ Pure Python: no torch, no numpy.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "CalibrationConfig", "CalibrationFactors", "Calibrator", "ItemMeasurement", "MODES", "NUM_FIELDS",
-    "StepPrediction", "pack_rows", "robust_mean", "unpack_rows",
+    "StepPrediction", "StepTiming", "pack_payload", "pack_rows", "robust_mean", "unpack_payload", "unpack_rows",
 ]
 
 MODES = ("adaptive", "fixed", "off")
@@ -94,7 +105,8 @@ class ItemMeasurement:
     measured_s: float
     """Seconds this rank spent on the item (forward + backward, recompute included)."""
     wait_s: float = _UNKNOWN
-    """Seconds of it this rank waited in the item's all-to-alls (``-1``: not measured)."""
+    """Seconds of it this rank spent inside the item's SP all-to-alls, forward and backward: waiting for
+    the group's slowest member, then the transfer (``-1``: not measured)."""
 
     def to_floats(self) -> list[float]:
         """The :data:`NUM_FIELDS` floats of this row, in field order (exact for integers below 2**53)."""
@@ -168,6 +180,62 @@ def unpack_rows(flat: Sequence[float]) -> list[ItemMeasurement]:
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """One rank's wall seconds of one whole step (reported with the next step's rows: the optimizer step
+    ends after the step's all-gather)."""
+
+    step: int
+    """The step (its key)."""
+    rank: int
+    """The rank that measured it (``-1``: nothing to report)."""
+    step_s: float
+    """From preparing the step's micro-batches to the end of its optimizer step."""
+    busy_s: float
+    """Of it, the micro-batch loop."""
+
+    def to_floats(self) -> list[float]:
+        return [float(self.step), float(self.rank), float(self.step_s), float(self.busy_s)]
+
+    @classmethod
+    def from_floats(cls, row: Sequence[float]) -> StepTiming | None:
+        step, rank, step_s, busy_s = (float(v) for v in row)
+        if rank < 0 or not (math.isfinite(step_s) and math.isfinite(busy_s)) or step_s < busy_s or busy_s < 0:
+            return None
+        return cls(int(step), int(rank), step_s, busy_s)
+
+
+TIMING_FIELDS = 4
+"""Floats of a :class:`StepTiming`."""
+
+
+def pack_payload(timing: StepTiming | None, measurements: Sequence[ItemMeasurement], rows: int) -> list[float]:
+    """One rank's calibration payload: its previous step's timing (or a padding timing), then
+    :func:`pack_rows` of ``measurements``."""
+    head = timing.to_floats() if timing is not None else [0.0, _UNKNOWN, 0.0, 0.0]
+    return head + pack_rows(measurements, rows)
+
+
+def unpack_payload(flat: Sequence[float], ranks: int) -> tuple[list[StepTiming], list[ItemMeasurement]]:
+    """The timings and measurements of ``ranks`` payloads (:func:`pack_payload`) concatenated in rank order.
+
+    Raises:
+        ValueError: a length that is not ``ranks`` equal payloads of whole rows.
+    """
+    vals = list(flat)
+    if ranks < 1 or len(vals) % ranks or (len(vals) // ranks - TIMING_FIELDS) % NUM_FIELDS:
+        raise ValueError(f"{len(vals)} floats are not {ranks} payloads of {TIMING_FIELDS} + k x {NUM_FIELDS} floats")
+    width = len(vals) // ranks
+    timings, rows = [], []
+    for r in range(ranks):
+        part = vals[r * width:(r + 1) * width]
+        t = StepTiming.from_floats(part[:TIMING_FIELDS])
+        if t is not None:
+            timings.append(t)
+        rows.extend(unpack_rows(part[TIMING_FIELDS:]))
+    return timings, rows
+
+
+@dataclass(frozen=True)
 class CalibrationConfig:
     """How the :class:`Calibrator` refits (see the module docstring)."""
 
@@ -211,6 +279,8 @@ class CalibrationFactors:
     """Time scale of the SP sizes without a factor of their own."""
     rank_speeds: tuple[float, ...] | None = None
     """Speed of every rank (None: all 1.0)."""
+    step_overhead_s: float | None = None
+    """Measured seconds of a step outside its micro-batch loop (None: the base model's estimate)."""
 
     def scale(self, sp: int) -> float:
         for p, f in self.time_scale:
@@ -220,13 +290,15 @@ class CalibrationFactors:
 
     def to_dict(self) -> dict:
         return {"time_scale": {str(p): f for p, f in self.time_scale}, "default_scale": self.default_scale,
-                "rank_speeds": None if self.rank_speeds is None else list(self.rank_speeds)}
+                "rank_speeds": None if self.rank_speeds is None else list(self.rank_speeds),
+                "step_overhead_s": self.step_overhead_s}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CalibrationFactors:
         ts = tuple(sorted((int(p), float(f)) for p, f in dict(d.get("time_scale", {})).items()))
-        speeds = d.get("rank_speeds")
-        return cls(ts, float(d.get("default_scale", 1.0)), None if speeds is None else tuple(float(s) for s in speeds))
+        speeds, overhead = d.get("rank_speeds"), d.get("step_overhead_s")
+        return cls(ts, float(d.get("default_scale", 1.0)), None if speeds is None else tuple(float(s) for s in speeds),
+                   None if overhead is None else float(overhead))
 
 
 @dataclass(frozen=True)
@@ -240,6 +312,8 @@ class StepPrediction:
     """The same under the uncalibrated cost model."""
     measured_s: float
     """Slowest rank's measured busy time."""
+    overhead_s: float = 0.0
+    """The step's predicted seconds outside the micro-batch loop (predicted step: ``predicted_s + overhead_s``)."""
 
     @property
     def relative_error(self) -> float:
@@ -271,6 +345,8 @@ class _Item:
     ranks: tuple[int, ...]
     ratio: float
     waits: tuple[float, ...]
+    computes: tuple[float, ...] = ()
+    """Per member: measured seconds minus all-to-all seconds (empty unless every member measured both)."""
 
 
 class Calibrator:
@@ -294,6 +370,7 @@ class Calibrator:
         if self.factors.rank_speeds is not None and len(self.factors.rank_speeds) != self.world_size:
             raise ValueError(f"factors carry {len(self.factors.rank_speeds)} rank speeds for a world of {self.world_size}")
         self.window: list[ItemMeasurement] = []
+        self.timings: list[StepTiming] = []
         self.steps_seen = 0
         self.refits = 0
 
@@ -302,8 +379,10 @@ class Calibrator:
         return self.mode != "off"
 
     # -- the run's side ------------------------------------------------------------------
-    def observe(self, measurements: Iterable[ItemMeasurement]) -> CalibrationFactors | None:
-        """Record one step's gathered measurements (all ranks'); refit when ``config.every`` steps are in.
+    def observe(self, measurements: Iterable[ItemMeasurement],
+                timings: Iterable[StepTiming] = ()) -> CalibrationFactors | None:
+        """Record one step's gathered measurements (all ranks') and the timings of an earlier step;
+        refit when ``config.every`` steps are in.
 
         Returns the new factors after a refit, else None. ``"off"`` ignores the measurements;
         ``"fixed"`` never refits.
@@ -315,12 +394,15 @@ class Calibrator:
         if self.mode != "adaptive":
             return None
         self.window.extend(rows)
+        self.timings.extend(t for t in timings if 0 <= t.rank < self.world_size)
         if self.steps_seen % int(self.config.every):
             return None
         return self.refit()
 
-    def predict(self, measurements: Iterable[ItemMeasurement], step: int = -1) -> StepPrediction:
-        """Predicted (current factors, and uncalibrated) vs measured busy time of the slowest rank."""
+    def predict(self, measurements: Iterable[ItemMeasurement], step: int = -1,
+                base_overhead_s: float = 0.0) -> StepPrediction:
+        """Predicted (current factors, and uncalibrated) vs measured busy time of the slowest rank; the
+        step overhead: the measured one of the factors, else ``base_overhead_s``."""
         items, rows = self._items(measurements)
         pred = [0.0] * self.world_size
         base = [0.0] * self.world_size
@@ -333,13 +415,18 @@ class Calibrator:
             for r in it[1]:
                 base[r] += p.predicted_s
                 pred[r] += p.predicted_s * self.factors.scale(p.sp) / s
-        return StepPrediction(step, max(pred, default=0.0), max(base, default=0.0), max(meas, default=0.0))
+        overhead = self.factors.step_overhead_s
+        return StepPrediction(step, max(pred, default=0.0), max(base, default=0.0), max(meas, default=0.0),
+                              float(base_overhead_s) if overhead is None else overhead)
 
     # -- the refit -----------------------------------------------------------------------
     def refit(self) -> CalibrationFactors:
         """New factors from the window's measurements (module docstring); clears the window."""
         items = self._combine(self.window)
+        overhead = self._overhead(self.timings)
         self.window = []
+        if overhead is not None:  # too few whole steps: their timings wait for the next refit
+            self.timings = []
         cfg = self.config
         old = self.factors
         speeds = list(old.rank_speeds) if old.rank_speeds is not None else [1.0] * self.world_size
@@ -359,7 +446,8 @@ class Calibrator:
                 speed_samples[r] = [s1 / x for x in v]
         first = {r: est_scale[1] / x for r, x in rank_ratio.items()} if rank_ratio else {}
         cur = [first.get(r, speeds[r]) for r in range(self.world_size)]
-        # SP items: scale per size at the slowest member's pace; the sample of speed to that member
+        cur = self._timed_speeds(items, cur, speed_samples)
+        # SP items: scale per size at the slowest member's pace; untimed items: the sample to that member
         by_sp: dict[int, list[_Item]] = {}
         for it in items:
             if it.sp > 1:
@@ -370,7 +458,7 @@ class Calibrator:
             sp_scale = robust_mean([it.ratio * min(cur[r] for r in it.ranks) for it in its], cfg.mad_cut, cfg.rel_floor)
             est_scale[p] = sp_scale
             for it in its:
-                who = _slowest(it, cur)
+                who = None if it.computes else _slowest(it, cur)
                 if who is not None:
                     speed_samples.setdefault(who, []).append(sp_scale / it.ratio)
         adjusted = [it.ratio * min(cur[r] for r in it.ranks) for it in items]
@@ -384,9 +472,42 @@ class Calibrator:
             if len(v) >= cfg.min_samples:
                 speeds[r] = self._move(speeds[r], robust_mean(v, cfg.mad_cut, cfg.rel_floor))
         rank_speeds = None if all(s == 1.0 for s in speeds) else tuple(speeds)
-        self.factors = CalibrationFactors(tuple(sorted(scales.items())), default, rank_speeds)
+        if overhead is not None and old.step_overhead_s is not None:
+            overhead = old.step_overhead_s + cfg.alpha * (overhead - old.step_overhead_s)
+        self.factors = CalibrationFactors(tuple(sorted(scales.items())), default, rank_speeds,
+                                          old.step_overhead_s if overhead is None else overhead)
         self.refits += 1
         return self.factors
+
+    def _timed_speeds(self, items: Sequence[_Item], cur: list[float],
+                      speed_samples: dict[int, list[float]]) -> list[float]:
+        """Speed samples from SP items whose members' all-to-all seconds were measured (into
+        ``speed_samples``); the speeds ``cur`` updated by them, for the SP scales."""
+        cfg = self.config
+        timed: dict[int, list[float]] = {}
+        for it in items:
+            if it.sp == 1 or not it.computes:
+                continue
+            work = math.fsum(cur[r] * c for r, c in zip(it.ranks, it.computes)) / len(it.ranks)
+            for r, c in zip(it.ranks, it.computes):
+                timed.setdefault(r, []).append(work / c)
+        out = list(cur)
+        for r, v in sorted(timed.items()):
+            speed_samples.setdefault(r, []).extend(v)
+            if len(v) >= cfg.min_samples:
+                out[r] = robust_mean(speed_samples[r], cfg.mad_cut, cfg.rel_floor)
+        return out
+
+    def _overhead(self, timings: Sequence[StepTiming]) -> float | None:
+        """The window's step overhead estimate (module docstring), or None with too few whole steps."""
+        by_step: dict[int, list[StepTiming]] = {}
+        for t in sorted(timings, key=lambda t: t.to_floats()):
+            by_step.setdefault(t.step, []).append(t)
+        samples = [max(t.step_s for t in ts) - max(t.busy_s for t in ts) for _, ts in sorted(by_step.items())
+                   if len({t.rank for t in ts}) == self.world_size]
+        if len(samples) < self.config.min_samples:
+            return None
+        return max(0.0, robust_mean(samples, self.config.mad_cut, self.config.rel_floor))
 
     def _move(self, old: float, estimate: float) -> float:
         """``old`` smoothed towards ``estimate``, limited to ``max_change`` x, clamped."""
@@ -419,14 +540,19 @@ class Calibrator:
             if measured <= 0:
                 continue
             waits = tuple(min(m.wait_s for m in ms if m.rank == r) for r in ranks)
-            out.append(_Item(first.sp, ranks, measured / first.predicted_s, waits))
+            computes: tuple[float, ...] = ()
+            if first.sp > 1 and len(ranks) == first.sp and all(w >= 0 for w in waits):
+                computes = tuple(min(m.measured_s for m in ms if m.rank == r) - w for r, w in zip(ranks, waits))
+                computes = computes if all(c > 0 for c in computes) else ()
+            out.append(_Item(first.sp, ranks, measured / first.predicted_s, waits, computes))
         return out
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """JSON-able state: mode, config, factors, the window's rows, counters."""
-        return {"version": 1, "mode": self.mode, "world_size": self.world_size, "config": asdict(self.config),
+        return {"version": 2, "mode": self.mode, "world_size": self.world_size, "config": asdict(self.config),
                 "factors": self.factors.to_dict(), "window": [m.to_floats() for m in self.window],
+                "timings": [t.to_floats() for t in self.timings],
                 "steps_seen": self.steps_seen, "refits": self.refits}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -435,14 +561,15 @@ class Calibrator:
         Raises:
             ValueError: a state of another world size or version.
         """
-        if int(state.get("version", 0)) != 1:
-            raise ValueError(f"calibration state version {state.get('version')!r} is not 1")
+        if int(state.get("version", 0)) not in (1, 2):
+            raise ValueError(f"calibration state version {state.get('version')!r} is not 1 or 2")
         if int(state["world_size"]) != self.world_size:
             raise ValueError(f"calibration state is of a world of {state['world_size']} ranks, this run has "
                              f"{self.world_size}; start calibration afresh (mode='adaptive' without loading)")
         self.config = CalibrationConfig(**state["config"])
         self.factors = CalibrationFactors() if self.mode == "off" else CalibrationFactors.from_dict(state["factors"])
         self.window = [m for m in (ItemMeasurement.from_floats(r) for r in state["window"]) if m is not None]
+        self.timings = [t for t in (StepTiming.from_floats(r) for r in state.get("timings", [])) if t is not None]
         self.steps_seen = int(state["steps_seen"])
         self.refits = int(state["refits"])
 

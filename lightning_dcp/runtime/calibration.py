@@ -5,9 +5,14 @@ per-rank speeds from measurement rows; this module feeds it and applies what it 
 
 1. **measure** (:class:`ItemClock`): each micro-batch this rank runs is timed -- wall time on the
    CPU; on a GPU two CUDA events per item, read at the step's end, after the one host sync the step
-   already has (no extra sync in the loop). The all-to-all wait is not measured (``wait_s = -1``).
-2. **gather**: this rank's rows (:class:`~lightning_dcp.planning.calibration.ItemMeasurement`, fixed
-   width, padded to the plan's largest per-rank item count, which every rank knows from the plan)
+   already has (no extra sync in the loop). Inside an SP item the seconds spent in the group's
+   all-to-alls, forward and backward, are timed the same way (:mod:`lightning_dcp.sp.comm_timer`):
+   the member that spent least there set the item's pace. The whole step is timed too, from the
+   loop's start to the end of the optimizer step (:meth:`RunCalibration.step_done`), and reported
+   with the next step's rows as a :class:`~lightning_dcp.planning.calibration.StepTiming`: the step's
+   time outside the loop becomes the measured step overhead.
+2. **gather**: this rank's payload (the previous step's timing, then its rows (:class:`~lightning_dcp.planning.calibration.ItemMeasurement`, fixed
+   width, padded to the plan's largest per-rank item count, which every rank knows from the plan))
    ride on the step-end all-gather (:mod:`lightning_dcp.runtime.row`) -- no new collective.
 3. **refit**: every rank feeds the same gathered rows to its
    :class:`~lightning_dcp.planning.calibration.Calibrator`, so every rank computes the same factors,
@@ -44,9 +49,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lightning_dcp.planning.calibration import (
-    CalibrationConfig, CalibrationFactors, Calibrator, ItemMeasurement, StepPrediction, pack_rows, unpack_rows,
+    CalibrationConfig, CalibrationFactors, Calibrator, ItemMeasurement, StepPrediction, StepTiming, pack_payload,
+    unpack_payload,
 )
 from lightning_dcp.planning.plan import StepPlan
+from lightning_dcp.sp.comm_timer import AllToAllTimer, set_active
 
 __all__ = ["CHECKPOINT_KEY", "SLOW_RANK_ENV", "ItemClock", "RunCalibration", "VersionedPlanner", "build_calibration",
            "parse_slow_rank", "slow_rank_clock", "step_key"]
@@ -86,7 +93,8 @@ def parse_slow_rank(spec: str | None, world_size: int) -> tuple[int, float] | No
 
 
 class ItemClock:
-    """Times this rank's micro-batches of one step (CUDA events on a GPU, read at the step's end).
+    """Times this rank's micro-batches of one step, and the SP all-to-alls inside each (CUDA events on a
+    GPU, read at the step's end).
 
     Args:
         device: this rank's device.
@@ -96,39 +104,50 @@ class ItemClock:
     def __init__(self, device: torch.device, slow_factor: float = 1.0) -> None:
         self.cuda = device.type == "cuda"
         self.slow_factor = float(slow_factor)
-        self._marks: list[Any] = []
+        self._marks: list[list[Any]] = []
+        self._begun = time.perf_counter()
 
     def begin(self) -> None:
+        """The micro-batch loop starts."""
         self._marks = []
+        self._begun = time.perf_counter()
 
-    def start(self, what: Any) -> None:
-        """Start timing ``what`` (a micro-batch)."""
+    def elapsed(self) -> float:
+        """Wall seconds since :meth:`begin`."""
+        return time.perf_counter() - self._begun
+
+    def _mark(self) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self._marks.append([ev, None, time.perf_counter(), what])
-        else:
-            t = time.perf_counter()
-            self._marks.append([t, None, t, what])
+            return ev
+        return time.perf_counter()
+
+    def start(self, what: Any) -> None:
+        """Start timing ``what`` (a micro-batch) and the all-to-alls it runs."""
+        comm = AllToAllTimer(self.cuda)
+        self._marks.append([self._mark(), None, time.perf_counter(), what, comm])
+        set_active(comm)
 
     def stop(self) -> None:
+        set_active(None)
         mark = self._marks[-1]
         if self.slow_factor > 1.0:  # the hook: the item's own duration, stretched (synced: a test hook only)
             if self.cuda:
                 torch.cuda.synchronize()
             time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - mark[2]))
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            mark[1] = ev
-        else:
-            mark[1] = time.perf_counter()
+        mark[1] = self._mark()
 
-    def timed(self) -> list[tuple[Any, float]]:
-        """``(what, seconds)`` of every item that finished, in order (call after the step's host sync)."""
-        if self.cuda:
-            return [(w, a.elapsed_time(b) / 1000.0) for a, b, _, w in self._marks if b is not None]
-        return [(w, b - a) for a, b, _, w in self._marks if b is not None]
+    def timed(self) -> list[tuple[Any, float, float]]:
+        """``(what, seconds, seconds inside its all-to-alls)`` of every item that finished, in order (call
+        after the step's host sync)."""
+        out = []
+        for a, b, _, what, comm in self._marks:
+            if b is None:
+                continue
+            seconds = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+            out.append((what, seconds, comm.seconds()))
+        return out
 
 
 class VersionedPlanner:
@@ -206,6 +225,9 @@ class RunCalibration:
         self.clock = ItemClock(device, factor)
         self.last: StepPrediction | None = None
         self._predicted: dict[tuple, float] = {}
+        self._key = -1  # the step whose rows were built last
+        self._busy_s = 0.0  # its loop's seconds
+        self._timing: StepTiming | None = None  # the last finished step's timing, for the next payload
 
     @property
     def mode(self) -> str:
@@ -235,25 +257,35 @@ class RunCalibration:
         return got
 
     def rows(self, step: Any) -> torch.Tensor:
-        """This rank's packed rows of ``step`` (float64, ``row_count x NUM_FIELDS``) from the item clock."""
+        """This rank's payload for ``step``'s all-gather (float64): the previous step's timing, then its
+        rows (``row_count x NUM_FIELDS``) from the item clock (call after the loop's host sync)."""
+        self._key, self._busy_s = step_key(step.epoch, step.index), self.clock.elapsed()
         out = []
-        for mb, s in self.clock.timed():
+        for mb, s, comm_s in self.clock.timed():
             it = mb.item
             out.append(ItemMeasurement(
-                step=step_key(step.epoch, step.index), item=int(it.index), rank=self.rank, sp=it.sp_size, recompute=int(it.recompute),
+                step=self._key, item=int(it.index), rank=self.rank, sp=it.sp_size, recompute=int(it.recompute),
                 samples=len(it.samples), tokens=float(sum(it.lengths)), work=float(sum(n * n for n in it.lengths)),
-                predicted_s=self._predict_item(tuple(it.lengths), it.sp_size, int(it.recompute)), measured_s=float(s)))
-        flat = pack_rows(out, self.row_count(step.plan, self.world_size))
+                predicted_s=self._predict_item(tuple(it.lengths), it.sp_size, int(it.recompute)), measured_s=float(s),
+                wait_s=float(comm_s) if it.sp_size > 1 else -1.0))
+        flat = pack_payload(self._timing, out, self.row_count(step.plan, self.world_size))
         return torch.tensor(flat, dtype=torch.float64)
+
+    def step_done(self) -> None:
+        """The optimizer step of the step whose rows were built last has ended: keep its timing."""
+        if self._key >= 0:
+            self._timing = StepTiming(self._key, self.rank, max(self.clock.elapsed(), self._busy_s), self._busy_s)
 
     def after_step(self, flat: Sequence[float], step: Any, planned_upto: float) -> StepPrediction:
         """Feed the gathered rows (every rank's, flat) to the calibrator; on a refit install the new planner
         from step key ``planned_upto + 1`` on. Returns the step's predicted vs measured time."""
-        rows = unpack_rows(flat)
+        timings, rows = unpack_payload(flat, self.world_size)
         now = step_key(step.epoch, step.index)
         planned = self.planner.factors_at(now) if self.planner is not None else self.factors
-        self.last = Calibrator(self.world_size, mode="fixed", factors=planned).predict(rows, step=now)
-        new = self.calibrator.observe(rows)
+        base_overhead = float(self.cost_model.step_overhead(self.world_size))
+        self.last = Calibrator(self.world_size, mode="fixed", factors=planned).predict(rows, step=now,
+                                                                                       base_overhead_s=base_overhead)
+        new = self.calibrator.observe(rows, timings)
         if new is not None and self.planner is not None:
             self.planner.install(int(planned_upto) + 1, new, now)
         return self.last

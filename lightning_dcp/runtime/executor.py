@@ -413,5 +413,5 @@ class StepExecutor:
             speeds = self.calibration.factors.rank_speeds
             m.calibration = CalibrationMetrics(prediction.predicted_s, prediction.base_predicted_s,
                                                prediction.measured_s, list(speeds) if speeds is not None else [],
-                                               self.calibration.calibrator.refits)
+                                               self.calibration.calibrator.refits, prediction.overhead_s)
         return m

@@ -41,6 +41,13 @@ class CalibrationMetrics:
     measured_s: float
     rank_speeds: list[float] = field(default_factory=list)
     refits: int = 0
+    overhead_s: float = 0.0
+    """Predicted seconds of the step outside the micro-batch loop (the measured overhead once refitted)."""
+
+    @property
+    def predicted_step_s(self) -> float:
+        """The predicted step: the slowest rank's items and the step overhead."""
+        return self.predicted_s + self.overhead_s
 
     @property
     def error(self) -> float:
@@ -49,6 +56,7 @@ class CalibrationMetrics:
 
     def as_log_dict(self) -> dict[str, float]:
         out = {"dcp/predicted_s": self.predicted_s, "dcp/measured_s": self.measured_s,
+               "dcp/predicted_step_s": self.predicted_step_s,
                "dcp/prediction_error": self.error, "dcp/calibration_refits": float(self.refits)}
         if self.rank_speeds:
             out["dcp/rank_speed_min"] = min(self.rank_speeds)

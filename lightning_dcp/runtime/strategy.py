@@ -28,9 +28,9 @@ What each hook does (the work is done by the runtime's other rooms):
   step-end gather and returns a :class:`~lightning_dcp.runtime.step.StepResult`; the strategy logs its
   metrics and hands Lightning the exact global loss (detached; ``backward`` skips it).
 - ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients
-  (one SUM all-reduce per bucket; sharded: one SUM reduce-scatter per bucket); only then does the
-  precision plugin call ``on_before_optimizer_step``, clip gradients, and the optimizer step
-  (``"zero2"``: then one all-gather of the updated weights).
+  (one SUM all-reduce per bucket; sharded: one SUM reduce-scatter per bucket); then the precision
+  plugin's ``on_before_optimizer_step``, clipping, the optimizer step (``"zero2"``: then one
+  all-gather of the updated weights), and the calibration's step timing.
 - checkpoints: sharded modes write and read every rank's shards in a directory
   (:mod:`~lightning_dcp.runtime.checkpoint`); otherwise Lightning's file. World collectives from user
   code inside the micro-batch loop: :mod:`~lightning_dcp.runtime.guards`. Exactness, agreement,
@@ -156,16 +156,14 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             ``RecomputeLayers``, a ``ModuleList`` or a callable returning them), when it has several
             layer stacks (see :mod:`lightning_dcp.sp.contract`); default the module's ``dcp_layers_attr``,
             else its one stack. What the strategy read is :attr:`model_contract`.
-        calibration: ``"adaptive"`` (time every micro-batch, refit the cost model's time scales and the
-            per-rank speeds every ``calibrate_every`` steps, plan later steps with them), ``"fixed"``
-            (measure and log only) or ``"off"`` (today's plans, bit for bit); see
+        calibration: ``"adaptive"`` (time every micro-batch and step, refit the time scales, rank speeds
+            and step overhead every ``calibrate_every`` steps (default 20), plan later steps with them),
+            ``"fixed"`` (measure and log) or ``"off"`` (today's plans, bit for bit); see
             :mod:`~lightning_dcp.runtime.calibration`. Gradients are exact in every mode.
-        calibrate_every: steps between refits (default 20).
-        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
-            (``start_method``, ``process_group_backend``, ``cluster_environment``...). Arguments of
-            the DDP *wrapper* (``find_unused_parameters``, ``static_graph``...) are ignored with a
-            warning (there is no wrapper); any other name is a ``TypeError`` that names the closest
-            valid argument.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
+            ``process_group_backend``, ``cluster_environment``...). Arguments of the DDP *wrapper*
+            (``find_unused_parameters``, ``static_graph``...) are ignored with a warning (there is no
+            wrapper); any other name is a ``TypeError`` that names the closest valid argument.
     """
 
     strategy_name = "dcp"
@@ -499,6 +497,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         out = super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
         if self.shards is not None:
             self.shards.after_step()
+        if self.calibration is not None:
+            self.calibration.step_done()
         return out
 
     # ------------------------------------------------------------------ checkpoints

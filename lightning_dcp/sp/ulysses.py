@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dcp.sp.attention import varlen_attention
+from lightning_dcp.sp.comm_timer import active_timer
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 
 __all__ = ["SUPPORTED_DEEPSPEED", "ensure_deepspeed_comm", "kv_repeat_before_all_to_all", "seq_all_to_all",
@@ -206,7 +207,12 @@ def seq_all_to_all(
                 else "pad the packed sequence to a multiple of the SP size."
             )
         )
+    timer = active_timer()
+    start = timer.mark() if timer is not None else None
     out = _ready_op().apply(group, x4.contiguous(), scatter_dim, gather_dim, 0)
+    if timer is not None:
+        timer.add(start, timer.mark())
+        timer.wrap_backward(out)
     return out.squeeze(0) if squeeze else out
 
 
