@@ -43,7 +43,8 @@ steps):
    seconds)`` over the ranks; the robust mean of those, smoothed (``alpha``); with fewer than
    ``min_samples`` such steps the timings stay for the next refit.
 6. Each factor with at least ``min_samples`` samples moves towards its estimate by exponential
-   smoothing (``alpha``), at most ``max_change`` x per refit, clamped to ``[low, high]``.
+   smoothing (``alpha``) -- its first refit takes the estimate (the old value was the fit-start
+   guess, not a measurement) -- at most ``max_change`` x per refit, clamped to ``[low, high]``.
 
 "Robust mean": samples further than ``mad_cut`` x 1.4826 x MAD (at least ``rel_floor`` of the
 median) from the median are dropped, the rest averaged -- one crazy step (a stall, a checkpoint
@@ -464,13 +465,15 @@ class Calibrator:
         adjusted = [it.ratio * min(cur[r] for r in it.ranks) for it in items]
         default = old.default_scale
         if len(adjusted) >= cfg.min_samples:
-            default = self._move(old.default_scale, robust_mean(adjusted, cfg.mad_cut, cfg.rel_floor))
+            default = self._move(old.default_scale, robust_mean(adjusted, cfg.mad_cut, cfg.rel_floor),
+                                 first=self.refits == 0)
         scales = dict(old.time_scale)
         for p, e in est_scale.items():
-            scales[p] = self._move(scales.get(p, old.default_scale), e)
+            scales[p] = self._move(scales.get(p, old.default_scale), e, first=p not in scales)
         for r, v in speed_samples.items():
             if len(v) >= cfg.min_samples:
-                speeds[r] = self._move(speeds[r], robust_mean(v, cfg.mad_cut, cfg.rel_floor))
+                speeds[r] = self._move(speeds[r], robust_mean(v, cfg.mad_cut, cfg.rel_floor),
+                                       first=old.rank_speeds is None)
         rank_speeds = None if all(s == 1.0 for s in speeds) else tuple(speeds)
         if overhead is not None and old.step_overhead_s is not None:
             overhead = old.step_overhead_s + cfg.alpha * (overhead - old.step_overhead_s)
@@ -509,10 +512,11 @@ class Calibrator:
             return None
         return max(0.0, robust_mean(samples, self.config.mad_cut, self.config.rel_floor))
 
-    def _move(self, old: float, estimate: float) -> float:
-        """``old`` smoothed towards ``estimate``, limited to ``max_change`` x, clamped."""
+    def _move(self, old: float, estimate: float, first: bool = False) -> float:
+        """``old`` smoothed towards ``estimate`` (``first``: a factor never refitted, whose ``old`` is the
+        fit-start guess, takes the estimate), limited to ``max_change`` x, clamped."""
         cfg = self.config
-        new = old + cfg.alpha * (estimate - old)
+        new = estimate if first else old + cfg.alpha * (estimate - old)
         new = min(max(new, old / cfg.max_change), old * cfg.max_change)
         return min(max(new, cfg.low), cfg.high)
 
