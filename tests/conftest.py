@@ -1,9 +1,15 @@
-"""Shared test hygiene: no default process group (nor its MASTER_PORT) outlives the test that made it.
+"""Shared test hygiene, and which tests are ``slow``.
 
+No default process group (nor its MASTER_PORT) outlives the test that made it:
 An in-process fit (one device) initialises a gloo process group in the pytest process, and Lightning
 puts the port it picked in ``MASTER_PORT``. Left behind, the next test's spawned ranks inherit that
 port and cannot bind it (``EADDRINUSE``): the group is destroyed and the variables restored after
 every test.
+
+``slow`` (:data:`SLOW`): the longest multi-process variants, each with a shorter twin in the default
+run (the 2-process case of a 4-process test, another fault of the same kind). The default run
+(``pytest -q``) leaves them out (``addopts`` in ``pyproject.toml``); ``pytest -q -m slow`` runs them,
+and CI runs both.
 """
 
 from __future__ import annotations
@@ -28,3 +34,30 @@ def _no_process_group_left_behind():
             os.environ.pop(var, None)
         else:
             os.environ[var] = value
+
+
+SLOW = {
+    "test_gpu_check.py::test_dry_run_without_cuda_writes_every_section",
+    "test_hf.py::test_sp2_sp4_equal_single_process",
+    "test_hf.py::test_dcp_trainer_equals_plain_training[llama-random-4]",
+    "test_hf.py::test_dcp_trainer_equals_plain_training[qwen2-dcp-4]",
+    "test_multinode.py::test_slurm_variables_are_detected_and_train_exactly",
+    "test_hsdp.py::test_hsdp_four_processes_shard_groups_of_two_and_world",
+    "test_sharding.py::test_sharded_exact_four_processes_mixed_sp",
+    "test_safe_mode.py::test_unchanged_module_trains_exactly_in_safe_mode[encoder-4]",
+    "test_profiler.py::test_three_ranks_profile_sp2_on_the_block_that_fits",
+    "test_faults.py::test_rank_dependent_dataset_stops_every_rank_before_profiling[cached-profile]",
+    "test_faults.py::test_stuck_collective_ends_the_run_naming_step_item_and_group",
+    "test_faults.py::test_world_size_three_trains_exactly_with_sp2_on_the_aligned_block",
+    "test_faults.py::test_sigterm_ends_every_process_of_a_run_hung_in_a_collective",
+    "test_diffusers.py::test_dcp_strategy_equals_single_process_training[4]",
+    "test_diffusers_ltx.py::test_dcp_strategy_equals_single_process_training[4]",
+    "test_diffusers_joint.py::test_dcp_strategy_equals_single_process_training[4]",
+}
+"""Test ids (file::name[params]) marked ``slow``."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("/")[-1] in SLOW:
+            item.add_marker(pytest.mark.slow)
