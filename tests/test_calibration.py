@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from _fakes import FakeCostModel
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.calibrated import CalibratedCostModel
-from lightning_dcp.planning.calibration import (
-    NUM_FIELDS, CalibrationConfig, CalibrationFactors, Calibrator, ItemMeasurement, StepTiming, pack_payload, pack_rows,
-    robust_mean, unpack_payload, unpack_rows,
+from lightning_dcp.planning.calibration import CalibrationConfig, CalibrationFactors, Calibrator, robust_mean, robust_ratio
+from lightning_dcp.planning.measurements import (
+    NUM_FIELDS, ItemMeasurement, StepTiming, pack_payload, pack_rows, unpack_payload, unpack_rows,
 )
 from lightning_dcp.planning.distributions import get_distribution
 from lightning_dcp.planning.errors import PlanningError
@@ -264,6 +264,22 @@ def test_predicted_vs_measured():
     knows = Calibrator(W, mode="fixed", factors=CalibrationFactors((), 1.0, tuple(speeds))).predict(rows, step=0)
     assert blind.measured_s == pytest.approx(knows.measured_s) and blind.relative_error > 0.2
     assert knows.predicted_s == pytest.approx(knows.measured_s) and abs(knows.relative_error) < 1e-9
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.floats(0.01, 1.0), st.floats(-0.02, 0.02)), min_size=3, max_size=30),
+       st.floats(0.5, 2.0), st.floats(20.0, 1e4), st.integers(0, 2**31))
+def test_robust_ratio_predicts_the_total_time_and_drops_a_stall(items, scale, stall, seed):
+    """Items measured within 2% of ``scale x predicted``: the robust ratio is total measured / total predicted
+    (the scale that predicts the step's total); one stalled item among them is dropped; order does not matter."""
+    preds = [p for p, _ in items]
+    meas = [scale * p * (1 + u) for p, u in items]
+    got = robust_ratio(meas, preds)
+    assert got == pytest.approx(sum(meas) / sum(preds), rel=1e-12)
+    m2, p2 = meas + [preds[0] * scale * stall], preds + [preds[0]]
+    order = list(range(len(p2)))
+    random.Random(seed).shuffle(order)
+    assert robust_ratio([m2[i] for i in order], [p2[i] for i in order]) == robust_ratio(m2, p2) == got
 
 
 def test_robust_mean_is_order_free():

@@ -22,9 +22,8 @@ from _dcp_helpers import Dump, TinyLM, make_dataset, make_trainer, max_rel_err, 
 from _fakes import FakeCostModel
 from lightning_dcp import DCPStrategy
 from lightning_dcp.planning.calibrated import CalibratedCostModel
-from lightning_dcp.planning.calibration import (
-    CalibrationFactors, ItemMeasurement, StepTiming, pack_payload, pack_rows, unpack_payload,
-)
+from lightning_dcp.planning.calibration import CalibrationFactors
+from lightning_dcp.planning.measurements import ItemMeasurement, StepTiming, pack_payload, pack_rows, unpack_payload
 from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.runtime.calibration import (

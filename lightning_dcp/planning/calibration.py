@@ -13,16 +13,14 @@ This module turns what the run measured into two kinds of factors the planner us
   step-end all-gather, the gradient reduction, the optimizer step), measured, in place of the base
   model's estimate.
 
-The runtime's part (interfaces only here): every rank times each micro-batch it executes and
-builds an :class:`ItemMeasurement` per item; the rows (:meth:`ItemMeasurement.to_floats`, a fixed
-width of :data:`NUM_FIELDS` floats, padded with :func:`pack_rows` to a fixed row count, float64)
-ride on the step-end all-gather; every rank decodes the gathered rows (:func:`unpack_rows`) and
-calls :meth:`Calibrator.observe`. Each rank also reports the previous step's
-:class:`StepTiming` (its wall seconds from preparing the step to the end of its optimizer step, and
-its loop's seconds) in the same payload (:func:`pack_payload` / :func:`unpack_payload`). Every rank thus sees the same rows and computes the same refit,
-bit for bit: the refit first sorts the rows into a canonical order and sums with ``math.fsum``
-(correctly rounded), so it depends only on the *set* of gathered rows -- not on which rank
-computes it nor on the order the rows arrived in.
+The runtime's part: every rank times each micro-batch it executes and its whole previous step
+(from the micro-batch loop's start to the end of its optimizer step); the rows
+(:class:`~lightning_dcp.planning.measurements.ItemMeasurement`,
+:class:`~lightning_dcp.planning.measurements.StepTiming`, fixed-width floats) ride on the step-end
+all-gather; every rank decodes the gathered rows and calls :meth:`Calibrator.observe`. Every rank
+thus sees the same rows and computes the same refit, bit for bit: the refit first sorts the rows
+into a canonical order and sums with ``math.fsum`` (correctly rounded), so it depends only on the
+*set* of gathered rows -- not on which rank computes it nor on the order the rows arrived in.
 
 The refit (:meth:`Calibrator.refit`, every ``config.every`` observed steps, over the rows of those
 steps):
@@ -30,13 +28,16 @@ steps):
 1. Items: the rows of one ``(step, item)`` are one micro-batch; its duration is the largest
    member's measured seconds and its ratio ``measured / predicted`` (``predicted``: the
    *uncalibrated* model's time, so factors never compound).
-2. Speeds from SP-1 items: per rank the robust mean of its ratios; the typical ratio ``scale[1]``
-   is the median over ranks; a rank's speed sample from an item is ``scale[1] / ratio``.
+2. Speeds from SP-1 items: per rank the robust ratio of its items (:func:`robust_ratio`: measured
+   over predicted seconds, summed over the items whose ratio is no outlier, so the scale predicts
+   the total time right); the typical ratio ``scale[1]`` is the median over ranks; a rank's speed
+   sample from an item is ``scale[1] / ratio``.
 3. SP items whose members' all-to-all seconds were measured: each member's compute seconds
    ``c = measured - wait`` give every member a speed sample ``w / c``, with the item's work ``w``
    the members' mean of ``current speed x c``: the member that computed longest (and waited least)
    is the slow one, whatever the SP sizes the plans use.
-4. SP sizes above 1: ``scale[p]`` is the robust mean of ``ratio x (slowest member's speed)``; in an
+4. SP sizes above 1: ``scale[p]`` is the robust ratio of the items' measured seconds x their slowest
+   member's speed over their predicted seconds; in an
    item without measured waits the speed sample ``scale[p] / ratio`` goes to its slowest member by
    the current speeds (none when they tie).
 5. Step overhead: per step of the window reported by every rank, ``max(step seconds) - max(loop
@@ -61,180 +62,16 @@ Pure Python: no torch, no numpy.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = [
-    "CalibrationConfig", "CalibrationFactors", "Calibrator", "ItemMeasurement", "MODES", "NUM_FIELDS",
-    "StepPrediction", "StepTiming", "pack_payload", "pack_rows", "robust_mean", "unpack_payload", "unpack_rows",
-]
+from lightning_dcp.planning.measurements import ItemMeasurement, StepTiming
+
+__all__ = ["CalibrationConfig", "CalibrationFactors", "Calibrator", "MODES", "StepPrediction", "robust_mean",
+           "robust_ratio"]
 
 MODES = ("adaptive", "fixed", "off")
 """Calibrator modes: refit every ``every`` steps; keep the given factors; everything 1.0."""
-
-_UNKNOWN = -1.0
-"""``wait_s`` when the all-to-all wait was not measured; ``rank`` of a padding row."""
-
-
-@dataclass(frozen=True)
-class ItemMeasurement:
-    """What one rank measured for one micro-batch it executed (one row of floats on the all-gather).
-
-    ``tokens`` and ``work`` (sum of the samples' attention work, ``sum(l**2)`` for 1-D models) are
-    kept so later refits can fit the time terms themselves; the refit of this version uses
-    ``predicted_s`` (the *uncalibrated* cost model's time of the item, the same on every member).
-    """
-
-    step: int
-    """Optimizer step the item belongs to."""
-    item: int
-    """Index of the item in the step plan's ``items``."""
-    rank: int
-    """The rank that measured it."""
-    sp: int
-    """SP size of the item."""
-    recompute: int
-    """Recomputed layers."""
-    samples: int
-    """Samples packed in the micro-batch."""
-    tokens: float
-    """Sum of the samples' lengths."""
-    work: float
-    """Sum of the samples' attention work (``sum(l**2)`` for 1-D models)."""
-    predicted_s: float
-    """The uncalibrated cost model's time of the item (seconds)."""
-    measured_s: float
-    """Seconds this rank spent on the item (forward + backward, recompute included)."""
-    wait_s: float = _UNKNOWN
-    """Seconds of it this rank spent inside the item's SP all-to-alls, forward and backward: waiting for
-    the group's slowest member, then the transfer (``-1``: not measured)."""
-
-    def to_floats(self) -> list[float]:
-        """The :data:`NUM_FIELDS` floats of this row, in field order (exact for integers below 2**53)."""
-        return [float(getattr(self, f.name)) for f in fields(self)]
-
-    @classmethod
-    def from_floats(cls, row: Sequence[float]) -> ItemMeasurement | None:
-        """The measurement of ``row`` (:meth:`to_floats`), or None for a padding row (negative rank).
-
-        Raises:
-            ValueError: a row of another width, or non-finite values in a real row.
-        """
-        vals = [float(v) for v in row]
-        if len(vals) != NUM_FIELDS:
-            raise ValueError(f"a measurement row has {NUM_FIELDS} floats, got {len(vals)}; build rows with "
-                             "ItemMeasurement.to_floats / pack_rows")
-        if vals[2] < 0:
-            return None
-        if not all(math.isfinite(v) for v in vals):
-            raise ValueError(f"measurement row {vals} has non-finite values")
-        ints = {f.name for f in fields(cls) if f.type in ("int", int)}
-        kw = {f.name: (int(v) if f.name in ints else v) for f, v in zip(fields(cls), vals)}
-        return cls(**kw)
-
-    def sort_key(self) -> tuple:
-        return tuple(self.to_floats())
-
-
-NUM_FIELDS = len(fields(ItemMeasurement))
-"""Floats per measurement row."""
-
-
-def pack_rows(measurements: Sequence[ItemMeasurement], rows: int) -> list[float]:
-    """``measurements`` as ``rows x NUM_FIELDS`` floats (row-major), padded with padding rows (rank -1).
-
-    The runtime puts this (as a float64 tensor of shape ``(rows, NUM_FIELDS)``) on its all-gather;
-    ``rows`` must be the same on every rank (e.g. the step plan's largest per-rank item count).
-
-    Raises:
-        ValueError: more measurements than ``rows``.
-    """
-    if len(measurements) > rows:
-        raise ValueError(f"{len(measurements)} measurements do not fit {rows} rows; pass rows >= the most items any "
-                         "rank runs in the step")
-    out: list[float] = []
-    for m in measurements:
-        out.extend(m.to_floats())
-    pad = [0.0] * NUM_FIELDS
-    pad[2] = _UNKNOWN
-    for _ in range(rows - len(measurements)):
-        out.extend(pad)
-    return out
-
-
-def unpack_rows(flat: Sequence[float]) -> list[ItemMeasurement]:
-    """The measurements in ``flat`` (rows of :data:`NUM_FIELDS` floats, e.g. every rank's :func:`pack_rows`
-    concatenated), padding rows skipped.
-
-    Raises:
-        ValueError: a length that is not a multiple of :data:`NUM_FIELDS`.
-    """
-    vals = list(flat)
-    if len(vals) % NUM_FIELDS:
-        raise ValueError(f"{len(vals)} floats are not whole rows of {NUM_FIELDS}")
-    out = []
-    for i in range(0, len(vals), NUM_FIELDS):
-        m = ItemMeasurement.from_floats(vals[i:i + NUM_FIELDS])
-        if m is not None:
-            out.append(m)
-    return out
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """One rank's wall seconds of one whole step (reported with the next step's rows: the optimizer step
-    ends after the step's all-gather)."""
-
-    step: int
-    """The step (its key)."""
-    rank: int
-    """The rank that measured it (``-1``: nothing to report)."""
-    step_s: float
-    """From preparing the step's micro-batches to the end of its optimizer step."""
-    busy_s: float
-    """Of it, the micro-batch loop."""
-
-    def to_floats(self) -> list[float]:
-        return [float(self.step), float(self.rank), float(self.step_s), float(self.busy_s)]
-
-    @classmethod
-    def from_floats(cls, row: Sequence[float]) -> StepTiming | None:
-        step, rank, step_s, busy_s = (float(v) for v in row)
-        if rank < 0 or not (math.isfinite(step_s) and math.isfinite(busy_s)) or step_s < busy_s or busy_s < 0:
-            return None
-        return cls(int(step), int(rank), step_s, busy_s)
-
-
-TIMING_FIELDS = 4
-"""Floats of a :class:`StepTiming`."""
-
-
-def pack_payload(timing: StepTiming | None, measurements: Sequence[ItemMeasurement], rows: int) -> list[float]:
-    """One rank's calibration payload: its previous step's timing (or a padding timing), then
-    :func:`pack_rows` of ``measurements``."""
-    head = timing.to_floats() if timing is not None else [0.0, _UNKNOWN, 0.0, 0.0]
-    return head + pack_rows(measurements, rows)
-
-
-def unpack_payload(flat: Sequence[float], ranks: int) -> tuple[list[StepTiming], list[ItemMeasurement]]:
-    """The timings and measurements of ``ranks`` payloads (:func:`pack_payload`) concatenated in rank order.
-
-    Raises:
-        ValueError: a length that is not ``ranks`` equal payloads of whole rows.
-    """
-    vals = list(flat)
-    if ranks < 1 or len(vals) % ranks or (len(vals) // ranks - TIMING_FIELDS) % NUM_FIELDS:
-        raise ValueError(f"{len(vals)} floats are not {ranks} payloads of {TIMING_FIELDS} + k x {NUM_FIELDS} floats")
-    width = len(vals) // ranks
-    timings, rows = [], []
-    for r in range(ranks):
-        part = vals[r * width:(r + 1) * width]
-        t = StepTiming.from_floats(part[:TIMING_FIELDS])
-        if t is not None:
-            timings.append(t)
-        rows.extend(unpack_rows(part[TIMING_FIELDS:]))
-    return timings, rows
-
 
 @dataclass(frozen=True)
 class CalibrationConfig:
@@ -338,6 +175,18 @@ def robust_mean(xs: Sequence[float], mad_cut: float = 3.0, rel_floor: float = 0.
     return math.fsum(kept) / len(kept)
 
 
+def robust_ratio(num: Sequence[float], den: Sequence[float], mad_cut: float = 3.0, rel_floor: float = 0.05) -> float:
+    """``sum(num) / sum(den)`` over the pairs whose ratio :func:`robust_mean` keeps: the time-weighted
+    scale, so that the predicted total time of the kept items equals the measured one (a plain mean of
+    ratios overweights short items when the base model's shape is off). Order-independent."""
+    ratios = [n / d for n, d in zip(num, den)]
+    med = _median(ratios)
+    mad = _median([abs(x - med) for x in ratios])
+    cut = max(mad_cut * 1.4826 * mad, rel_floor * abs(med))
+    kept = [(n, d) for n, d, x in zip(num, den, ratios) if abs(x - med) <= cut]
+    return math.fsum(n for n, _ in kept) / math.fsum(d for _, d in kept)
+
+
 @dataclass
 class _Item:
     """One micro-batch of the window: its members' rows, combined."""
@@ -346,6 +195,8 @@ class _Item:
     ranks: tuple[int, ...]
     ratio: float
     waits: tuple[float, ...]
+    predicted: float = 0.0
+    """The uncalibrated prediction (``measured = ratio x predicted``)."""
     computes: tuple[float, ...] = ()
     """Per member: measured seconds minus all-to-all seconds (empty unless every member measured both)."""
 
@@ -438,8 +289,12 @@ class Calibrator:
         for it in items:
             if it.sp == 1:
                 per_rank.setdefault(it.ranks[0], []).append(it.ratio)
-        rank_ratio = {r: robust_mean(v, cfg.mad_cut, cfg.rel_floor) for r, v in sorted(per_rank.items())
-                      if len(v) >= cfg.min_samples}
+        preds: dict[int, list[float]] = {}
+        for it in items:
+            if it.sp == 1:
+                preds.setdefault(it.ranks[0], []).append(it.predicted)
+        rank_ratio = {r: robust_ratio([x * p for x, p in zip(v, preds[r])], preds[r], cfg.mad_cut, cfg.rel_floor)
+                      for r, v in sorted(per_rank.items()) if len(v) >= cfg.min_samples}
         if rank_ratio:
             s1 = _median(list(rank_ratio.values()))
             est_scale[1] = s1
@@ -456,16 +311,18 @@ class Calibrator:
         for p, its in sorted(by_sp.items()):
             if len(its) < cfg.min_samples:
                 continue
-            sp_scale = robust_mean([it.ratio * min(cur[r] for r in it.ranks) for it in its], cfg.mad_cut, cfg.rel_floor)
+            sp_scale = robust_ratio([it.ratio * it.predicted * min(cur[r] for r in it.ranks) for it in its],
+                                    [it.predicted for it in its], cfg.mad_cut, cfg.rel_floor)
             est_scale[p] = sp_scale
             for it in its:
                 who = None if it.computes else _slowest(it, cur)
                 if who is not None:
                     speed_samples.setdefault(who, []).append(sp_scale / it.ratio)
-        adjusted = [it.ratio * min(cur[r] for r in it.ranks) for it in items]
+        adjusted = [it.ratio * it.predicted * min(cur[r] for r in it.ranks) for it in items]
         default = old.default_scale
         if len(adjusted) >= cfg.min_samples:
-            default = self._move(old.default_scale, robust_mean(adjusted, cfg.mad_cut, cfg.rel_floor),
+            estimate = robust_ratio(adjusted, [it.predicted for it in items], cfg.mad_cut, cfg.rel_floor)
+            default = self._move(old.default_scale, estimate,
                                  first=self.refits == 0)
         scales = dict(old.time_scale)
         for p, e in est_scale.items():
@@ -548,7 +405,7 @@ class Calibrator:
             if first.sp > 1 and len(ranks) == first.sp and all(w >= 0 for w in waits):
                 computes = tuple(min(m.measured_s for m in ms if m.rank == r) - w for r, w in zip(ranks, waits))
                 computes = computes if all(c > 0 for c in computes) else ()
-            out.append(_Item(first.sp, ranks, measured / first.predicted_s, waits, computes))
+            out.append(_Item(first.sp, ranks, measured / first.predicted_s, waits, first.predicted_s, computes))
         return out
 
     # -- checkpoints ---------------------------------------------------------------------

@@ -9,9 +9,9 @@ per-rank speeds from measurement rows; this module feeds it and applies what it 
    all-to-alls, forward and backward, are timed the same way (:mod:`lightning_dcp.sp.comm_timer`):
    the member that spent least there set the item's pace. The whole step is timed too, from the
    loop's start to the end of the optimizer step (:meth:`RunCalibration.step_done`), and reported
-   with the next step's rows as a :class:`~lightning_dcp.planning.calibration.StepTiming`: the step's
+   with the next step's rows as a :class:`~lightning_dcp.planning.measurements.StepTiming`: the step's
    time outside the loop becomes the measured step overhead.
-2. **gather**: this rank's payload (the previous step's timing, then its rows (:class:`~lightning_dcp.planning.calibration.ItemMeasurement`, fixed
+2. **gather**: this rank's payload (the previous step's timing, then its rows (:class:`~lightning_dcp.planning.measurements.ItemMeasurement`, fixed
    width, padded to the plan's largest per-rank item count, which every rank knows from the plan))
    ride on the step-end all-gather (:mod:`lightning_dcp.runtime.row`) -- no new collective.
 3. **refit**: every rank feeds the same gathered rows to its
@@ -48,10 +48,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_dcp.planning.calibration import (
-    CalibrationConfig, CalibrationFactors, Calibrator, ItemMeasurement, StepPrediction, StepTiming, pack_payload,
-    unpack_payload,
-)
+from lightning_dcp.planning.calibration import CalibrationConfig, CalibrationFactors, Calibrator, StepPrediction
+from lightning_dcp.planning.measurements import ItemMeasurement, StepTiming, pack_payload, unpack_payload
 from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.sp.comm_timer import AllToAllTimer, set_active
 
