@@ -38,9 +38,9 @@ except ImportError as _err:  # pragma: no cover - exercised only without diffuse
         '`pip install "lightning-dcp[diffusers]"` (or `pip install "diffusers>=0.35"`).'
     ) from _err
 
-from lightning_dcp.diffusers.adapt import adapt, is_adapted
 from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
 from lightning_dcp.diffusers.cogvideox import cogvideox_sample
+from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
 from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
 from lightning_dcp.diffusers.encoded import EncodedVideoDataset
 from lightning_dcp.diffusers.hunyuan import hunyuan_sample
@@ -49,7 +49,7 @@ from lightning_dcp.diffusers.video_io import VideoDecodeError
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
 from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
-from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, packed_forward
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 from lightning_dcp.diffusers.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
 from lightning_dcp.diffusers.module import VideoDiffusionModule
 from lightning_dcp.diffusers.samples import (

@@ -1,4 +1,7 @@
-"""Prepare a diffusers video transformer for DCP in place: :func:`adapt`."""
+"""Prepare a diffusers Wan transformer for DCP in place: :func:`adapt_wan`.
+
+Every family, looked up: :func:`~lightning_dcp.diffusers.dispatch.adapt`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from torch import nn
 from lightning_dcp.diffusers.attention import DCPWanAttnProcessor
 from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers
 
-__all__ = ["adapt", "adapt_wan", "is_adapted", "is_wan_adapted"]
+__all__ = ["adapt_wan", "is_wan_adapted"]
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -41,42 +44,11 @@ def _check_supported(model: nn.Module) -> None:
                                  "before adapting)")
 
 
-def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
-    """Prepare a diffusers video transformer for DCP, in place: the adapter of its family
-    (:data:`~lightning_dcp.diffusers.family.FAMILIES`): :func:`adapt_wan` for ``WanTransformer3DModel``,
-    :func:`~lightning_dcp.diffusers.ltx.adapt_ltx` for ``LTXVideoTransformer3DModel``, and for the
-    joint-attention DiTs (:mod:`lightning_dcp.diffusers.joint`)
-    :func:`~lightning_dcp.diffusers.cogvideox.adapt_cogvideox` for ``CogVideoXTransformer3DModel`` and
-    :func:`~lightning_dcp.diffusers.hunyuan.adapt_hunyuan` for ``HunyuanVideoTransformer3DModel``.
-
-    Every family gets the packed, sequence-parallel attention, ``model.dcp_recompute``,
-    ``model.dcp_num_heads`` and ``model.dcp_repeated_layers()``, with ``state_dict`` keys and the
-    model's own ``forward`` unchanged.
-
-    Raises:
-        NotImplementedError: variants not supported yet (Wan FLF2V, CogVideoX-5b-I2V, HunyuanVideo
-            token-replace I2V, ...) -- the message says what is missing.
-        TypeError: any other model, naming the supported ones.
-        ValueError: a model with a custom attention processor.
-    """
-    from lightning_dcp.diffusers.family import family_of  # the family table imports this module
-
-    return family_of(model).adapt(model, recompute_override=recompute_override)
-
-
-def is_adapted(model: nn.Module) -> bool:
-    """Whether :func:`adapt` has prepared ``model`` (False for a model of no supported family)."""
-    from lightning_dcp.diffusers.family import find_family
-
-    family = find_family(model)
-    return family is not None and family.is_adapted(model)
-
-
 def adapt_wan(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
     """Prepare a diffusers ``WanTransformer3DModel`` (Wan 2.1 / 2.2) for DCP, in place.
 
     * attention: every ``WanAttention`` gets a :class:`~lightning_dcp.diffusers.attention.DCPWanAttnProcessor`:
-      in :func:`~lightning_dcp.diffusers.forward.packed_forward` it runs Ulysses self-attention over the SP
+      in :func:`~lightning_dcp.diffusers.dispatch.packed_forward` it runs Ulysses self-attention over the SP
       group of the micro-batch and per-sample cross-attention; any other call (the model's own
       ``forward``, a diffusers pipeline) goes to the processor it had, so inference is unchanged.
     * recompute: ``model.dcp_recompute`` (a :class:`~lightning_dcp.sp.recompute.LayerRecompute`)

@@ -2,7 +2,7 @@
 
 Diffusers' Wan block calls ``attn1(x, None, None, rotary_emb)`` (self-attention) and
 ``attn2(x, encoder_hidden_states, None, None)`` (cross-attention) and passes both arguments
-through untouched, so the packed forward (:func:`~lightning_dcp.diffusers.forward.packed_forward`)
+through untouched, so the packed forward (:func:`~lightning_dcp.diffusers.dispatch.packed_forward`)
 runs the model's own blocks and hands the processor what packing needs through them:
 
 * self-attention gets a :class:`PackedSelfAttention` as ``rotary_emb``: per-token rotary angles
@@ -141,7 +141,7 @@ def _cross_attention(attn: Any, x: torch.Tensor, packed: PackedText) -> torch.Te
 
 class DCPWanAttnProcessor:
     """Attention processor for diffusers' ``WanAttention``: packed and sequence-parallel in
-    :func:`~lightning_dcp.diffusers.forward.packed_forward`, the original processor elsewhere.
+    :func:`~lightning_dcp.diffusers.dispatch.packed_forward`, the original processor elsewhere.
 
     Args:
         fallback: the processor the module had before (used for every unpacked call).

@@ -194,7 +194,7 @@ def _embed(model: nn.Module, batch: Mapping[str, Any], roles: Mapping[str, torch
 
 def cogvideox_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """Velocity prediction ``[local rows, C*pt*ph*pw]`` (channel-major) of an adapted CogVideoX; text and padding
-    rows get zeros. Batch keys as for :func:`~lightning_dcp.diffusers.forward.packed_forward`, over joint rows."""
+    rows get zeros. Batch keys as for :func:`~lightning_dcp.diffusers.dispatch.packed_forward`, over joint rows."""
     from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 
     x = batch[HIDDEN_STATES]

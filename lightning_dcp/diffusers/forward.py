@@ -1,4 +1,6 @@
-"""The packed forward of an adapted Wan transformer: :func:`packed_forward`.
+"""The packed forward of an adapted Wan transformer: :func:`wan_packed_forward`.
+
+Every family, looked up: :func:`~lightning_dcp.diffusers.dispatch.packed_forward`.
 
 Diffusers' ``WanTransformer3DModel.forward`` takes one ``[B, C, F, H, W]`` tensor, so every video
 of a batch must have the same shape. :func:`packed_forward` runs the same model -- its own patch
@@ -38,7 +40,7 @@ from lightning_dcp.diffusers.rope import packed_rotary
 from lightning_dcp.diffusers.samples import GRID, IMAGE, TEXT, VIDEO_POS, per_sample_embeds, sample_labels
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 
-__all__ = ["HIDDEN_STATES", "TIMESTEP", "packed_forward", "wan_packed_forward"]
+__all__ = ["HIDDEN_STATES", "TIMESTEP", "wan_packed_forward"]
 
 #: The model's input tokens ``[tokens, in_channels*pt*ph*pw]`` (input layout): noisy latents (+ condition channels).
 HIDDEN_STATES = "hidden_states"
@@ -108,23 +110,6 @@ def _concat(parts: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor
     if not parts:
         return like[:, :0], bounds
     return torch.cat(parts, dim=1), bounds
-
-
-def packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """The prediction ``[local_tokens, features]`` of a model prepared by :func:`~lightning_dcp.diffusers.adapt` on a
-    packed micro-batch (whole or this SP rank's shard): the packed forward of its family
-    (:data:`~lightning_dcp.diffusers.family.FAMILIES`; :func:`wan_packed_forward` for Wan,
-    :func:`~lightning_dcp.diffusers.ltx_forward.ltx_packed_forward` for LTX-Video; the joint-attention families'
-    -- :func:`~lightning_dcp.diffusers.cogvideox.cogvideox_packed_forward`,
-    :func:`~lightning_dcp.diffusers.hunyuan.hunyuan_packed_forward` -- return one row per text or video row,
-    zeros on text rows)."""
-    from lightning_dcp.diffusers.family import find_family  # the family table imports this module
-
-    family = find_family(model)
-    if family is None or not family.is_adapted(model):
-        raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
-                         "is not (call adapt(model) once, before training)")
-    return family.packed_forward(model, batch)
 
 
 def wan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:

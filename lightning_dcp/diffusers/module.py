@@ -19,11 +19,11 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_dcp.diffusers.adapt import adapt, is_adapted
 from lightning_dcp.diffusers.checks import check_train_data
+from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
 from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
-from lightning_dcp.diffusers.forward import HIDDEN_STATES, packed_forward
+from lightning_dcp.diffusers.forward import HIDDEN_STATES
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, TOKEN_WEIGHT, active_context
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS, add_token_weights, weighted_loss
