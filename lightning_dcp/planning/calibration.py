@@ -9,9 +9,9 @@ This module turns what the run measured into two kinds of factors the planner us
   at typical speed (one ``default_scale`` for the SP sizes not measured yet);
 - a *speed* per rank: how fast the rank runs relative to the typical (median) rank; an SP item
   runs at the pace of its slowest member (:mod:`~lightning_dcp.planning.speeds`);
-- the *step overhead*: the seconds of a step outside its micro-batch loop (host preparation, the
-  step-end all-gather, the gradient reduction, the optimizer step), measured, in place of the base
-  model's estimate.
+- the *step overhead*: the seconds of a step beyond its slowest rank's predicted items (the
+  step-end all-gather, the gradient reduction, the optimizer step, the slowest rank's overrun),
+  measured, in place of the base model's estimate.
 
 The runtime's part: every rank times each micro-batch it executes and its whole previous step
 (from the micro-batch loop's start to the end of its optimizer step); the rows
@@ -40,9 +40,12 @@ steps):
    member's speed over their predicted seconds; in an
    item without measured waits the speed sample ``scale[p] / ratio`` goes to its slowest member by
    the current speeds (none when they tie).
-5. Step overhead: per step of the window reported by every rank, ``max(step seconds) - max(loop
-   seconds)`` over the ranks; the robust mean of those, smoothed (``alpha``); with fewer than
-   ``min_samples`` such steps the timings stay for the next refit.
+5. Step overhead: per step whose every rank reported its timing, ``max(step seconds)`` over the
+   ranks minus the largest per-rank sum of the step's items predicted with the factors just
+   refitted: what the item model does not predict (host work, the step-end gather, the gradient
+   reduction, the optimizer step, and the step's slowest rank running past its prediction, which
+   noisy ranks make longer than any one rank's mean). The robust mean of those, smoothed
+   (``alpha``); with fewer than ``min_samples`` such steps the timings stay for the next refit.
 6. Each factor with at least ``min_samples`` samples moves towards its estimate by exponential
    smoothing (``alpha``) -- its first refit takes the estimate (the old value was the fit-start
    guess, not a measurement) -- at most ``max_change`` x per refit, clamped to ``[low, high]``.
@@ -62,7 +65,7 @@ Pure Python: no torch, no numpy.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_dcp.planning.measurements import ItemMeasurement, StepTiming
@@ -118,7 +121,7 @@ class CalibrationFactors:
     rank_speeds: tuple[float, ...] | None = None
     """Speed of every rank (None: all 1.0)."""
     step_overhead_s: float | None = None
-    """Measured seconds of a step outside its micro-batch loop (None: the base model's estimate)."""
+    """Measured seconds of a step beyond its slowest rank's predicted items (None: the base model's estimate)."""
 
     def scale(self, sp: int) -> float:
         for p, f in self.time_scale:
@@ -223,6 +226,8 @@ class Calibrator:
             raise ValueError(f"factors carry {len(self.factors.rank_speeds)} rank speeds for a world of {self.world_size}")
         self.window: list[ItemMeasurement] = []
         self.timings: list[StepTiming] = []
+        self.step_rows: dict[int, list[ItemMeasurement]] = {}
+        """Each recent step's item rows, until its timings arrive (one step later) for the step overhead."""
         self.steps_seen = 0
         self.refits = 0
 
@@ -247,6 +252,10 @@ class Calibrator:
             return None
         self.window.extend(rows)
         self.timings.extend(t for t in timings if 0 <= t.rank < self.world_size)
+        for m in rows:
+            self.step_rows.setdefault(m.step, []).append(m)
+        for k in sorted(self.step_rows)[:-(2 * int(self.config.every) + 1)]:  # never timed: forget
+            del self.step_rows[k]
         if self.steps_seen % int(self.config.every):
             return None
         return self.refit()
@@ -256,17 +265,14 @@ class Calibrator:
         """Predicted (current factors, and uncalibrated) vs measured busy time of the slowest rank; the
         step overhead: the measured one of the factors, else ``base_overhead_s``."""
         items, rows = self._items(measurements)
-        pred = [0.0] * self.world_size
         base = [0.0] * self.world_size
         meas = [0.0] * self.world_size
         for m in rows:
             meas[m.rank] += m.measured_s
-        for key, it in items.items():
-            p = it[0]
-            s = 1.0 if self.factors.rank_speeds is None else min(self.factors.rank_speeds[r] for r in it[1])
-            for r in it[1]:
-                base[r] += p.predicted_s
-                pred[r] += p.predicted_s * self.factors.scale(p.sp) / s
+        for first, ranks, _ in items.values():
+            for r in ranks:
+                base[r] += first.predicted_s
+        pred = self._busy(rows, self.factors)
         overhead = self.factors.step_overhead_s
         return StepPrediction(step, max(pred, default=0.0), max(base, default=0.0), max(meas, default=0.0),
                               float(base_overhead_s) if overhead is None else overhead)
@@ -275,10 +281,7 @@ class Calibrator:
     def refit(self) -> CalibrationFactors:
         """New factors from the window's measurements (module docstring); clears the window."""
         items = self._combine(self.window)
-        overhead = self._overhead(self.timings)
         self.window = []
-        if overhead is not None:  # too few whole steps: their timings wait for the next refit
-            self.timings = []
         cfg = self.config
         old = self.factors
         speeds = list(old.rank_speeds) if old.rank_speeds is not None else [1.0] * self.world_size
@@ -332,10 +335,11 @@ class Calibrator:
                 speeds[r] = self._move(speeds[r], robust_mean(v, cfg.mad_cut, cfg.rel_floor),
                                        first=old.rank_speeds is None)
         rank_speeds = None if all(s == 1.0 for s in speeds) else tuple(speeds)
+        new = CalibrationFactors(tuple(sorted(scales.items())), default, rank_speeds, old.step_overhead_s)
+        overhead = self._overhead(new)
         if overhead is not None and old.step_overhead_s is not None:
             overhead = old.step_overhead_s + cfg.alpha * (overhead - old.step_overhead_s)
-        self.factors = CalibrationFactors(tuple(sorted(scales.items())), default, rank_speeds,
-                                          old.step_overhead_s if overhead is None else overhead)
+        self.factors = new if overhead is None else replace(new, step_overhead_s=overhead)
         self.refits += 1
         return self.factors
 
@@ -358,16 +362,32 @@ class Calibrator:
                 out[r] = robust_mean(speed_samples[r], cfg.mad_cut, cfg.rel_floor)
         return out
 
-    def _overhead(self, timings: Sequence[StepTiming]) -> float | None:
-        """The window's step overhead estimate (module docstring), or None with too few whole steps."""
+    def _overhead(self, factors: CalibrationFactors) -> float | None:
+        """The step overhead estimate under ``factors`` (module docstring), or None with fewer than
+        ``min_samples`` steps whose every rank's timing and item rows are in; the timings and rows of
+        the steps used are dropped, the others wait for the next refit."""
         by_step: dict[int, list[StepTiming]] = {}
-        for t in sorted(timings, key=lambda t: t.to_floats()):
+        for t in sorted(self.timings, key=lambda t: t.to_floats()):
             by_step.setdefault(t.step, []).append(t)
-        samples = [max(t.step_s for t in ts) - max(t.busy_s for t in ts) for _, ts in sorted(by_step.items())
-                   if len({t.rank for t in ts}) == self.world_size]
-        if len(samples) < self.config.min_samples:
+        whole = [k for k, ts in sorted(by_step.items())
+                 if len({t.rank for t in ts}) == self.world_size and k in self.step_rows]
+        if len(whole) < self.config.min_samples:
             return None
+        samples = [max(t.step_s for t in by_step[k]) - max(self._busy(self.step_rows[k], factors)) for k in whole]
+        used = set(whole)
+        self.timings = [t for t in self.timings if t.step not in used]
+        self.step_rows = {k: v for k, v in self.step_rows.items() if k not in used}
         return max(0.0, robust_mean(samples, self.config.mad_cut, self.config.rel_floor))
+
+    def _busy(self, measurements: Iterable[ItemMeasurement], factors: CalibrationFactors) -> list[float]:
+        """Every rank's predicted seconds of its items in ``measurements`` under ``factors``."""
+        items, _ = self._items(measurements)
+        busy = [0.0] * self.world_size
+        for first, ranks, _ in items.values():
+            s = 1.0 if factors.rank_speeds is None else min(factors.rank_speeds[r] for r in ranks)
+            for r in ranks:
+                busy[r] += first.predicted_s * factors.scale(first.sp) / s
+        return busy
 
     def _move(self, old: float, estimate: float, first: bool = False) -> float:
         """``old`` smoothed towards ``estimate`` (``first``: a factor never refitted, whose ``old`` is the
@@ -414,6 +434,8 @@ class Calibrator:
         return {"version": 2, "mode": self.mode, "world_size": self.world_size, "config": asdict(self.config),
                 "factors": self.factors.to_dict(), "window": [m.to_floats() for m in self.window],
                 "timings": [t.to_floats() for t in self.timings],
+                "step_rows": [m.to_floats() for k in sorted(self.step_rows)
+                              for m in sorted(self.step_rows[k], key=ItemMeasurement.sort_key)],
                 "steps_seen": self.steps_seen, "refits": self.refits}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -431,6 +453,10 @@ class Calibrator:
         self.factors = CalibrationFactors() if self.mode == "off" else CalibrationFactors.from_dict(state["factors"])
         self.window = [m for m in (ItemMeasurement.from_floats(r) for r in state["window"]) if m is not None]
         self.timings = [t for t in (StepTiming.from_floats(r) for r in state.get("timings", [])) if t is not None]
+        self.step_rows = {}
+        for m in (ItemMeasurement.from_floats(r) for r in state.get("step_rows", [])):
+            if m is not None:
+                self.step_rows.setdefault(m.step, []).append(m)
         self.steps_seen = int(state["steps_seen"])
         self.refits = int(state["refits"])
 

@@ -10,7 +10,7 @@ per-rank speeds from measurement rows; this module feeds it and applies what it 
    the member that spent least there set the item's pace. The whole step is timed too, from the
    loop's start to the end of the optimizer step (:meth:`RunCalibration.step_done`), and reported
    with the next step's rows as a :class:`~lightning_dcp.planning.measurements.StepTiming`: the step's
-   time outside the loop becomes the measured step overhead.
+   time beyond its slowest rank's predicted items becomes the measured step overhead.
 2. **gather**: this rank's payload (the previous step's timing, then its rows (:class:`~lightning_dcp.planning.measurements.ItemMeasurement`, fixed
    width, padded to the plan's largest per-rank item count, which every rank knows from the plan))
    ride on the step-end all-gather (:mod:`lightning_dcp.runtime.row`) -- no new collective.
