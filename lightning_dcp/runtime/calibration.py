@@ -51,7 +51,7 @@ import torch
 from lightning_dcp.planning.calibration import CalibrationConfig, CalibrationFactors, Calibrator, StepPrediction
 from lightning_dcp.planning.measurements import ItemMeasurement, StepTiming, pack_payload, unpack_payload
 from lightning_dcp.planning.plan import StepPlan
-from lightning_dcp.sp.comm_timer import AllToAllTimer, set_active
+from lightning_dcp.sp.comm_timer import AllToAllTimer, set_active, time_mark
 
 __all__ = ["CHECKPOINT_KEY", "SLOW_RANK_ENV", "ItemClock", "RunCalibration", "VersionedPlanner", "build_calibration",
            "parse_slow_rank", "slow_rank_clock", "step_key"]
@@ -114,17 +114,10 @@ class ItemClock:
         """Wall seconds since :meth:`begin`."""
         return time.perf_counter() - self._begun
 
-    def _mark(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def start(self, what: Any) -> None:
         """Start timing ``what`` (a micro-batch) and the all-to-alls it runs."""
         comm = AllToAllTimer(self.cuda)
-        self._marks.append([self._mark(), None, time.perf_counter(), what, comm])
+        self._marks.append([time_mark(self.cuda), None, time.perf_counter(), what, comm])
         set_active(comm)
 
     def stop(self) -> None:
@@ -134,7 +127,7 @@ class ItemClock:
             if self.cuda:
                 torch.cuda.synchronize()
             time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - mark[2]))
-        mark[1] = self._mark()
+        mark[1] = time_mark(self.cuda)
 
     def timed(self) -> list[tuple[Any, float, float]]:
         """``(what, seconds, seconds inside its all-to-alls)`` of every item that finished, in order (call

@@ -20,7 +20,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["AllToAllTimer", "active_timer", "set_active"]
+__all__ = ["AllToAllTimer", "active_timer", "set_active", "time_mark"]
+
+
+def time_mark(cuda: bool) -> Any:
+    """A point in time: a CUDA event recorded on the current stream (``cuda``), or ``time.perf_counter()``."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
 
 
 class AllToAllTimer:
@@ -36,12 +45,7 @@ class AllToAllTimer:
         self._open: list[Any] = []
 
     def mark(self) -> Any:
-        """A point in time: a recorded CUDA event, or ``time.perf_counter()``."""
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        return time_mark(self.cuda)
 
     def add(self, start: Any, end: Any) -> None:
         self.spans.append((start, end))
