@@ -13,7 +13,8 @@ per-rank speeds from measurement rows; this module feeds it and applies what it 
    time beyond its slowest rank's predicted items becomes the measured step overhead.
 2. **gather**: this rank's payload -- the previous step's timing, then its rows
    (:class:`~lightning_dcp.planning.measurements.ItemMeasurement`, fixed width, padded to the plan's
-   largest per-rank item count, which every rank knows from the plan) -- rides on the step-end all-gather (:mod:`lightning_dcp.runtime.row`) -- no new collective.
+   largest per-rank item count, which every rank knows from the plan) -- rides on the step-end
+   all-gather (:mod:`lightning_dcp.runtime.row`): no new collective.
 3. **refit**: every rank feeds the same gathered rows to its
    :class:`~lightning_dcp.planning.calibration.Calibrator`, so every rank computes the same factors,
    bit for bit (the refit is order-independent), whatever its own measurements were.

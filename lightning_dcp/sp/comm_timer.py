@@ -3,8 +3,8 @@
 Calibration (:mod:`lightning_dcp.runtime.calibration`) needs to know, per SP micro-batch, how long
 each member sat in the group's all-to-alls: the member that arrives last waits least, so the least
 time inside the collectives marks the member that set the item's pace. :func:`set_active` installs an
-:class:`AllToAllTimer` for the duration of one micro-batch (forward and backward); :func:`~lightning_dcp.sp.ulysses.seq_all_to_all`
-then marks each forward all-to-all and, through the autograd node's pre-hook and hook, its backward
+:class:`AllToAllTimer` for the duration of one micro-batch (forward and backward);
+:func:`~lightning_dcp.sp.ulysses.seq_all_to_all` then marks each forward all-to-all and, through the autograd node's pre-hook and hook, its backward
 all-to-all (recomputed forwards included). What a span holds: the wait for the group's slowest
 member plus the transfer.
 
