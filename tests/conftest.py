@@ -18,6 +18,19 @@ import os
 
 import pytest
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``): the test
+    machines' few cores are shared, and oversubscribed OpenMP threads spin (a 0.3 s test took 12 s with two
+    threads under load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 

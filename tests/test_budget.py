@@ -19,12 +19,7 @@ from lightning_dcp.profiling.assemble import CPU_MEMORY_LIMIT
 MIB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainer(profiler, precision="32-true"):

@@ -32,12 +32,7 @@ from lightning_dcp.sp.packing import pack_samples
 from lightning_dcp.sp.recompute import LayerRecompute
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def check_readers_agree(module: nn.Module, contract: ModelContract, want: list[nn.Module]) -> None:

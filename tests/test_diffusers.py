@@ -28,6 +28,7 @@ import torch.distributed as dist
 diffusers = pytest.importorskip("diffusers")
 
 import lightning.pytorch as pl  # noqa: E402
+from _video_helpers import PlanRecorder, SGDVideo  # noqa: E402
 
 from lightning_dcp.diffusers import (  # noqa: E402
     GRID,
@@ -423,15 +424,6 @@ class _Videos(torch.utils.data.Dataset):
         return self.samples[i]
 
 
-class _SGDVideo(VideoDiffusionModule):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-    def setup(self, stage):
-        super().setup(stage)
-        torch.set_num_threads(1)
-
-
 _LR = 0.5
 
 
@@ -451,7 +443,7 @@ def _reference_weights(plans, dataset, reduction: str) -> dict:
 def test_plain_trainer_matches_reference():
     """VideoDiffusionModule under an ordinary single-device Trainer and DataLoader == plain diffusers + torch.optim."""
     data = _Videos(n=6)
-    module = _SGDVideo(make_wan(seed=3), lr=_LR, seed=FLOW_SEED)
+    module = SGDVideo(make_wan(seed=3), lr=_LR, seed=FLOW_SEED)
     loader = torch.utils.data.DataLoader(data, batch_size=3, collate_fn=VideoDiffusionModule.collate)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -469,7 +461,7 @@ def test_val_loss_uses_the_same_noise_every_epoch():
     current one: with unchanged weights (lr 0), val_loss is the same in every epoch and equals the epoch-0
     reference."""
     val = _Videos(n=3, seed=12)
-    module = _SGDVideo(make_wan(seed=3), lr=0.0, seed=FLOW_SEED)
+    module = SGDVideo(make_wan(seed=3), lr=0.0, seed=FLOW_SEED)
     ref = copy.deepcopy(module.model)
     losses = []
 
@@ -577,14 +569,6 @@ def _sp_case(rank, layout, groups, recompute, grids=_SP_GRIDS):
     assert not bad, f"rank {rank} SP {sp}: errors {bad}"
 
 
-class _Plans(pl.Callback):
-    def __init__(self):
-        self.plans = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.plans.append(batch.step.plan.to_dict())
-
-
 _STEPS = 3
 
 
@@ -594,11 +578,11 @@ def _fit(world, out_dir, name, reduction, **kw):
 
     dataset = _Videos()
     strategy = DCPStrategy(global_batch_size=8, loss_reduction=reduction, seed=1, log_metrics=False, profile=False, **kw)
-    plans = _Plans()
+    plans = PlanRecorder()
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_STEPS, callbacks=[plans],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
-    module = _SGDVideo(make_wan(seed=3), lr=_LR, seed=FLOW_SEED)
+    module = SGDVideo(make_wan(seed=3), lr=_LR, seed=FLOW_SEED)
     trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=VideoDiffusionModule.collate))
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     gathered = [None] * world

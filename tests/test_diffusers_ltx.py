@@ -26,6 +26,7 @@ import torch.distributed as dist
 diffusers = pytest.importorskip("diffusers")
 
 import lightning.pytorch as pl  # noqa: E402
+from _video_helpers import PlanRecorder, SGDVideo  # noqa: E402
 
 from lightning_dcp.diffusers import (  # noqa: E402
     FAMILIES,
@@ -369,23 +370,6 @@ def _sp_case(rank, layout, groups, recompute, grids=_SP_GRIDS):
     assert not bad, f"rank {rank} SP {sp}: errors {bad}"
 
 
-class _SGDVideo(VideoDiffusionModule):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-    def setup(self, stage):
-        super().setup(stage)
-        torch.set_num_threads(1)
-
-
-class _Plans(pl.Callback):
-    def __init__(self):
-        self.plans = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.plans.append(batch.step.plan.to_dict())
-
-
 _LR = 0.5
 _STEPS = 3
 
@@ -409,11 +393,11 @@ def _fit(world, out_dir, name, reduction, **kw):
 
     dataset = _Videos()
     strategy = DCPStrategy(global_batch_size=8, loss_reduction=reduction, seed=1, log_metrics=False, profile=False, **kw)
-    plans = _Plans()
+    plans = PlanRecorder()
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_STEPS, callbacks=[plans],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
-    module = _SGDVideo(make_ltx(seed=3), lr=_LR, seed=FLOW_SEED)
+    module = SGDVideo(make_ltx(seed=3), lr=_LR, seed=FLOW_SEED)
     trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=VideoDiffusionModule.collate))
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     gathered = [None] * world

@@ -30,14 +30,7 @@ except ImportError:  # tests/ imported as a package
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the test machines' few cores are shared, and oversubscribed OpenMP
-    threads spin (a 0.3 s test took 12 s with two threads under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------ data
