@@ -23,49 +23,66 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One micro-batch, run together by ``ranks`` as one sequence-parallel (Ulysses) group.
+    """One micro-batch, run together by ``ranks`` as one sequence-parallel group.
 
     Args:
-        ranks: the global ranks of the SP group, an aligned power-of-two block
-            (``len(ranks)`` is the SP size).
+        ranks: the global ranks of the SP group, in increasing order (``len(ranks)`` is the SP size).
         samples: dataset indices packed into this micro-batch, in packing order.
         lengths: sequence length in tokens of each sample, same order as ``samples``.
         recompute: how many of the model's repeated layers run with activation checkpointing.
+        ring: the ring-attention degree ``r`` (``1``: Ulysses only). The SP group is a ``r x u`` grid,
+            ``u = len(ranks) // r`` the Ulysses size: ``ranks[j*u:(j+1)*u]`` is Ulysses subgroup ``j``,
+            and the ring runs over the subgroups (position ``i`` of subgroup ``j`` exchanges key/value
+            blocks with position ``i`` of subgroups ``j +- 1``). Written to JSON only when ``> 1``.
     """
 
     ranks: tuple[int, ...]
     samples: tuple[int, ...]
     lengths: tuple[int, ...]
     recompute: int = 0
+    ring: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "samples", tuple(int(s) for s in self.samples))
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
         object.__setattr__(self, "recompute", int(self.recompute))
+        object.__setattr__(self, "ring", int(self.ring))
+        if self.ring < 1 or len(self.ranks) % self.ring:
+            raise PlanError(f"ring degree {self.ring} must be >= 1 and divide the SP size {len(self.ranks)} "
+                            f"(ranks {list(self.ranks)})")
 
     @property
     def sp_size(self) -> int:
         return len(self.ranks)
 
     @property
+    def ulysses_size(self) -> int:
+        """Ranks of one Ulysses subgroup: the SP size over the ring degree (the heads are split this many ways)."""
+        return len(self.ranks) // self.ring
+
+    @property
     def tokens(self) -> int:
         return sum(self.lengths)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "ranks": list(self.ranks),
             "samples": list(self.samples),
             "lengths": list(self.lengths),
             "recompute": self.recompute,
         }
+        if self.ring > 1:
+            out["ring"] = self.ring
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "WorkItem":
         missing = [k for k in ("ranks", "samples", "lengths", "recompute") if k not in data]
         if missing:
             raise PlanError(f"work item {dict(data)!r} lacks the field(s) {missing}; v1 items need ranks, samples, lengths, recompute")
-        return cls(tuple(data["ranks"]), tuple(data["samples"]), tuple(data["lengths"]), data["recompute"])
+        return cls(tuple(data["ranks"]), tuple(data["samples"]), tuple(data["lengths"]), data["recompute"],
+                   int(data.get("ring", 1)))
 
 
 @dataclass(frozen=True)
