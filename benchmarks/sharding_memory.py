@@ -38,7 +38,7 @@ from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime import buckets as buckets_module
-from lightning_dcp.runtime.hsdp import HsdpGrads
+from lightning_dcp.runtime.sharding.hsdp import HsdpGrads
 
 MODES = ("none", "zero1", "zero2", "fsdp", "hsdp")
 

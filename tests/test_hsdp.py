@@ -33,8 +33,9 @@ from _dist import run_distributed
 from lightning_dcp import DCPStrategy
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.checkpoint import is_sharded_checkpoint
-from lightning_dcp.runtime.hsdp import HsdpParameters, rank_rounds
-from lightning_dcp.runtime.states import ModelStates
+from lightning_dcp.planning.sharding.registry import get_mode
+from lightning_dcp.planning.sharding.rounds import Lockstep
+from lightning_dcp.runtime.sharding.states import ModelStates
 
 LR = 0.05
 K_STEPS = 2  # checkpoint after K_STEPS steps, compare after 2 * K_STEPS
@@ -71,8 +72,8 @@ def _fit(world: int, k: int, planner, steps: int, callbacks=(), ckpt_path=None, 
     module = TinyLM(lr=LR, optimizer="momentum")
     trainer = make_trainer(world, strategy, [record, *callbacks], max_steps=steps, **trainer_kw)
     trainer.fit(module, ckpt_path=ckpt_path)
-    shards = trainer.strategy.shards
-    assert isinstance(shards, HsdpParameters) and shards.shard_group_size == k
+    strategy = trainer.strategy
+    assert strategy.mode.name == "hsdp" and strategy.shard_group_size == strategy.shards.mode.shard_group_size == k
     p = next(module.parameters())
     assert isinstance(p, DTensor) and p.device_mesh.ndim == (1 if k == world else 2)
     return module, trainer, record.plans
@@ -167,9 +168,8 @@ def test_hsdp_settings_errors():
     with pytest.raises(ValueError, match="shard_group_size must be an int"):
         DCPStrategy(sharding="hsdp", shard_group_size=0)
     settings = DCPStrategy(sharding="hsdp", shard_group_size=3).settings
-    with pytest.raises(ValueError, match="must divide the world size"):
-        settings.resolved_shard_group_size(4, 4)
-    assert DCPStrategy(sharding="hsdp").settings.resolved_shard_group_size(8, 4) == 4  # default: the node's processes
+    with pytest.raises(ValueError, match="must be a positive divisor of the world size"):
+        get_mode("hsdp", 4, shard_group_size=3)
     assert settings.agreement()["sharding"] == "hsdp"
 
 
@@ -177,12 +177,14 @@ def test_rank_rounds_give_dummies_and_keep_order():
     """Rank 0 has one item, rank 1 three, rank 2-3 one SP-2 item: each group's ranks get the same round count."""
     plan = StepPlan((WorkItem((0,), (0,), (4,), 0), WorkItem((1,), (1,), (4,), 0), WorkItem((1,), (2,), (4,), 0),
                      WorkItem((1,), (3,), (4,), 0), WorkItem((2, 3), (4,), (4,), 0)))
-    assert [rank_rounds(plan, 4, 2, r) for r in range(4)] == [[0, None, None], [0, 1, 2], [0], [0]]
-    assert [len(rank_rounds(plan, 4, 4, r)) for r in range(4)] == [3] * 4
+    assert [Lockstep(2).rank_rounds(plan, 4, r) for r in range(4)] == [[0, None, None], [0, 1, 2], [0], [0]]
+    assert [len(Lockstep(4).rank_rounds(plan, 4, r)) for r in range(4)] == [3] * 4
+    assert Lockstep(2).dummy_rounds(plan, 4) == 2 and Lockstep(4).dummy_rounds(plan, 4) == 12 - 6
     idle = StepPlan((WorkItem((0,), (0,), (4,), 0),))  # ranks 2-3 have nothing: one dummy round (the all-reduce)
-    assert [rank_rounds(idle, 4, 2, r) for r in range(4)] == [[0], [None], [None], [None]]
+    assert [Lockstep(2).rank_rounds(idle, 4, r) for r in range(4)] == [[0], [None], [None], [None]]
+    assert Lockstep(2).dummy_rounds(idle, 4) == 3
     with pytest.raises(Exception, match="spans two shard groups"):
-        rank_rounds(StepPlan((WorkItem((1, 2), (0,), (4,), 0),)), 4, 1, 0)
+        Lockstep(1).rank_rounds(StepPlan((WorkItem((1, 2), (0,), (4,), 0),)), 4, 0)
 
 
 def test_hsdp_memory_for_the_planner():

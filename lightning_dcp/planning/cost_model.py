@@ -13,7 +13,12 @@ from __future__ import annotations
 import abc
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from lightning_dcp.planning.sharding.rounds import FREE_RUNNING, RoundPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.sharding.base import CollectivePrices
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,12 @@ class CostModel(abc.ABC):
     Subclasses set ``num_layers``, ``memory_limit`` (usable bytes per device), ``num_heads``
     (SP sizes must divide it) and ``gpus_per_node``; optionally ``memory_limit_source`` (where the
     limit came from, printed in errors by :meth:`describe_limit`).
+
+    What a cost model states about sharding (:mod:`lightning_dcp.planning.sharding`), so that every mode
+    can plan with it or refuse it by name (:meth:`~lightning_dcp.planning.sharding.base.ShardingMode.plan_with`):
+    :attr:`sharding`, :attr:`state_bytes`, :attr:`memory_in_bytes`, :attr:`rounds` and
+    :meth:`collective_prices`. A cost model with a ``with_sharding(states)`` method is re-planned with the
+    runtime's measured state bytes.
     """
 
     num_layers: int
@@ -61,6 +72,19 @@ class CostModel(abc.ABC):
     gpus_per_node: int = 8
     memory_limit_source: str = ""
     """Where ``memory_limit`` came from (an argument, a default, the device), for messages; may be empty."""
+    sharding: str | None = None
+    """The ``DCPStrategy(sharding=...)`` mode whose model-state memory ``item_memory`` counts (``None``: not stated)."""
+    state_bytes: float | None = None
+    """Model-state bytes per rank that ``item_memory`` includes (``None``: not stated)."""
+    memory_in_bytes: bool = True
+    """Whether ``item_memory`` and ``memory_limit`` are bytes (the fallback and safe-mode models count tokens)."""
+    rounds: RoundPlan = FREE_RUNNING
+    """How a step's items run (:mod:`~lightning_dcp.planning.sharding.rounds`): free-running per rank, or lockstep
+    rounds of a shard group (``sharding="hsdp"``)."""
+
+    def collective_prices(self) -> "CollectivePrices | None":
+        """Bandwidths and latencies of collectives, from the hardware or a profile (``None``: unknown)."""
+        return None
 
     def describe_limit(self) -> str:
         """The memory budget with its source, for messages: ``"5.25 MiB per device (...)"``."""

@@ -31,7 +31,6 @@ from typing import Any, Callable, Sequence
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
-from lightning_dcp.planning.rounds import align_rounds
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
@@ -293,9 +292,9 @@ class Planner:
             steps = self.policy.plan_batch(samples, lengths, step)
         if not self.view.exact_memory:
             steps = [self._verify_memory(s) for s in steps]
-        if getattr(self.cost_model, "sharding", None) == "hsdp":  # lockstep rounds pair items of similar cost
-            k, cm = self.cost_model.shard_group_size, self.cost_model
-            steps = [align_rounds(s, self.world_size, k, lambda it: cm.item_time(it.lengths, it.sp_size, it.recompute))
+        cm = self.cost_model
+        if cm.rounds.lockstep:  # the round planner's one entry point (lightning_dcp.planning.sharding.rounds)
+            steps = [cm.rounds.plan_step(s, self.world_size, lambda it: cm.item_time(it.lengths, it.sp_size, it.recompute))
                      for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 

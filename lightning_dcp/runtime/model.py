@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -26,6 +26,9 @@ class SPCap:
     size: int
     heads_cap: int | None = None
     """Set when the head count (not the world or the user) caps SP: the planner names it in its errors."""
+    reason: str | None = field(default=None, compare=False)
+    """What caps SP when neither the world nor ``max_sp_size`` does (the heads, the shard group, the support
+    level), in words the planner's errors quote; ``None``: the planner names the world or ``max_sp_size``."""
 
 
 def resolve_sp_cap(requested: int | None, world_size: int, heads: int | None) -> SPCap:
@@ -60,4 +63,4 @@ def resolve_sp_cap(requested: int | None, world_size: int, heads: int | None) ->
     fix = "; use a head count with a power-of-two factor (e.g. 4 or 8) for sequence parallelism" if size == 1 else ""
     rank_zero_warn(f"the model has {heads} attention heads: SP sizes must divide it, so SP is capped at {size} on this "
                    f"world of {world_size} ranks{fix}")
-    return SPCap(size, heads_cap=size)
+    return SPCap(size, heads_cap=size, reason=f"the model's {heads} attention heads (SP sizes must divide them)")

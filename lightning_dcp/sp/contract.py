@@ -31,6 +31,11 @@ first, then ``num_heads`` on the module, its ``spec``, its ``model.spec`` or a s
 **Hooks** (bound callables or ``None``): ``dcp_prepare_batch(batch)``, ``dcp_shard_batch(batch,
 sp_rank, sp_size)``, ``dcp_loss_units(batch)``, ``dcp_support_message(level)``.
 
+**Co-resident modules** (a frozen teacher, an EMA copy held beside the trained model): kept out of the
+sharded units as plain replicas (:mod:`lightning_dcp.runtime.sharding.protocol`). The module's
+``dcp_coresident`` (dotted attribute paths from the module) names them; without it, every direct child
+whose parameters are all frozen and that holds none of the repeated layers.
+
 :func:`local_batch` is the one path from a packed micro-batch to what one SP rank trains on (the
 module's prepare hook, token weights and loss units, the shard), used by the step executor and the
 profiler alike.
@@ -94,6 +99,7 @@ class ModelContract:
         shard_batch: the module's ``dcp_shard_batch(batch, sp_rank, sp_size)`` or ``None``.
         loss_units: the module's ``dcp_loss_units(batch)`` (safe mode) or ``None``.
         support_message: the module's ``dcp_support_message(level)`` or ``None``.
+        coresident: modules kept beside the sharded units as plain frozen replicas (see the module docstring).
     """
 
     name: str
@@ -108,6 +114,7 @@ class ModelContract:
     shard_batch: Callable[[Any, int, int], Any] | None = None
     loss_units: Callable[[Any], int] | None = None
     support_message: Callable[[str], str | None] | None = None
+    coresident: tuple[nn.Module, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -157,6 +164,7 @@ def read_model(module: nn.Module, layers_attr: str | None = None, support: str |
         shard_batch=_hook(module, "dcp_shard_batch"),
         loss_units=_hook(module, "dcp_loss_units"),
         support_message=_hook(module, "dcp_support_message"),
+        coresident=_coresident(module, stack.layers if stack is not None else ()),
     )
 
 
@@ -280,6 +288,28 @@ def _find_int(module: nn.Module, preferred: str | None, name: str, config_name: 
             if value is not None:
                 return value
     return None
+
+
+def _coresident(module: nn.Module, layers: Sequence[nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules ``dcp_coresident`` names, else the frozen direct children that hold no repeated layer."""
+    named = getattr(module, "dcp_coresident", None)
+    if named is not None:
+        if isinstance(named, str) or not all(isinstance(n, str) for n in named):
+            raise ValueError(f"{type(module).__name__}.dcp_coresident must be a list of dotted attribute paths "
+                             f"(e.g. ['teacher', 'ema']), got {named!r}")
+        out = []
+        for path in named:
+            target: Any = module
+            for part in path.split("."):
+                target = getattr(target, part, None)
+            if not isinstance(target, nn.Module):
+                raise ValueError(f"{type(module).__name__}.dcp_coresident names {path!r}, which is not a module")
+            out.append(target)
+        return tuple(out)
+    held = {id(m) for layer in layers for m in layer.modules()}
+    return tuple(child for child in module.children()
+                 if any(True for _ in child.parameters()) and not any(p.requires_grad for p in child.parameters())
+                 and not any(id(m) in held for m in child.modules()))
 
 
 def _hook(module: nn.Module, name: str) -> Callable[..., Any] | None:

@@ -1,0 +1,232 @@
+"""What every sharding mode answers the planner: :class:`ShardingMode`, and the values it is asked about.
+
+A mode of ``DCPStrategy(sharding=...)`` is two files and one registry line
+(:mod:`~lightning_dcp.planning.sharding.registry`): its pure counterpart here in ``planning/sharding/``
+(a :class:`ShardingMode` subclass) and its runtime in ``runtime/sharding/`` (a
+:class:`~lightning_dcp.runtime.sharding.protocol.Shards`, named by :attr:`ShardingMode.runtime`). The
+pure side says, from the state bytes alone:
+
+- **memory per phase**: the model-state bytes a rank holds in the micro-batch loop (what the planner
+  budgets) and between steps (:meth:`ShardingMode.state_bytes`);
+- **the step's collectives**: what the step end moves and how much of the optimizer step a rank runs
+  (:meth:`ShardingMode.step_traffic`, :meth:`ShardingMode.optimizer_share`), priced by the cost model
+  with its hardware's or its profile's :class:`CollectivePrices`;
+- **the rounds**: how a step's items run (:attr:`ShardingMode.rounds`: free-running per rank, or in
+  lockstep rounds of a shard group, :mod:`~lightning_dcp.planning.sharding.rounds`) and the SP cap they
+  imply;
+- **the cost model to plan with** (:meth:`ShardingMode.plan_with`): a cost model with a
+  ``with_sharding`` hook is re-planned with the runtime's measured bytes; one that says which states
+  its memory counts is shifted; one whose memory is not in bytes is used as it is where that is sound
+  and refused by name where it is not.
+
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from lightning_dcp.planning.sharding.rounds import FREE_RUNNING, RoundPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.cost_model import CostModel
+    from lightning_dcp.planning.hardware import HardwareSpec
+
+__all__ = ["CollectivePrices", "ShardingMode", "StateParts", "UnplannableCostModel"]
+
+STATE_PARTS = ("weights", "buffers", "gradients", "optimizer")
+"""The full model's state bytes every mode is computed from."""
+
+
+class UnplannableCostModel(ValueError):
+    """A cost model a sharding mode cannot plan with, naming why and the fix (refused at setup)."""
+
+
+@dataclass(frozen=True)
+class StateParts:
+    """One replica's model-state bytes, and the unit sizes per-layer sharding needs.
+
+    Args:
+        weights: parameter bytes (every parameter, trainable or frozen).
+        buffers: buffer bytes (never sharded).
+        gradients: gradient bytes (the trainable parameters, in their dtype).
+        optimizer: optimizer-state bytes (an fp32 master copy included when the optimizer keeps one).
+        layer_bytes: weight bytes of the largest repeated layer (per-layer sharding: the units in flight).
+        root_bytes: weight bytes outside the repeated layers (embeddings, head: the root unit).
+        params: parameters of one replica (an optimizer step on the host is priced per parameter).
+    """
+
+    weights: float
+    gradients: float
+    optimizer: float
+    buffers: float = 0.0
+    layer_bytes: float = 0.0
+    root_bytes: float = 0.0
+    params: float = 0.0
+
+    @property
+    def replica(self) -> float:
+        """A full replica's states: ``W + B + G + O``."""
+        return self.weights + self.buffers + self.gradients + self.optimizer
+
+    @classmethod
+    def from_mapping(cls, given: "Mapping[str, Any] | StateParts", *, required: bool = True) -> "StateParts | None":
+        """The parts of ``given`` (a cost model's ``state_parts=``, a ``ModelStates.to_dict()``); a part
+        missing raises ``ValueError`` naming it, or, with ``required=False``, gives ``None``."""
+        if isinstance(given, StateParts):
+            return given
+        missing = [k for k in STATE_PARTS if isinstance(given.get(k), bool) or not isinstance(given.get(k), (int, float))]
+        if missing and required:
+            raise ValueError(f"the model-state bytes need {', '.join(STATE_PARTS)} (of the full model); "
+                             f"{', '.join(missing)} missing in {dict(given)!r}")
+        if missing:
+            return None
+        extra = {f.name: float(given[f.name]) for f in fields(cls)
+                 if f.name not in STATE_PARTS and isinstance(given.get(f.name), (int, float))}
+        return cls(**{k: float(given[k]) for k in STATE_PARTS}, **extra)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CollectivePrices:
+    """Bus bandwidths and latencies of the collectives a mode adds, and where they came from.
+
+    Time of a ring all-gather or reduce-scatter of ``b`` bytes over ``n`` ranks: ``(n-1)/n * b / bw +
+    latency``; of an all-reduce: twice that. ``bw`` / ``latency`` are the intra-node ones when the ranks
+    fit in one node (``gpus_per_node``), else the inter-node ones.
+
+    Args:
+        intra_bw, inter_bw: bus bandwidth inside a node and across nodes (bytes/s).
+        intra_latency, inter_latency: fixed cost of one collective inside / across nodes (s).
+        gpus_per_node: ranks sharing the fast fabric.
+        hbm_bandwidth: device memory bandwidth (an optimizer step on the device); 0: unknown.
+        source: where the prices came from, for messages.
+    """
+
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float = 0.0
+    inter_latency: float = 0.0
+    gpus_per_node: int = 8
+    hbm_bandwidth: float = 0.0
+    source: str = ""
+
+    @classmethod
+    def from_hardware(cls, hw: "HardwareSpec") -> "CollectivePrices":
+        """The analytic model's prices: its hardware's all-reduce bus bandwidths and latencies."""
+        return cls(hw.allreduce_bw_intra, hw.allreduce_bw_inter, hw.collective_latency, hw.collective_latency_inter,
+                   hw.gpus_per_node, hw.hbm_bandwidth, f"hardware {hw.name!r}")
+
+    def ring(self, nbytes: float, ranks: int, extent: int | None = None) -> float:
+        """One all-gather or reduce-scatter of ``nbytes`` (the full tensor) over ``ranks`` ranks (0 for one rank);
+        ``extent``: the span of consecutive ranks the group covers (a strided group spans more than its size)."""
+        n = int(ranks)
+        if n <= 1:
+            return 0.0
+        intra = (n if extent is None else int(extent)) <= self.gpus_per_node
+        bw, lat = (self.intra_bw, self.intra_latency) if intra else (self.inter_bw, self.inter_latency)
+        return (n - 1) / n * nbytes / bw + lat
+
+    def allreduce(self, nbytes: float, ranks: int, extent: int | None = None) -> float:
+        """One ring all-reduce of ``nbytes`` over ``ranks`` ranks."""
+        return 2.0 * self.ring(nbytes, ranks, extent)
+
+
+class ShardingMode(abc.ABC):
+    """The pure counterpart of one ``DCPStrategy(sharding=...)`` mode, on one layout of the world.
+
+    Subclasses set :attr:`name`, :attr:`runtime` (the runtime class, ``"module:Class"``), :attr:`summary`
+    and :attr:`options` (which of ``shard_group_size`` / ``offload`` they take), and implement
+    :meth:`state_bytes`. Everything else has the replicated modes' answer.
+
+    Args:
+        world_size: ranks of the world ``N`` (states are sharded over it, or over shard groups of it).
+        shard_group_size: ``K``, for the modes that take it.
+        offload: sharded states on the host, for the modes that take it.
+
+    Raises:
+        ValueError: an option the mode does not take, naming the mode that does.
+    """
+
+    name: ClassVar[str]
+    runtime: ClassVar[str]
+    """``"package.module:Class"`` of the runtime :class:`~lightning_dcp.runtime.sharding.protocol.Shards`."""
+    summary: ClassVar[str] = ""
+    """One line for ``--help`` and errors: what the mode shards and when."""
+    options: ClassVar[tuple[str, ...]] = ()
+    """The options it takes: ``"shard_group_size"``, ``"offload"``."""
+    shards_weights: ClassVar[bool] = False
+    """The weights are ``fully_shard`` DTensors: sharded checkpoints, the full state gathered for the launcher."""
+    zero_stage: ClassVar[int | None] = None
+    """The ZeRO stage alias (``zero_stage=`` of the analytic model), if any."""
+
+    def __init__(self, world_size: int, *, shard_group_size: int | None = None, offload: bool = False) -> None:
+        self.world_size = int(world_size)
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+        given = {"shard_group_size": shard_group_size is not None, "offload": bool(offload)}
+        extra = [k for k, v in given.items() if v and k not in self.options]
+        if extra:
+            raise ValueError(f"{' and '.join(extra)} apply to sharding='hsdp' only (got sharding={self.name!r}); drop "
+                             "them or pass sharding='hsdp'")
+        self.shard_group_size = shard_group_size
+        self.offload = bool(offload)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size})"
+
+    # ------------------------------------------------------------------ memory per phase
+    @abc.abstractmethod
+    def state_bytes(self, parts: StateParts, *, at_rest: bool = False) -> float:
+        """Model-state bytes one rank holds: in the micro-batch loop (what the planner budgets), or between
+        steps (``at_rest``)."""
+
+    # ------------------------------------------------------------------ the step's collectives
+    def step_traffic(self, parts: StateParts) -> tuple[float, int]:
+        """(bytes the step end moves through the world's ring, collectives per gradient bucket): the
+        replicated modes all-reduce the gradients (``2G``, one per bucket)."""
+        return 2.0 * parts.gradients, 1
+
+    def optimizer_share(self) -> float:
+        """The fraction of one replica's optimizer step a rank runs (``1/N`` when the optimizer state is sharded)."""
+        return 1.0
+
+    # ------------------------------------------------------------------ rounds
+    @property
+    def rounds(self) -> RoundPlan:
+        """How a step's items run: each rank its own items in plan order (no lockstep)."""
+        return FREE_RUNNING
+
+    def sp_cap(self) -> int | None:
+        """The largest SP size the mode allows (``None``: no limit of its own)."""
+        return None
+
+    # ------------------------------------------------------------------ the cost model to plan with
+    def plan_with(self, cost_model: "CostModel", parts: StateParts | None, prices: CollectivePrices | None = None,
+                  measured: Mapping[str, Any] | None = None) -> "CostModel":
+        """The cost model to plan with when the runtime runs this mode with ``parts``.
+
+        ``cost_model.with_sharding(measured)`` when it has that hook (``measured``: the runtime's
+        ``ModelStates.to_dict()``); else ``cost_model`` as given, unless it states (``cost_model.sharding``)
+        another mode.
+
+        Raises:
+            UnplannableCostModel: it states another mode and cannot be re-planned.
+        """
+        hook = getattr(cost_model, "with_sharding", None)
+        if callable(hook) and measured is not None:
+            return hook(dict(measured))
+        declared = cost_model.sharding
+        if declared is not None and declared != self.name:
+            raise UnplannableCostModel(
+                f"the cost model plans for sharding={declared!r} but DCPStrategy runs sharding={self.name!r}; build the "
+                f"cost model with sharding={self.name!r} or pass DCPStrategy(sharding={declared!r})")
+        return cost_model
+
+    def describe(self) -> str:
+        """``sharding zero1`` for headers and messages."""
+        return f"sharding {self.name}"
