@@ -75,7 +75,7 @@ def build_cost_model(args: argparse.Namespace, lengths: list[int] | None = None)
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
     if limit is not None and limit <= 0:
         raise CLIError(f"--memory-limit-gib must be positive, got {args.memory_limit_gib}")
-    sharding = getattr(args, "sharding", None)
+    sharding = args.sharding
     grouped = sharding is not None and bool(MODES[sharding].options)
     if (getattr(args, "shard_group_size", None) is not None or getattr(args, "offload", False)) and not grouped:
         with_options = ", ".join(name for name, mode in MODES.items() if mode.options)
@@ -142,9 +142,9 @@ def mode_view(args: argparse.Namespace, base: Any, k: int) -> Any:
 
 
 def parts_of(analytic: Any) -> Any:
-    from lightning_dcp.planning.sharding.hsdp_cost import analytic_parts
+    from lightning_dcp.planning.sharding.base import StateParts
 
-    return analytic_parts(analytic)
+    return StateParts.of_analytic(analytic)
 
 
 def shard_group_size(args: argparse.Namespace) -> int | None:

@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
-from lightning_dcp.planning.sharding.base import CollectivePrices, StateParts
+from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.sharding.base import StateParts
 from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 
 # FlashAttention's backward recomputes the score matrix: 5 matmuls against the forward's 2, so the

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 from lightning_dcp.planning.sharding.rounds import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dcp.planning.sharding.base import CollectivePrices
+    from lightning_dcp.planning.sharding.prices import CollectivePrices
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class CostModel(abc.ABC):
     limit came from, printed in errors by :meth:`describe_limit`).
 
     What a cost model states about sharding (:mod:`lightning_dcp.planning.sharding`), so that every mode
-    can plan with it or refuse it by name (:meth:`~lightning_dcp.planning.sharding.base.ShardingMode.plan_with`):
+    can plan with it or refuse it by name (each mode's ``plan_with``):
     :attr:`sharding`, :attr:`state_bytes`, :attr:`memory_in_bytes`, :attr:`rounds` and
     :meth:`collective_prices`. A cost model with a ``with_sharding(states)`` method is re-planned with the
     runtime's measured state bytes.

@@ -18,14 +18,11 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.calibration import MODES as CALIBRATION_MODES
-from lightning_dcp.planning.sharding.registry import MODES, ZERO_STAGE_ALIASES
+from lightning_dcp.planning.sharding.registry import MODES, ZERO_STAGE_ALIASES, get_mode
 from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
 
-__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSettings", "split_strategy_kwargs"]
-
-SHARDING_MODES = tuple(MODES)
-"""What ``sharding=`` accepts: every mode of the registry (:mod:`lightning_dcp.planning.sharding.registry`)."""
+__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "DCPSettings", "split_strategy_kwargs"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
@@ -135,10 +132,8 @@ class DCPSettings:
         """``sharding`` checked; ``zero1=True`` is the deprecated spelling of ``sharding="zero1"`` (``zero1``
         then mirrors ``sharding == "zero1"``)."""
         mode = self.sharding
-        if mode not in SHARDING_MODES:
-            hint = " (ZeRO-3 is 'fsdp', or 'hsdp' sharded per layer)" if str(mode).lower() in (
-                "zero3", "zero-3", "full_shard") else ""
-            raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {mode!r}{hint}")
+        if mode not in MODES:
+            get_mode(mode, 1)  # raises, naming the registry's modes
         if self.zero1:
             if MODES[mode].zero_stage not in (0, 1):
                 raise ValueError(f"zero1=True and sharding={mode!r} contradict each other; zero1=True is the old "

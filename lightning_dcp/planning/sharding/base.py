@@ -10,7 +10,7 @@ pure side says, from the state bytes alone:
   budgets) and between steps (:meth:`ShardingMode.state_bytes`);
 - **the step's collectives**: what the step end moves and how much of the optimizer step a rank runs
   (:meth:`ShardingMode.step_traffic`, :meth:`ShardingMode.optimizer_share`), priced by the cost model
-  with its hardware's or its profile's :class:`CollectivePrices`;
+  with its hardware's or its profile's :class:`~lightning_dcp.planning.sharding.prices.CollectivePrices`;
 - **the rounds**: how a step's items run (:attr:`ShardingMode.rounds`: free-running per rank, or in
   lockstep rounds of a shard group, :mod:`~lightning_dcp.planning.sharding.rounds`) and the SP cap they
   imply;
@@ -25,14 +25,14 @@ Pure Python.
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
+from lightning_dcp.planning.sharding.prices import CollectivePrices
 from lightning_dcp.planning.sharding.rounds import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.cost_model import CostModel
-    from lightning_dcp.planning.hardware import HardwareSpec
 
 __all__ = ["CollectivePrices", "ShardingMode", "StateParts", "UnplannableCostModel"]
 
@@ -87,53 +87,16 @@ class StateParts:
                  if f.name not in STATE_PARTS and isinstance(given.get(f.name), (int, float))}
         return cls(**{k: float(given[k]) for k in STATE_PARTS}, **extra)
 
+    @classmethod
+    def of_analytic(cls, analytic: Any) -> "StateParts":
+        """An :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`'s one replica: its state bytes, its layer's
+        and root's weight bytes (from the model shape) and its parameter count."""
+        db, model = analytic.dtype_bytes, analytic.model
+        return replace(cls.from_mapping(analytic.full_state_parts), layer_bytes=db * model.layer_params(),
+                       root_bytes=db * model.edge_params(), params=float(analytic.param_count))
+
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class CollectivePrices:
-    """Bus bandwidths and latencies of the collectives a mode adds, and where they came from.
-
-    Time of a ring all-gather or reduce-scatter of ``b`` bytes over ``n`` ranks: ``(n-1)/n * b / bw +
-    latency``; of an all-reduce: twice that. ``bw`` / ``latency`` are the intra-node ones when the ranks
-    fit in one node (``gpus_per_node``), else the inter-node ones.
-
-    Args:
-        intra_bw, inter_bw: bus bandwidth inside a node and across nodes (bytes/s).
-        intra_latency, inter_latency: fixed cost of one collective inside / across nodes (s).
-        gpus_per_node: ranks sharing the fast fabric.
-        hbm_bandwidth: device memory bandwidth (an optimizer step on the device); 0: unknown.
-        source: where the prices came from, for messages.
-    """
-
-    intra_bw: float
-    inter_bw: float
-    intra_latency: float = 0.0
-    inter_latency: float = 0.0
-    gpus_per_node: int = 8
-    hbm_bandwidth: float = 0.0
-    source: str = ""
-
-    @classmethod
-    def from_hardware(cls, hw: "HardwareSpec") -> "CollectivePrices":
-        """The analytic model's prices: its hardware's all-reduce bus bandwidths and latencies."""
-        return cls(hw.allreduce_bw_intra, hw.allreduce_bw_inter, hw.collective_latency, hw.collective_latency_inter,
-                   hw.gpus_per_node, hw.hbm_bandwidth, f"hardware {hw.name!r}")
-
-    def ring(self, nbytes: float, ranks: int, extent: int | None = None) -> float:
-        """One all-gather or reduce-scatter of ``nbytes`` (the full tensor) over ``ranks`` ranks (0 for one rank);
-        ``extent``: the span of consecutive ranks the group covers (a strided group spans more than its size)."""
-        n = int(ranks)
-        if n <= 1:
-            return 0.0
-        intra = (n if extent is None else int(extent)) <= self.gpus_per_node
-        bw, lat = (self.intra_bw, self.intra_latency) if intra else (self.inter_bw, self.inter_latency)
-        return (n - 1) / n * nbytes / bw + lat
-
-    def allreduce(self, nbytes: float, ranks: int, extent: int | None = None) -> float:
-        """One ring all-reduce of ``nbytes`` over ``ranks`` ranks."""
-        return 2.0 * self.ring(nbytes, ranks, extent)
 
 
 class ShardingMode(abc.ABC):

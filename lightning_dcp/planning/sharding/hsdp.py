@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from lightning_dcp.planning.sharding.base import CollectivePrices, ShardingMode, StateParts, UnplannableCostModel
+from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.sharding.base import ShardingMode, StateParts, UnplannableCostModel
+from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.sharding.rounds import Lockstep, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.cost_model import CostModel
 
-__all__ = ["HsdpMode"]
+__all__ = ["HsdpMode", "hsdp_view"]
 
 
 class HsdpMode(ShardingMode):
@@ -89,8 +91,6 @@ class HsdpMode(ShardingMode):
             UnplannableCostModel: its memory is in bytes but says nothing of the states it counts (no
                 ``state_bytes``, no ``with_sharding``), or the states' bytes are unknown.
         """
-        from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
-
         if parts is None:
             raise UnplannableCostModel("sharding='hsdp' needs the model-state bytes (weights, gradients, optimizer, "
                                        "the largest layer's and the root unit's) to plan its memory")
@@ -107,3 +107,11 @@ class HsdpMode(ShardingMode):
                 "in its item_memory) or a with_sharding(states) method, or use sharding='zero1'")
         own = base.collective_prices()  # a profile measured here, or the analytic model's hardware, before a fallback
         return ShardGroupCostModel(base, self, parts, prices=own if own is not None else prices)
+
+
+def hsdp_view(analytic: Any, shard_group_size: int | None = None, *, offload: bool = False) -> ShardGroupCostModel:
+    """The :class:`ShardGroupCostModel` of an :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`
+    (its model shape, hardware, world size and state bytes); ``shard_group_size`` defaults to the world."""
+    mode = HsdpMode(analytic.world_size, shard_group_size=shard_group_size, offload=offload)
+    return mode.plan_with(analytic, StateParts.of_analytic(analytic))
+

@@ -5,7 +5,7 @@ fallback) for HSDP / ZeRO-3 on a 2-D mesh: the model states are sharded over the
 *shard group* and replicated across the ``N / K`` groups; ``K = N`` is plain ZeRO-3.
 
 Memory per rank in the micro-batch loop: the base's memory with its one replica of states replaced by
-:meth:`HsdpMode.state_bytes <lightning_dcp.planning.sharding.hsdp.HsdpMode.state_bytes>`
+the mode's ``state_bytes``
 (``(W + G + O)/K + B + 2R + 4L``); a base whose memory is not in bytes (the fallback's tokens) keeps its
 memory. A dummy round runs no compute (:mod:`lightning_dcp.runtime.sharding.dummy`): its peak is the
 states and the units in flight, below any item's.
@@ -36,16 +36,15 @@ the device and the gradient shards back: priced at :data:`HOST_BANDWIDTH` and
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
-from lightning_dcp.planning.sharding.base import CollectivePrices, StateParts
+from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.sharding.base import ShardingMode, StateParts
 from lightning_dcp.planning.sharding.rounds import Lockstep
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dcp.planning.sharding.hsdp import HsdpMode
 
-__all__ = ["HOST_ADAM_PARAMS_PER_S", "HOST_BANDWIDTH", "ShardGroupCostModel", "hsdp_view"]
+__all__ = ["HOST_ADAM_PARAMS_PER_S", "HOST_BANDWIDTH", "ShardGroupCostModel"]
 
 #: Host <-> device copy bandwidth per GPU (PCIe Gen5 x16 with pinned memory, several GPUs sharing a host): an estimate.
 HOST_BANDWIDTH = 25e9
@@ -59,17 +58,15 @@ class ShardGroupCostModel(CostModel):
     Args:
         base: the cost model of one micro-batch holding one full replica's states (``base.state_bytes`` of
             them in its ``item_memory``; a base whose memory is not in bytes keeps its memory).
-        mode: the :class:`~lightning_dcp.planning.sharding.hsdp.HsdpMode` (world ``N``, shard group ``K``,
-            offload).
+        mode: the mode's pure counterpart (``hsdp``'s: world ``N``, shard group ``K``, offload).
         parts: one replica's state bytes, with the largest layer's and the root unit's weight bytes.
         prices: the collectives' bandwidths and latencies (``None``: unpriced, the collectives cost 0).
     """
 
-    sharding = "hsdp"
-
-    def __init__(self, base: CostModel, mode: "HsdpMode", parts: StateParts,
+    def __init__(self, base: CostModel, mode: ShardingMode, parts: StateParts,
                  prices: CollectivePrices | None = None) -> None:
         self.base, self.mode, self.parts, self.prices = base, mode, parts, prices
+        self.sharding = mode.name
         self.world_size, self.shard_group_size, self.offload = mode.world_size, mode.shard_group_size, mode.offload
         self.num_layers, self.num_heads = base.num_layers, base.num_heads
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
@@ -150,22 +147,7 @@ class ShardGroupCostModel(CostModel):
         return comm + self.base.step_overhead(1) * self.mode.optimizer_share()
 
     def signature(self) -> dict:
-        return {"kind": "hsdp", "shard_group_size": self.shard_group_size, "offload": self.offload,
+        return {"kind": self.mode.name, "shard_group_size": self.shard_group_size, "offload": self.offload,
                 "state_bytes": self.state_bytes, "prices": None if self.prices is None else self.prices.source,
                 "base": self.base.signature()}
 
-
-def hsdp_view(analytic: Any, shard_group_size: int | None = None, *, offload: bool = False) -> ShardGroupCostModel:
-    """The :class:`ShardGroupCostModel` of an :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`
-    (its model shape, hardware, world size and state bytes); ``shard_group_size`` defaults to the world."""
-    from lightning_dcp.planning.sharding.hsdp import HsdpMode
-
-    mode = HsdpMode(analytic.world_size, shard_group_size=shard_group_size, offload=offload)
-    return mode.plan_with(analytic, analytic_parts(analytic))
-
-
-def analytic_parts(analytic: Any) -> StateParts:
-    """The analytic model's one-replica state bytes, with its layer and root weight bytes and parameter count."""
-    db, model = analytic.dtype_bytes, analytic.model
-    return replace(StateParts.from_mapping(analytic.full_state_parts), layer_bytes=db * model.layer_params(),
-                   root_bytes=db * model.edge_params(), params=float(analytic.param_count))

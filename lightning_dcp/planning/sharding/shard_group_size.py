@@ -47,7 +47,7 @@ def shard_group_candidates(world_size: int) -> list[int]:
     return out if out[-1] == n else [*out, n]
 
 
-def choose_shard_group_size(world_size: int, parts: StateParts, memory_limit: float, *, mode: str = "hsdp",
+def choose_shard_group_size(world_size: int, parts: StateParts, memory_limit: float, *, mode: str,
                             offload: bool = False,
                             workspace_bytes: float = 0.0, longest: int | None = None,
                             longest_fitting: Callable[[int], int] | None = None,

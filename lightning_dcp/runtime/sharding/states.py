@@ -23,7 +23,8 @@ from typing import Any, Sequence
 from torch import nn
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.sharding.base import CollectivePrices, ShardingMode, StateParts
+from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.sharding.base import ShardingMode, StateParts
 from lightning_dcp.planning.sharding.registry import MODES, get_mode
 
 __all__ = ["ModelStates", "measure_model_states", "plan_cost_model", "unit_bytes"]

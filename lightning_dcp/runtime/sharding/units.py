@@ -122,7 +122,7 @@ class FsdpUnits:
         Raises:
             ValueError: an optimizer holds a parameter that is not a sharded one.
         """
-        sharded = {id(p) for p in self.sharded.values()}
+        sharded = {id(p) for p in self.sharded.values()} | self._ignored  # co-resident ones are frozen: never stepped
         for opt in optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
