@@ -206,3 +206,4 @@ def test_a_round_lasts_its_slowest_item_plus_collectives_and_a_dummy_computes_no
     assert sim.compute_spans[0] == pytest.approx(max(spans))
     assert cm.rounds.dummy_round_s == pytest.approx(cm.round_time(0.0))
     assert cm.round_time(0.0) <= min(cm.round_time(t) for t in raw)
+    assert 0 < cm.dummy_memory() <= min(cm.item_memory(it.lengths, it.sp_size, it.recompute) for it in step.items)

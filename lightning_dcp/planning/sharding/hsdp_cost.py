@@ -105,6 +105,11 @@ class ShardGroupCostModel(CostModel):
     def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
         return self.base.item_memory(lengths, sp, recompute) + self._shift
 
+    def dummy_memory(self) -> float:
+        """Peak bytes of a dummy round (the collectives only, no activation): the states with the units in flight
+        and the workspace, at most any item's; 0 for a base whose memory is not in bytes."""
+        return self.state_bytes + self.workspace_bytes if self.memory_in_bytes else 0.0
+
     # ------------------------------------------------------------------ time
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
         """The base's cost plus the per-layer collectives of a round this item is the slowest of (the
