@@ -214,13 +214,13 @@ def _dummies_run_no_sample(rank: int, world: int) -> None:
 
 
 def _picked_group_coresident_eval(rank: int, world: int) -> None:
-    """No shard_group_size: the smallest that fits is picked (K=1 for a tiny model in 8 GiB), SP capped there by
-    name; a frozen teacher stays a plain replica run inside every micro-batch, an EMA callback updates the shards;
-    validation and predict run under hsdp and equal the full weights' values."""
+    """No shard_group_size: the smallest that fits, at least the node's processes, is picked (both ranks here); a
+    frozen teacher stays a plain replica run inside every micro-batch and every dummy round's neighbour, an EMA
+    callback updates the shards; validation and predict run under hsdp and equal the full weights' values."""
     ema = EMA()
     module, trainer, record = _fit(world, None, SkewPlanner(world), 2, module=CoResidentLM(), callbacks=[ema])
     strategy = trainer.strategy
-    assert strategy.shard_group_size == 1 and "the shard group of 1 rank" in strategy.sp_cap.reason
+    assert strategy.shard_group_size == world and record.metrics[0]["dcp/dummy_rounds"] == 6
     assert not any(isinstance(p, DTensor) for p in module.teacher.parameters())
     assert all(isinstance(v, DTensor) for v in ema.ema.values()) and len(ema.ema) == len(list(module.model.parameters()))
     full = _full_weights(module)

@@ -84,8 +84,8 @@ def _llama70b_parts() -> StateParts:
 
 def test_the_smallest_shard_group_that_fits_and_an_error_that_lists_every_k():
     parts = _llama70b_parts()
-    choice = choose_shard_group_size(64, parts, H100.usable_memory_bytes, mode="hsdp")
-    assert choice.size == 32 and "the smallest shard group whose states fit" in choice.reason
+    choice = choose_shard_group_size(64, parts, H100.usable_memory_bytes, mode="hsdp", gpus_per_node=8)
+    assert choice.size == 32 and choice.reason.startswith("the smallest shard group above one node (8 ranks) that fits")
     assert choice.state_bytes[16] > H100.usable_memory_bytes >= choice.state_bytes[32]
     with pytest.raises(NoShardGroupFits) as err:
         choose_shard_group_size(16, parts, H100.usable_memory_bytes, mode="hsdp")
@@ -97,6 +97,16 @@ def test_the_smallest_shard_group_that_fits_and_an_error_that_lists_every_k():
                                 longest_fitting=lambda k: 1000 * k)
 
 
+def test_a_model_that_fits_a_node_gets_the_node():
+    """Inside a node a larger shard group moves (K-1)/K of a layer per rank at the same bandwidth: Wan-14B fits
+    K=4 on H100 but gets the node's 8 (more room for activations, no slower links)."""
+    wan = StateParts.of_analytic(AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="none"))
+    assert choose_shard_group_size(32, wan, H100.usable_memory_bytes, mode="hsdp").size == 4  # no node given
+    node = choose_shard_group_size(32, wan, H100.usable_memory_bytes, mode="hsdp", gpus_per_node=8)
+    assert node.size == 8 and node.reason.startswith("one node's 8 ranks")
+    assert choose_shard_group_size(4, wan, H100.usable_memory_bytes, mode="hsdp", gpus_per_node=8).size == 4
+
+
 def test_the_plan_command_picks_the_shard_group_that_holds_the_states(tmp_path, capsys):
     """llama-70b on 64 GPUs under hsdp, no --shard-group-size: the states need K >= 32 (the old default of a node's 8
     stopped with an error blaming a sample); the CLI says which K and why, and the plan's items stay inside it."""
@@ -106,7 +116,7 @@ def test_the_plan_command_picks_the_shard_group_that_holds_the_states(tmp_path, 
     assert cli.main(["plan", "--lengths", str(lengths), "--out", str(out), "--world-size", "64", "--model", "llama-70b",
                      "--sharding", "hsdp"]) == 0
     said = capsys.readouterr().out
-    assert "shard group size 32: the smallest shard group whose states fit" in said, said
+    assert "shard group size 32: the smallest shard group above one node (8 ranks) that fits: states fit" in said, said
     for step in Plan.from_json(out.read_text()).steps:
         assert all(len({r // 32 for r in it.ranks}) == 1 for it in step.items)
     assert cli.main(["plan", "--lengths", str(lengths), "--out", str(out), "--world-size", "16", "--model", "llama-70b",

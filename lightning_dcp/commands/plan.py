@@ -51,8 +51,8 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
                              "for the analytic model (the DCP paper's setting), none (as measured) with --profile")
     parser.add_argument("--shard-group-size", default=None,
                         help="hsdp: ranks the states are sharded over (a divisor of --world-size; the world size is plain "
-                             "ZeRO-3). Default: the smallest power of two whose states fit and that holds the longest "
-                             "sample, as DCPStrategy picks it. simulate also takes 'auto': try every power-of-two size "
+                             "ZeRO-3). Default: the smallest power of two, at least one node's GPUs, whose states fit "
+                             "and that holds the longest sample, as DCPStrategy picks it. simulate also takes 'auto': try every power-of-two size "
                              "and keep the fastest")
     parser.add_argument("--offload", action="store_true",
                         help="hsdp: keep the sharded states on the host (FSDP2's CPU offload), priced as host copies "
@@ -123,7 +123,7 @@ def grouped_view(args: argparse.Namespace, base: Any, lengths: list[int] | None)
 
         try:
             choice = choose_shard_group_size(args.world_size, parts_of(base), base.memory_limit, mode=args.sharding,
-                                             offload=args.offload, workspace_bytes=base.workspace_bytes,
+                                             gpus_per_node=base.gpus_per_node, offload=args.offload, workspace_bytes=base.workspace_bytes,
                                              longest=max(lengths) if lengths else None,
                                              longest_fitting=holds if lengths else None,
                                              limit_source=base.memory_limit_source)

@@ -8,7 +8,7 @@ profile or hardware, come first).
 **The shard group a run picks** when ``sharding="hsdp"`` gets no ``shard_group_size``
 (:meth:`RunSharding.pick`): at setup, before the module is sharded (the mesh needs ``K``), every rank
 measures the module's state bytes (the optimizer's estimated as Adam's: it does not exist yet), reads
-the train dataset's lengths and picks the smallest ``K`` that fits
+the train dataset's lengths and picks the smallest ``K`` that fits, at least the node's processes
 (:func:`~lightning_dcp.planning.sharding.shard_group_size.choose_shard_group_size`): the states in the
 memory limit of the cost model given to the strategy (with its data check: the longest sample must fit
 some SP size up to ``K``), else of the device (the profiler's default budget: CUDA total x 0.9, 8 GiB on
@@ -102,9 +102,10 @@ class RunSharding:
                                  "shard group; a larger shard_group_size raises it)")
 
     def pick(self, module: nn.Module, contract: ModelContract | None, world_size: int, device: torch.device, *,
-             trainer: Any, cost_model: CostModel | None, lengths: Callable[[Any], Sequence[int]]) -> ShardGroupChoice | None:
-        """A mode with a shard group and none given: the smallest that fits (said on rank 0; ``None``: nothing
-        to pick). ``lengths(dataset)``: the train dataset's sample lengths.
+             trainer: Any, cost_model: CostModel | None, lengths: Callable[[Any], Sequence[int]],
+             gpus_per_node: int) -> ShardGroupChoice | None:
+        """A mode with a shard group and none given: the smallest that fits, at least the node's ``gpus_per_node``
+        processes (said on rank 0; ``None``: nothing to pick). ``lengths(dataset)``: the train dataset's lengths.
 
         Raises:
             NoShardGroupFits: none fits, listing the states' bytes per rank for each ``K``.
@@ -114,7 +115,7 @@ class RunSharding:
         dataset = train_dataset(trainer) if trainer is not None else None
         data = list(lengths(dataset)) if dataset is not None and hasattr(dataset, "__getitem__") else None
         choice = _choose(self.name(world_size), module, contract, world_size, device, offload=self.settings.offload,
-                         cost_model=cost_model, lengths=data)
+                         cost_model=cost_model, lengths=data, gpus_per_node=gpus_per_node)
         self.picked = choice.size
         rank_zero_info(f"DCPStrategy(sharding={self.name(world_size)!r}): shard_group_size={choice.size}, "
                        f"{choice.reason} (pass shard_group_size= to choose)")
@@ -132,7 +133,8 @@ class RunSharding:
 
 
 def _choose(mode_name: str, module: nn.Module, contract: ModelContract | None, world_size: int, device: torch.device,
-            *, offload: bool, cost_model: CostModel | None, lengths: Sequence[int] | None) -> ShardGroupChoice:
+            *, offload: bool, cost_model: CostModel | None, lengths: Sequence[int] | None,
+            gpus_per_node: int) -> ShardGroupChoice:
     from lightning_dcp.profiling.budget import resolve_budget
 
     units = contract_units(contract)
@@ -144,8 +146,10 @@ def _choose(mode_name: str, module: nn.Module, contract: ModelContract | None, w
             return max((view.max_length(p) for p in view.sp_sizes(world_size)), default=0)
 
         return choose_shard_group_size(world_size, states.parts, cost_model.memory_limit, mode=mode_name, offload=offload,
+                                       gpus_per_node=gpus_per_node,
                                        longest=max(lengths) if lengths else None,
                                        longest_fitting=holds if lengths else None, limit_source=cost_model.describe_limit())
     limit, source = resolve_budget(device)
     return choose_shard_group_size(world_size, states.parts, limit, mode=mode_name, offload=offload,
+                                   gpus_per_node=gpus_per_node,
                                    limit_source=source + "; states only: the profile is measured after sharding")

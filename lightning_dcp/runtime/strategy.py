@@ -345,7 +345,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             trainer = self.lightning_module._trainer
             if self._sharding.pick(self.model, self._model_contract, self.world_size, self.root_device, trainer=trainer,
                                    cost_model=self._cost_model if self.settings.planner is None else None,
-                                   lengths=self.train_lengths) is not None:
+                                   lengths=self.train_lengths, gpus_per_node=self.num_processes) is not None:
                 self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size)
             check_sharding_agreement(self.settings.sharding, self.shard_group_size, self._world_gather)
             self.shards = build_shards(self.mode, self.model, self.root_device, **contract_units(self._model_contract))

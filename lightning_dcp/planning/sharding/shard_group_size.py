@@ -1,14 +1,18 @@
-"""Which shard group ``K`` ``sharding="hsdp"`` runs when none is given: the smallest that fits.
+"""Which shard group ``K`` ``sharding="hsdp"`` runs when none is given: the smallest that fits, at least a node.
 
-A smaller shard group moves fewer bytes per round (and stays inside a node longer) and leaves more
-replicas; a larger one holds fewer state bytes per rank. :func:`choose_shard_group_size` takes the
-candidates -- the powers of two dividing the world, and the world -- from the smallest up and keeps
-the first whose states fit the memory limit (``(W + G + O)/K + B + 2R + 4L`` plus the workspace) and,
-when it is given a way to tell, that holds the dataset's longest sample on some SP size up to ``K``
-with every layer recomputed. ``DCPStrategy(sharding="hsdp")``, ``lightning-dcp simulate`` and
-``lightning-dcp plan`` all default to it. When no ``K`` fits, :class:`NoShardGroupFits` lists the
+A larger shard group holds fewer state bytes per rank, leaving more room for activations (less
+recompute, smaller SP groups); it costs collectives. Inside a node it costs almost nothing more: each
+rank moves ``(K - 1)/K`` of a layer per collective, at the node's bandwidth, whatever ``K``; beyond a
+node every round's collectives cross the slower inter-node links. So :func:`choose_shard_group_size`
+takes the candidates -- the powers of two dividing the world, and the world -- from the largest that
+fits in one node (``gpus_per_node``) up, and keeps the first whose states fit the memory limit
+(``(W + G + O)/K + B + 2R + 4L`` plus the workspace) and, when it is given a way to tell, that holds
+the dataset's longest sample on some SP size up to ``K`` with every layer recomputed: a node's group
+when the model fits there (Wan-14B, HunyuanVideo-13B on 8-GPU nodes), else the smallest group above
+a node that fits (Llama-70B on H100: 32). ``DCPStrategy(sharding="hsdp")``, ``lightning-dcp simulate``
+and ``lightning-dcp plan`` all default to it. When no ``K`` fits, :class:`NoShardGroupFits` lists the
 states' bytes per rank for every ``K`` (and what each holds), so the fix -- more ranks, ``offload``,
-more memory -- is plain. Pure Python.
+more memory -- is plain; it blames no sample unless the states fit and only the data does not. Pure Python.
 """
 
 from __future__ import annotations
@@ -48,12 +52,12 @@ def shard_group_candidates(world_size: int) -> list[int]:
 
 
 def choose_shard_group_size(world_size: int, parts: StateParts, memory_limit: float, *, mode: str,
-                            offload: bool = False,
-                            workspace_bytes: float = 0.0, longest: int | None = None,
-                            longest_fitting: Callable[[int], int] | None = None,
+                            gpus_per_node: int = 1, offload: bool = False, workspace_bytes: float = 0.0,
+                            longest: int | None = None, longest_fitting: Callable[[int], int] | None = None,
                             limit_source: str = "") -> ShardGroupChoice:
-    """The smallest shard group size whose states fit ``memory_limit`` and (given ``longest`` and
-    ``longest_fitting(k)``, the longest sample a shard group of ``k`` holds) that holds the data.
+    """The smallest shard group size, at least the largest candidate inside one node (``gpus_per_node``), whose
+    states fit ``memory_limit`` and (given ``longest`` and ``longest_fitting(k)``, the longest sample a shard
+    group of ``k`` holds) that holds the data.
 
     ``mode``: the registry's name of a mode with a shard group.
 
@@ -63,9 +67,14 @@ def choose_shard_group_size(world_size: int, parts: StateParts, memory_limit: fl
     limit_text = format_bytes(memory_limit) + (f" ({limit_source})" if limit_source else "")
     table: dict[int, float] = {}
     rows: list[str] = []
-    for k in shard_group_candidates(world_size):
+    candidates = shard_group_candidates(world_size)
+    node = max((k for k in candidates if k <= max(1, int(gpus_per_node))), default=1)
+    for k in candidates:
         states = get_mode(mode, world_size, shard_group_size=k, offload=offload).state_bytes(parts)
         table[k] = states
+        if k < node:
+            rows.append(f"K={k}: {format_bytes(states)} per rank in the loop")
+            continue
         need = states + workspace_bytes
         if need > memory_limit:
             rows.append(f"K={k}: {format_bytes(states)} per rank in the loop: does not fit")
@@ -75,12 +84,13 @@ def choose_shard_group_size(world_size: int, parts: StateParts, memory_limit: fl
             if holds < longest:
                 rows.append(f"K={k}: {format_bytes(states)} per rank in the loop, holds samples up to {holds} tokens")
                 continue
-            why = (f"the smallest shard group whose states fit ({format_bytes(states)} per rank in the loop, memory "
-                   f"{limit_text}) and that holds the longest sample ({longest} tokens; up to {holds})")
+            why = (f"states fit ({format_bytes(states)} per rank in the loop, memory {limit_text}) and it holds the "
+                   f"longest sample ({longest} tokens; up to {holds})")
         else:
-            why = (f"the smallest shard group whose states fit ({format_bytes(states)} per rank in the loop, memory "
-                   f"{limit_text})")
-        return ShardGroupChoice(k, why, table)
+            why = f"states fit ({format_bytes(states)} per rank in the loop, memory {limit_text})"
+        where = (f"one node's {k} ranks (inside a node a larger shard group costs no more bandwidth and frees memory)"
+                 if k == node else f"the smallest shard group above one node ({node} ranks) that fits")
+        return ShardGroupChoice(k, f"{where}: {why}", table)
     longest_note = f" and the longest sample ({longest} tokens)" if longest is not None and longest_fitting else ""
     raise NoShardGroupFits(
         f"sharding={mode!r}: no shard group size of the {world_size} ranks fits the model states{longest_note} in "
