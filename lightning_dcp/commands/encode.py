@@ -91,31 +91,6 @@ def _load(what: str, path: str, sub: str | None, load):
                        f"path offline use --model {', '.join(_tiny_names())}") from None
 
 
-def _hub_problem(repo: str, sub: str | None) -> str | None:
-    """Why ``repo`` (not a local folder, not in the local cache) cannot be read from the Hugging Face Hub, in one
-    quick request instead of from_pretrained's retries; ``None`` when it can (or the cache or offline mode decide)."""
-    if Path(repo).exists():
-        return None
-    import huggingface_hub as hub
-    from huggingface_hub import constants, errors
-
-    if constants.HF_HUB_OFFLINE:
-        return None
-    try:
-        if hub.try_to_load_from_cache(repo, f"{sub}/config.json" if sub else "config.json") is not None:
-            return None
-        hub.HfApi().model_info(repo, timeout=10)
-    except errors.HFValidationError:
-        return f"{repo!r} is neither a local folder nor a Hugging Face Hub id (owner/name)"
-    except errors.RepositoryNotFoundError:
-        return (f"the Hugging Face Hub has no model {repo!r} (or it is private or gated: `huggingface-cli login`); "
-                "check the id, or pass a local folder")
-    except Exception as err:  # noqa: BLE001 - httpx / requests / OS network errors
-        return (f"{repo!r} is not a local folder, and the Hugging Face Hub cannot be reached ({type(err).__name__}: "
-                f"{err}); check the network or pass a local pipeline folder")
-    return None
-
-
 def _tiny_names() -> list[str]:
     """The tiny models encode takes: those whose samples EncodedVideoDataset builds (Wan's video_sample)."""
     return ["tiny-wan"]
@@ -123,6 +98,7 @@ def _tiny_names() -> list[str]:
 
 def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """``(vae, text_encoder, tokenizer)`` from ``--model`` / ``--vae`` / ``--text-encoder`` / ``--tokenizer``."""
+    from lightning_dcp.diffusers.pretrained import hub_problem
     from lightning_dcp.diffusers.tiny import is_tiny, tiny_components
 
     if is_tiny(args.model):
@@ -142,7 +118,7 @@ def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     for explicit, sub in ((args.vae, "vae"), (args.text_encoder, "text_encoder"), (args.tokenizer, "tokenizer")):
         path, sub = _where(explicit, args.model, sub, sub.replace("_", " "))
-        problem = _hub_problem(path, sub)
+        problem = hub_problem(path, sub)
         if problem:
             raise CLIError(f"cannot load the {sub.replace('_', ' ')}: {problem}; to try the path offline use "
                            f"--model {', '.join(_tiny_names())}")
