@@ -187,7 +187,8 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
             "fraction_of_bound": bound_time / sim.total_time if sim.total_time > 0 else 0.0,
             "mean_step_bound_fraction": sim.mean_step_bound_fraction,
             "planner_ms_per_step": 1e3 * elapsed / n_steps, "step_s": sum(sim.step_times) / n_steps,
-            "planning_wait_s": sim.planning_wait, **{f"icc_{k}": v for k, v in sim.icc.items()},
+            "planning_wait_s": sim.planning_wait,
+            "solver_s_per_step": sum(getattr(planner.policy, "solve_log", [])) / n_steps, **{f"icc_{k}": v for k, v in sim.icc.items()},
             "_plan": plan, "_sim": sim,
         })
     base = next((r["tokens_per_s"] for r in rows if r["policy"] == "bucket"), rows[0]["tokens_per_s"] if rows else 1.0)

@@ -16,8 +16,9 @@ Parallelism* (ASPLOS '25) and its solver (PKU-DAIR Hetu-Galvatron, ``galvatron/f
    its sequences as **one packed micro-batch**; the groups are formed anew for the next micro-batch.
    Solved with HiGHS (``scipy.optimize.milp``) within ``time_limit`` seconds per step (default 10 s,
    FlexSP's SCIP limit), shared evenly by the step's micro-batches still to solve (FlexSP solves them
-   in parallel processes, 10 s each: the same wall time), and a node limit; the solve seconds are in
-   each step's ``extra["milp_s"]``.
+   in parallel processes, 10 s each: the same wall time), and a node limit; the solve seconds of each
+   step are in :attr:`FlexSPPolicy.solve_log` (the plan stays a deterministic function of its input),
+   and whether each micro-batch kept the MILP's or the greedy solution in ``extra["solutions"]``.
 3. **Activation checkpointing** is one setting for the run (``r`` recomputed layers for every group);
    the memory constraints use the capacity at that setting.
 
@@ -63,7 +64,10 @@ class FlexSPPolicy(Policy):
         super().__init__(world_size, view, **kw)
         self.time_limit = float(self.options.get("time_limit", TIME_LIMIT_S))
         self._t: dict[tuple[int, int, int], float] = {}
+        self.solve_log: list[float] = []
+        """MILP seconds of every step planned (tuning included), in order: the solve time this policy reports."""
         self.setting = self._setting()
+        self.solve_log.clear()
         """The recomputed layers every group uses."""
 
     @classmethod
@@ -149,8 +153,8 @@ class FlexSPPolicy(Policy):
                 need = self.view.min_recompute(tokens, s)
                 items.append(WorkItem(tuple(range(start, start + s)), tuple(samples[i] for i in idx),
                                       tuple(lengths[i] for i in idx), max(r, need if need is not None else r)))
+        self.solve_log.append(sum(s.solve_s for _, s in sols))
         return [StepPlan(tuple(items), {"recompute": r, "micro_batches": len(sols),
-                                        "milp_s": round(sum(s.solve_s for _, s in sols), 4),
                                         "solutions": [s.source for _, s in sols]})]
 
     def solve_micro_batch(self, lengths: Sequence[int], r: int, cluster: int, time_limit: float) -> Solution | None:
