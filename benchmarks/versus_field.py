@@ -44,6 +44,10 @@ from lightning_dcp.planning.planner import default_global_batch_tokens
 
 HERE = Path(__file__).resolve().parent
 POLICIES = ("dcp", "verl", "megatron-hcp", "hydraulis", "flexsp")
+GANTT = ("lightning-dcp simulate --world-size 32 --dataset long --num-steps 2 --policies "
+         "dcp,verl,megatron-hcp,hydraulis,flexsp --plot benchmarks/results/versus_field_32_long.png")
+"""The command that draws one cell's runs on one Gantt chart (``versus_field_32_long.png``)."""
+
 LARGE = 256
 """World sizes from this one on run ``--steps-large`` global batches (planning the peers there is slow)."""
 
@@ -76,7 +80,8 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
              f"- command: `{command}`",
              "- model: transformer-1d, H100 analytic cost model; every policy plans the same samples",
              "- cells: `steps` global batches of the default size (`default_global_batch_tokens`)",
-             "- planning charged: a step lasts max(its simulated time, the next step's planning time)", ""]
+             "- planning charged: a step lasts max(its simulated time, the next step's planning time)",
+             f"- one cell on one Gantt chart: `{GANTT}`", ""]
     for world in dict.fromkeys(r["gpus"] for r in rows):
         cell = [r for r in rows if r["gpus"] == world]
         steps = sorted({r["steps"] for r in cell})

@@ -16,9 +16,11 @@ Parallelism* (ASPLOS '25) and its solver (PKU-DAIR Hetu-Galvatron, ``galvatron/f
    its sequences as **one packed micro-batch**; the groups are formed anew for the next micro-batch.
    Solved with HiGHS (``scipy.optimize.milp``) within ``time_limit`` seconds per step (default 10 s,
    FlexSP's SCIP limit), shared evenly by the step's micro-batches still to solve (FlexSP solves them
-   in parallel processes, 10 s each: the same wall time), and a node limit; the solve seconds of each
-   step are in :attr:`FlexSPPolicy.solve_log` (the plan stays a deterministic function of its input),
-   and whether each micro-batch kept the MILP's or the greedy solution in ``extra["solutions"]``.
+   in parallel processes, 10 s each: the same wall time), and a node limit. The limit holds per solve
+   round: when a micro-batch's MILP is infeasible, a micro-batch is added and the round is solved
+   again. The solve seconds of each step are in :attr:`FlexSPPolicy.solve_log` (the plan stays a
+   deterministic function of its input); whether each micro-batch kept the MILP's or the greedy
+   solution is in ``extra["solutions"]``.
 3. **Activation checkpointing** is one setting for the run (``r`` recomputed layers for every group);
    the memory constraints use the capacity at that setting.
 
