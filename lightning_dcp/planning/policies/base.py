@@ -25,6 +25,8 @@ class Policy(abc.ABC):
 
     name: str = ""
     one_step_per_batch: bool = True
+    runtime_ok: bool = True
+    """False for policies whose plans the runtime cannot execute (``hydraulis``: TP/PP pipelines): plan and simulate only."""
 
     def __init__(self, world_size: int, view: CostView, *, seed: int = 0,
                  dataset_lengths: Sequence[int] | None = None, **options: Any):
