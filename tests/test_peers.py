@@ -205,7 +205,8 @@ def test_hydraulis_two_stage_plan_declares_its_pipelines():
     for it in step.items:
         assert item_memory_of(CM, it, pipes[it.ranks]) <= CM.memory_limit
     assert step.extra["estimate_s"] == pytest.approx(step_span(step, CM, 16), rel=1e-6)
-    assert not POLICIES["hydraulis"].runtime_ok
+    assert POLICIES["hydraulis"].runtime_refusal and POLICIES["flexsp"].runtime_refusal
+    assert all(POLICIES[name].runtime_refusal is None for name in ("dcp", "verl", "megatron-hcp", "bucket"))
 
 
 @pytest.mark.parametrize("policy", PEERS)

@@ -68,9 +68,9 @@ class PlannerFactory:
         if self.settings.planner is not None:
             return self.settings.planner
         cls = POLICIES.get(self.settings.policy)
-        if cls is not None and not cls.runtime_ok:
-            raise ValueError(f"policy {self.settings.policy!r} plans tensor/pipeline-parallel pipelines, which DCPStrategy "
-                             f"does not run; use it with `lightning-dcp plan` / `simulate`, and train with policy='dcp'")
+        if cls is not None and cls.runtime_refusal:
+            raise ValueError(f"policy {self.settings.policy!r} cannot train: {cls.runtime_refusal}; use it with "
+                             "`lightning-dcp plan` / `simulate`, and train with policy='dcp'")
         opts = dict(self.settings.planner_options)
         opts.setdefault("max_sp_size", self.sp_cap.size)
         if self.sp_cap.heads_cap is not None and opts["max_sp_size"] == self.sp_cap.heads_cap:

@@ -61,6 +61,8 @@ class FlexSPPolicy(Policy):
     """FlexSP: per micro-batch, heterogeneous SP groups and their sequences from a MILP."""
 
     name = "flexsp"
+    runtime_refusal = ("its MILP stops at a time limit, so ranks (and reruns) can get different plans, and every rank "
+                       "must plan the same step")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)

@@ -62,7 +62,7 @@ class HydraulisPolicy(Policy):
     """Hydraulis: per-step heterogeneous ``<TP, PP>`` pipelines, randomized greedy dispatch, balanced packing."""
 
     name = "hydraulis"
-    runtime_ok = False
+    runtime_refusal = "it plans tensor/pipeline-parallel pipelines, which DCPStrategy does not run"
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
