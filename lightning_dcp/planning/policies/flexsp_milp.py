@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -165,7 +165,6 @@ def solve(N: int, buckets: Sequence[Bucket], sizes: Sequence[int], cap: Callable
           node_limit: int = 2000, gap: float = 0.01) -> Solution | None:
     """Solve one micro-batch's MILP (module docstring); the better of it and :func:`greedy`; None if neither is feasible."""
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_array
 
     t0 = time.perf_counter()
     need = [min((s for s in sorted(sizes) if cap(s) >= bk.bound), default=10 ** 9) for bk in buckets]
@@ -173,6 +172,47 @@ def solve(N: int, buckets: Sequence[Bucket], sizes: Sequence[int], cap: Callable
         return None
     options = sp_options(N, [s for s in sizes if s <= N], need)
     base = greedy(N, buckets, options, need, cap, t_seq, const)
+    A, lo, hi, ub = _milp_rows(N, buckets, options, need, cap, t_seq, const)
+    K, P = len(buckets), len(options)
+    nA, nv = K * P, K * P + P + 1
+    iM = nv - 1
+    c = np.zeros(nv)
+    c[iM] = 1.0
+    integrality = np.ones(nv)
+    integrality[iM] = 0
+    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(np.zeros(nv), ub),
+               options={"time_limit": max(float(time_limit), 0.05), "node_limit": int(node_limit), "disp": False,
+                        "mip_rel_gap": float(gap)})
+    solve_s = time.perf_counter() - t0
+    best = base
+    if res.x is not None:
+        x = np.round(res.x).astype(np.int64)
+        sizes_out, groups = [], []
+        for p, s in enumerate(options):
+            if x[nA + p] <= 0:
+                continue
+            members: list[int] = []
+            for k, bk in enumerate(buckets):
+                members.extend([-1 - k] * int(x[k * P + p]))  # bucket slots, filled below
+            sizes_out.append(s)
+            groups.append(members)
+        groups = _fill(groups, buckets)
+        bound_of = {i: bk.bound for bk in buckets for i in bk.members}
+        M = objective(sizes_out, groups, bound_of, t_seq, const)
+        if sum(sizes_out) == N and (best is None or M <= best.M):
+            best = Solution(sizes_out, groups, M, "milp")
+    if best is not None:
+        best.solve_s = solve_s
+        best.status = str(res.message)
+    return best
+
+
+def _milp_rows(N: int, buckets: Sequence[Bucket], options: Sequence[int], need: Sequence[int], cap: Callable[[int], int],
+               t_seq: Callable[[int, int], float], const: Callable[[int], float]) -> tuple[Any, list, list, Any]:
+    """The MILP's constraint matrix, its row bounds and the variables' upper bounds (module docstring):
+    variables ``A`` (bucket x option counts, k-major), ``m`` (option used) and ``M`` (the makespan)."""
+    from scipy.sparse import coo_array
+
     K, P = len(buckets), len(options)
     nA = K * P
     nv = nA + P + 1  # A (k-major), m, M
@@ -211,36 +251,7 @@ def solve(N: int, buckets: Sequence[Bucket], sizes: Sequence[int], cap: Callable
         for p, s in enumerate(options):
             ub[k * P + p] = 0.0 if s < need[k] else len(bk.members)
     ub[nA:nA + P] = 1.0
-    c = np.zeros(nv)
-    c[iM] = 1.0
-    integrality = np.ones(nv)
-    integrality[iM] = 0
-    A = coo_array((vals, (rows, cols)), shape=(r, nv)).tocsr()
-    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(np.zeros(nv), ub),
-               options={"time_limit": max(float(time_limit), 0.05), "node_limit": int(node_limit), "disp": False,
-                        "mip_rel_gap": float(gap)})
-    solve_s = time.perf_counter() - t0
-    best = base
-    if res.x is not None:
-        x = np.round(res.x).astype(np.int64)
-        sizes_out, groups = [], []
-        for p, s in enumerate(options):
-            if x[nA + p] <= 0:
-                continue
-            members: list[int] = []
-            for k, bk in enumerate(buckets):
-                members.extend([-1 - k] * int(x[k * P + p]))  # bucket slots, filled below
-            sizes_out.append(s)
-            groups.append(members)
-        groups = _fill(groups, buckets)
-        bound_of = {i: bk.bound for bk in buckets for i in bk.members}
-        M = objective(sizes_out, groups, bound_of, t_seq, const)
-        if sum(sizes_out) == N and (best is None or M <= best.M):
-            best = Solution(sizes_out, groups, M, "milp")
-    if best is not None:
-        best.solve_s = solve_s
-        best.status = str(res.message)
-    return best
+    return coo_array((vals, (rows, cols)), shape=(r, nv)).tocsr(), lo, hi, ub
 
 
 def _fill(groups: list[list[int]], buckets: Sequence[Bucket]) -> list[list[int]]:
