@@ -338,7 +338,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         if self.world_size > 1 and dist.is_initialized():
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
-            if self.shards is not None and self.shards.module is self.model:
+            if self._sharded_checkpoint and self.shards.module is self.model:  # a later fit keeps the units
                 self.shards.reshard()  # the optimizer is built over the sharded parameters; setup() then unshards
                 return
             _sync_module_states(self.model)

@@ -11,7 +11,7 @@ One class per mode of ``DCPStrategy(sharding=...)`` implements it (named by the 
   :meth:`Shards.begin_round`, a rank without an item running :meth:`Shards.run_dummy`); the gradient
   reduction (:meth:`Shards.grad_reduction`, then :meth:`Shards.after_reduce`); :meth:`Shards.after_step`;
 - **resting state and evaluation**: :meth:`Shards.unshard` before evaluation, :meth:`Shards.at_rest`
-  between steps and after it;
+  between steps and after it, :meth:`Shards.reshard` before a later fit builds its optimizers;
 - **checkpoints**: :attr:`Shards.sharded_checkpoint` modes write and read every rank's shards
   (:meth:`Shards.save_checkpoint`, :meth:`Shards.load_checkpoint`); the others leave them to Lightning.
 
@@ -135,6 +135,9 @@ class Shards(Protocol):
 
     def at_rest(self) -> None:
         """The mode's resting state: between steps and after evaluation."""
+
+    def reshard(self) -> None:
+        """The module's parameters are the sharded ones (what ``configure_optimizers`` must see in a later fit)."""
 
     # ------------------------------------------------------------------ checkpoints (sharded_checkpoint only)
     def model_state(self) -> dict[str, Any]:

@@ -86,6 +86,9 @@ class ReplicatedShards:
     def at_rest(self) -> None:
         """The weights are full."""
 
+    def reshard(self) -> None:
+        """Nothing is sharded."""
+
     # ------------------------------------------------------------------ checkpoints: Lightning's own file
     def model_state(self) -> dict[str, Any]:
         raise NotImplementedError(f"sharding={self.mode.name!r} saves Lightning's own checkpoint file")
