@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,6 +61,17 @@ class Losses(pl.Callback):
             Path(self.path).write_text(json.dumps({"rows": self.rows, "shard_group_size": trainer.strategy.shard_group_size}))
 
 
+def _fresh_launch() -> None:
+    """The earlier sections' one-device fits leave a process group and its ``MASTER_PORT`` in this process: the
+    two ranks spawned here would inherit the port (``EADDRINUSE``). Drop both first."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
+        os.environ.pop(var, None)
+
+
 def _fit(ctx: Any, name: str, offload: bool) -> dict:
     from torch.utils.data import DataLoader
 
@@ -76,6 +88,7 @@ def _fit(ctx: Any, name: str, offload: bool) -> dict:
                          max_steps=s.fit_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Losses(str(out))])
     data = SyntheticTokenDataset(tiny_lengths(s.fit_samples, max_len=s.fit_max_len), vocab_size=256)
+    _fresh_launch()
     t0 = time.perf_counter()
     trainer.fit(DCPTransformerModule("tiny-1d", lr=1e-3), DataLoader(data, batch_size=1))
     got = json.loads(out.read_text())

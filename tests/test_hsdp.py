@@ -36,7 +36,7 @@ from lightning_dcp.models.transformer1d import Transformer1D
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.checkpoint import is_sharded_checkpoint
 from lightning_dcp.planning.sharding.registry import get_mode
-from lightning_dcp.planning.sharding.rounds import Lockstep
+from lightning_dcp.planning.rounds import Lockstep
 from lightning_dcp.runtime.sharding.states import ModelStates
 
 LR = 0.05

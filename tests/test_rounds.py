@@ -1,5 +1,5 @@
 """Per-layer sharding (``sharding="hsdp"``) in planning: lockstep rounds of a shard group
-(:mod:`lightning_dcp.planning.sharding.rounds`), the memory and time of :class:`ShardGroupCostModel`, the planner's
+(:mod:`lightning_dcp.planning.rounds`), the memory and time of :class:`ShardGroupCostModel`, the planner's
 round alignment, the simulator's lockstep span, the CLI, and the large-model presets."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, check_deadlock_free
 from lightning_dcp.planning.planner import Planner
-from lightning_dcp.planning.sharding.rounds import align_rounds, check_shard_groups, lockstep_rounds, round_span, shard_groups
+from lightning_dcp.planning.rounds import align_rounds, check_shard_groups, lockstep_rounds, round_span, shard_groups
 from lightning_dcp.planning.sharding.hsdp import hsdp_view
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.simulator import simulate

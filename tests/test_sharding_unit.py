@@ -24,9 +24,9 @@ from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.sharding.base import StateParts
 from lightning_dcp.planning.sharding.hsdp import hsdp_view
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.registry import MODES, get_mode
-from lightning_dcp.planning.sharding.rounds import lockstep_rounds
+from lightning_dcp.planning.rounds import lockstep_rounds
 from lightning_dcp.planning.sharding.shard_group_size import NoShardGroupFits, choose_shard_group_size
 from lightning_dcp.planning.simulator import simulate
 from lightning_dcp.runtime.model import SPCap

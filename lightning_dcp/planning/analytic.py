@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import StateParts
 from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 

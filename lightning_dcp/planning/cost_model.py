@@ -15,10 +15,10 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from lightning_dcp.planning.sharding.rounds import FREE_RUNNING, RoundPlan
+from lightning_dcp.planning.rounds import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dcp.planning.sharding.prices import CollectivePrices
+    from lightning_dcp.planning.prices import CollectivePrices
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class CostModel(abc.ABC):
     memory_in_bytes: bool = True
     """Whether ``item_memory`` and ``memory_limit`` are bytes (the fallback and safe-mode models count tokens)."""
     rounds: RoundPlan = FREE_RUNNING
-    """How a step's items run (:mod:`~lightning_dcp.planning.sharding.rounds`): free-running per rank, or lockstep
+    """How a step's items run (:mod:`~lightning_dcp.planning.rounds`): free-running per rank, or lockstep
     rounds of a shard group (``sharding="hsdp"``)."""
 
     def collective_prices(self) -> "CollectivePrices | None":

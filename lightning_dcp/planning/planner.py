@@ -303,7 +303,7 @@ class Planner:
         if not self.view.exact_memory:
             steps = [self._verify_memory(s) for s in steps]
         cm = self.cost_model
-        if cm.rounds.lockstep:  # the round planner's one entry point (lightning_dcp.planning.sharding.rounds)
+        if cm.rounds.lockstep:  # the round planner's one entry point (lightning_dcp.planning.rounds)
             steps = [cm.rounds.plan_step(s, self.world_size, lambda it: cm.item_time(it.lengths, it.sp_size, it.recompute))
                      for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})

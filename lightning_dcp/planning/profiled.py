@@ -22,7 +22,7 @@ import numpy as np
 from lightning_dcp.planning.analytic import _positive_int
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import StateParts
 from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 

@@ -20,7 +20,7 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.default_cost import DefaultCostModel
 from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
 from lightning_dcp.planning.planner import POLICIES, Planner
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.settings import DCPSettings
 from lightning_dcp.runtime.sharding.states import ModelStates, plan_cost_model

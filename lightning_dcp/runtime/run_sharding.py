@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import ShardingMode
 from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES, get_mode
 from lightning_dcp.planning.sharding.shard_group_size import ShardGroupChoice, choose_shard_group_size

@@ -6,7 +6,7 @@
   collectives, its rounds, the cost model to plan with; the state bytes and collective prices;
 - one file per mode: :mod:`.none`, :mod:`.zero1`, :mod:`.zero2`, :mod:`.fsdp`, :mod:`.hsdp` (with
   :mod:`.hsdp_cost`, its cost view, and :mod:`.shard_group_size`, which ``K`` when none is given);
-- :mod:`~lightning_dcp.planning.sharding.rounds` -- how a step's items run (free-running or lockstep
+- :mod:`~lightning_dcp.planning.rounds` -- how a step's items run (free-running or lockstep
   rounds), with the round planner's one entry point.
 
 Per rank, with ``W``, ``B``, ``G``, ``O`` the full model's (one replica's) weight, buffer, gradient and

@@ -10,9 +10,9 @@ pure side says, from the state bytes alone:
   budgets) and between steps (:meth:`ShardingMode.state_bytes`);
 - **the step's collectives**: what the step end moves and how much of the optimizer step a rank runs
   (:meth:`ShardingMode.step_traffic`, :meth:`ShardingMode.optimizer_share`), priced by the cost model
-  with its hardware's or its profile's :class:`~lightning_dcp.planning.sharding.prices.CollectivePrices`;
+  with its hardware's or its profile's :class:`~lightning_dcp.planning.prices.CollectivePrices`;
 - **the rounds**: how a step's items run (:attr:`ShardingMode.rounds`: free-running per rank, or in
-  lockstep rounds of a shard group, :mod:`~lightning_dcp.planning.sharding.rounds`) and the SP cap they
+  lockstep rounds of a shard group, :mod:`~lightning_dcp.planning.rounds`) and the SP cap they
   imply;
 - **the cost model to plan with** (:meth:`ShardingMode.plan_with`): a cost model with a
   ``with_sharding`` hook is re-planned with the runtime's measured bytes; one that says which states
@@ -28,8 +28,8 @@ import abc
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
-from lightning_dcp.planning.sharding.prices import CollectivePrices
-from lightning_dcp.planning.sharding.rounds import FREE_RUNNING, RoundPlan
+from lightning_dcp.planning.prices import CollectivePrices
+from lightning_dcp.planning.rounds import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.cost_model import CostModel

@@ -9,7 +9,7 @@ the ``N / K`` groups (``K = N``: plain ZeRO-3). Per rank::
 ``R`` the weight bytes outside the repeated layers (the root unit: embeddings, head; gathered for the
 whole micro-batch with its gradients), ``L`` the largest repeated layer's (two layers' weights and
 gradients in flight: the running one and the prefetched one). Each layer's collectives run inside the
-loop, so the ranks of a group run lockstep rounds (:class:`~lightning_dcp.planning.sharding.rounds.Lockstep`)
+loop, so the ranks of a group run lockstep rounds (:class:`~lightning_dcp.planning.rounds.Lockstep`)
 and SP groups stay inside a shard group (:meth:`HsdpMode.sp_cap`). Time:
 :class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`; which ``K`` when none is given:
 :mod:`~lightning_dcp.planning.sharding.shard_group_size`. Pure Python.
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import ShardingMode, StateParts, UnplannableCostModel
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
-from lightning_dcp.planning.sharding.rounds import Lockstep, RoundPlan
+from lightning_dcp.planning.rounds import Lockstep, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.cost_model import CostModel

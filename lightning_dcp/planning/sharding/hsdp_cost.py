@@ -11,7 +11,7 @@ memory. A dummy round runs no compute (:mod:`lightning_dcp.runtime.sharding.dumm
 states and the units in flight, below any item's.
 
 Time. A micro-batch costs what the base model says plus its round's collectives; the rounds
-(:class:`~lightning_dcp.planning.sharding.rounds.Lockstep`) run in lockstep inside a shard group, so a
+(:class:`~lightning_dcp.planning.rounds.Lockstep`) run in lockstep inside a shard group, so a
 round lasts as long as its slowest item (a dummy computes nothing), and each round adds its per-layer
 collectives: per layer an all-gather of ``L`` before the forward and before the backward and a
 reduce-scatter of the layer's gradients, each moving ``(K - 1) / K`` of the bytes, priced by the
@@ -39,9 +39,9 @@ from dataclasses import replace
 from typing import Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import ShardingMode, StateParts
-from lightning_dcp.planning.sharding.rounds import Lockstep
+from lightning_dcp.planning.rounds import Lockstep
 
 
 __all__ = ["HOST_ADAM_PARAMS_PER_S", "HOST_BANDWIDTH", "ShardGroupCostModel"]

@@ -1,7 +1,7 @@
 """Dummy rounds that run only the collectives: what a rank without an item runs in a lockstep round.
 
 Under ``sharding="hsdp"`` every rank of a shard group must issue the same per-layer collectives, in
-the same order, in every round (:mod:`~lightning_dcp.planning.sharding.rounds`). A rank with no item
+the same order, in every round (:mod:`~lightning_dcp.planning.rounds`). A rank with no item
 in a round used to run a real micro-batch times 0; now it runs :class:`CollectivesOnlyRound`: FSDP's
 own hooks around a forward that computes nothing. Every unit gets a forward method (registered with
 :func:`torch.distributed.fsdp.register_fsdp_forward_method`, so FSDP's pre- and post-forward hooks run

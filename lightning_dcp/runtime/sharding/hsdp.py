@@ -10,7 +10,7 @@ layer's weights are all-gathered just before its forward and again before its ba
 its backward. Only two layers' weights are full at a time.
 
 Those collectives run inside the micro-batch loop, so every rank of a shard group runs the plan's
-lockstep rounds (:class:`~lightning_dcp.planning.sharding.rounds.Lockstep`): its item of a round or,
+lockstep rounds (:class:`~lightning_dcp.planning.rounds.Lockstep`): its item of a round or,
 where it has none, a dummy round that runs only the collectives
 (:class:`~lightning_dcp.runtime.sharding.dummy.CollectivesOnlyRound`). Per round
 (:meth:`HsdpShards.begin_round`):

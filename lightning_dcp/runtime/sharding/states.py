@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.sharding.prices import CollectivePrices
+from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import ShardingMode, StateParts
 from lightning_dcp.planning.sharding.registry import MODES, get_mode
 
