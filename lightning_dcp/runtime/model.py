@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_dcp.planning.sp_sizes import ulysses_sizes
+from lightning_dcp.planning.sp_sizes import best_split, ulysses_sizes
 from lightning_dcp.sp.groups import power_of_two_sizes
 
-__all__ = ["SPCap", "largest_dividing_power_of_two", "resolve_sp_cap"]
+__all__ = ["SPCap", "item_refusal", "largest_dividing_power_of_two", "resolve_sp_cap"]
 
 
 def largest_dividing_power_of_two(heads: int | None) -> int:
@@ -106,3 +106,25 @@ def resolve_sp_cap(requested: int | None, world_size: int, heads: int | None, ri
 
 def _ulysses(heads: int | None, size: int) -> tuple[int, ...]:
     return ulysses_sizes(heads, size) if heads else ()
+
+
+def item_refusal(sp_size: int, ring: int, heads: int | None, ring_layout: str | None) -> str | None:
+    """Why an item of ``sp_size`` ranks with ring degree ``ring`` cannot run on a model with ``heads`` attention heads
+    (``ring_layout``: the module's ring token layout, ``None`` when it has no ring attention), or ``None`` when it can.
+
+    The rule (:mod:`lightning_dcp.planning.sp_sizes`): the Ulysses size ``sp_size / ring`` divides the heads; a ring
+    degree above 1 needs a module that runs ring attention."""
+    u = sp_size // ring if ring >= 1 and sp_size % ring == 0 else None
+    if u is None:
+        return f"its ring degree {ring} does not divide its SP size {sp_size}; fix the plan"
+    if ring > 1 and ring_layout is None:
+        return (f"it runs SP {sp_size} as ring {ring} x Ulysses {u}, but the module cannot run ring attention (it shards "
+                "its own batches, sets dcp_ring_layout = None, or is below support level 'sp'); plan SP sizes that divide "
+                f"the heads{f' ({heads})' if heads else ''} only")
+    if heads and heads % u:
+        split = best_split(sp_size, heads)
+        fix = (f"plan it as ring {split[0]} x Ulysses {split[1]} (WorkItem(..., ring={split[0]}))" if ring_layout is not None
+               else f"cap the planner at SP sizes dividing {heads} (max_sp_size={max(ulysses_sizes(heads, sp_size))})")
+        return (f"its Ulysses size {u} (SP {sp_size}{f' / ring {ring}' if ring > 1 else ''}) does not divide the model's "
+                f"{heads} attention heads (Ulysses gives every rank whole heads); {fix}")
+    return None
