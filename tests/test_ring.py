@@ -159,3 +159,30 @@ def test_ulysses_and_ring_on_six_processes_are_exact():
     cases = [(1, 6, 6, True, "contiguous", "auto", F32), (2, 3, 3, True, "zigzag", "auto", F32),
              (3, 2, 1, False, "contiguous", "auto", F32), (3, 2, 2, True, "zigzag", "math", F64)]
     run_distributed(_run_cases, 6, cases, timeout=300.0)
+
+
+def test_zigzag_shards_hold_every_token_once_and_keep_the_loss_exact():
+    """A ring item's shards (zigzag, padded to twice the SP size) through the contract's local_batch: every token
+    once, and the weighted losses summed over the shards are the item's loss-token sum."""
+    from dataclasses import replace
+
+    from _dcp_helpers import TinyLM
+    from lightning_dcp.sp.context import LOSS_MASK
+    from lightning_dcp.sp.contract import local_batch, read_model
+    from lightning_dcp.sp.packing import pack_samples
+    from lightning_dcp.sp.tokens import weighted_loss
+
+    samples = [{"input_ids": torch.arange(n) + 100 * i, "labels": torch.arange(n) + 100 * i} for i, n in enumerate((5, 9, 2))]
+    contract = replace(read_model(TinyLM()), ring_layout="zigzag")
+    whole = pack_samples(samples, pad_to_multiple=pad_multiple(4, 2))
+    assert whole[LOSS_MASK].shape[0] == 16
+    parts = [local_batch(contract, pack_samples(samples, pad_to_multiple=8), r, 4, "token", ring=2) for r in range(4)]
+    assert sum(p.loss_units for p in parts) == 16 and sum(p.real_tokens for p in parts) == 16
+    spans = [shard_spans(16, r, 4, 2, "zigzag") for r in range(4)]
+    for p, sp in zip(parts, spans):
+        assert torch.equal(p.data["input_ids"], torch.cat([whole["input_ids"][a:b] for a, b in sp]))
+    got = sum(float(weighted_loss(p.data["labels"].float(), p.data)) for p in parts)
+    assert got == float(whole["labels"][whole[LOSS_MASK]].sum())
+    hooked = replace(contract, shard_batch=lambda b, r, s: b, ring_layout=None)
+    with pytest.raises(ValueError, match="needs ring attention, which TinyLM cannot run: it shards its own batches"):
+        local_batch(hooked, pack_samples(samples, pad_to_multiple=8), 0, 4, "token", ring=2)

@@ -105,6 +105,26 @@ def test_max_sp_size_takes_any_size_the_model_allows():
     assert resolve_sp_cap(None, world_size=6, heads=None).group_sizes == (1, 2, 4)  # heads unknown: powers of two up front
 
 
+def test_setup_takes_any_allowed_max_sp_size_and_refuses_an_impossible_head_split():
+    """DCPStrategy(max_sp_size=3) is a valid cap; on a 4-head module without ring attention it is refused at setup
+    naming the sizes; with ring attention (dcp_ring_layout) it runs as ring x Ulysses."""
+    from lightning_dcp.runtime.fit_setup import resolve_model_setup
+
+    settings = DCPStrategy(max_sp_size=3).settings
+    with pytest.raises(ValueError, match="positive number of ranks"):
+        DCPStrategy(max_sp_size=0)
+    lm = TinyLM()
+    lm.dcp_ring_layout = None
+    with pytest.raises(ValueError, match=r"max_sp_size=3 allows SP size 3, which does not divide the model's 4 attention "
+                                         r"heads: .* SP sizes are 1, 2, 4. Use max_sp_size=2"):
+        resolve_model_setup(read_model(lm), settings, 8)
+    lm.dcp_ring_layout = "zigzag"
+    contract = read_model(lm)
+    assert contract.ring_layout == "zigzag"
+    assert resolve_model_setup(contract, settings, 8) == (4, "sp", SPCap(3, ulysses=(1, 2), ring=True))
+    assert read_model(TinyLM(), support="packed").ring_layout is None  # no SP, no ring
+
+
 def test_default_max_sp_follows_heads_and_world():
     assert resolve_sp_cap(None, world_size=8, heads=2) == SPCap(2, heads_cap=2, ulysses=(1, 2))
     assert resolve_sp_cap(None, world_size=8, heads=16) == SPCap(8, ulysses=(1, 2, 4, 8))
