@@ -9,6 +9,13 @@ every SP group the strategy switches between; the group is recorded on the autog
 forward time, so backward (which runs after the strategy has moved on to another context) talks
 to the right ranks.
 
+Any group size works, not only powers of two (3, 5, 6, 7, 12 ...): the heads must divide by ``P`` and
+the packed tokens are padded to a multiple of ``P`` (:func:`~lightning_dcp.sp.tokens.pad_multiple`), so
+every rank's chunk is equal; DeepSpeed's all-to-all splits both evenly (tested at SP 3 and 6 in
+``tests/test_ring.py`` and in fits on 3 and 6 processes). A ring item
+(:class:`~lightning_dcp.sp.context.RingGrid` in the active context) runs this all-to-all inside its
+Ulysses subgroup and ring attention between the subgroups (:mod:`lightning_dcp.sp.ring`).
+
 DeepSpeed layout notes (deepspeed 0.19.8, checked in ``deepspeed/sequence/layer.py``):
 
 * ``_SeqAllToAll.apply(group, input, scatter_idx, gather_idx, batch_dim_idx)`` handles 4-D
