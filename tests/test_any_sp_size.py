@@ -169,3 +169,14 @@ def test_diffusers_wan_six_heads_on_three_processes_sp3_and_ring_is_exact(tmp_pa
     run_distributed(_wan_worker, 3, str(tmp_path), timeout=900)
     done = open(os.path.join(tmp_path, "wan-6-heads.done")).read()
     assert done.startswith("[1, 2, 3]"), done
+
+
+def test_profiler_grid_takes_every_ulysses_size():
+    """The profiler measures the sizes the runtime runs: every divisor of the heads, not only powers of two."""
+    from lightning_dcp.profiling.grid import check_sp_sizes, default_sp_sizes
+
+    assert default_sp_sizes(6, 6) == [1, 2, 3, 6] and default_sp_sizes(8, 12) == [1, 2, 3, 4, 6]
+    assert default_sp_sizes(6, None) == [1, 2, 4]
+    assert check_sp_sizes([1, 3, 6], 6, 12) == [1, 3, 6]
+    with pytest.raises(ValueError, match=r"sp_sizes \[4, 7\] are not usable on 6 rank\(s\) with 6 heads"):
+        check_sp_sizes([1, 4, 7], 6, 6)
