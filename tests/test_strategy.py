@@ -163,7 +163,7 @@ def test_settings_are_frozen_and_validated():
     with pytest.raises(TypeError):
         s.settings.planner_options["fallback"] = True  # type: ignore[index]
     assert s.settings.timeout.total_seconds() == 12.0
-    for bad in ({"max_sp_size": 3}, {"global_batch_size": 0}, {"timeout": -1}, {"support": "full"},
+    for bad in ({"max_sp_size": 0}, {"global_batch_size": 0}, {"timeout": -1}, {"support": "full"},
                 {"max_oom_replans": -1}, {"bucket_cap_mb": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DCPStrategy(**bad)
