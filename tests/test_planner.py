@@ -166,13 +166,14 @@ def test_plan_json_file_round_trip(tmp_path):
 
 
 def test_validate_rejects_what_can_go_wrong():
-    """The checks that can fail: unaligned or out-of-range groups, duplicate or missing samples,
+    """The checks that can fail: unordered or out-of-range groups (any size, aligned or not, is a group), duplicate or
+    missing samples,
     lengths that disagree, recompute out of range, an item over the memory limit."""
     ok = StepPlan((WorkItem((0, 1), (0,), (100,), 0), WorkItem((2,), (1,), (50,), 0)))
     validate_plan(Plan("x", 4, (ok,)), [100, 50], CM, samples=[0, 1])
     bad = {
-        "aligned power-of-two": StepPlan((WorkItem((1, 2), (0,), (100,), 0),)),
-        "aligned power-of-two ": StepPlan((WorkItem((0, 1, 2), (0,), (100,), 0),)),
+        "distinct ranks in increasing order": StepPlan((WorkItem((2, 1), (0,), (100,), 0),)),
+        "distinct ranks in increasing order ": StepPlan((WorkItem((1, 1), (0,), (100,), 0),)),
         "world has 4 ranks": StepPlan((WorkItem((4, 5), (0,), (100,), 0),)),
         "appears twice": StepPlan((WorkItem((0,), (0,), (100,), 0), WorkItem((1,), (0,), (100,), 0))),
         "recomputes": StepPlan((WorkItem((0,), (0,), (100,), CM.num_layers + 1),)),

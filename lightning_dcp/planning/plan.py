@@ -189,14 +189,17 @@ def is_aligned_block(ranks: Sequence[int]) -> bool:
 def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> None:
     """Raise :class:`PlanError` when ``step`` breaks the contract.
 
-    Checks: ranks are aligned power-of-two blocks inside the world; samples and lengths pair
+    Checks: ranks are distinct, increasing and inside the world (an SP group of any size the model
+    allows, not only an aligned power-of-two block; the runtime creates its groups); samples and lengths pair
     up with positive lengths; recompute in ``[0, num_layers]``; with a cost model, no item over
     its memory limit. (The item order needs no check: v1's single ordered list is always a
     valid schedule, see :func:`check_deadlock_free`.)
     """
     for idx, item in enumerate(step.items):
-        if not is_aligned_block(item.ranks):
-            raise PlanError(f"item {idx} has ranks {list(item.ranks)}: SP groups must be aligned power-of-two blocks")
+        ranks = item.ranks
+        if not ranks or ranks[0] < 0 or any(b <= a for a, b in zip(ranks, ranks[1:])):
+            raise PlanError(f"item {idx} has ranks {list(ranks)}: an SP group is a non-empty list of distinct ranks "
+                            "in increasing order")
         if item.ranks[-1] >= world_size:
             raise PlanError(f"item {idx} names rank {item.ranks[-1]} but the world has {world_size} ranks")
         if not item.samples or len(item.samples) != len(item.lengths):
@@ -222,7 +225,7 @@ def check_deadlock_free(step: StepPlan, world_size: int) -> None:
     items in the order of the step's single global list, so that list itself is a valid
     schedule (the first unfinished item in list order is always at the head of all its ranks'
     queues) and any such plan is deadlock-free by construction. What *can* be wrong with a plan
-    is checked by :func:`validate_step` (aligned in-range groups, samples/lengths, recompute,
+    is checked by :func:`validate_step` (in-range groups, samples/lengths, recompute,
     memory) and :func:`validate_plan` (each sample once). The check is kept because it is cheap
     and documents the execution rule; a future schema with per-rank orders would need it.
     """
