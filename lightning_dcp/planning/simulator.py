@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from lightning_dcp.planning.bound import step_bound
-from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.cost_model import CostModel, ring_kwargs
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
 from lightning_dcp.planning.rounds import lockstep_rounds, round_span
 from lightning_dcp.planning.speeds import check_rank_speeds, group_speed, rank_speeds_of
@@ -90,7 +90,7 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first.
 
     ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the
-    world's largest aligned block; a smaller cap only raises the bound).
+    world; a smaller cap only raises the bound).
     ``rank_speeds``: the ranks' true speeds (:mod:`~lightning_dcp.planning.speeds`): an item on
     ranks ``R`` lasts its cost-model time divided by ``min(speed[r] for r in R)`` (its time parts
     likewise, for the ICC fractions); the step bounds spread the work over the speeds' sum.
@@ -172,10 +172,10 @@ def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals
     busy = [0.0] * W
     line: list[tuple[int, float, float, int, str]] = []
     for i, item in enumerate(step.items):
-        key = (item.lengths, item.sp_size, item.recompute)
+        key = (item.lengths, item.sp_size, item.recompute, item.ring)
         cost = cache.get(key)
         if cost is None:
-            cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute)
+            cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute, **ring_kwargs(item.ring))
             cache[key] = cost
         pace = group_speed(speeds, item.ranks)
         t = cost.total / pace
@@ -214,7 +214,7 @@ def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict,
                   speeds: Sequence[float] | None = None) -> float:
     """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
     rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
-    times = [cache[(it.lengths, it.sp_size, it.recompute)].total / group_speed(speeds, it.ranks)
+    times = [cache[(it.lengths, it.sp_size, it.recompute, it.ring)].total / group_speed(speeds, it.ranks)
              for it in step.items]  # each: round(t), at its slowest member's pace
     groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
     return max((round_span(g, times) for g in groups), default=0.0)

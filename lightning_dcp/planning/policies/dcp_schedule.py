@@ -1,11 +1,12 @@
 """dcp's scheduler for one block of ranks (steps 1-5 of :mod:`~lightning_dcp.planning.policies.dcp`).
 
-:class:`LayoutScheduler` plans samples on an aligned block of ranks (the world, or a group's
-ranks after its own items): each sample's preferred SP size, candidate layouts of SP groups,
+:class:`LayoutScheduler` plans samples on a block of consecutive ranks (the world, or a group's
+ranks after its own items; groups go where :mod:`~lightning_dcp.planning.topology` allows): each sample's preferred SP size, candidate layouts of SP groups,
 longest-first dispatch (:func:`~lightning_dcp.planning.policies.dispatch.lpt_dispatch`),
 time-balanced packing inside each group and, at the top level, refinement by moving samples off
 the slowest group. A group runs its own samples first, then the samples that prefer a smaller
-SP size as a nested plan on its ranks (*fills*).
+SP size as a nested plan on its ranks (*fills*) -- only samples whose SP size every group of its
+size holds wherever it is placed (:meth:`~lightning_dcp.planning.policies.costs.CostView.contains`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from lightning_dcp.planning.layouts import Layout, allocate, place
 from lightning_dcp.planning.policies.base import interleave_items
 from lightning_dcp.planning.policies.dispatch import fill_costs, lpt_dispatch
+from lightning_dcp.planning.policies.objective import improves, makespan
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
 
 
@@ -60,7 +62,8 @@ class LayoutScheduler:
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
     def _schedule(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, size: int, offset: int,
                   kmax: int, rng: np.random.Generator, top: bool = False):
-        """Plan samples ``ids`` on ranks ``offset .. offset+size-1`` using SP classes ``<= kmax``.
+        """Plan samples ``ids`` on ranks ``offset .. offset+size-1`` using SP classes ``<= kmax`` (below the
+        top: only those every group of ``size`` ranks holds, :meth:`CostView.contains`).
 
         Returns ``(per-group item lists, estimated span, layout)``; an item is ``(ranks, sample
         indices, recompute)``. A group of ``P`` ranks runs its *own* samples (those cheapest on
@@ -74,13 +77,20 @@ class LayoutScheduler:
         n = len(ids)
         cols = np.arange(n)
         minidx = np.searchsorted(self.maxlens[: kmax + 1], L[ids], side="left")
+        if not top:
+            barred = [k for k, c in enumerate(classes) if not self.view.contains(size, c)]
+            if barred:  # a group of `size` ranks cannot always hold these: plan without them
+                Es, Gs = Es.copy(), Gs.copy()
+                Es[barred] = np.inf
+                Gs[barred] = np.inf
+                minidx = np.argmax(np.isfinite(Es), axis=0)
         pref, mean_load = self._preferred(ids, L, Es, Gs, size, classes)
         must = classes[max(int(minidx.max()), int(pref.max()))]
         gp = Gs[pref, cols]
         # dispatch cost: a sample on a group of class k either runs on all its ranks, or (when it
         # prefers a smaller SP size) as fill, costing its GPU-seconds spread over the group
-        C, F, ep = fill_costs(Es, pref, cols, gp, classes)
-        cands = self._layout_candidates(pref, gp, ep, mean_load, size, classes, must, top)
+        C, F, ep = fill_costs(Es, pref, cols, gp, classes, fill_ok=self._fill_ok(len(classes)))
+        cands = self._layout_candidates(pref, gp, ep, mean_load, size, offset, classes, must, top)
         # early exit: a dispatch estimate within 1% of the lower bound (mean rank load at the
         # preferred sizes, or the longest sample's best time) cannot be beaten by much
         bound = max(mean_load, float(np.min(Es, axis=0).max()) if n else 0.0) * 1.01
@@ -97,14 +107,14 @@ class LayoutScheduler:
         # planner's time linear in the samples)
         for nested in ((True, False) if top else (False,)):
             got = self._dispatch_mode(block, cands, nested)
-            if result is None or got[1] < result[1] * (1 - 1e-9):
+            if result is None or improves(got[1], result[1]):
                 result = got
             if not np.any(F) or got[1] <= bound:  # nothing can be a fill (the flat plan is the same), or close enough
                 break
         plans, span, layout, groups, members, ctx = result  # type: ignore[misc]
         if self.refine_rounds and top:  # refine the winner only
             plans = self._refine(plans, groups, members, ctx)
-            span = max((t for _, t in plans), default=0.0)
+            span = makespan(t for _, t in plans)
         return [items for items, _ in plans], span, layout
 
     def _preferred(self, ids: np.ndarray, L: np.ndarray, Es: np.ndarray, Gs: np.ndarray, size: int,
@@ -128,20 +138,30 @@ class LayoutScheduler:
             pref[i] = max(int(pref[i]), k) if len(ok) else k
         return pref, mean_load
 
+    def _fill_ok(self, count: int) -> np.ndarray:
+        """``ok[k, c]``: a group of class ``k`` may run a sample of class ``c`` as a fill (it always holds a
+        group of ``c`` ranks, wherever it is placed)."""
+        got = getattr(self, "_fill_ok_cache", None)
+        if got is None:
+            cl = self.classes
+            got = self._fill_ok_cache = np.array([[self.view.contains(p, c) for c in cl] for p in cl], dtype=bool)
+        return got[:count, :count]
+
     def _layout_candidates(self, pref: np.ndarray, gp: np.ndarray, ep: np.ndarray, mean_load: float, size: int,
-                           classes: Sequence[int], must: int, top: bool) -> list[Layout]:
+                           offset: int, classes: Sequence[int], must: int, top: bool) -> list[Layout]:
         """Candidate layouts of the block: the rounded split of its work over the SP sizes and its neighbours
         (Hydraulis §7), with and without a minimum group count per size; at the top, the dataset's layouts."""
         w = np.bincount(pref, weights=gp, minlength=len(classes))
         work = {p: float(w[k]) for k, p in enumerate(classes)}
         min_groups = _min_groups(pref, ep > 0.5 * mean_load, size, classes)
+        topo = self.view.topology
         cands: list[Layout] = []
         for bias in (0.0, 0.35, -0.35):  # the rounded layout and its neighbours (Hydraulis §7)
-            lay = allocate(work, size, classes, must, bias=bias)
+            lay = allocate(work, topo, classes, must, bias=bias, start=offset, size=size)
             if lay not in cands:
                 cands.append(lay)
             if min_groups:
-                lay = allocate(work, size, classes, must, min_groups=min_groups, bias=bias)
+                lay = allocate(work, topo, classes, must, min_groups=min_groups, bias=bias, start=offset, size=size)
                 if lay not in cands:
                     cands.append(lay)
         if top:
@@ -175,7 +195,7 @@ class LayoutScheduler:
                                                     fills_after_own=True,
                                                     cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf,
                                                     group_speed=gs)
-                if best is None or span < best[3] * (1 - 1e-9):
+                if best is None or improves(span, best[3]):
                     best = (lay, members, groups, span)
                 if span <= block.bound:
                     done = True
@@ -187,21 +207,23 @@ class LayoutScheduler:
         isfill = (Es > C).tolist() if nested else None
         ctx = (ids, block.L, block.E, block.G, Es, C if nested else Es, block.pref, block.rng, isfill, ids.tolist())
         plans = [self._group(list(members[g]), groups[g], ctx) for g in range(len(groups))]
-        span = max((t for _, t in plans), default=0.0)
+        span = makespan(t for _, t in plans)
         return plans, span, layout, groups, members, ctx
 
     def _placements(self, layout: Layout, block: BlockCosts) -> list[list[tuple[int, ...]]]:
-        """Rank tuples of ``layout``'s groups on the block (in layout order): the aligned placement, and
-        with uneven rank speeds on a power-of-two block also its mirror image (the large groups on the
-        block's other end), so the dispatch can keep the slow ranks out of the long samples' groups."""
-        groups = place(layout, block.size)
+        """Rank tuples of ``layout``'s groups on the block (in layout order): the first-fit placement, and
+        with uneven rank speeds also its mirror image (the large groups on the block's other end) when the
+        placement rule allows it, so the dispatch can keep the slow ranks out of the long samples' groups."""
+        topo = self.view.topology
+        groups = place(layout, topo, block.offset, block.size)
         assert groups is not None
-        out = [[tuple(r + block.offset for r in g) for g in groups]]
+        out = [groups]
         speeds = self.view.speeds
-        size = block.size
-        if speeds is not None and size & (size - 1) == 0 and len(set(speeds[block.offset:block.offset + size])) > 1:
-            mirror = [tuple(range(block.offset + size - g[0] - len(g), block.offset + size - g[0])) for g in groups]
-            if [self.view.speed(g) for g in mirror] != [self.view.speed(g) for g in out[0]]:
+        lo, hi = block.offset, block.offset + block.size
+        if speeds is not None and len(set(speeds[lo:hi])) > 1:
+            mirror = [tuple(range(hi - (g[0] - lo) - len(g), hi - (g[0] - lo))) for g in groups]
+            if all(topo.legal(g[0], len(g)) for g in mirror) and \
+                    [self.view.speed(g) for g in mirror] != [self.view.speed(g) for g in out[0]]:
                 out.append(mirror)
         return out
 
@@ -301,7 +323,7 @@ class LayoutScheduler:
                 dst = members[g] + [j]
                 new_src = self._group(src, groups[slow], ctx)
                 new_dst = self._group(dst, groups[g], ctx)
-                if max(new_src[1], new_dst[1]) < span * (1 - 1e-9):
+                if improves(makespan((new_src[1], new_dst[1])), span):
                     plans[slow], plans[g] = new_src, new_dst
                     times[slow], times[g] = new_src[1], new_dst[1]
                     members[slow], members[g] = src, dst

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from lightning_dcp.planning.policies.base import interleave_items
+from lightning_dcp.planning.policies.objective import improves
 from lightning_dcp.planning.policies.tree import BuddyTree
 
 TREE_SLACK = 0.005
@@ -50,7 +51,7 @@ class BuddyTreeSearch:
         items)``, or None when no tree schedule is faster than ``span``.
         """
         if self._tree is None:
-            self._tree = BuddyTree(self.world_size, self.classes)
+            self._tree = BuddyTree(self.view.topology, self.classes)
         tree = self._tree
         Ll = self._Ll
         var, const = [], []
@@ -65,27 +66,31 @@ class BuddyTreeSearch:
                 where = tree.assign(var, const, Ll, self.budget, order, floor * f, best_fit=best_fit)
                 packs, own = self._tree_realize(tree, where, L, E)
                 got = tree.span(own)
-                if best is None or got < best[0] * (1 - 1e-9):
-                    best = (got, where, packs, own)
+                if best is None or improves(got, best[0]):
+                    best = (got, where, packs, own, tree)
             if best[0] <= floor * (1 + TREE_SLACK):
                 break
         if self.refine_rounds:
             got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
-            best = (got, where, packs, own)
-            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well
-            node = {(tree.offset[v], tree.size[v]): v for v in range(len(tree.size))}
+            best = (got, where, packs, own, tree)
+            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well,
+            # on the search's tree when its groups are nodes of it, else on a tree with its groups as nodes
+            groups = {(ranks[0], len(ranks)) for blk in blocks for ranks, _, _ in blk}
+            ltree = tree if all(tree.has_group(a, n) for a, n in groups) else \
+                BuddyTree(self.view.topology, self.classes, chain=tree.chain, groups=groups)
+            node = {(ltree.offset[v], ltree.size[v]): v for v in range(len(ltree.size))}
             where = [-1] * len(Ll)
             for blk in blocks:
                 for ranks, idx, _ in blk:
                     v = node[(ranks[0], len(ranks))]
                     for i in idx:
                         where[i] = v
-            packs, own = self._tree_realize(tree, where, L, E)
-            got, where, packs, own = self._tree_refine(tree, where, packs, own, L, E, var)
-            if got < best[0] * (1 - 1e-9):
-                best = (got, where, packs, own)
-        got, where, packs, own = best  # type: ignore[misc]
-        if got >= span * (1 - 1e-9):
+            packs, own = self._tree_realize(ltree, where, L, E)
+            got, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, var)
+            if improves(got, best[0]):
+                best = (got, where, packs, own, ltree)
+        got, where, packs, own, tree = best  # type: ignore[misc]
+        if not improves(got, span):
             return None
         levels: dict[int, list[list]] = {}
         nodes = sorted(packs, key=lambda u: (-tree.size[u], tree.offset[u]))
@@ -144,7 +149,7 @@ class BuddyTreeSearch:
                 new[d] = sum(t for _, _, t in pd) / self._pace(tree, d)
                 got = tree.span(new)
                 sq = tree.spread(new)
-                if got < span * (1 - 1e-9) or (got <= span and sq < spread * (1 - 1e-9)):
+                if improves(got, span) or (got <= span and improves(sq, spread)):
                     spread = sq
                     members[s_], members[d] = src, dst
                     packs[d] = pd

@@ -1,0 +1,187 @@
+"""Which rank tuples a plan's SP groups may be: the placement rule the planner and the runtime share.
+
+An SP group of ``s`` ranks with ring degree ``r`` (``u = s / r`` ranks per Ulysses subgroup) may be
+the run of consecutive ranks ``[a, a + s)`` when
+
+1. it lies inside the world (and, under ``sharding="hsdp"``, inside one shard group: ``domain_size``);
+2. ``s <= gpus_per_node``: it lies inside one node (ranks ``[k g, (k + 1) g)``), so its
+   all-to-alls run on the node's fabric -- the cost models price a group of at most a node's GPUs
+   at intra-node bandwidth;
+3. ``r > 1``: ``a`` is a multiple of ``u``. Ring sizes have ``u`` dividing the node size
+   (:func:`~lightning_dcp.planning.sp_sizes.sp_splits`), so every Ulysses subgroup
+   ``ranks[j u:(j + 1) u]`` then lies inside one node too.
+
+A group larger than a node may start anywhere else (its all-to-alls cross nodes whatever its
+offset, and the cost models price them so). For power-of-two sizes on a power-of-two node the
+planner's placements (largest first, first fit) are exactly the aligned blocks of earlier versions.
+
+:func:`rank_tuples` lists every tuple this rule allows for a set of sizes: what the runtime needs
+process groups for (it may create them lazily, for the tuples a step's plan uses).
+:class:`Topology` places layouts under the rule (first fit, largest first) inside any contiguous
+block of ranks (the world, or a group's ranks that split into smaller groups after its own items).
+
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+__all__ = ["Topology", "group_problem", "rank_tuples"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The world's ranks as the placement rule sees them (see the module docstring).
+
+    Args:
+        world_size: ranks.
+        node_size: GPUs per node (``None``: no node boundaries, e.g. for a bare layout test).
+        domain_size: ranks of one shard group that no SP group may cross (``None``: the world).
+        align: start alignment per SP size: the Ulysses subgroup size ``u`` of a ring size (1 or absent
+            for a Ulysses size).
+    """
+
+    world_size: int
+    node_size: int | None = None
+    domain_size: int | None = None
+    align: Mapping[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if int(self.world_size) < 1:
+            raise ValueError(f"world size must be positive, got {self.world_size}")
+        object.__setattr__(self, "align", {int(k): int(v) for k, v in self.align.items() if int(v) > 1})
+
+    @classmethod
+    def of(cls, world: "int | Topology") -> "Topology":
+        """``world`` itself, or a bare topology (no nodes) of ``world`` ranks."""
+        return world if isinstance(world, Topology) else cls(int(world))
+
+    def legal(self, start: int, size: int) -> bool:
+        """Whether ``[start, start + size)`` may be an SP group of ``size`` ranks."""
+        end = start + size
+        if start < 0 or end > self.world_size:
+            return False
+        if start % self.align.get(size, 1):
+            return False
+        g = self.node_size
+        if g and size <= g and start // g != (end - 1) // g:
+            return False
+        d = self.domain_size
+        return not (d and start // d != (end - 1) // d)
+
+    def next_start(self, lo: int, size: int, hi: int) -> int | None:
+        """The smallest ``x >= lo`` with ``[x, x + size)`` legal and inside ``[lo, hi)``, or None."""
+        al = self.align.get(size, 1)
+        g, d = self.node_size, self.domain_size
+        x = -(-lo // al) * al
+        while x + size <= hi:
+            end = x + size - 1
+            if g and size <= g and x // g != end // g:
+                x = -(-((end // g) * g) // al) * al  # the next node's first aligned rank
+                continue
+            if d and x // d != end // d:
+                x = -(-((end // d) * d) // al) * al
+                continue
+            return x if x + size <= self.world_size else None
+        return None
+
+    def count(self, free: Sequence[Sequence[int]], size: int) -> int:
+        """How many groups of ``size`` first fit places in the free runs ``free`` (``[lo, hi)`` each)."""
+        n = 0
+        for lo, hi in free:
+            x = self.next_start(lo, size, hi)
+            while x is not None:
+                n += 1
+                x = self.next_start(x + size, size, hi)
+        return n
+
+    def take(self, free: list[list[int]], size: int, count: int) -> list[tuple[int, ...]]:
+        """Place up to ``count`` groups of ``size`` first fit in ``free`` (runs ``[lo, hi)`` in rank order,
+        updated in place: a group's ranks leave it, a gap it skips stays free). Returns the groups placed."""
+        out: list[tuple[int, ...]] = []
+        i = 0
+        while len(out) < count and i < len(free):
+            lo, hi = free[i]
+            x = self.next_start(lo, size, hi)
+            if x is None:
+                i += 1
+                continue
+            out.append(tuple(range(x, x + size)))
+            pieces = [p for p in ([lo, x], [x + size, hi]) if p[1] > p[0]]
+            free[i:i + 1] = pieces
+            if pieces and pieces[0][0] == lo and pieces[0][1] == x:
+                i += 1  # the gap before the group: nothing more of this size fits there
+        return out
+
+    def place(self, layout: Iterable[int], start: int = 0, size: int | None = None) -> list[tuple[int, ...]] | None:
+        """Rank tuples of ``layout``'s groups inside ``[start, start + size)`` (default: the world), placed
+        largest first, each at the first legal offset; in that (non-increasing) order. None if one does not fit."""
+        end = self.world_size if size is None else start + int(size)
+        free = [[int(start), end]]
+        groups: list[tuple[int, ...]] = []
+        for p in sorted(layout, reverse=True):
+            got = self.take(free, int(p), 1)
+            if not got:
+                return None
+            groups.extend(got)
+        return groups
+
+    def free_runs(self, start: int = 0, size: int | None = None) -> list[list[int]]:
+        """The block ``[start, start + size)`` as one free run, for :meth:`count` and :meth:`take`."""
+        return [[int(start), self.world_size if size is None else int(start) + int(size)]]
+
+    def always_contains(self, outer: int, inner: int) -> bool:
+        """Whether every legal group of ``outer`` ranks (anywhere in the world) holds a legal group of
+        ``inner`` ranks: what lets a group of ``outer`` run work planned for ``inner`` ranks as a fill,
+        wherever the group was placed."""
+        if inner > outer:
+            return False
+        for a in range(0, self.world_size - outer + 1):
+            if self.legal(a, outer) and self.next_start(a, inner, a + outer) is None:
+                return False
+        return True
+
+
+def group_problem(ranks: Sequence[int], ring: int, topology: Topology, num_heads: int | None = None) -> str | None:
+    """Why ``ranks`` (with ``ring``) may not be an SP group under ``topology``'s rule, or None if it may."""
+    ranks = list(ranks)
+    s = len(ranks)
+    if not s or ranks != list(range(ranks[0], ranks[0] + s)):
+        return f"ranks {ranks} are not a run of consecutive ranks"
+    if ranks[0] < 0 or ranks[-1] >= topology.world_size:
+        return f"ranks {ranks} leave the world of {topology.world_size} ranks"
+    u = s // max(1, int(ring))
+    if num_heads and num_heads % u:
+        return (f"its Ulysses size {u} (SP {s}, ring {ring}) does not divide the model's {num_heads} heads: Ulysses "
+                "gives each rank whole heads")
+    g, d, a = topology.node_size, topology.domain_size, ranks[0]
+    if g and s <= g and a // g != ranks[-1] // g:
+        return f"the SP group of {s} ranks crosses a node boundary (nodes of {g} GPUs); a group of at most a node stays in one"
+    if ring > 1 and a % u:
+        return f"the ring group starts at rank {a}, not a multiple of its Ulysses size {u}"
+    if d and a // d != ranks[-1] // d:
+        return f"ranks {ranks} span two shard groups of {d} ranks"
+    return None
+
+
+def rank_tuples(world_size: int, splits: Mapping[int, int] | Iterable[int], gpus_per_node: int | None,
+                domain_size: int | None = None, *, min_size: int = 2) -> tuple[tuple[int, ...], ...]:
+    """Every rank tuple a plan may use as an SP group, for the SP sizes of ``splits``.
+
+    ``splits``: SP size -> its ring degree (as :attr:`Planner.ring_degrees <lightning_dcp.planning.planner.Planner>`
+    gives them), or plain sizes (ring 1). Each tuple is a run of consecutive ranks that the module
+    docstring's rule allows; the Ulysses subgroups of a ring group are tuples of the list too (their
+    size is a Ulysses size the planner also uses). Sizes below ``min_size`` are left out (default 2:
+    a single rank needs no process group). Ordered by size, then first rank: the same list, in the
+    same order, on every rank -- an order to create process groups in.
+    """
+    ring = dict(splits) if isinstance(splits, Mapping) else {int(s): 1 for s in splits}
+    align = {s: s // r for s, r in ring.items() if r > 1}
+    topo = Topology(int(world_size), gpus_per_node, domain_size, align)
+    out = []
+    for s in sorted(ring):
+        if min_size <= s <= world_size:
+            out.extend(tuple(range(a, a + s)) for a in range(world_size - s + 1) if topo.legal(a, s))
+    return tuple(out)
