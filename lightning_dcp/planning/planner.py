@@ -124,7 +124,7 @@ def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None =
         longest = max(lengths)
         tokens = max(tokens, 4 * longest)
         if cost_model is not None and work_multiple > 0:
-            t_best, p = longest_sample_time(world_size, cost_model, longest, max_sp_size)
+            t_best, p = longest_sample_time(world_size, cost_model, longest, max_sp_size, ring=False)
             if math.isfinite(t_best) and p < world_size:
                 sample = list(lengths)
                 if len(sample) > 20000:

@@ -170,22 +170,29 @@ class RingPriced:
         transfers fully hidden, a lower bound linear in the sums)."""
         u = self._check_ring(sp, ring)
         base = self.item_time_sum(tokens / ring, sq_sum / (ring * ring), n, u, recompute)  # type: ignore[attr-defined]
-        terms = self.ring_terms(sp, ring)
         steps = ring_steps if exposed else ring_steps_compute
-        return base + steps(terms, tokens, sq_sum, ring, recompute)
+        return base + steps(self._terms(sp, ring), tokens, sq_sum, ring, recompute)
+
+    def _terms(self, sp: int, ring: int) -> RingTerms:
+        """:meth:`ring_terms`, computed once per ``(sp, ring)``."""
+        cache = self.__dict__.setdefault("_ring_terms_cache", {})
+        got = cache.get((sp, ring))
+        if got is None:
+            got = cache[(sp, ring)] = self.ring_terms(sp, ring)
+        return got
 
     def _ring_memory_tokens(self, tokens: Any, sp: int, recompute: int, ring: int) -> Any:
         """Peak bytes per rank: the Ulysses subgroup's on ``tokens / ring`` tokens plus the ring's buffers."""
         u = self._check_ring(sp, ring)
         base = self.item_memory_tokens(tokens / ring, u, recompute)  # type: ignore[attr-defined]
-        return base + ring_buffer_bytes(self.ring_terms(sp, ring), tokens, ring)
+        return base + ring_buffer_bytes(self._terms(sp, ring), tokens, ring)
 
     def _ring_cost(self, tokens: float, work: float, n: int, sp: int, recompute: int, ring: int) -> ItemCost:
         """:class:`ItemCost` on a ring: the subgroup's parts on its first ring step, the later steps' compute
         in ``compute`` / ``recompute`` and their exposed transfers in ``comm``."""
         u = self._check_ring(sp, ring)
         base = self._cost_sums(tokens / ring, work / (ring * ring), n, u, recompute)  # type: ignore[attr-defined]
-        terms = self.ring_terms(sp, ring)
+        terms = self._terms(sp, ring)
         fwd_bwd = ring_steps_compute(terms, tokens, work, ring, 0)
         return ItemCost(
             compute=base.compute + fwd_bwd,

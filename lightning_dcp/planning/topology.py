@@ -47,6 +47,7 @@ class Topology:
     node_size: int | None = None
     domain_size: int | None = None
     align: Mapping[int, int] = field(default_factory=dict)
+    _placed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if int(self.world_size) < 1:
@@ -119,14 +120,21 @@ class Topology:
         """Rank tuples of ``layout``'s groups inside ``[start, start + size)`` (default: the world), placed
         largest first, each at the first legal offset; in that (non-increasing) order. None if one does not fit."""
         end = self.world_size if size is None else start + int(size)
+        key = (tuple(layout), int(start), end)
+        if key in self._placed:  # deterministic: placed once per (layout, block)
+            got = self._placed[key]
+            return None if got is None else list(got)
         free = [[int(start), end]]
-        groups: list[tuple[int, ...]] = []
+        groups: list[tuple[int, ...]] | None = []
         for p in sorted(layout, reverse=True):
             got = self.take(free, int(p), 1)
             if not got:
-                return None
-            groups.extend(got)
-        return groups
+                groups = None
+                break
+            groups.extend(got)  # type: ignore[union-attr]
+        if len(self._placed) < 100_000:
+            self._placed[key] = groups
+        return None if groups is None else list(groups)
 
     def free_runs(self, start: int = 0, size: int | None = None) -> list[list[int]]:
         """The block ``[start, start + size)`` as one free run, for :meth:`count` and :meth:`take`."""

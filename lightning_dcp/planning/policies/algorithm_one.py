@@ -187,8 +187,7 @@ class AlgorithmOnePolicy(Policy):
         # a micro-batch may run on a larger group than it chose: on all its ranks, or as a fill
         # (after the group's own micro-batches, on a sub-group of the size it chose), costing
         # the group its GPU-seconds spread over the ranks but lasting at least its own time
-        fill_ok = np.array([[self.view.contains(p, c) for c in classes] for p in classes], dtype=bool)
-        C, F, ep = fill_costs(cs, pref, cols, gp, classes, fill_ok=fill_ok)
+        C, F, ep = fill_costs(cs, pref, cols, gp, classes, fill_ok=self.view.fill_ok(len(classes)))
         min_groups = None
         if self.g_max:
             counts = np.bincount(pref, minlength=len(classes))

@@ -65,7 +65,7 @@ class CostView:
         self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model),
                                  {p: p // r for p, r in self.ring.items() if r > 1})
         """Where SP groups may go (:mod:`~lightning_dcp.planning.topology`)."""
-        self._contains: dict[tuple[int, int], bool] = {}
+        self._contains: dict[tuple, object] = {}
 
     def _bind(self) -> None:
         """The fast paths with every size's ring degree filled in (the bare methods when every ring is 1)."""
@@ -116,6 +116,14 @@ class CostView:
         """The ring degree the planner gives a group of ``sp`` ranks."""
         return self.ring.get(sp, 1)
 
+    def fill_ok(self, count: int) -> np.ndarray:
+        """``ok[k, c]`` for the first ``count`` SP sizes: :meth:`contains` of size ``k`` and size ``c``."""
+        got = self._contains.get(("matrix", count))
+        if got is None:
+            cl = self.sp_sizes[:count]
+            got = self._contains[("matrix", count)] = np.array([[self.contains(p, c) for c in cl] for p in cl], dtype=bool)
+        return got  # type: ignore[return-value]
+
     def contains(self, outer: int, inner: int) -> bool:
         """Whether every group of ``outer`` ranks holds a group of ``inner`` ranks wherever it is placed (so a
         group of ``outer`` may run a sample planned for ``inner`` ranks as a fill on a sub-group)."""
@@ -123,7 +131,7 @@ class CostView:
         got = self._contains.get(key)
         if got is None:
             got = self._contains[key] = self.topology.always_contains(outer, inner)
-        return got
+        return bool(got)
 
     # -- capacity ------------------------------------------------------------------------
     def capacities(self, sp: int) -> list[int]:

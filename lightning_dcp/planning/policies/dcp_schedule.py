@@ -25,6 +25,13 @@ from lightning_dcp.planning.policies.objective import improves, makespan
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
 
 
+REFINE_BUDGET = 16
+"""Refinement re-plans at most this many times the block's samples (see :meth:`LayoutScheduler._refine`)."""
+
+NESTED_REFINE_ROUNDS = 4
+"""Refinement rounds of the nested plan of a group of the whole world (the top level has ``refine_rounds``)."""
+
+
 @dataclass
 class BlockCosts:
     """One block's samples and their costs, as :meth:`LayoutScheduler._schedule` dispatches them.
@@ -61,9 +68,10 @@ class LayoutScheduler:
 
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
     def _schedule(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, size: int, offset: int,
-                  kmax: int, rng: np.random.Generator, top: bool = False):
+                  kmax: int, rng: np.random.Generator, top: bool = False, full: bool = False):
         """Plan samples ``ids`` on ranks ``offset .. offset+size-1`` using SP classes ``<= kmax`` (below the
-        top: only those every group of ``size`` ranks holds, :meth:`CostView.contains`).
+        top: only those every group of ``size`` ranks holds, :meth:`CostView.contains`). ``full`` (implied by
+        ``top``): plan with fills on sub-blocks and refine, as the top level does.
 
         Returns ``(per-group item lists, estimated span, layout)``; an item is ``(ranks, sample
         indices, recompute)``. A group of ``P`` ranks runs its *own* samples (those cheapest on
@@ -84,13 +92,28 @@ class LayoutScheduler:
                 Es[barred] = np.inf
                 Gs[barred] = np.inf
                 minidx = np.argmax(np.isfinite(Es), axis=0)
-        pref, mean_load = self._preferred(ids, L, Es, Gs, size, classes)
+        pref, mean_load, needed = self._preferred(ids, L, Es, Gs, size, classes)
         must = classes[max(int(minidx.max()), int(pref.max()))]
         gp = Gs[pref, cols]
         # dispatch cost: a sample on a group of class k either runs on all its ranks, or (when it
         # prefers a smaller SP size) as fill, costing its GPU-seconds spread over the group
-        C, F, ep = fill_costs(Es, pref, cols, gp, classes, fill_ok=self._fill_ok(len(classes)))
+        fill_ok = self.view.fill_ok(len(classes))
+        C, F, ep = fill_costs(Es, pref, cols, gp, classes, fill_ok=fill_ok)
         cands = self._layout_candidates(pref, gp, ep, mean_load, size, offset, classes, must, top)
+        need = max(int(minidx.max()), needed)
+        if classes[need] < must:
+            # the largest SP size the samples *need* (memory, the mean load) is smaller than the one a sample
+            # prefers for its GPU-seconds: also the layouts without that group, the samples that preferred a
+            # larger size on their cheapest one up to the need (a group of most of the world otherwise leaves
+            # the rest of the step to its nested plan)
+            alt = pref.copy()
+            over = alt > need
+            alt[over] = np.argmin(Gs[: need + 1][:, over], axis=0)
+            _, _, ep_alt = fill_costs(Es, alt, cols, Gs[alt, cols], classes, fill_ok=fill_ok)
+            for lay in self._layout_candidates(alt, Gs[alt, cols], ep_alt, mean_load, size, offset, classes,
+                                               classes[need], top):
+                if lay not in cands:
+                    cands.append(lay)
         # early exit: a dispatch estimate within 1% of the lower bound (mean rank load at the
         # preferred sizes, or the longest sample's best time) cannot be beaten by much
         bound = max(mean_load, float(np.min(Es, axis=0).max()) if n else 0.0) * 1.01
@@ -105,21 +128,23 @@ class LayoutScheduler:
         # the lower exact span wins
         # (only the top level nests; a nested sub-plan is flat and unrefined, which keeps the
         # planner's time linear in the samples)
-        for nested in ((True, False) if top else (False,)):
+        full = full or top
+        for nested in ((True, False) if full else (False,)):
             got = self._dispatch_mode(block, cands, nested)
             if result is None or improves(got[1], result[1]):
                 result = got
             if not np.any(F) or got[1] <= bound:  # nothing can be a fill (the flat plan is the same), or close enough
                 break
         plans, span, layout, groups, members, ctx = result  # type: ignore[misc]
-        if self.refine_rounds and top:  # refine the winner only
-            plans = self._refine(plans, groups, members, ctx)
+        if self.refine_rounds and full:  # refine the winner only (a nested block: a few rounds)
+            plans = self._refine(plans, groups, members, ctx, self.refine_rounds if top else NESTED_REFINE_ROUNDS)
             span = makespan(t for _, t in plans)
         return [items for items, _ in plans], span, layout
 
     def _preferred(self, ids: np.ndarray, L: np.ndarray, Es: np.ndarray, Gs: np.ndarray, size: int,
-                   classes: Sequence[int]) -> tuple[np.ndarray, float]:
-        """Each local sample's preferred SP class (fewest GPU-seconds, promoted when too long), and the mean rank load."""
+                   classes: Sequence[int]) -> tuple[np.ndarray, float, int]:
+        """Each local sample's preferred SP class (fewest GPU-seconds, promoted when too long), the mean rank
+        load, and the largest class a promotion needed (0 if none)."""
         n = len(ids)
         cols = np.arange(n)
         pref = np.argmin(Gs, axis=0)
@@ -131,21 +156,14 @@ class LayoutScheduler:
         # by its share of a full micro-batch, which understates constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
         alone = n <= size  # so few samples that each may get a micro-batch (and group) of its own
+        needed = 0
         for i in over.tolist():
             t = np.maximum(Es[:, i], self._alone_times(int(L[ids[i]]), classes)) if alone else Es[:, i]
             ok = np.nonzero(t <= mean_load)[0]
             k = int(ok[0]) if len(ok) else int(np.argmin(t))
             pref[i] = max(int(pref[i]), k) if len(ok) else k
-        return pref, mean_load
-
-    def _fill_ok(self, count: int) -> np.ndarray:
-        """``ok[k, c]``: a group of class ``k`` may run a sample of class ``c`` as a fill (it always holds a
-        group of ``c`` ranks, wherever it is placed)."""
-        got = getattr(self, "_fill_ok_cache", None)
-        if got is None:
-            cl = self.classes
-            got = self._fill_ok_cache = np.array([[self.view.contains(p, c) for c in cl] for p in cl], dtype=bool)
-        return got[:count, :count]
+            needed = max(needed, k)
+        return pref, mean_load, needed
 
     def _layout_candidates(self, pref: np.ndarray, gp: np.ndarray, ep: np.ndarray, mean_load: float, size: int,
                            offset: int, classes: Sequence[int], must: int, top: bool) -> list[Layout]:
@@ -247,7 +265,9 @@ class LayoutScheduler:
                 items.append((ranks, idx, rec))
                 t += ti / speed
         if fill:
-            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng)
+            # a group of the whole world (its longest sample wants every rank): what follows its own items is the
+            # rest of the step, planned as the top level is (both modes, refined)
+            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=P == self.world_size)
             items.extend(interleave_items(sub))
             t += span
         return items, t
@@ -294,23 +314,27 @@ class LayoutScheduler:
             self._packs[ckey] = out
         return out
 
-    def _refine(self, plans, groups, members, ctx):
+    def _refine(self, plans, groups, members, ctx, rounds: int):
         """Move samples off the slowest group while that lowers the makespan (exact times).
 
         Each round looks at the moves of one sample from the slowest group to one of the three
         least-loaded groups that can hold it, ranked by the estimated makespan of the pair
         afterwards (``max(slow - its cost there, dst + its cost here)``: the move that evens
         the pair best, not merely the smallest sample), and makes the first of the best four
-        that lowers the makespan when both groups are re-planned exactly.
+        that lowers the makespan when both groups are re-planned exactly (the destination first: a
+        move it already makes too slow is dropped without re-planning the source). Re-planning stops
+        once it has handled ``REFINE_BUDGET`` times the block's samples (deterministic: counted in
+        samples, not seconds).
         """
         ids, L, E, G, Es, C, pref, rng, isfill, idl = ctx
         members = [list(m) for m in members]
+        budget = REFINE_BUDGET * sum(len(m) for m in members)
         times = [t for _, t in plans]
         sizes = [len(g) for g in groups]
         kidx = [self.classes.index(p) for p in sizes]
         gsp = [self.view.speed(g) for g in groups]
         tried: set[tuple[int, int]] = set()
-        for _ in range(self.refine_rounds):
+        for _ in range(rounds):
             slow = max(range(len(times)), key=times.__getitem__)
             span = times[slow]
             moves = self._refine_moves(slow, span, members, times, kidx, C, L, ids, gsp)
@@ -321,15 +345,19 @@ class LayoutScheduler:
                 tried.add((slow, j))
                 src = [x for x in members[slow] if x != j]
                 dst = members[g] + [j]
-                new_src = self._group(src, groups[slow], ctx)
+                budget -= len(dst)
                 new_dst = self._group(dst, groups[g], ctx)
+                if not improves(new_dst[1], span):
+                    continue
+                budget -= len(src)
+                new_src = self._group(src, groups[slow], ctx)
                 if improves(makespan((new_src[1], new_dst[1])), span):
                     plans[slow], plans[g] = new_src, new_dst
                     times[slow], times[g] = new_src[1], new_dst[1]
                     members[slow], members[g] = src, dst
                     moved = True
                     break
-            if not moved:
+            if not moved or budget <= 0:
                 break
         return plans
 

@@ -293,7 +293,12 @@ class BuddyTree:
                 for j in range(lo, hi):
                     lq[j] += t
             for a in anc[v]:  # longest path below each ancestor
-                down[a] = own[a] + max(down[c] for c in kids[a])
+                k = kids[a]
+                if len(k) == 2:
+                    d0, d1 = down[k[0]], down[k[1]]
+                    down[a] = own[a] + (d0 if d0 > d1 else d1)
+                else:
+                    down[a] = own[a] + max([down[c] for c in k])
             up = 0.0
             for a in reversed(anc[v]):  # then the path value through it
                 val[size[a]][pos[a]] = up + down[a]
