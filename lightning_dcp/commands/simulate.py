@@ -130,12 +130,13 @@ def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
             global_batch_tokens: int, seed: int = 0, timeline: bool = False,
             progress: Progress | None = None, rank_speeds: Any = None,
-            speed_aware: bool = True) -> list[dict[str, Any]]:
+            speed_aware: bool = True, ring: bool = True) -> list[dict[str, Any]]:
     """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result).
 
     ``progress``: where to report each policy as it finishes (and slow planning as it goes).
     ``rank_speeds``: the ranks' true speeds: the simulation (and the run's step bound) uses them; the
-    planners see them only when ``speed_aware``.
+    planners see them only when ``speed_aware``. ``ring``: the planners may use ring sizes (the step
+    bound counts them either way).
     The run's step bound and every simulation share one cached
     :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
     """
@@ -149,7 +150,8 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     rows = []
     for k, name in enumerate(policies):
         tag = f"[{k + 1}/{len(policies)}] {name}"
-        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds)
+        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds,
+                          ring=ring)
         t0 = time.perf_counter()
         report: Callable[[int, int], None] | None = None
         if progress is not None:
@@ -441,10 +443,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
                        seed=args.seed, timeline=args.plot is not None, progress=progress, rank_speeds=speeds,
-                       speed_aware=args.speed_aware)
+                       speed_aware=args.speed_aware, ring=args.ring)
     except PlanningError as err:
         raise CLIError(str(err)) from None
     model = (args.model or "transformer-1d") if args.profile is None else args.profile
+    if getattr(args, "num_heads", None):
+        model = f"{model} with {args.num_heads} heads"
+    if not args.ring:
+        model += ", no ring"
     print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {rows[0]['global_batches']} global batches of "
           f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(cost_model)}"
           + (f", rank speeds {args.rank_speed} (planner {'aware' if args.speed_aware else 'blind'})" if speeds else ""))

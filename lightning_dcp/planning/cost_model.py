@@ -122,13 +122,8 @@ class CostModel(abc.ABC):
         domain = shard_domain(self)
         limit = min(int(limit), domain) if domain else int(limit)
         usable = set(self.sp_sizes(limit))
-        out = {}
-        for s, cands in sp_splits(self.num_heads, limit, getattr(self, "gpus_per_node", 8),
-                                  ring=ring and bool(self.prices_ring)).items():
-            keep = tuple(r for r in cands if s // r in usable)
-            if keep:
-                out[s] = keep
-        return out
+        return sp_splits(self.num_heads, limit, getattr(self, "gpus_per_node", 8), ring=ring and bool(self.prices_ring),
+                         usable=usable)
 
     def fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> bool:
         need = self.item_memory(lengths, sp, recompute) if ring == 1 else self.item_memory(lengths, sp, recompute, ring=ring)

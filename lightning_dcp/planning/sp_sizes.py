@@ -69,7 +69,8 @@ def node_ulysses(num_heads: int, gpus_per_node: int) -> int:
     return max(d for d in divisors(int(num_heads)) if int(gpus_per_node) % d == 0)
 
 
-def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bool = True) -> dict[int, tuple[int, ...]]:
+def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bool = True,
+              usable: "set[int] | None" = None) -> dict[int, tuple[int, ...]]:
     """Every SP size the planner may use up to ``limit``, with its candidate ring degrees (ascending).
 
     * every Ulysses size (:func:`ulysses_sizes`: the divisors of the heads up to ``limit``), ring 1;
@@ -80,19 +81,22 @@ def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bo
       ``s = r * u``, ``u`` the largest divisor of ``gcd(heads, s)`` that divides the node size: its
       all-to-alls stay inside nodes; the cost model decides which of the two is cheaper.
 
-    Without ``ring`` (or without a head count) only the Ulysses sizes, each ring 1.
+    Without ``ring`` (or without a head count) only the Ulysses sizes, each ring 1. ``usable``: the
+    Ulysses sizes a cost model can price (a profile's measured ones; default every divisor): only
+    those are sizes, and the Ulysses subgroups of the rings are drawn from them.
     """
     limit = int(limit)
-    out = {s: (1,) for s in ulysses_sizes(num_heads, limit)}
+    out = {s: (1,) for s in ulysses_sizes(num_heads, limit) if usable is None or s in usable}
     if not ring or not num_heads:
         return out
     heads, g = int(num_heads), max(1, int(gpus_per_node))
+    ok = (lambda d: True) if usable is None else (lambda d: d in usable)
     for s in list(out):
         if s > g:
-            u = max(d for d in divisors(math.gcd(heads, s)) if g % d == 0)
+            u = max(d for d in divisors(math.gcd(heads, s)) if g % d == 0 and ok(d))
             if u < s:
                 out[s] = (1, s // u)
-    u = node_ulysses(heads, g)
+    u = max(d for d in divisors(heads) if g % d == 0 and ok(d))
     r = 2
     while r * u <= limit:
         out.setdefault(r * u, (r,))
