@@ -29,7 +29,11 @@ REFINE_BUDGET = 16
 """Refinement re-plans at most this many times the block's samples (see :meth:`LayoutScheduler._refine`)."""
 
 NESTED_REFINE_ROUNDS = 4
-"""Refinement rounds of the nested plan of a group of the whole world (the top level has ``refine_rounds``)."""
+"""Refinement rounds of the nested plan of a group of more than half the world (the top level has ``refine_rounds``)."""
+
+FULL_REPLAN_WEIGHT = 8
+"""What one sample of such a group's re-plan costs the top level's refinement budget (its nested plan is planned
+in both modes and refined: several flat plans' work)."""
 
 
 @dataclass
@@ -265,9 +269,9 @@ class LayoutScheduler:
                 items.append((ranks, idx, rec))
                 t += ti / speed
         if fill:
-            # a group of the whole world (its longest sample wants every rank): what follows its own items is the
-            # rest of the step, planned as the top level is (both modes, refined)
-            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=P == self.world_size)
+            # a group of most of the world (its long samples want most ranks): what follows its own items is most
+            # of the step, planned as the top level is (both modes, refined)
+            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=self._full(P))
             items.extend(interleave_items(sub))
             t += span
         return items, t
@@ -314,6 +318,15 @@ class LayoutScheduler:
             self._packs[ckey] = out
         return out
 
+    def _full(self, size: int) -> bool:
+        """Whether a group of ``size`` ranks plans what follows its own items as the top level does: a group
+        of more than half the world (its long samples want most ranks; the rest of the step is its nested plan)."""
+        return 2 * size > self.world_size
+
+    def _replan_weight(self, ranks: Sequence[int]) -> int:
+        """Refinement budget one sample of a group's re-plan costs (a fully planned nested plan: several)."""
+        return FULL_REPLAN_WEIGHT if self._full(len(ranks)) else 1
+
     def _refine(self, plans, groups, members, ctx, rounds: int):
         """Move samples off the slowest group while that lowers the makespan (exact times).
 
@@ -345,11 +358,11 @@ class LayoutScheduler:
                 tried.add((slow, j))
                 src = [x for x in members[slow] if x != j]
                 dst = members[g] + [j]
-                budget -= len(dst)
+                budget -= len(dst) * self._replan_weight(groups[g])
                 new_dst = self._group(dst, groups[g], ctx)
                 if not improves(new_dst[1], span):
                     continue
-                budget -= len(src)
+                budget -= len(src) * self._replan_weight(groups[slow])
                 new_src = self._group(src, groups[slow], ctx)
                 if improves(makespan((new_src[1], new_dst[1])), span):
                     plans[slow], plans[g] = new_src, new_dst

@@ -22,9 +22,10 @@ from lightning_dcp.planning.policies.tree import BuddyTree
 TREE_SLACK = 0.005
 """dcp keeps its layout plan without trying buddy-tree schedules when that plan is within this fraction of the step bound."""
 
-TREE_DEADLINES = (1.0, 1.02, 1.05, 1.1, 1.2)
-"""Deadlines of the buddy-tree greedy, as multiples of the step bound's compute part (larger ones never won
-on the benchmark grid)."""
+TREE_DEADLINES = (1.0, 1.02)
+"""Deadlines of the buddy-tree greedy, as multiples of the step bound's compute part (1.1 and 1.2 never won on
+``benchmarks/planner_speed.py``'s 32-GPU grid: past 1.05 the least-loaded greedy repeats itself and best fit
+only gets worse)."""
 
 TREE_REFINE_WIDTH = 8
 """Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""

@@ -265,6 +265,8 @@ class BuddyTree:
                 t = var[k][i]
                 if t == inf:
                     continue
+                if best is not None and best[0][0] == 0 and p * t > best[0][1]:
+                    continue  # more GPU-seconds than a size that already ends by the deadline: cannot win
                 m = min(lv)
                 if best_fit:  # the fullest node it still fits by the deadline
                     lim = deadline - t
