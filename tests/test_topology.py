@@ -143,3 +143,13 @@ def test_split_trees_are_legal_nested_and_cover_every_rank(world, heads, node):
     if groups:
         forced = BuddyTree(topo, classes, chain=tree.chain, groups=groups)
         assert all(forced.has_group(a, n) for a, n in groups)
+
+
+@SETTINGS
+@given(world=st.integers(1, 48), node=st.sampled_from([None, 4, 8]), domain=st.sampled_from([None, 8, 16]),
+       outer=st.integers(1, 24), inner=st.integers(1, 24), al=st.sampled_from([1, 2, 4]))
+def test_always_contains_checks_one_period_as_every_start(world, node, domain, outer, inner, al):
+    topo = Topology(world, node, domain, {inner: al} if inner % al == 0 else {})
+    brute = inner <= outer and all(topo.next_start(a, inner, a + outer) is not None
+                                   for a in range(world - outer + 1) if topo.legal(a, outer))
+    assert topo.always_contains(outer, inner) == brute

@@ -25,6 +25,7 @@ Pure Python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -146,7 +147,10 @@ class Topology:
         wherever the group was placed."""
         if inner > outer:
             return False
-        for a in range(0, self.world_size - outer + 1):
+        # whether [a, a + outer) holds a legal inner group depends on a only through a's offset within a node,
+        # a shard group and the two alignments: one period of those covers every start
+        period = math.lcm(self.node_size or 1, self.domain_size or 1, self.align.get(outer, 1), self.align.get(inner, 1))
+        for a in range(0, min(self.world_size - outer + 1, period)):
             if self.legal(a, outer) and self.next_start(a, inner, a + outer) is None:
                 return False
         return True

@@ -33,6 +33,7 @@ Pure Python, deterministic.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Iterable, Sequence
 
@@ -74,7 +75,7 @@ def best_chain(classes: Sequence[int], topology: Topology) -> tuple[int, ...]:
     best, best_score = None, -1.0
     usable = set(classes)
     for chain in chains(classes, topology.world_size):
-        tree = BuddyTree(topology, classes, chain=chain)
+        tree = BuddyTree(topology, classes, chain=chain, index=False)
         score = sum(tree.size[v] for v in range(len(tree.size)) if tree.size[v] in usable)
         if score > best_score:
             best, best_score = chain, score
@@ -90,10 +91,11 @@ class BuddyTree:
             through to its children).
         chain: the sizes that split runs and nodes (default :func:`best_chain`).
         groups: ``(start, size)`` pairs that must be nodes (laminar: two either nest or are disjoint).
+        index: build the tables :meth:`assign` and the path sums need (False: the nodes only).
     """
 
     def __init__(self, world: "int | Topology", classes: Sequence[int], *, chain: Sequence[int] | None = None,
-                 groups: Iterable[tuple[int, int]] = ()):
+                 groups: Iterable[tuple[int, int]] = (), index: bool = True):
         self.topology = Topology.of(world)
         self.classes = list(classes)
         self.chain = tuple(chain) if chain is not None else best_chain(self.classes, self.topology)
@@ -103,7 +105,8 @@ class BuddyTree:
         self.kids: list[list[int]] = []
         self._fixed = sorted({(int(a), int(n)) for a, n in groups}, key=lambda g: (g[0], -g[1]))
         self._cover(0, self.topology.world_size, -1, self.topology.world_size + 1)
-        self._index()
+        if index:
+            self._index()
 
     # -- construction ----------------------------------------------------------------------
     def _node(self, offset: int, size: int, parent: int) -> None:
@@ -173,6 +176,7 @@ class BuddyTree:
             self.ancestors.append(a)
         # descendants of v at each smaller size: a contiguous slice of that level (sorted by offset)
         sizes = sorted(self.level, reverse=True)
+        offs = {q: [self.offset[u] for u in self.level[q]] for q in sizes}
         self.below: list[list[tuple[int, int, int]]] = []
         for v in range(n):
             lo_r, hi_r = self.offset[v], self.offset[v] + self.size[v]
@@ -180,10 +184,9 @@ class BuddyTree:
             for q in sizes:
                 if q >= self.size[v]:
                     continue
-                nodes = self.level[q]
-                js = [j for j, u in enumerate(nodes) if lo_r <= self.offset[u] < hi_r]
-                if js:
-                    d.append((q, js[0], js[-1] + 1))
+                lo, hi = bisect.bisect_left(offs[q], lo_r), bisect.bisect_left(offs[q], hi_r)
+                if hi > lo:
+                    d.append((q, lo, hi))
             self.below.append(d)
         self.leaves = self.level.get(1, [])
 
