@@ -89,32 +89,47 @@ class Topology:
             return x if x + size <= self.world_size else None
         return None
 
+    def _starts(self, lo: int, hi: int, size: int, limit: int) -> list[int]:
+        """Where first fit puts up to ``limit`` groups of ``size`` in the free run ``[lo, hi)``, in order."""
+        al = self.align.get(size, 1)
+        g = self.node_size
+        out: list[int] = []
+        if self.domain_size is None:  # closed forms: consecutive groups, per node when a group fits in one
+            pieces = [(lo, hi)] if not g or size > g else \
+                [(max(lo, k * g), min(hi, (k + 1) * g)) for k in range(lo // g, -(-hi // g))]
+            for a, b in pieces:
+                x = -(-a // al) * al
+                n = min((b - x) // size, limit - len(out)) if b > x else 0
+                out.extend(range(x, x + n * size, size))
+                if len(out) >= limit:
+                    break
+            return out
+        x = self.next_start(lo, size, hi)
+        while x is not None and len(out) < limit:
+            out.append(x)
+            x = self.next_start(x + size, size, hi)
+        return out
+
     def count(self, free: Sequence[Sequence[int]], size: int) -> int:
         """How many groups of ``size`` first fit places in the free runs ``free`` (``[lo, hi)`` each)."""
-        n = 0
-        for lo, hi in free:
-            x = self.next_start(lo, size, hi)
-            while x is not None:
-                n += 1
-                x = self.next_start(x + size, size, hi)
-        return n
+        return sum(len(self._starts(lo, hi, size, hi - lo)) for lo, hi in free)
 
     def take(self, free: list[list[int]], size: int, count: int) -> list[tuple[int, ...]]:
         """Place up to ``count`` groups of ``size`` first fit in ``free`` (runs ``[lo, hi)`` in rank order,
         updated in place: a group's ranks leave it, a gap it skips stays free). Returns the groups placed."""
         out: list[tuple[int, ...]] = []
-        i = 0
-        while len(out) < count and i < len(free):
-            lo, hi = free[i]
-            x = self.next_start(lo, size, hi)
-            if x is None:
-                i += 1
-                continue
-            out.append(tuple(range(x, x + size)))
-            pieces = [p for p in ([lo, x], [x + size, hi]) if p[1] > p[0]]
-            free[i:i + 1] = pieces
-            if pieces and pieces[0][0] == lo and pieces[0][1] == x:
-                i += 1  # the gap before the group: nothing more of this size fits there
+        new: list[list[int]] = []
+        for lo, hi in free:
+            starts = self._starts(lo, hi, size, count - len(out)) if len(out) < count else []
+            pos = lo
+            for x in starts:
+                if x > pos:
+                    new.append([pos, x])
+                out.append(tuple(range(x, x + size)))
+                pos = x + size
+            if pos < hi:
+                new.append([pos, hi])
+        free[:] = new
         return out
 
     def place(self, layout: Iterable[int], start: int = 0, size: int | None = None) -> list[tuple[int, ...]] | None:

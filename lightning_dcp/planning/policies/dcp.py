@@ -63,12 +63,17 @@ from lightning_dcp.planning.policies.tree import BuddyTree
 
 __all__ = [
     "DCPPolicy", "AlgorithmOnePolicy", "DCPInterPolicy", "DCPIntraPolicy", "fill_costs", "FALLBACK_MAX_SAMPLES_PER_RANK",
+    "FALLBACK_MAX_WORLD",
     "TREE_MAX_SAMPLES_PER_RANK", "TREE_SLACK", "TREE_DEADLINES", "TREE_REFINE_WIDTH",
 ]
 
 
 FALLBACK_MAX_SAMPLES_PER_RANK = 8
 """dcp's safety net (:meth:`DCPPolicy._best_of_parts`) runs for batches of at most this many samples per rank."""
+
+FALLBACK_MAX_WORLD = 256
+"""... and on worlds of at most this many ranks: above, Algorithm 1's nested plans over every SP size cost several
+times dcp's own planning (on ``benchmarks/planner_speed.py``'s 1024-GPU grid they never won a step)."""
 
 TREE_MAX_SAMPLES_PER_RANK = 64
 """dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`) for batches of at most this many samples per rank."""
@@ -197,14 +202,15 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
 
         Skipped when it cannot matter or would cost too much, both deterministic: dcp's plan is
         within 1% of the step's achievable bound
-        (:class:`~lightning_dcp.planning.bound.StepBounder`: no plan beats it by more), or the
+        (:class:`~lightning_dcp.planning.bound.StepBounder`: no plan beats it by more), the world has
+        more than ``FALLBACK_MAX_WORLD`` ranks, or the
         batch has more than ``FALLBACK_MAX_SAMPLES_PER_RANK`` samples per rank (there the parts
         take 5-10x dcp's planning time, and dcp's per-sample estimates, which this net guards,
         are accurate: many samples share each micro-batch). Otherwise both parts plan the same
         batch and the plan with the lowest exact span (:func:`step_span`, as the simulator runs
         it) wins; ties keep dcp's.
         """
-        if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size:
+        if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size or self.world_size > FALLBACK_MAX_WORLD:
             return plan
         best, best_span = plan, step_span(plan, self.view)
         if best_span <= self._bound_span(lengths) * 1.01:

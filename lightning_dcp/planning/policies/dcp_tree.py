@@ -27,6 +27,10 @@ TREE_DEADLINES = (1.0, 1.02)
 ``benchmarks/planner_speed.py``'s 32-GPU grid: past 1.05 the least-loaded greedy repeats itself and best fit
 only gets worse)."""
 
+BEST_FIT_MAX_WORLD = 64
+"""The buddy-tree greedy also tries best fit (each unit on the fullest node it still ends on by the deadline) on
+worlds of at most this many ranks; above, scanning every node of a level per unit costs more than it wins."""
+
 TREE_REFINE_WIDTH = 8
 """Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
 
@@ -63,7 +67,7 @@ class BuddyTreeSearch:
         order = np.argsort(-L, kind="stable").tolist()
         best = None
         for f in TREE_DEADLINES:
-            for best_fit in (False, True):
+            for best_fit in ((False, True) if self.world_size <= BEST_FIT_MAX_WORLD else (False,)):
                 where = tree.assign(var, const, Ll, self.budget, order, floor * f, best_fit=best_fit)
                 packs, own = self._tree_realize(tree, where, L, E)
                 got = tree.span(own)

@@ -34,11 +34,16 @@ Pure Python, deterministic.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from typing import Iterable, Sequence
 
 from lightning_dcp.planning.policies.objective import makespan
 from lightning_dcp.planning.topology import Topology
+
+
+HEAP_LEVEL = 64
+"""A tree level with more nodes than this finds its least-loaded node with a heap in :meth:`BuddyTree.assign`."""
 
 
 def chains(classes: Sequence[int], world_size: int) -> list[tuple[int, ...]]:
@@ -104,6 +109,7 @@ class BuddyTree:
         self.parent: list[int] = []
         self.kids: list[list[int]] = []
         self._fixed = sorted({(int(a), int(n)) for a, n in groups}, key=lambda g: (g[0], -g[1]))
+        self._fixed_starts = [a for a, _ in self._fixed]
         self._cover(0, self.topology.world_size, -1, self.topology.world_size + 1)
         if index:
             self._index()
@@ -123,13 +129,15 @@ class BuddyTree:
     def _cover(self, lo: int, hi: int, parent: int, below: int) -> None:
         """Cover the run ``[lo, hi)`` with nodes (children of ``parent``) of sizes below ``below``: the
         maximal given groups inside it, then the largest chain size first fit places, then the rest."""
-        inside = [(a, n) for a, n in self._fixed if lo <= a and a + n <= hi and n < below]
         top = []
-        for a, n in inside:  # maximal ones: not inside another of the list
-            if not any(b <= a and a + n <= b + m and (b, m) != (a, n) for b, m in inside):
-                top.append((a, n))
+        if self._fixed:  # the maximal given groups inside the run (sorted by start, larger first: a sweep)
+            end = lo
+            for j in range(bisect.bisect_left(self._fixed_starts, lo), bisect.bisect_left(self._fixed_starts, hi)):
+                a, n = self._fixed[j]
+                if n < below and a + n <= hi and a >= end:
+                    top.append((a, n))
+                    end = a + n
         if top:
-            top.sort()
             pos = lo
             for a, n in top:
                 if a > pos:
@@ -259,24 +267,36 @@ class BuddyTree:
         val = {p: [0.0] * len(nodes) for p, nodes in self.level.items()}
         where = [-1] * len(lengths)
         inf = math.inf
-        opts = [(k, p, val[p], self.level[p]) for k, p in enumerate(self.classes) if p in self.level]
+        # levels of many nodes find their least-loaded node with a heap (values only grow: a stale entry is
+        # refreshed when it surfaces); the same node as min() then index(), ties to the lowest offset
+        heaps = {p: [(0.0, j) for j in range(len(nodes))] for p, nodes in self.level.items()
+                 if len(nodes) > HEAP_LEVEL and not best_fit}
+        opts = [(k, p, val[p], self.level[p], heaps.get(p)) for k, p in enumerate(self.classes) if p in self.level]
         kids, anc, below, size, pos = self.kids, self.ancestors, self.below, self.size, self.pos
+        heapreplace = heapq.heapreplace
         for i in order:
             ln = lengths[i]
             best = None
-            for k, p, lv, nodes in opts:
+            for k, p, lv, nodes, hp in opts:
                 t = var[k][i]
                 if t == inf:
                     continue
                 if best is not None and best[0][0] == 0 and p * t > best[0][1]:
                     continue  # more GPU-seconds than a size that already ends by the deadline: cannot win
-                m = min(lv)
-                if best_fit:  # the fullest node it still fits by the deadline
-                    lim = deadline - t
-                    for x in lv:
-                        if m < x <= lim:
-                            m = x
-                v = nodes[lv.index(m)]
+                if hp is not None:
+                    m, j = hp[0]
+                    while m != lv[j]:
+                        heapreplace(hp, (lv[j], j))
+                        m, j = hp[0]
+                    v = nodes[j]
+                else:
+                    m = min(lv)
+                    if best_fit:  # the fullest node it still fits by the deadline
+                        lim = deadline - t
+                        for x in lv:
+                            if m < x <= lim:
+                                m = x
+                    v = nodes[lv.index(m)]
                 if room[v] < ln:
                     t += const[k][i]
                 fin = m + t
