@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from _fakes import FakeCostModel
 from lightning_dcp.planning.analytic import AnalyticCostModel
-from lightning_dcp.planning.cost_model import ring_kwargs
+from lightning_dcp.planning.cost_model import prices_ring_of, ring_kwargs
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, validate_plan
@@ -40,9 +40,11 @@ def check(plan: Plan, planner: Planner, lengths, cm) -> None:
     for step in plan.steps:
         for item in step.items:
             assert item.ranks in tuples, item
-            assert item.ring == planner.ring_degrees[item.sp_size]
-            kw = ring_kwargs(item.ring)
-            assert cm.item_memory(item.lengths, item.sp_size, item.recompute, **kw) <= cm.memory_limit
+            if planner.policy_name != "megatron-hcp":  # Megatron's context parallel: pure rings of its own
+                assert item.ring == planner.ring_degrees[item.sp_size]
+            if item.ring == 1 or prices_ring_of(cm):
+                kw = ring_kwargs(item.ring)
+                assert cm.item_memory(item.lengths, item.sp_size, item.recompute, **kw) <= cm.memory_limit
     sim = simulate(plan, cm, timeline=True)  # deadlock-free order (the simulator checks it), then no overlaps
     for line in sim.timeline:
         per_rank: dict[int, list[tuple[float, float]]] = {}
@@ -60,7 +62,12 @@ def lengths_strategy(max_len: int):
     return st.lists(st.one_of(short, short, long), min_size=1, max_size=40)
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+POWER_OF_TWO_PEERS = {"megatron-hcp", "hydraulis", "flexsp"}
+"""Peer planners whose sources use power-of-two groups only (pure-ring CP, <TP, PP> pipelines, FlexSP's MILP):
+a sample only a group of 3, 7 or 14 ranks holds is beyond them (tests/test_peers.py covers them)."""
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in POWER_OF_TWO_PEERS])
 @SETTINGS
 @given(data=st.data(), world=st.sampled_from([3, 5, 6, 7, 12, 16]), heads=st.sampled_from([6, 12, 28]),
        seed=st.integers(0, 2))

@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from lightning_dcp.planning.calibration import CalibrationFactors
-from lightning_dcp.planning.cost_model import CostModel, ItemCost, ring_kwargs as _ring
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of
+from lightning_dcp.planning.cost_model import ring_kwargs as _ring
 
 __all__ = ["CalibratedCostModel"]
 
@@ -59,7 +60,7 @@ class CalibratedCostModel(CostModel):
 
     @property
     def prices_ring(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.base, "prices_ring", False))
+        return prices_ring_of(self.base)
 
     @property
     def rank_speeds(self) -> tuple[float, ...] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,8 +58,9 @@ class CostModel(abc.ABC):
 
     Ring attention: every item method takes ``ring`` (keyword, default 1), the ring degree of the
     SP group (:class:`~lightning_dcp.planning.plan.WorkItem`'s ``ring``: ``sp = ring x ulysses``). A
-    cost model that prices rings sets :attr:`prices_ring`; callers pass ``ring`` only when it is
-    above 1, so a subclass written without the keyword keeps working (and is never offered rings).
+    cost model prices rings when :func:`prices_ring_of` says so (its :attr:`prices_ring`, or by default
+    whether its ``item_cost`` takes ``ring``); callers pass ``ring`` only when it is above 1, so a
+    subclass written without the keyword keeps working (and is never offered rings).
     """
 
     num_layers: int
@@ -67,9 +69,10 @@ class CostModel(abc.ABC):
     gpus_per_node: int = 8
     memory_limit_source: str = ""
     """Where ``memory_limit`` came from (an argument, a default, the device), for messages; may be empty."""
-    prices_ring: bool = False
+    prices_ring: bool | None = None
     """Whether :meth:`item_cost` / :meth:`item_memory` price ``ring > 1`` (ring attention, see
-    :mod:`~lightning_dcp.planning.ring`); the planner offers ring sizes only then."""
+    :mod:`~lightning_dcp.planning.ring`); the planner offers ring sizes only then. None (default): whether
+    ``item_cost`` takes ``ring`` (:func:`prices_ring_of`)."""
 
     def describe_limit(self) -> str:
         """The memory budget with its source, for messages: ``"5.25 MiB per device (...)"``."""
@@ -122,7 +125,7 @@ class CostModel(abc.ABC):
         domain = shard_domain(self)
         limit = min(int(limit), domain) if domain else int(limit)
         usable = set(self.sp_sizes(limit))
-        return sp_splits(self.num_heads, limit, getattr(self, "gpus_per_node", 8), ring=ring and bool(self.prices_ring),
+        return sp_splits(self.num_heads, limit, getattr(self, "gpus_per_node", 8), ring=ring and prices_ring_of(self),
                          usable=usable)
 
     def fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> bool:
@@ -172,6 +175,18 @@ class CostModel(abc.ABC):
     def ideal_time(self, lengths: Sequence[int]) -> float:
         """Compute-only time of these samples on one device: the ideal bound's numerator."""
         return sum(self.item_cost([n], 1, 0).ideal for n in lengths)
+
+
+def prices_ring_of(cost_model: object) -> bool:
+    """Whether ``cost_model`` prices ring attention: its ``prices_ring`` when set, else whether its
+    ``item_cost`` takes the ``ring`` keyword."""
+    flag = getattr(cost_model, "prices_ring", None)
+    if flag is not None:
+        return bool(flag)
+    try:
+        return "ring" in inspect.signature(cost_model.item_cost).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def shard_domain(cost_model: object) -> int | None:

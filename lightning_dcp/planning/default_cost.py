@@ -22,6 +22,7 @@ class DefaultCostModel(CostModel):
     """
 
     def __init__(self, num_layers: int = 0, num_heads: int = 1, max_tokens: int = 1 << 16) -> None:
+        self.prices_ring = False
         self.num_layers = int(num_layers)
         self.num_heads = max(1, int(num_heads))
         self.max_tokens = int(max_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost, ring_kwargs
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of, ring_kwargs
 
 __all__ = ["MARGIN", "LoweredMemory", "lowered_limit"]
 
@@ -35,7 +35,7 @@ class LoweredMemory(CostModel):
 
     @property
     def prices_ring(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.base, "prices_ring", False))
+        return prices_ring_of(self.base)
 
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
         return self.base.item_cost(lengths, sp, recompute, **ring_kwargs(ring))

@@ -32,6 +32,7 @@ class PaddedCostModel(CostModel):
         self.base = base
         self.num_layers = 0
         self.num_heads = 1
+        self.prices_ring = False
         self.max_padded_tokens = max(1, int(max_padded_tokens))
         self.memory_limit = float(self.max_padded_tokens)
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)

@@ -34,7 +34,7 @@ import math
 import numbers
 from typing import Any, Callable, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ring_kwargs
+from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.rounds import align_rounds
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
@@ -43,8 +43,12 @@ from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.bucket import BucketPolicy
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
+from lightning_dcp.planning.policies.flexsp import FlexSPPolicy
+from lightning_dcp.planning.policies.hydraulis import HydraulisPolicy
+from lightning_dcp.planning.policies.megatron_hcp import MegatronHCPPolicy
 from lightning_dcp.planning.policies.packed import PackedPolicy
 from lightning_dcp.planning.policies.static import StaticPolicy
+from lightning_dcp.planning.policies.verl import VerlPolicy
 from lightning_dcp.planning.topology import rank_tuples
 from lightning_dcp.planning.units import describe_limit
 
@@ -55,8 +59,14 @@ POLICIES: dict[str, type[Policy]] = {
     "bucket": BucketPolicy,
     "packed": PackedPolicy,
     "static": StaticPolicy,
+    "verl": VerlPolicy,
+    "megatron-hcp": MegatronHCPPolicy,
+    "hydraulis": HydraulisPolicy,
+    "flexsp": FlexSPPolicy,
 }
-"""Policy name -> class. ``dcp`` is the default; the others are ablations and baselines."""
+"""Policy name -> class. ``dcp`` is the default; ``dcp-inter``, ``dcp-intra``, ``bucket``, ``packed`` and
+``static`` are ablations and baselines; ``verl``, ``megatron-hcp``, ``hydraulis`` and ``flexsp`` are the
+field's planners as their sources describe them (:mod:`~lightning_dcp.planning.policies.verl` etc.)."""
 
 DEFAULT_TOKENS_PER_GPU = 65536
 """Floor of the default global batch: this many tokens per GPU (amortizes the gradient all-reduce)."""
@@ -254,7 +264,10 @@ class Planner:
         model's ``gpus_per_node`` and (``sharding="hsdp"``) shard group. The same list, in the same order,
         on every rank: what the runtime creates process groups for (up front, or lazily for a step's items)."""
         topo = self.view.topology
-        return rank_tuples(self.world_size, self.ring_degrees, topo.node_size, topo.domain_size, min_size=min_size)
+        sizes = dict(self.ring_degrees)
+        for p, r in (getattr(self.policy, "group_sizes", None) or {}).items():  # a policy's own groups (megatron-hcp)
+            sizes.setdefault(p, r)
+        return rank_tuples(self.world_size, sizes, topo.node_size, topo.domain_size, min_size=min_size)
 
     @property
     def one_step_per_batch(self) -> bool:
@@ -312,18 +325,24 @@ class Planner:
             steps = [self._verify_memory(s) for s in steps]
         if getattr(self.cost_model, "sharding", None) == "hsdp":  # lockstep rounds pair items of similar cost
             k, cm = self.cost_model.shard_group_size, self.cost_model
-            steps = [align_rounds(s, self.world_size, k, lambda it: cm.item_time(it.lengths, it.sp_size, it.recompute,
-                                                                                 **ring_kwargs(it.ring))) for s in steps]
+            from lightning_dcp.planning.item_pricing import item_cost_of
+
+            steps = [align_rounds(s, self.world_size, k, lambda it: item_cost_of(cm, it).total) for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:
         """Cost models without a token-only memory fast path: re-check every item exactly."""
+        from lightning_dcp.planning.item_pricing import ring_memory
+
         cm = self.cost_model
         items = []
         for item in step.items:
-            kw = ring_kwargs(item.ring)
-            if not cm.fits(item.lengths, item.sp_size, item.recompute, **kw):
-                r = cm.min_recompute(item.lengths, item.sp_size, **kw)
+            if item.ring > 1 and not prices_ring_of(cm):  # a peer's ring on a model without ring pricing: the estimate
+                fits = lambda r, it=item: ring_memory(cm, it.lengths, it.sp_size, r, it.ring) <= cm.memory_limit  # noqa: E731
+            else:
+                fits = lambda r, it=item: cm.fits(it.lengths, it.sp_size, r, **ring_kwargs(it.ring))  # noqa: E731
+            if not fits(item.recompute):
+                r = next((x for x in range(item.recompute, cm.num_layers + 1) if fits(x)), None)
                 if r is None:
                     raise PlanningError(
                         f"the {self.policy_name} policy built a micro-batch (lengths {list(item.lengths)}, SP {item.sp_size}) "

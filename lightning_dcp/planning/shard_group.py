@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost, ring_kwargs
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.state_sharding import state_bytes
 
 __all__ = ["HOST_ADAM_PARAMS_PER_S", "HOST_BANDWIDTH", "ShardGroupCostModel", "hsdp_view"]
@@ -116,7 +116,7 @@ class ShardGroupCostModel(CostModel):
     # ------------------------------------------------------------------ memory
     @property
     def prices_ring(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.base, "prices_ring", False))
+        return prices_ring_of(self.base)
 
     def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
         return self.base.item_memory(lengths, sp, recompute, **ring_kwargs(ring)) - self.base_state_bytes + self.state_bytes

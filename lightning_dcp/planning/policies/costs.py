@@ -42,6 +42,8 @@ class CostView:
     def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None, *,
                  world_size: int | None = None, ring: bool = True):
         self.cm = cost_model
+        self.max_sp = int(max_sp)
+        """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer: :attr:`sp_sizes`)."""
         self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
         """Per-rank speeds, or None when every rank runs at the cost model's pace."""
         self.num_layers = int(cost_model.num_layers)
@@ -111,6 +113,11 @@ class CostView:
         self._bind()
         self._cap.pop(p, None)
         return self.max_len(p)
+
+    @property
+    def ulysses_sizes(self) -> list[int]:
+        """The usable SP sizes the planner runs as plain Ulysses groups (ring degree 1), ascending."""
+        return [p for p in self.sp_sizes if self.ring.get(p, 1) == 1]
 
     def ring_of(self, sp: int) -> int:
         """The ring degree the planner gives a group of ``sp`` ranks."""
