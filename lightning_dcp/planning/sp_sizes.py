@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["best_split", "divisors", "kv_repeat", "node_ulysses", "sp_splits", "ulysses_sizes"]
+__all__ = ["MAX_RING", "best_split", "divisors", "kv_repeat", "node_ulysses", "sp_splits", "ulysses_sizes"]
+
+MAX_RING = 8
+"""The largest ring degree of the ring sizes the planner adds (8 rings of a node's Ulysses group: 64 ranks
+on 8-GPU nodes). Longer rings hold samples of many million tokens but multiply the sizes a large world
+plans over (every doubling up to the world) for samples that rarely need them."""
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -76,7 +81,8 @@ def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bo
     * every Ulysses size (:func:`ulysses_sizes`: the divisors of the heads up to ``limit``), ring 1;
     * with ``ring``: ring sizes past what the heads allow, ``r * u`` with ``u = node_ulysses(heads,
       gpus_per_node)`` and ``r = 2, 4, 8, ...`` (sizes the heads do not already give), so a sample can
-      get more ranks than the heads allow -- every ring subgroup inside one node, the ring across;
+      get more ranks than the heads allow -- every ring subgroup inside one node, the ring across
+      (``r`` up to :data:`MAX_RING`);
     * with ``ring``, for a Ulysses size ``s`` larger than a node, also the Ulysses x ring split (USP)
       ``s = r * u``, ``u`` the largest divisor of ``gcd(heads, s)`` that divides the node size: its
       all-to-alls stay inside nodes; the cost model decides which of the two is cheaper.
@@ -98,7 +104,7 @@ def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bo
                 out[s] = (1, s // u)
     u = max(d for d in divisors(heads) if g % d == 0 and ok(d))
     r = 2
-    while r * u <= limit:
+    while r * u <= limit and r <= MAX_RING:
         out.setdefault(r * u, (r,))
         r *= 2
     return dict(sorted(out.items()))
