@@ -28,13 +28,6 @@ from lightning_dcp.runtime.states import ModelStates, shard_cost_model
 __all__ = ["PlannerFactory"]
 
 
-def _planner_takes(name: str) -> bool:
-    """Whether :class:`~lightning_dcp.planning.planner.Planner` has the keyword ``name`` (not a policy option)."""
-    import inspect
-
-    return name in inspect.signature(Planner.__init__).parameters
-
-
 class PlannerFactory:
     """Builds the fit's planner (and re-plan planners) from fixed inputs.
 
@@ -84,8 +77,7 @@ class PlannerFactory:
         opts.setdefault("max_sp_size", self.sp_cap.size)
         if self.sp_cap.heads_cap is not None and opts["max_sp_size"] == self.sp_cap.heads_cap:
             opts.setdefault("sp_cap_reason", f"the model's {self.num_heads} attention heads (SP sizes must divide them)")
-        if _planner_takes("ring"):  # ring items only for a module that runs ring attention
-            opts.setdefault("ring", self.sp_cap.ring)
+        opts.setdefault("ring", self.sp_cap.ring)  # ring items only for a module that runs ring attention
         planner = Planner(self.world_size, cost_model, policy=self.settings.policy, seed=self.settings.seed,
                           dataset_lengths=lengths, **opts)
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
