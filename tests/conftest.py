@@ -66,6 +66,13 @@ SLOW = {
     "test_diffusers.py::test_dcp_strategy_equals_single_process_training[4]",
     "test_diffusers_ltx.py::test_dcp_strategy_equals_single_process_training[4]",
     "test_diffusers_joint.py::test_dcp_strategy_equals_single_process_training[4]",
+    "test_ring.py::test_ring_at_sp4_on_two_heads_and_ring_four_are_exact",
+    "test_ring.py::test_ulysses_and_ring_on_three_processes_are_exact",
+    "test_ring.py::test_ulysses_and_ring_on_six_processes_are_exact",
+    "test_any_sp_size.py::test_ring_at_sp4_on_a_two_head_model_is_exact[zigzag]",
+    "test_any_sp_size.py::test_ring_at_sp4_on_a_two_head_model_is_exact[contiguous]",
+    "test_any_sp_size.py::test_hf_twelve_heads_on_three_processes_sp3_and_ring_is_exact",
+    "test_any_sp_size.py::test_diffusers_wan_six_heads_on_three_processes_sp3_and_ring_is_exact",
 }
 """Test ids (file::name[params]) marked ``slow``."""
 

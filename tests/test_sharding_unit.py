@@ -29,7 +29,7 @@ from lightning_dcp.planning.sharding.registry import MODES, get_mode
 from lightning_dcp.planning.rounds import lockstep_rounds
 from lightning_dcp.planning.sharding.shard_group_size import NoShardGroupFits, choose_shard_group_size
 from lightning_dcp.planning.simulator import simulate
-from lightning_dcp.runtime.model import SPCap
+from lightning_dcp.runtime.model import SPCap, resolve_sp_cap
 from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.run_sharding import RunSharding
 from lightning_dcp.runtime.settings import DCPSettings
@@ -170,7 +170,7 @@ def test_an_sp_cap_from_the_shard_group_names_the_shard_group():
     max_sp_size the user never set."""
     settings = DCPSettings(sharding="hsdp", shard_group_size=1)
     run = RunSharding(settings)
-    cap = run.cap_sp(SPCap(2), 2)
+    cap = run.cap_sp(SPCap(2), 2, lambda span: resolve_sp_cap(None, span, 4))
     assert cap.size == 1 and "the shard group of 1 rank" in cap.reason
     base = AnalyticCostModel(get_model("tiny-1d"), H100, 2, sharding="none", memory_limit=2 * GiB)
     states = ModelStates(1e6, 0.0, 1e6, 2e6, sharding="hsdp", world_size=2, shard_group_size=1)

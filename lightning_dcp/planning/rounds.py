@@ -152,6 +152,8 @@ class RoundPlan:
 
     lockstep = False
     """Whether ranks run their items in lockstep rounds (collectives inside the micro-batch loop)."""
+    domain: int | None = None
+    """Consecutive ranks no SP group may cross (a shard group: its per-layer collectives are the group's)."""
 
     def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime) -> StepPlan:
         """THE round planner's entry point: ``step`` (a policy's) as the rounds should run it."""
@@ -196,7 +198,7 @@ class Lockstep(RoundPlan):
     lockstep = True
 
     def __init__(self, shard_group_size: int, dummy_round_s: float = 0.0) -> None:
-        self.shard_group_size = int(shard_group_size)
+        self.shard_group_size = self.domain = int(shard_group_size)
         self.dummy_round_s = float(dummy_round_s)
 
     def __repr__(self) -> str:

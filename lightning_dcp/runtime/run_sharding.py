@@ -91,15 +91,16 @@ class RunSharding:
         """Whether the asked mode shards the weights on more than one rank (before the world is known)."""
         return MODES[self.settings.sharding].shards_weights
 
-    def cap_sp(self, sp_cap: SPCap, world_size: int) -> SPCap:
-        """``sp_cap`` lowered to the shard group (once ``K`` is known), naming it as the cause."""
+    def cap_sp(self, sp_cap: SPCap, world_size: int, over: Callable[[int], SPCap]) -> SPCap:
+        """``sp_cap`` (the model's over the world) inside the mode's shard group once ``K`` is known: ``over(K)``,
+        the model's cap over ``K`` ranks, naming the shard group as the cause."""
         if self.grouped(world_size) and self.shard_group_size(world_size) is None:
             return sp_cap
         cap = self.mode(world_size).sp_cap()
         if cap is None or sp_cap.size <= cap:
             return sp_cap
-        return SPCap(cap, reason=f"the shard group of {cap} rank(s) (shard_group_size={cap}: SP groups stay inside a "
-                                 "shard group; a larger shard_group_size raises it)")
+        return replace(over(cap), reason=f"the shard group of {cap} rank(s) (shard_group_size={cap}: SP groups stay "
+                                         "inside a shard group; a larger shard_group_size raises it)")
 
     def pick(self, module: nn.Module, contract: ModelContract | None, world_size: int, device: torch.device, *,
              trainer: Any, cost_model: CostModel | None, lengths: Callable[[Any], Sequence[int]],

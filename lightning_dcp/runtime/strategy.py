@@ -5,8 +5,8 @@ What each hook does (the work is done by the runtime's other rooms):
 - ``__init__``: the arguments become a frozen :class:`~lightning_dcp.runtime.settings.DCPSettings`.
 - ``setup_environment``: after DDP's process-group setup, the module's contract, read once
   (:func:`~lightning_dcp.sp.contract.read_model`, :attr:`DCPStrategy.model_contract`), the SP cap
-  (:mod:`~lightning_dcp.runtime.model`) and the SP groups of every aligned power-of-two block
-  (:class:`~lightning_dcp.sp.groups.SPGroups`); the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
+  (:mod:`~lightning_dcp.runtime.model`) and the SP groups of the aligned blocks of every Ulysses size
+  (:class:`~lightning_dcp.sp.groups.SPGroups`; other groups per step); the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
 - ``setup``: the checks (:mod:`~lightning_dcp.runtime.checks`), the profiler
   (:mod:`~lightning_dcp.runtime.fit_setup`), no DDP wrapper: ``configure_ddp`` broadcasts rank 0's
   weights, then builds the sharding mode's runtime :attr:`DCPStrategy.shards` (a
@@ -124,8 +124,9 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         zero1: deprecated spelling of ``sharding="zero1"``.
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
-        max_sp_size: largest SP size (a power of two) to create groups for; default the largest
-            power of two that fits the world and divides the model's head count.
+        max_sp_size: largest SP size: a divisor of the model's heads, or any size when the module runs ring
+            attention (sizes past the heads' divisors as ring x Ulysses); default the world (or the shard
+            group) with ring attention, else the largest divisor of the heads that fits it.
         lengths: sample lengths (a list, or a callable taking the dataset) when the dataset
             has no ``lengths`` attribute.
         shuffle, drop_last: data order per epoch, and whether to drop the last partial batch.
@@ -243,8 +244,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
 
     @property
     def model_contract(self) -> ModelContract | None:
-        """What the strategy read off the LightningModule at setup (:func:`~lightning_dcp.sp.contract.read_model`):
-        its repeated layers, support level, heads and hooks; ``None`` before setup."""
+        """What the strategy read off the module at setup (:func:`~lightning_dcp.sp.contract.read_model`); ``None`` before."""
         return self._model_contract
 
     @property
@@ -290,15 +290,18 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
         self._model_contract = contract
         self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
-        self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size)
+        self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
-        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.sp_cap.size, create=create,
-                                  timeout=self._timeout)
+        self.sp_groups = SPGroups(self.world_size, self.global_rank, create=create, timeout=self._timeout,
+                                  sizes=self.sp_cap.group_sizes)
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
             self._watchdog = rank_watchdog(self.launcher, self.cluster_environment, self.settings.sigterm_grace_s,
                                            self.global_rank)
+
+    def _sp_cap_over(self, span: int) -> SPCap:  # the model's SP cap over a shard group's ranks
+        return resolve_model_setup(self._model_contract, self.settings, span)[2]
 
     @override
     def _configure_launcher(self) -> None:
@@ -346,7 +349,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             if self._sharding.pick(self.model, self._model_contract, self.world_size, self.root_device, trainer=trainer,
                                    cost_model=self._cost_model if self.settings.planner is None else None,
                                    lengths=self.train_lengths, gpus_per_node=self.num_processes) is not None:
-                self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size)
+                self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
             check_sharding_agreement(self.settings.sharding, self.shard_group_size, self._world_gather)
             self.shards = build_shards(self.mode, self.model, self.root_device, **contract_units(self._model_contract))
 
