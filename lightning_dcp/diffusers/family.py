@@ -52,6 +52,10 @@ class VideoFamily:
         joint: whether text tokens are rows of the attention sequence (joint attention): a sample's length
             then counts its text rows, which carry no loss, and outputs are unpacked with
             :func:`~lightning_dcp.diffusers.unpack_joint_output`.
+        pipeline: the diffusers pipeline class that runs the model for text-to-video (``"WanPipeline"``): its
+            ``save_lora_weights`` / ``load_lora_weights`` read and write the family's LoRA files, and
+            validation videos are generated with it.
+        lora_targets: the modules a LoRA adapter targets by default (:func:`~lightning_dcp.diffusers.lora.lora_config`).
     """
 
     class_name: str
@@ -65,6 +69,8 @@ class VideoFamily:
     blocks: Callable[[nn.Module], Sequence[nn.Module]]
     sample: Callable[..., dict]
     joint: bool = False
+    pipeline: str = ""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __post_init__(self) -> None:
         if self.output_layout not in OUTPUT_LAYOUTS:
@@ -82,24 +88,24 @@ FAMILIES: dict[str, VideoFamily] = {
         class_name="WanTransformer3DModel", label="Wan 2.1 / 2.2", patch_size=wan.wan_patch_size,
         text_dim=_config_int("text_dim"), adapt=wan.adapt_wan, is_adapted=wan.is_wan_adapted,
         packed_forward=wan.wan_packed_forward, output_layout="output", blocks=lambda model: model.blocks,
-        sample=video_sample),
+        sample=video_sample, pipeline="WanPipeline"),
     "LTXVideoTransformer3DModel": VideoFamily(
         class_name="LTXVideoTransformer3DModel", label="LTX-Video", patch_size=ltx.ltx_patch_size,
         text_dim=_config_int("caption_channels"), adapt=ltx.adapt_ltx, is_adapted=ltx.is_ltx_adapted,
         packed_forward=ltx.ltx_packed_forward, output_layout="input", blocks=lambda model: model.transformer_blocks,
-        sample=ltx.ltx_video_sample),
+        sample=ltx.ltx_video_sample, pipeline="LTXPipeline"),
     "CogVideoXTransformer3DModel": VideoFamily(
         class_name="CogVideoXTransformer3DModel", label="CogVideoX 1.0 / 1.5", patch_size=cogvideox.cogvideox_patch_size,
         text_dim=_config_int("text_embed_dim"), adapt=cogvideox.adapt_cogvideox,
         is_adapted=cogvideox.is_cogvideox_adapted, packed_forward=cogvideox.cogvideox_packed_forward,
         output_layout="input", blocks=lambda model: model.transformer_blocks, sample=cogvideox.cogvideox_sample,
-        joint=True),
+        joint=True, pipeline="CogVideoXPipeline"),
     "HunyuanVideoTransformer3DModel": VideoFamily(
         class_name="HunyuanVideoTransformer3DModel", label="HunyuanVideo", patch_size=hunyuan.hunyuan_patch_size,
         text_dim=_config_int("text_embed_dim"), adapt=hunyuan.adapt_hunyuan, is_adapted=hunyuan.is_hunyuan_adapted,
         packed_forward=hunyuan.hunyuan_packed_forward, output_layout="input",
         blocks=lambda model: [*model.transformer_blocks, *model.single_transformer_blocks],
-        sample=hunyuan.hunyuan_sample, joint=True),
+        sample=hunyuan.hunyuan_sample, joint=True, pipeline="HunyuanVideoPipeline"),
 }
 
 #: Model classes :func:`~lightning_dcp.diffusers.adapt` supports.
