@@ -39,7 +39,7 @@ def safe_mode_message(name: str) -> str:
             "no recomputation. To pack samples, make the model attend only within each sample (read cu_seqlens / "
             f"segment_ids / position_ids) and set {name}.dcp_support = 'packed'; for sequence parallelism too, use "
             "lightning_dcp.ulysses_attention and RecomputeLayers (Hugging Face models: lightning_dcp.hf.adapt) and set "
-            "dcp_support = 'sp'. See the README, 'Using it'.")
+            "dcp_support = 'sp'. See docs/strategy.md, 'What each level needs'.")
 
 
 def support_message(contract: ModelContract) -> str | None:
