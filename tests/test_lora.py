@@ -7,7 +7,7 @@
   transformer, whose forward then equals the trained one's;
 * DCPStrategy on 2 (and 4, slow) CPU processes, sharding none and zero1, plans mixing SP sizes and
   recompute == plain single-process peft training of the same adapter with diffusers' own forward,
-  each sample alone: weights within 1e-5, the frozen base bit-identical.
+  each sample alone: weights and their EMA within 1e-5, the frozen base bit-identical.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytest.importorskip("peft")
 import lightning.pytorch as pl  # noqa: E402
 from _video_helpers import PlanRecorder, SGDVideo  # noqa: E402
 
+from lightning_dcp import EMA  # noqa: E402
 from lightning_dcp.diffusers import FlowMatching, VideoDiffusionModule, adapt, family_of  # noqa: E402
 from lightning_dcp.diffusers.lora import LORA_WEIGHTS_FILE, add_lora, lora_config, lora_state_dict, save_lora  # noqa: E402
 from lightning_dcp.diffusers.tiny import TINY_MODELS, tiny_transformer  # noqa: E402
@@ -194,16 +195,19 @@ def _fit(world, out_dir, family, sharding):
     cost = DefaultCostModel(num_layers=len(model.dcp_repeated_layers()), num_heads=4, max_tokens=case.max_tokens)
     strategy = DCPStrategy(global_batch_size=6, seed=1, log_metrics=False, profile=False, sharding=sharding,
                            cost_model=cost)
-    plans = PlanRecorder()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_STEPS, callbacks=[plans],
+    plans, ema = PlanRecorder(), EMA(decay=0.5)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_STEPS, callbacks=[plans, ema],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(case.data, batch_size=3, collate_fn=VideoDiffusionModule.collate))
     optimized = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
     names = {id(p): n for n, p in module.named_parameters()}
     assert optimized and all(_is_adapter(names[i]) for i in optimized), "the optimizer holds more than the adapter"
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
-    gathered = [None] * world
+    averages = {k.removeprefix("model."): v.clone() for k, v in ema.full_weights().items()}
+    assert set(averages) == {n for n, p in module.model.named_parameters() if p.requires_grad}
+    gathered, gathered_ema = [None] * world, [None] * world
     dist.all_gather_object(gathered, weights)
+    dist.all_gather_object(gathered_ema, averages)
     if dist.get_rank() != 0:
         return
     sizes = sorted({len(it["ranks"]) for p in plans.plans for it in p["items"]})
@@ -212,11 +216,15 @@ def _fit(world, out_dir, family, sharding):
     flow = FlowMatching(family_of(ref).patch_size(ref.config), seed=FLOW_SEED,
                         target_layout=family_of(ref).output_layout)
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=_LR)
+    ref_ema = {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}
     for plan in plans.plans:
         items = [case.item(i) for it in plan["items"] for i in it["samples"]]
         opt.zero_grad(set_to_none=True)
         case.loss(ref, flow, items, "token").backward()
         opt.step()
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                ref_ema[n] = 0.5 * ref_ema[n] + 0.5 * p.detach()
     want, base = ref.state_dict(), case.make().state_dict()
     worst = 0.0
     for r, got in enumerate(gathered):
@@ -228,6 +236,10 @@ def _fit(world, out_dir, family, sharding):
             else:  # the frozen base: untouched, bit for bit
                 key = n.replace(".base_layer", "")
                 assert torch.equal(w, base[key]), f"{family}: rank {r} frozen weight {n} changed"
+    for r, got in enumerate(gathered_ema):  # the EMA of the adapter, on every rank
+        for n, w in got.items():
+            rel = float((w - ref_ema[n]).abs().max() / ref_ema[n].abs().max().clamp_min(1e-12))
+            assert rel < 1e-5, f"{family}: rank {r} EMA of {n}: relative error {rel:.2e}"
     moved = max(float((want[n] - w).abs().max()) for n, w in initial.items())
     assert moved > 1e-3  # training moved the adapter
     print(f"world {world} {family} LoRA ({sharding}; SP sizes {sizes}): max rel adapter err {worst:.2e}", flush=True)
