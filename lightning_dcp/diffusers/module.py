@@ -25,6 +25,7 @@ from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES
 from lightning_dcp.diffusers.lora import add_lora, has_lora, trainable_state
+from lightning_dcp.diffusers.record import RECORD_KEY, ModelRecord
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, TOKEN_WEIGHT, active_context
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS, add_token_weights, weighted_loss
@@ -191,7 +192,9 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """With a LoRA adapter, the checkpoint keeps only the trained (adapter) weights."""
+        """The transformer's class, config and adapter config (:class:`~lightning_dcp.diffusers.record.ModelRecord`,
+        what export rebuilds it from); with a LoRA adapter, only the trained (adapter) weights."""
+        checkpoint[RECORD_KEY] = ModelRecord.of(self.model).to_dict()
         if self.trains_adapter:
             checkpoint["state_dict"] = trainable_state(self, checkpoint["state_dict"])
             checkpoint[TRAINABLE_ONLY] = True
