@@ -19,6 +19,7 @@ COMMANDS = {
     "encode": "lightning_dcp.commands.encode",
     "budget": "lightning_dcp.commands.budget",
     "export": "lightning_dcp.commands.export",
+    "train-video": "lightning_dcp.commands.train_video",
 }
 
 
