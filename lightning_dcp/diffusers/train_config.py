@@ -214,7 +214,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"setting {key!r}: {part!r} is not a section")
-        node[parts[-1]] = value
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = {**node[parts[-1]], **value}  # a section's keys merge
+        else:
+            node[parts[-1]] = value
     config = _build(VideoTrainConfig, data, "")
     if isinstance(config.budget, (int, float)) and not isinstance(config.budget, bool):
         config = replace(config, budget=float(config.budget))

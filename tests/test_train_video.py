@@ -1,0 +1,70 @@
+"""lightning-dcp train-video: its settings (YAML, flags, --set) and the offline path on CPU with the tiny Wan:
+own clips -> encode -> train-video (LoRA, EMA, validation video, checkpoints) -> export -> the family's
+pipeline loads the result and generates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dcp.cli import main
+from lightning_dcp.diffusers.train_config import load_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_settings_from_yaml_flags_and_set(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: tiny-wan\ndata: encoded/\nlora: {rank: 8}\ntrain: {lr: 1e-4, steps: 50}\n"
+                      "validation: {prompts: [a red ball]}\nbudget: 40\n")
+    got = load_config(config, {"train.steps": 20}, ["ema.decay=0.99", "lora.alpha=16"])
+    assert (got.model, got.lora.rank, got.lora.alpha, got.train.lr, got.train.steps) == ("tiny-wan", 8, 16, 1e-4, 20)
+    assert (got.ema.decay, got.validation.prompts, got.memory_limit_mib, got.profile) == (0.99, ["a red ball"], 40.0, True)
+    assert load_config(config, sets=["lora=null", "budget=none"]).lora.rank == 0  # full fine-tune, no profile
+    with pytest.raises(ValueError, match=r"unknown setting 'train.step' \(did you mean 'steps'\?\)"):
+        load_config(config, {"train.step": 3})
+    with pytest.raises(ValueError, match=r"(?s)lora.rank: -1 must be an int >= 0.*logger: 'mlflow' is not one of"):
+        load_config(config, {"lora.rank": -1, "logger": "mlflow"})
+    assert main(["train-video", "--config", str(config), "--lora-rank", "4", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "model: tiny-wan" in printed and "rank: 4" in printed and "steps: 50" in printed
+    assert main(["train-video", "--model", "tiny-wan"]) == 2
+    assert "data: missing" in capsys.readouterr().err
+
+
+def test_clips_to_a_generated_video_offline(tmp_path, capsys, monkeypatch):
+    """The quick start's path in one process (2 processes: docs/video.md's commands, run by tests/test_docs.py)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("av")
+    pytest.importorskip("peft")
+    import diffusers
+    from _encode_helpers import make_videos
+
+    from lightning_dcp.diffusers import EncodeSettings, encode_videos
+    from lightning_dcp.diffusers.tiny import tiny_components
+
+    monkeypatch.chdir(tmp_path)
+    make_videos(Path("clips"))
+    parts = tiny_components("tiny-wan")
+    encode_videos(Path("clips"), Path("encoded"), vae=parts["vae"], text_encoder=parts["text_encoder"],
+                  tokenizer=parts["tokenizer"], captions="clips/captions.csv", settings=EncodeSettings(), progress=False)
+    args = ["train-video", "--model", "tiny-wan", "--data", "encoded", "--out", "runs/tiny", "--steps", "3",
+            "--global-batch-size", "2", "--devices", "1", "--prompt", "a red ball", "--validate-every", "2",
+            "--budget", "none", "--set", "validation={num_frames: 5, height: 32, width: 32, num_inference_steps: 2}"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "DCP training done: 3 steps" in printed and "export: lightning-dcp export" in printed
+    videos = sorted(Path("runs/tiny/logs/version_0/validation_videos").glob("*.mp4"))
+    assert [v.name for v in videos] == ["step0000002-prompt0-seed0.mp4", "step0000003-prompt0-seed0.mp4"]
+    ckpt = torch.load("runs/tiny/checkpoints/last.ckpt", weights_only=False)
+    assert all(".lora_" in k for k in ckpt["state_dict"]) and any(k.startswith("EMA") for k in ckpt["callbacks"])
+
+    assert main(["export", "runs/tiny/checkpoints/last.ckpt", "--out", "pipe", "--pipeline", "tiny-wan"]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained("pipe")
+    pipe.set_progress_bar_config(disable=True)
+    frames = pipe(prompt="a red ball", num_frames=5, height=32, width=32, num_inference_steps=2, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).frames[0]
+    assert frames.shape == (5, 32, 32, 3)
