@@ -68,3 +68,52 @@ def test_clips_to_a_generated_video_offline(tmp_path, capsys, monkeypatch):
     frames = pipe(prompt="a red ball", num_frames=5, height=32, width=32, num_inference_steps=2, output_type="np",
                   generator=torch.Generator().manual_seed(0)).frames[0]
     assert frames.shape == (5, 32, 32, 3)
+
+
+def _encoded_folder(root: Path, channels: int, text_dim: int, patch, shapes, text_lens) -> Path:
+    """An encode output folder written directly (meta.json, one shard, index.jsonl), as `lightning-dcp encode` lays it out."""
+    import math
+
+    from safetensors.torch import save_file
+
+    from lightning_dcp.diffusers.shards import SampleRecord, ShardRecord, append_index, shard_name, write_meta
+
+    root.mkdir(parents=True)
+    write_meta(root, {"settings": {"patch_size": list(patch)}, "sources": []})
+    g, tensors, records = torch.Generator().manual_seed(0), {}, []
+    for j, ((f, h, w), n) in enumerate(zip(shapes, text_lens)):
+        shape = (channels, f * patch[0], h * patch[1], w * patch[2])
+        record = SampleRecord(j, f"clip{j}.mp4", "a caption", shape, n, text_dim, f * h * w)
+        tensors[record.latent_key], tensors[record.text_key] = torch.randn(shape, generator=g), torch.randn(n, text_dim)
+        records.append(record)
+    save_file(tensors, str(root / shard_name(0)))
+    append_index(root, ShardRecord(0, shard_name(0), tuple(records)))
+    return root
+
+
+@pytest.mark.parametrize("name", ["tiny-ltx", "tiny-cogvideox", "tiny-hunyuan"])
+def test_encoded_latents_train_every_family_that_can_build_its_samples(tmp_path, name):
+    pytest.importorskip("diffusers")
+    import lightning.pytorch as pl
+
+    from lightning_dcp.diffusers import VideoDiffusionModule, family_of
+    from lightning_dcp.diffusers.family_data import family_dataset
+    from lightning_dcp.diffusers.tiny import tiny_transformer
+
+    model = tiny_transformer(name)
+    family = family_of(model)
+    patch, config = family.patch_size(model.config), model.config
+    channels = int(config.in_channels) // (1 if family.joint else int(torch.tensor(patch).prod()))
+    root = _encoded_folder(tmp_path / "encoded", channels, family.text_dim(config), patch, [(1, 2, 2), (2, 1, 2)], [3, 5])
+    if name == "tiny-hunyuan":
+        with pytest.raises(ValueError, match="pooled CLIP projection"):
+            family_dataset(str(root), family, patch)
+        return
+    data = family_dataset(str(root), family, patch)
+    assert data.lengths == ([4 + 3, 4 + 5] if family.joint else [4, 4])  # a joint family's prompt rows count
+    assert int(data[1]["latents"].shape[0]) == data.lengths[1]
+    module = VideoDiffusionModule(model, lr=1e-2, lora=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2, collate_fn=VideoDiffusionModule.collate))
+    assert trainer.global_step == 1
