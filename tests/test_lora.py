@@ -202,7 +202,13 @@ def _fit(world, out_dir, family, sharding):
     optimized = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
     names = {id(p): n for n, p in module.named_parameters()}
     assert optimized and all(_is_adapter(names[i]) for i in optimized), "the optimizer holds more than the adapter"
-    weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    if sharding in ("none", "zero1"):
+        weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    else:  # the weights gathered from every rank's shards (rank 0 holds them)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = {k.removeprefix("model."): v for k, v in full.items()}
     averages = {k.removeprefix("model."): v.clone() for k, v in ema.full_weights().items()}
     assert set(averages) == {n for n, p in module.model.named_parameters() if p.requires_grad}
     gathered, gathered_ema = [None] * world, [None] * world
