@@ -66,7 +66,7 @@ SLOW = {
     "test_diffusers.py::test_dcp_strategy_equals_single_process_training[4]",
     "test_diffusers_ltx.py::test_dcp_strategy_equals_single_process_training[4]",
     "test_diffusers_joint.py::test_dcp_strategy_equals_single_process_training[4]",
-    "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[2-ltx-cog]",
+    "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[2-more]",
     "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[4-all]",
 }
 """Test ids (file::name[params]) marked ``slow``."""

@@ -5,7 +5,8 @@
 * ``save_lora`` writes the family pipeline's LoRA file: the pipeline's own ``lora_state_dict`` /
   ``load_lora_into_transformer`` (what ``load_lora_weights`` runs) reads it back into a fresh
   transformer, whose forward then equals the trained one's;
-* DCPStrategy on 2 (and 4, slow) CPU processes, sharding none and zero1, plans mixing SP sizes and
+* DCPStrategy on 2 and 4 CPU processes, every sharding mode (none, zero1, zero2, fsdp, hsdp), plans mixing SP
+  sizes and
   recompute == plain single-process peft training of the same adapter with diffusers' own forward,
   each sample alone: weights and their EMA within 1e-5, the frozen base bit-identical.
 """
@@ -192,9 +193,14 @@ def _fit(world, out_dir, family, sharding):
     torch.manual_seed(5)
     module = _SGDLora(model, lr=_LR, seed=FLOW_SEED, lora=_lora(model))
     start = copy.deepcopy(module.model)  # the reference starts from the same base and adapter
-    cost = DefaultCostModel(num_layers=len(model.dcp_repeated_layers()), num_heads=4, max_tokens=case.max_tokens)
-    strategy = DCPStrategy(global_batch_size=6, seed=1, log_metrics=False, profile=False, sharding=sharding,
-                           cost_model=cost)
+    if sharding == "hsdp":  # per-layer sharding runs lockstep rounds: uneven counts (rank 0 one item, the last the rest)
+        from test_hsdp import SkewPlanner
+
+        plan = dict(planner=SkewPlanner(world), shard_group_size=world)
+    else:
+        plan = dict(cost_model=DefaultCostModel(num_layers=len(model.dcp_repeated_layers()), num_heads=4,
+                                                max_tokens=case.max_tokens))
+    strategy = DCPStrategy(global_batch_size=6, seed=1, log_metrics=False, profile=False, sharding=sharding, **plan)
     plans, ema = PlanRecorder(), EMA(decay=0.5)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_STEPS, callbacks=[plans, ema],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -217,7 +223,8 @@ def _fit(world, out_dir, family, sharding):
     if dist.get_rank() != 0:
         return
     sizes = sorted({len(it["ranks"]) for p in plans.plans for it in p["items"]})
-    assert len(plans.plans) == _STEPS and max(sizes) > 1, f"{family}: the plans never used SP > 1: {plans.plans}"
+    assert len(plans.plans) == _STEPS and (max(sizes) > 1 or sharding == "hsdp"), \
+        f"{family}: the plans never used SP > 1: {plans.plans}"
     ref, initial = start, {n: v.clone() for n, v in start.state_dict().items() if _is_adapter(n)}
     flow = FlowMatching(family_of(ref).patch_size(ref.config), seed=FLOW_SEED,
                         target_layout=family_of(ref).output_layout)
@@ -249,25 +256,31 @@ def _fit(world, out_dir, family, sharding):
     moved = max(float((want[n] - w).abs().max()) for n, w in initial.items())
     assert moved > 1e-3  # training moved the adapter
     print(f"world {world} {family} LoRA ({sharding}; SP sizes {sizes}): max rel adapter err {worst:.2e}", flush=True)
-    with open(os.path.join(out_dir, f"{family}.done"), "w") as f:
+    with open(os.path.join(out_dir, f"{family}-{sharding}.done"), "w") as f:
         f.write(f"{sizes} {worst}")
 
 
-#: Sharding mode of each family's fit.
-_SHARDING = {"wan": "none", "ltx": "zero1", "cog": "none", "hunyuan": "zero1"}
+def _world_worker(rank, world, out_dir, cases):
+    for family, sharding in cases:
+        _fit(world, out_dir, family, sharding)
 
 
-def _world_worker(rank, world, out_dir, families):
-    for family in families:
-        _fit(world, out_dir, family, _SHARDING[family])
+#: (processes, [(family, sharding)]) of each variant; all but the first two are slow (tests/conftest.py).
+_CASES = {
+    "2-replicated": (2, [("wan", "none"), ("hunyuan", "zero1")]),
+    "2-hsdp": (2, [("wan", "hsdp")]),
+    "2-more": (2, [("ltx", "zero1"), ("cog", "none"), ("cog", "zero2"), ("hunyuan", "fsdp"), ("ltx", "hsdp")]),
+    "4-all": (4, [("wan", "fsdp"), ("ltx", "none"), ("cog", "hsdp"), ("hunyuan", "zero2")]),
+}
 
 
-@pytest.mark.parametrize("world,families", [(2, ("wan", "hunyuan")), (2, ("ltx", "cog")), (4, FAMILIES)],
-                         ids=["2-wan-hunyuan", "2-ltx-cog", "4-all"])
-def test_lora_under_dcp_equals_plain_peft_training(tmp_path, world, families):
-    """Each family's adapter trained by DCPStrategy on ``world`` CPU processes (dcp plans with SP > 1 and recompute;
-    sharding none for Wan and CogVideoX, zero1 for LTX-Video and HunyuanVideo) == plain single-process peft training
-    with the family's own diffusers forward: adapter weights within 1e-5, the frozen base unchanged."""
-    run_distributed(_world_worker, world, str(tmp_path), families, timeout=900)
+@pytest.mark.parametrize("variant", list(_CASES))
+def test_lora_under_dcp_equals_plain_peft_training(tmp_path, variant):
+    """Each family's adapter trained by DCPStrategy on 2 or 4 CPU processes, under every sharding mode (the frozen base
+    sharded where the mode shards it; dcp plans with SP > 1 and recompute; under hsdp uneven micro-batch counts) == plain
+    single-process peft training with the family's own diffusers forward: adapter weights and their EMA within 1e-5,
+    the frozen base unchanged."""
+    world, cases = _CASES[variant]
+    run_distributed(_world_worker, world, str(tmp_path), cases, timeout=900)
     done = sorted(p for p in os.listdir(tmp_path) if p.endswith(".done"))
-    assert done == sorted(f"{f}.done" for f in families), done
+    assert done == sorted({f"{f}-{s}.done" for f, s in cases}), done

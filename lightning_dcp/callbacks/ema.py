@@ -6,7 +6,9 @@ parameter that trains -- all of them in a full fine-tune, the adapter's in a LoR
 the optimizer steps (:func:`trained_parameters`): full tensors under ``DCPStrategy(sharding="none" |
 "zero1")`` (every rank holds the same average), each rank's DTensor shard under ``"zero2"`` / ``"fsdp"`` /
 ``"hsdp"`` -- the average of a shard is the shard of the average, so the update is local and no
-collective runs. They are saved in Lightning's checkpoint (the callback's state) and restored on resume;
+collective runs. They are saved in Lightning's checkpoint (the callback's state; with sharded weights
+every rank writes its shards of them into the sharded checkpoint directory,
+:mod:`lightning_dcp.runtime.checkpoint`) and restored on resume;
 :meth:`EMA.full_weights` gathers them (every rank calls it together) for validation videos
 (:class:`~lightning_dcp.diffusers.validation.ValidationVideos`) and export
 (:mod:`lightning_dcp.diffusers.export`).
@@ -108,6 +110,11 @@ class EMA(pl.Callback):
         self.updates = int(state_dict.get("updates", 0))
 
     def _restore(self, state: Mapping[str, Any]) -> None:
+        from lightning_dcp.runtime.checkpoint import SHARDED_STATE, load_callback_state
+
+        if SHARDED_STATE in state:  # a sharded checkpoint: this rank's shards of the averages, read in place
+            load_callback_state(dict(state), {"shadow": self.shadow})
+            return
         saved = state.get("shadow", {})
         missing, extra = sorted(set(self.shadow) - set(saved)), sorted(set(saved) - set(self.shadow))
         if missing or extra:

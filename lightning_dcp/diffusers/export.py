@@ -72,7 +72,7 @@ def _load_sharded_states(path: Path, prefixes: tuple[str, ...]) -> dict[str, tor
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """A Lightning checkpoint as a dict: a file (``torch.load`` on the CPU), or a sharded directory (its
     ``meta.pt`` with ``"state_dict"`` filled from the shards, whole)."""
-    from lightning_dcp.runtime.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
+    from lightning_dcp.runtime.checkpoint import METADATA_FILENAME, SHARDED_STATE, is_sharded_checkpoint
 
     path = Path(path)
     if path.is_file():
@@ -82,8 +82,15 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
                                 f"{METADATA_FILENAME}); pass a .ckpt file or a directory DCPStrategy(sharding=...) wrote")
     checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
     prefix = "state_dict."
-    flat = _load_sharded_states(path, (prefix,))
-    checkpoint["state_dict"] = {k[len(prefix):]: v for k, v in flat.items()}
+    sharded = {s[SHARDED_STATE]: s for s in (checkpoint.get("callbacks") or {}).values()
+               if isinstance(s, dict) and SHARDED_STATE in s}  # callback states with entries in the shards (EMA)
+    flat = _load_sharded_states(path, (prefix, *(f"{name}." for name in sharded)))
+    checkpoint["state_dict"] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    for name, state in sharded.items():
+        for key, value in flat.items():
+            if key.startswith(f"{name}."):
+                entry, _, inner = key[len(name) + 1:].partition(".")  # e.g. "shadow", "model.blocks.0...."
+                state.setdefault(entry, {})[inner] = value
     return checkpoint
 
 
@@ -91,7 +98,7 @@ def _ema_state(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
     """The EMA callback's averages in ``checkpoint`` (keys like the module's parameters), or None."""
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if str(key).startswith("EMA") and isinstance(state, Mapping) and state.get("shadow"):
-            return {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in state["shadow"].items()}
+            return dict(state["shadow"])
     return None
 
 
