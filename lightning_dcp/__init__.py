@@ -37,6 +37,7 @@ _EXPORTS = {
     "DCPStrategy": "lightning_dcp.runtime.strategy",
     "DefaultCostModel": "lightning_dcp.planning.default_cost",
     "EMA": "lightning_dcp.callbacks.ema",
+    "ProfiledCostModel": "lightning_dcp.planning.profiled",
     "RecomputeLayers": "lightning_dcp.sp.recompute",
     "SPContext": "lightning_dcp.sp.context",
     "SPGroups": "lightning_dcp.sp.groups",
@@ -72,6 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_dcp.step_loss import StepLossLogging
     from lightning_dcp.planning.default_cost import DefaultCostModel
     from lightning_dcp.callbacks.ema import EMA
+    from lightning_dcp.planning.profiled import ProfiledCostModel
     from lightning_dcp.runtime.strategy import DCPStrategy
     from lightning_dcp.sp.ulysses import seq_all_to_all, ulysses_attention
 

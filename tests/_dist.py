@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import socket
 import time
@@ -62,6 +63,11 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+        # Free the process groups' C++ objects (their gloo worker threads) while the interpreter is alive:
+        # left to the finalizer's last collection, a worker thread that still drops a finished collective's
+        # tensors needs the GIL during finalization and aborts the process (SIGABRT, "terminate called
+        # without an active exception"; see lightning_dcp/runtime/exit.py).
+        gc.collect()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:

@@ -58,15 +58,16 @@ def save_models(folder: Path) -> Path:
     return folder
 
 
-def write_video(path: Path, frames: int, height: int, width: int, seed: int = 0) -> Path:
-    """A lossless (FFV1) clip of moving colour gradients, ``frames`` frames of ``width x height``."""
+def write_video(path: Path, frames: int, height: int, width: int, seed: int = 0, rate: int = 8,
+                codec: str = "ffv1") -> Path:
+    """A clip of moving colour gradients, ``frames`` frames of ``width x height`` at ``rate`` fps (FFV1: lossless)."""
     import av
 
     rng = np.random.RandomState(seed)
     base = rng.randint(0, 256, size=(3,))
     y, x = np.mgrid[0:height, 0:width]
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("ffv1", rate=8)
+        stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for t in range(frames):
             img = np.stack([(base[c] + 7 * x + 5 * y + 11 * t * (c + 1)) % 256 for c in range(3)], -1).astype(np.uint8)

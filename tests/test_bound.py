@@ -16,12 +16,14 @@ from lightning_dcp.planning.planner import POLICIES
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("megatron-hcp", "hydraulis")])
 @SETTINGS
 @given(lengths=st.lists(st.one_of(st.integers(1, 3000), st.integers(1, 3000), st.integers(3000, 40000)),
                         min_size=1, max_size=50),
        world=st.sampled_from([1, 2, 4, 6, 8, 16]), limit=st.sampled_from([30.0, 50.0, 100.0, 300.0]))
 def test_no_plan_beats_the_bound(policy, lengths, world, limit):
+    """Every SP plan respects the bound. Ring (megatron-hcp) and TP/PP (hydraulis) items are priced outside the
+    bound's model of Ulysses SP groups (ring overlaps its traffic with attention), so their plans may beat it."""
     cm = FakeCostModel(memory_limit=limit)
     planner = Planner(world, cm, policy)
     cap = planner.longest_fitting()

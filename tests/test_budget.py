@@ -241,7 +241,9 @@ def test_longest_lengths_per_sp_size_match_the_cost_model_and_estimate_unmeasure
     assert four.longest_full_recompute == 4 * one.longest_full_recompute  # estimated: a quarter of the tokens per rank
     assert report.longest is None and report.needs_sp_below is None
     text = "\n".join(report.lines())
-    assert "5.00 MiB per device (memory_limit=)" in text and "(estimated from SP 1)" in text
+    assert "5.00 MiB per device (memory_limit=)" in text
+    assert [line.rsplit("  ", 1)[-1] for line in report.lines()[1:5]] == ["row", "measured", "measured",
+                                                                          "estimated from SP 1"]  # every row labelled
 
 
 def test_budget_report_refuses_bad_input():

@@ -293,9 +293,10 @@ def test_joint_sample_rows_and_lengths():
     assert (got["target"][:m] == 0).all() and (got[TIMESTEP][:n + m] == t).all()
 
 
-def reference_loss(ref, flow, items, reduction: str, epoch: int = 0):
+def reference_loss(ref, flow, items, reduction: str, epoch: int = 0, pad_text: int = 3):
     """Plain diffusers, each video alone: x_t = (1-s) x0 + s noise, MSE against noise - x0 over its latent values;
-    token-weighted mean over video tokens ("token") or mean over samples ("sample")."""
+    token-weighted mean over video tokens ("token") or mean over samples ("sample"). HunyuanVideo's prompts are
+    padded by ``pad_text`` masked rows."""
     patch = patch_of(ref)
     tokens = sum(math.prod(s[GRID]) for _, s, _ in items)
     total = 0.0
@@ -305,29 +306,49 @@ def reference_loss(ref, flow, items, reduction: str, epoch: int = 0):
         sigma, t, w, noise = flow.draw(index, epoch, n, video.shape[1])
         x0, eps = unpatchify(video, grid, patch, "input"), unpatchify(noise, grid, patch, "input")
         r = Raw(raw.lat, per_sample_embeds(s[TEXT])[0], raw.pooled, raw.guidance, t)
-        pred = reference(ref, r, x=(1 - sigma) * x0 + sigma * eps)
+        pred = reference(ref, r, x=(1 - sigma) * x0 + sigma * eps, pad_text=pad_text)
         mse = (pred - (eps - x0)).pow(2).mean() * w
         total = total + (mse * n / tokens if reduction == "token" else mse / len(items))
     return total
 
 
+def _grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.usefixtures("one_thread")  # the thread count the suite leaves behind varies with the tests run before
 @pytest.mark.parametrize("family,reduction", [("cog", "token"), ("hunyuan", "sample")])
 def test_module_loss_and_grads_match_reference(family, reduction):
+    """The module's loss and gradients == the per-video diffusers reference, each gradient within 1e-5 of its scale
+    or within 8x the rounding floor measured for it: the same reference sum in another order (videos reversed,
+    HunyuanVideo's prompts padded by 7 masked rows instead of 3). That floor is what a gradient that is 0 in exact
+    arithmetic comes to: HunyuanVideo's token refiner key bias (softmax ignores a key bias) is rounding noise whose
+    size moves with the thread count and the machine's kernels (7.0e-12 to 8.1e-12 on 1-16 threads here, 1.5e-11 in
+    a failing suite run), which a fixed 1e-6 floor on the scale turned into a flaky "relative error" of 7e-6 to
+    1.5e-5 against a 1e-5 bound. Tests before this one leave the process at 1 thread or more (in-process fits and
+    fixtures call torch.set_num_threads(1)), so its thread count is fixed here too."""
     ref = make(family)
+    other_order = copy.deepcopy(ref)
     module = VideoDiffusionModule(copy.deepcopy(ref), seed=FLOW_SEED, loss_reduction=reduction)
     raws = raw_videos(GRIDS, patch_of(ref))
     samples = [sample_of(module.model, r, index=30 + i) for i, r in enumerate(raws)]
-    want = reference_loss(ref, module.flow, [(30 + i, s, r) for i, (s, r) in enumerate(zip(samples, raws))], reduction)
+    items = [(30 + i, s, r) for i, (s, r) in enumerate(zip(samples, raws))]
+    want = reference_loss(ref, module.flow, items, reduction)
     want.backward()
+    reference_loss(other_order, module.flow, items[::-1], reduction, pad_text=7).backward()
     loss = module.training_step(VideoDiffusionModule.collate(samples), 0)
     loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    # relative to the gradient's scale; a key bias's gradient is 0 up to rounding (softmax ignores it): floor 1e-6
-    worst = max(float((p.grad - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max().clamp_min(1e-6))
-                for n, p in module.model.named_parameters() if ref_grads[n].grad is not None)
-    print(f"{family}/{reduction}: loss {loss.item():.6f} vs reference {want.item():.6f}, max rel grad err {worst:.2e}")
+    ref_grads, floors = _grads(ref), _grads(other_order)
+    ratios = {}
+    for n, g in _grads(module.model).items():
+        scale, floor = ref_grads[n].abs().max(), (floors[n] - ref_grads[n]).abs().max()
+        ratios[n] = float((g - ref_grads[n]).abs().max() / torch.maximum(1e-5 * scale, 8 * floor).clamp_min(1e-30))
+    worst = max(ratios, key=ratios.get)
+    print(f"{family}/{reduction}: loss {loss.item():.6f} vs reference {want.item():.6f}, worst gradient {worst}: "
+          f"{ratios[worst]:.2f} of its bound")
+    assert ratios.keys() == ref_grads.keys()
     assert abs(loss.item() - want.item()) < 1e-5 * max(1.0, abs(want.item()))
-    assert worst < 1e-5
+    assert ratios[worst] <= 1.0, f"{worst}: error {ratios[worst]:.2f} x its bound"
 
 
 # ----------------------------------------------------------------------------- SP and DCPStrategy (spawned gloo)

@@ -220,8 +220,8 @@ class _Shapes(torch.utils.data.Dataset):
 def test_setup_refuses_bad_shapes_naming_the_sample(data):
     _, _, out = data
     ds = EncodedVideoDataset(out, text_len=TEXT_LEN)
-    # text embeddings of the wrong width: every sample named, from the index
-    _fit_refused(tiny_wan(text_dim=24), ds, r"(?s)5 bad of 5 samples.*sample 0 \(latent \(4, 2, 4, 6\), text \(7, 16\)\): "
+    # text embeddings of the wrong width: every sample named, with its clip, from the index
+    _fit_refused(tiny_wan(text_dim=24), ds, r"(?s)5 bad of 5 samples.*sample 0 \(a\.mkv: latent \(4, 2, 4, 6\), text \(7, 16\)\): "
                                             r"text embedding width 16, expected the model's text_dim 24")
     # latents of the wrong channel count (the model's in_channels 8 = I2V without condition latents)
     _fit_refused(tiny_wan(in_channels=8), ds, r"sample 0 .*latent \+ condition channels 4 \+ 0, expected in_channels 8")

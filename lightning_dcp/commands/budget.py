@@ -1,11 +1,18 @@
 """``lightning-dcp budget``: what memory budget a model and a dataset need, from a profile.
 
-From a profile file (``--profile``) or a named model profiled here (``--model``, as ``lightning-dcp
+From a profile file (``--profile``) or a model profiled here (``--model``, as ``lightning-dcp
 profile`` measures it: SP 1 in one process, every SP size under ``torchrun``), prints per SP size
 up to ``--world-size`` the longest sample that fits the budget with no layer and with every layer
 recomputed, and, for the dataset's ``--lengths``, the budgets below which it needs SP > 1 or
-recompute (:func:`lightning_dcp.planning.budget.budget_report`). SP sizes the profile did not
-measure are estimated from SP 1 and marked so.
+recompute (:func:`lightning_dcp.planning.budget.budget_report`). Every row says whether it is
+measured or estimated from SP 1.
+
+``--model`` is a reference model (``tiny-1d``, ``tiny-2d``, ``transformer-1d``, ``transformer-2d``)
+or a diffusers video transformer: a tiny offline one (``tiny-wan``, ``tiny-ltx``, ``tiny-cogvideox``,
+``tiny-hunyuan``), a local folder or a Hub id (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``; a GPU:
+``--device cuda``), profiled through :class:`~lightning_dcp.diffusers.VideoDiffusionModule` on the
+encoded videos of ``--lengths encoded/`` or on random samples of the lengths. ``--lengths`` takes an
+encoded folder (``lightning-dcp encode --out``) or its ``index.jsonl`` too.
 """
 
 from __future__ import annotations
@@ -23,9 +30,14 @@ HELP = ("what memory budget a model and a dataset need: longest sample per SP si
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="a profile JSON (lightning-dcp profile / DCPProfiler's cache)")
-    src.add_argument("--model", help="profile this named model here first: tiny-1d, tiny-2d, transformer-1d, transformer-2d")
-    parser.add_argument("--lengths", help="the dataset's lengths: a JSON file with a list (as for plan) or comma-separated "
-                                          "integers (default: none, only the per-SP table)")
+    src.add_argument("--model", help="profile this model here first: tiny-1d, tiny-2d, transformer-1d, transformer-2d, "
+                                      "or a diffusers video transformer: tiny-wan, tiny-ltx, tiny-cogvideox, "
+                                      "tiny-hunyuan, a pipeline folder or a Hub id")
+    parser.add_argument("--lengths", help="the dataset's lengths: a JSON file with a list (as for plan), comma-separated "
+                                          "integers, or an encoded folder / its index.jsonl (lightning-dcp encode) "
+                                          "(default: none, only the per-SP table)")
+    parser.add_argument("--text-len", type=int, help="with a video --model and no encoded folder: text tokens per "
+                                                     "sample (default: the family's, e.g. Wan 512)")
     parser.add_argument("--world-size", type=int, default=8, help="report SP sizes up to this (default 8)")
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--memory-limit-mib", type=float, help="the budget per device in MiB")
@@ -49,18 +61,47 @@ def _budget(args: argparse.Namespace) -> tuple[float | None, str | None]:
     return None, None
 
 
+def _encoded_folder(text: str) -> Path | None:
+    """The encode output folder ``text`` names (the folder or its ``index.jsonl``), or ``None``."""
+    path = Path(text)
+    folder = path.parent if path.name == "index.jsonl" else path
+    return folder if (folder / "index.jsonl").is_file() or (folder / "meta.json").is_file() else None
+
+
 def _lengths(text: str | None) -> list[int] | None:
     if text is None:
         return None
+    folder = _encoded_folder(text)
+    if folder is not None:
+        from lightning_dcp.diffusers.encoded import EncodedVideoDataset
+
+        try:
+            values = EncodedVideoDataset(folder).lengths
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--lengths {text}: {err}") from None
+        if not values:
+            raise CLIError(f"--lengths {text}: the encode in {folder} has no samples yet")
+        return values
     path = Path(text)
     try:
         values = json.loads(path.read_text()) if path.exists() else [int(v) for v in text.split(",") if v.strip()]
     except (OSError, ValueError) as err:
-        raise CLIError(f"--lengths takes a JSON file with a list of positive integers or comma-separated integers; "
-                       f"{text!r}: {err}") from None
+        raise CLIError(f"--lengths takes a JSON file with a list of positive integers, comma-separated integers or an "
+                       f"encoded folder; {text!r}: {err}") from None
     if not isinstance(values, list) or not values or not all(type(v) is int and v > 0 for v in values):
         raise CLIError(f"--lengths {text!r} must be a non-empty list of positive integers (tokens per sample)")
     return values
+
+
+def _is_reference_model(name: str) -> bool:
+    from lightning_dcp.planning.models import MODELS
+
+    if name in MODELS and MODELS[name].kind == "3d":
+        raise CLIError(f"--model {name} is a planning preset (an analytic shape: lightning-dcp plan / simulate --model "
+                       f"{name}), not a model that runs here. To measure a video model's budget give the diffusers "
+                       "transformer: --model tiny-wan (offline, CPU), or a pipeline folder or Hub id such as "
+                       "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (with --device cuda)")
+    return name in MODELS
 
 
 def _measured(args: argparse.Namespace, limit: float | None, source: str | None):
@@ -96,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
         what = f"profile {args.profile}"
+    elif not _is_reference_model(args.model):
+        from lightning_dcp.commands.video_budget import measured_video
+
+        folder = _encoded_folder(args.lengths) if args.lengths else None
+        cost_model, profile, rank = measured_video(args, limit, source, lengths, folder)
+        key = profile["key"]
+        what = (f"{args.model} ({profile['meta']['model_class']}) measured on {key['device']} ({key['dtype']}, "
+                f"{profile['meta']['grid']} grid points, lengths {profile['meta']['lengths']}, SP "
+                f"{profile['meta']['sp_sizes']}, {profile['meta']['samples']})")
     else:
         cost_model, profile, rank = _measured(args, limit, source)
         key = profile["key"]

@@ -13,8 +13,12 @@ used. One row per policy: tokens/s, speedup over bucket, imbalance %, % of the i
 bound, % of the step bound (the sum over the global batches of
 :func:`~lightning_dcp.planning.bound.step_bound` -- best-rate work spread over every rank, or the
 heaviest sample's best time, plus the all-reduce -- divided by the policy's simulated time: the
-same numerator for every policy, so bucket's extra steps count against it), planner milliseconds per step (``time.perf_counter`` around ``Planner.plan``, divided by
-the plan's steps). Bucket runs more optimizer steps than there are global batches (see
+same numerator for every policy, so bucket's extra steps count against it), the mean simulated
+step (``step s``, execution only), planner milliseconds per step (``time.perf_counter`` around each
+global batch's planning) and ``planning wait %``: the share of the run the GPUs wait on the planner.
+Planning runs one step ahead, so a step lasts ``max(its time, the next step's planning)``
+(:func:`~lightning_dcp.planning.simulator.charge_planning`); tokens/s and the bound fractions count
+that wait (``--hide-planning``: they do not). Bucket runs more optimizer steps than there are global batches (see
 :func:`steps_note`); the table's footnote and the chart say so.
 
 Progress goes to stderr (``--quiet`` silences it): one line per policy as it finishes, a line
@@ -36,7 +40,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -72,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
     parser.add_argument("--csv", type=Path, default=None, help="write the rows as CSV")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--hide-planning", action="store_true",
+                        help="do not charge planning time (default: a step lasts at least the next step's planning)")
     from lightning_dcp.planning.speeds import RANK_SPEED_SYNTAX
 
     parser.add_argument("--rank-speed", default=None, metavar="SPEC",
@@ -130,8 +136,14 @@ def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
             global_batch_tokens: int, seed: int = 0, timeline: bool = False,
             progress: Progress | None = None, rank_speeds: Any = None,
-            speed_aware: bool = True) -> list[dict[str, Any]]:
+            speed_aware: bool = True, charge_planning: bool = True) -> list[dict[str, Any]]:
     """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result).
+
+    ``charge_planning``: each global batch's planning seconds (``time.perf_counter`` around it; a
+    policy that plans the run as one set, bucket, has them spread over its steps) are given to the
+    simulator, which charges what the previous step does not hide
+    (:func:`~lightning_dcp.planning.simulator.charge_planning`). Policies with a ``tune_tokens``
+    option (the peers) are tuned on global batches of ``global_batch_tokens`` tokens.
 
     ``progress``: where to report each policy as it finishes (and slow planning as it goes).
     ``rank_speeds``: the ranks' true speeds: the simulation (and the run's step bound) uses them; the
@@ -140,7 +152,7 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
     """
     from lightning_dcp.planning.bound import step_bound
-    from lightning_dcp.planning.planner import Planner
+    from lightning_dcp.planning.planner import POLICIES, Planner
     from lightning_dcp.planning.simulator import simulate
 
     batches = cut_batches(run_lengths, global_batch_tokens)
@@ -149,15 +161,22 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     rows = []
     for k, name in enumerate(policies):
         tag = f"[{k + 1}/{len(policies)}] {name}"
-        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds)
+        opts = {"tune_tokens": global_batch_tokens} if "tune_tokens" in POLICIES[name].option_names() else {}
+        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds, **opts)
         t0 = time.perf_counter()
-        report: Callable[[int, int], None] | None = None
-        if progress is not None:
-            def report(done: int, total: int, tag: str = tag, t0: float = t0) -> None:
+        marks = [t0]
+
+        def report(done: int, total: int, tag: str = tag, t0: float = t0) -> None:
+            marks.append(time.perf_counter())
+            if progress is not None:
                 progress.update(f"{tag}: planned {done}/{total} global batches ({time.perf_counter() - t0:.1f} s)")
         plan = planner.plan(run_lengths, global_batch_tokens=global_batch_tokens, progress=report)
         elapsed = time.perf_counter() - t0
-        sim = simulate(plan, cost_model, timeline=timeline, rank_speeds=rank_speeds)
+        per_batch = np.diff(marks).tolist()
+        n_steps = max(len(plan.steps), 1)
+        planning = per_batch if len(per_batch) == len(plan.steps) else [elapsed / n_steps] * len(plan.steps)
+        sim = simulate(plan, cost_model, timeline=timeline, rank_speeds=rank_speeds,
+                       planning_times=planning if charge_planning else None)
         if progress is not None:
             progress.line(f"{tag}: {len(plan.steps)} steps planned in {elapsed:.2f} s, simulated in "
                           f"{time.perf_counter() - t0 - elapsed:.2f} s")
@@ -167,7 +186,9 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
             "tokens_per_s": sim.tokens_per_s, "imbalance": sim.imbalance, "fraction_of_ideal": sim.fraction_of_ideal,
             "fraction_of_bound": bound_time / sim.total_time if sim.total_time > 0 else 0.0,
             "mean_step_bound_fraction": sim.mean_step_bound_fraction,
-            "planner_ms_per_step": 1e3 * elapsed / max(len(plan.steps), 1), **{f"icc_{k}": v for k, v in sim.icc.items()},
+            "planner_ms_per_step": 1e3 * elapsed / n_steps, "step_s": sum(sim.step_times) / n_steps,
+            "planning_wait_s": sim.planning_wait,
+            "solver_s_per_step": sum(getattr(planner.policy, "solve_log", [])) / n_steps, **{f"icc_{k}": v for k, v in sim.icc.items()},
             "_plan": plan, "_sim": sim,
         })
     base = next((r["tokens_per_s"] for r in rows if r["policy"] == "bucket"), rows[0]["tokens_per_s"] if rows else 1.0)
@@ -177,10 +198,13 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["policy", "steps", "tokens/s", "speedup", "imbalance %", "% of ideal", "% of step bound", "planner ms/step"]
+    head = ["policy", "steps", "tokens/s", "speedup", "imbalance %", "% of ideal", "% of step bound", "step s",
+            "planner ms/step", "planning wait %"]
     body = [[r["policy"], str(r["steps"]), f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['imbalance']:.1f}",
-             f"{100 * r['fraction_of_ideal']:.1f}", f"{100 * r['fraction_of_bound']:.1f}",
-             f"{r['planner_ms_per_step']:.2f}"] for r in rows]
+             f"{100 * r['fraction_of_ideal']:.1f}", f"{100 * r['fraction_of_bound']:.1f}", f"{r.get('step_s', 0.0):.3g}",
+             f"{r['planner_ms_per_step']:.2f}",
+             f"{100 * r.get('planning_wait_s', 0.0) / r['total_time_s'] if r['total_time_s'] > 0 else 0.0:.1f}"]
+            for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     lines.append("  ".join("-" * w for w in widths))
@@ -248,7 +272,7 @@ def _run_bars(plan: Any, sim: Any, eps: float = 0.0) -> tuple[dict[Any, tuple[np
     parts: dict[Any, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     allreduce: list[tuple[float, float]] = []
     ends, t0 = [], 0.0
-    for step, line, t in zip(plan.steps, sim.timeline, sim.step_times):
+    for step, line, t in zip(plan.steps, sim.timeline, sim.charged_step_times or sim.step_times):
         if line:
             rank, start, end, idx, kind = zip(*line)
             item = np.asarray(kind) == "item"
@@ -441,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
                        seed=args.seed, timeline=args.plot is not None, progress=progress, rank_speeds=speeds,
-                       speed_aware=args.speed_aware)
+                       speed_aware=args.speed_aware, charge_planning=not args.hide_planning)
     except PlanningError as err:
         raise CLIError(str(err)) from None
     model = (args.model or "transformer-1d") if args.profile is None else args.profile

@@ -11,7 +11,8 @@ calls :func:`check_train_data` in ``setup("fit")``, before profiling and the fir
 * any other dataset is checked on a first pass over its first ``max_samples`` samples
   (:func:`~lightning_dcp.diffusers.video_sample` dicts).
 
-Every problem names the sample (its index in the dataset the DataLoader reads) and the expected value.
+Every problem names the sample (its index in the dataset the DataLoader reads; and its clip when the
+dataset has ``labels``, as :class:`~lightning_dcp.diffusers.EncodedVideoDataset` does) and the expected value.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ModelInputs", "VideoShape", "check_train_data", "check_video_shapes", "dataset_video_shapes",
-           "sample_video_shape"]
+__all__ = ["ModelInputs", "VideoShape", "check_train_data", "check_video_shapes", "dataset_labels",
+           "dataset_video_shapes", "sample_video_shape"]
 
 
 @dataclass(frozen=True)
@@ -104,14 +105,17 @@ def _problems(shape: VideoShape, model: ModelInputs, text_len: int | None) -> li
 
 
 def check_video_shapes(shapes: Iterable[tuple[int, VideoShape]], model: ModelInputs, *, text_len: int | None = None,
-                       what: str = "the train dataset") -> int:
-    """Raise ``ValueError`` naming every bad sample (the first 5, and a count) and the expected values; the samples checked."""
+                       what: str = "the train dataset", labels: Sequence[str] | None = None) -> int:
+    """Raise ``ValueError`` naming every bad sample (the first 5, and a count; with its ``labels[index]``, e.g. its
+    clip's file) and the expected values; the samples checked."""
     bad, count = [], 0
     for index, shape in shapes:
         count += 1
         problems = _problems(shape, model, text_len)
         if problems:
-            bad.append(f"sample {index} (latent {tuple(shape.latent)}, text {shape.text}): {'; '.join(problems)}")
+            label = f"{labels[index]}: " if labels is not None else ""
+            bad.append(f"sample {index} ({label}latent {tuple(shape.latent)}, text {shape.text}): "
+                       f"{'; '.join(problems)}")
     if bad:
         more = f"\n  ... and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise ValueError(f"{what} does not fit the model ({len(bad)} bad of {count} samples checked):\n  "
@@ -170,6 +174,22 @@ def _indexed_shapes(dataset: Any) -> list[VideoShape] | None:
     return None
 
 
+def dataset_labels(dataset: Any) -> list[str] | None:
+    """Each sample's ``labels`` entry (its clip), through ``Subset`` and ``ConcatDataset``; ``None`` when a part has none."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    own = getattr(dataset, "labels", None)
+    if own is not None:
+        return list(own)
+    if isinstance(dataset, Subset):
+        inner = dataset_labels(dataset.dataset)
+        return None if inner is None else [inner[int(i)] for i in dataset.indices]
+    if isinstance(dataset, ConcatDataset):
+        parts = [dataset_labels(d) for d in dataset.datasets]
+        return None if any(p is None for p in parts) else [s for p in parts for s in p]
+    return None
+
+
 def _train_dataset(trainer: Any) -> Any | None:
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     if source is None or not source.is_defined():
@@ -191,5 +211,5 @@ def check_train_data(trainer: Any, model: Any, max_samples: int | None) -> int:
     inputs = ModelInputs.of_model(model)
     shapes, how = dataset_video_shapes(dataset, inputs.patch_size, max_samples)
     text_len = getattr(dataset, "text_len", None)
-    return check_video_shapes(shapes, inputs, text_len=text_len,
+    return check_video_shapes(shapes, inputs, text_len=text_len, labels=dataset_labels(dataset),
                               what=f"the train dataset {type(dataset).__name__} (checked at fit start: {how})")

@@ -1,6 +1,8 @@
 """The map-style dataset over an encode output folder: :class:`EncodedVideoDataset`.
 
-Reads :mod:`~lightning_dcp.diffusers.shards`' index at construction (no latent opened): ``lengths``
+Reads :mod:`~lightning_dcp.diffusers.shards`' index at construction (no latent opened) and checks
+that every shard it names is there with its recorded size (a missing or cut-short shard is an
+error naming the file and its clips, not a ``FileNotFoundError`` at the step that first reads it): ``lengths``
 (video tokens per sample, what the DCP sampler plans with), ``video_shapes`` (checked against the
 model at fit start) and ``shapes`` (latent patch grids). ``__getitem__`` opens the sample's shard
 (safetensors, memory-mapped, only that sample's two tensors read) and returns the same
@@ -18,9 +20,30 @@ from torch.utils.data import Dataset
 
 from lightning_dcp.diffusers.checks import VideoShape
 from lightning_dcp.diffusers.samples import video_sample
-from lightning_dcp.diffusers.shards import SampleRecord, read_index, read_meta
+from lightning_dcp.diffusers.shards import INDEX, SampleRecord, ShardRecord, read_index, read_meta
 
-__all__ = ["EncodedVideoDataset"]
+__all__ = ["EncodedSampleError", "EncodedVideoDataset"]
+
+
+class EncodedSampleError(ValueError):
+    """A sample of an encode output folder that cannot be read or built, naming its clip and shard."""
+
+
+def _check_shards(root: Path, shards: Sequence[ShardRecord]) -> None:
+    """Every shard the index names exists with its recorded size; else one error naming each bad shard and its clips."""
+    bad = []
+    for shard in shards:
+        path = root / shard.file
+        clips = ", ".join(dict.fromkeys(s.name for s in shard.samples)) or "no samples"
+        if not path.is_file():
+            bad.append(f"{path} is missing (shard {shard.shard}: {clips})")
+        elif shard.size is not None and path.stat().st_size != shard.size:
+            bad.append(f"{path} has {path.stat().st_size} bytes, the index says {shard.size} (shard {shard.shard}: "
+                       f"{clips}; a copy cut short?)")
+    if bad:
+        raise FileNotFoundError(f"{root}: {len(bad)} of {len(shards)} shards in {INDEX} are not as encoded:\n  "
+                                + "\n  ".join(bad) + "\nCopy them again from where they were encoded, or encode "
+                                "into a new folder")
 
 
 class EncodedVideoDataset(Dataset):
@@ -50,7 +73,9 @@ class EncodedVideoDataset(Dataset):
         self.text_len, self.sample_index = text_len, bool(sample_index)
         self._files: list[str] = []
         self.records: list[SampleRecord] = []
-        for shard in read_index(self.root):
+        shards = read_index(self.root)
+        _check_shards(self.root, shards)
+        for shard in shards:
             for record in shard.samples:
                 self._files.append(shard.file)
                 self.records.append(record)
@@ -72,6 +97,11 @@ class EncodedVideoDataset(Dataset):
         return [r.name for r in self.records]
 
     @property
+    def labels(self) -> list[str]:
+        """Each sample's clip, with its window and crop when a clip gave several samples (what errors name)."""
+        return [r.label for r in self.records]
+
+    @property
     def captions(self) -> list[str]:
         return [r.caption for r in self.records]
 
@@ -82,9 +112,13 @@ class EncodedVideoDataset(Dataset):
         """``(latent [C, F, H, W], text [text_tokens, text_dim])`` of sample ``index``, float32, as stored."""
         from safetensors import safe_open
 
-        record = self.records[index]
-        with safe_open(str(self.root / self._files[index]), framework="pt") as fh:
-            latent, text = fh.get_tensor(record.latent_key), fh.get_tensor(record.text_key)
+        record, path = self.records[index], self.root / self._files[index]
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                latent, text = fh.get_tensor(record.latent_key), fh.get_tensor(record.text_key)
+        except Exception as err:  # noqa: BLE001 - safetensors raises OSError, SafetensorError, RuntimeError
+            raise EncodedSampleError(f"sample {index} ({record.label}): cannot read it from {path}: "
+                                     f"{type(err).__name__}: {err}") from err
         return latent.float(), text.float()
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -92,5 +126,9 @@ class EncodedVideoDataset(Dataset):
             raise IndexError(f"index {index} out of range for {len(self)} encoded videos in {self.root}")
         index = index % len(self)
         latent, text = self.tensors(index)
-        return video_sample(latent, text, self.patch_size, text_len=self.text_len,
-                            index=index if self.sample_index else None)
+        try:
+            return video_sample(latent, text, self.patch_size, text_len=self.text_len,
+                                index=index if self.sample_index else None)
+        except ValueError as err:
+            raise EncodedSampleError(f"sample {index} ({self.records[index].label}, in {self.root / self._files[index]}):"
+                                     f" {err}") from err

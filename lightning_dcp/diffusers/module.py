@@ -29,6 +29,7 @@ from lightning_dcp.diffusers.record import RECORD_KEY, ModelRecord
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, TOKEN_WEIGHT, active_context
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS, add_token_weights, weighted_loss
+from lightning_dcp.diffusers.summary import video_support_message
 from lightning_dcp.step_loss import StepLossLogging
 
 __all__ = ["TRAINABLE_ONLY", "VideoDiffusionModule"]
@@ -122,6 +123,10 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
     def dcp_num_heads(self) -> int:
         """The attention head count SP sizes must divide."""
         return int(self.model.dcp_num_heads)
+
+    def dcp_support_message(self, support: str) -> str | None:
+        """The line DCPStrategy prints at fit start (:func:`~lightning_dcp.diffusers.summary.video_support_message`)."""
+        return video_support_message(self, support)
 
     def setup(self, stage: str) -> None:
         strategy_reduction = getattr(getattr(self._trainer, "strategy", None), "loss_reduction", None)

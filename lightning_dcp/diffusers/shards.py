@@ -4,11 +4,13 @@ An encode output folder holds:
 
 * ``meta.json`` -- the encode settings and the list of source videos (written once, atomically);
   a rerun with other settings or other videos is refused, so a resumed encode is the same encode;
-* ``shard-000000.safetensors``, ... -- shard ``k`` holds the samples of sources
-  ``[k * samples_per_shard, (k + 1) * samples_per_shard)``: for source ``j``, the tensors
-  ``"{j}.latents"`` ``[C, F, H, W]`` and ``"{j}.text"`` ``[text_tokens, text_dim]``;
-* ``index.jsonl`` -- one line per *completed* shard: its file and each sample's source, caption,
-  latent shape, text length and video tokens (:class:`ShardRecord`).
+* ``shard-000000.safetensors``, ... -- shard ``k`` holds samples
+  ``[k * samples_per_shard, (k + 1) * samples_per_shard)`` of the encode's plan (each clip's
+  windows and crops, clip by clip): for sample ``j``, the tensors ``"{j}.latents"``
+  ``[C, F, H, W]`` and ``"{j}.text"`` ``[text_tokens, text_dim]``;
+* ``index.jsonl`` -- one line per *completed* shard: its file, its size in bytes, and each
+  sample's video, caption, window and crop, latent shape, text length and video tokens
+  (:class:`ShardRecord`).
 
 A shard is written to a temporary name, fsynced, renamed into place (atomic), and the folder
 fsynced, before its index line is appended (and fsynced). So the index never names a half-written
@@ -36,13 +38,21 @@ META = "meta.json"
 class SampleRecord:
     """One encoded video as the index records it (no tensor needed to read it)."""
 
-    source: int  # position in meta.json's source list
+    source: int  # the sample's position in the encode's plan (its tensors' key; with one sample per clip, the clip's)
     name: str  # the video's path relative to the input root
     caption: str
     latent_shape: tuple[int, int, int, int]  # [C, F, H, W]
     text_tokens: int
     text_dim: int
     tokens: int  # video tokens at the encode's patch size
+    segment: int = 0  # which window of the clip (EncodeSettings.segments)
+    crop: str = "center"  # which crop (EncodeSettings.crops)
+
+    @property
+    def label(self) -> str:
+        """The video's name, with its window and crop when they are not the first / center."""
+        extra = [f"segment {self.segment}"] * (self.segment != 0) + [f"crop {self.crop}"] * (self.crop != "center")
+        return f"{self.name} ({', '.join(extra)})" if extra else self.name
 
     @property
     def latent_key(self) -> str:
@@ -55,27 +65,33 @@ class SampleRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SampleRecord:
         return cls(int(d["source"]), str(d["name"]), str(d["caption"]), tuple(int(v) for v in d["latent_shape"]),
-                   int(d["text_tokens"]), int(d["text_dim"]), int(d["tokens"]))
+                   int(d["text_tokens"]), int(d["text_dim"]), int(d["tokens"]), int(d.get("segment", 0)),
+                   str(d.get("crop", "center")))
 
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """A completed shard: its file name, its samples, and the sources skipped as unreadable (``on_error="skip"``)."""
+    """A completed shard: its file name, its samples, the videos that failed to decode part way (``on_error="skip"``),
+    and its size in bytes (``None`` in indexes written before sizes were recorded)."""
 
     shard: int
     file: str
     samples: tuple[SampleRecord, ...]
     skipped: tuple[tuple[str, str], ...] = field(default=())  # (name, error)
+    size: int | None = None
 
     def to_json(self) -> str:
         d = {"shard": self.shard, "file": self.file, "samples": [asdict(s) for s in self.samples],
              "skipped": [list(s) for s in self.skipped]}
+        if self.size is not None:
+            d["size"] = self.size
         return json.dumps(d, sort_keys=True, ensure_ascii=False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ShardRecord:
         return cls(int(d["shard"]), str(d["file"]), tuple(SampleRecord.from_dict(s) for s in d["samples"]),
-                   tuple((str(a), str(b)) for a, b in d.get("skipped", ())))
+                   tuple((str(a), str(b)) for a, b in d.get("skipped", ())),
+                   None if d.get("size") is None else int(d["size"]))
 
 
 def shard_name(k: int) -> str:

@@ -10,8 +10,10 @@ comment). Each video's caption is, in this order:
   the videos' folder (or list file's folder), or bare file names when those are unique;
 * a sidecar text file next to it with the same stem (``clip.mp4`` -> ``clip.txt``).
 
-A video without a caption is an error naming it (an empty caption is a caption: write an empty
-sidecar file for unconditional samples). Pure Python: no torch.
+A video without a caption is an error naming it and where captions are looked for (an empty
+caption is a caption: write an empty sidecar file for unconditional samples); :func:`scan_sources`
+returns it with ``caption=None`` instead, for a pre-flight that lists every problem at once. Pure
+Python: no torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["VIDEO_EXTENSIONS", "VideoSource", "find_sources", "read_captions"]
+__all__ = ["VIDEO_EXTENSIONS", "VideoSource", "find_sources", "read_captions", "scan_sources"]
 
 #: File extensions treated as videos when a folder is listed (case-insensitive).
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".avi", ".mov", ".webm", ".m4v", ".mpg", ".mpeg", ".gif")
@@ -33,11 +35,15 @@ _CAPTION_COLUMNS = ("caption", "text", "prompt")
 
 @dataclass(frozen=True)
 class VideoSource:
-    """One video to encode: its file, its caption and its name (the path relative to the root, as recorded in the index)."""
+    """One video to encode: its file, its caption and its name (the path relative to the root, as recorded in the index).
+
+    ``caption`` is ``None`` for a video :func:`scan_sources` found no caption for (``missing`` says where it looked).
+    """
 
     path: Path
-    caption: str
+    caption: str | None
     name: str
+    missing: str = ""
 
 
 def _pick(row: Mapping[str, object], names: tuple[str, ...], where: str, what: str) -> str:
@@ -107,12 +113,12 @@ def _name(path: Path, root: Path) -> str:
         return path.as_posix()
 
 
-def find_sources(videos: str | Path, captions: str | Path | Mapping[str, str] | None = None) -> list[VideoSource]:
-    """The videos of a folder or list file with their captions, in a fixed order (see the module docstring).
+def scan_sources(videos: str | Path, captions: str | Path | Mapping[str, str] | None = None) -> list[VideoSource]:
+    """The videos of a folder or list file with their captions, in a fixed order (see the module docstring); a
+    video without a caption has ``caption=None`` and ``missing`` says how to give it one.
 
     Raises:
-        ValueError: no videos, a video named twice, or a video without a caption (naming it and where
-            captions are looked for).
+        ValueError: no videos, or a video named twice.
     """
     root, files = _list_videos(Path(videos))
     table = dict(captions) if isinstance(captions, Mapping) else (read_captions(captions) if captions else {})
@@ -130,12 +136,26 @@ def find_sources(videos: str | Path, captions: str | Path | Mapping[str, str] | 
             keys = by_file[path.name]
         sidecar = path.with_suffix(".txt")
         if keys:
-            caption = table[keys[0]]
+            out.append(VideoSource(path, table[keys[0]], name))
         elif sidecar.is_file():
-            caption = sidecar.read_text(encoding="utf-8").strip()
+            out.append(VideoSource(path, sidecar.read_text(encoding="utf-8").strip(), name))
         else:
             where = "the captions file, or " if captions else ""
-            raise ValueError(f"{path}: no caption: add it to {where}a sidecar file {sidecar} (an empty file for an "
-                             "unconditional sample), or pass a captions CSV/JSON naming it")
-        out.append(VideoSource(path, caption, name))
+            out.append(VideoSource(path, None, name, missing=(
+                f"no caption: add it to {where}a sidecar file {sidecar} (an empty file for an unconditional sample), "
+                "or pass a captions CSV/JSON naming it")))
     return out
+
+
+def find_sources(videos: str | Path, captions: str | Path | Mapping[str, str] | None = None) -> list[VideoSource]:
+    """:func:`scan_sources`, every video with a caption.
+
+    Raises:
+        ValueError: no videos, a video named twice, or videos without a caption (naming each and where captions
+            are looked for).
+    """
+    sources = scan_sources(videos, captions)
+    missing = [s for s in sources if s.caption is None]
+    if missing:
+        raise ValueError("\n".join(f"{s.path}: {s.missing}" for s in missing))
+    return sources

@@ -1,11 +1,18 @@
-"""Read a video file into VAE-ready pixels with PyAV: :func:`read_video`.
+"""Read a video file into VAE-ready pixels with PyAV: :func:`probe_video` and :func:`read_video`.
+
+:func:`probe_video` reads what a pre-flight needs without decoding the clip: its size, frame
+timestamps (from the demuxed packets) and rate, and decodes its first frame only, so a file PyAV
+cannot open or decode is found before any model loads.
 
 The frames are decoded with PyAV (``pip install av``, the ``encode`` extra), every
 ``frame_stride``-th one kept, at most ``max_frames``; the count is cut to what the VAE's temporal
 compression and the model's temporal patch take (Wan: ``4k + 1`` frames, ``k + 1`` latent frames).
 Each frame is scaled down (aspect kept) to at most ``max_area`` pixels, then center-cropped to
 height and width multiples of the VAE's spatial stride x the model's patch size, so every latent
-size divides by the patch size. Pixels are returned as float ``[3, F, H, W]`` in ``[-1, 1]``.
+size divides by the patch size (``crop``: the center, or the start or end of the cropped axis).
+Pixels are returned as float ``[3, F, H, W]`` in ``[-1, 1]``. Given ``frames`` (indices in
+presentation order, :class:`~lightning_dcp.diffusers.frames.FrameSampling`), exactly those frames
+are returned, in that order.
 """
 
 from __future__ import annotations
@@ -13,11 +20,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["FrameGeometry", "VideoDecodeError", "read_video"]
+__all__ = ["CROPS", "FrameGeometry", "VideoDecodeError", "VideoProbe", "probe_video", "read_video"]
+
+#: Where a frame is cropped along the axis that is cut: its center, its start (top / left) or its end (bottom / right).
+CROPS = ("center", "start", "end")
 
 
 class VideoDecodeError(ValueError):
@@ -78,60 +89,153 @@ class FrameGeometry:
         mh, mw = self.multiples
         return h, w, h // mh * mh, w // mw * mw
 
+    def size_problem(self, width: int, height: int) -> str | None:
+        """Why a ``width x height`` video is too small for one patch, or ``None``."""
+        h, w, ch, cw = self.size(height, width)
+        if ch >= 1 and cw >= 1:
+            return None
+        mh, mw = self.multiples
+        scaled = f" (scaled to {w}x{h})" if (h, w) != (height, width) else ""
+        return (f"{width}x{height} pixels{scaled} is smaller than one patch: height must be >= {mh} and width >= {mw} "
+                f"(VAE stride {self.spatial_stride} x patch {self.patch_size[1:]}); upscale the video, raise max_area, "
+                "or drop it")
+
+    def frames_problem(self, frames: int, how: str) -> str:
+        """Why ``frames`` frames (picked ``how``) make no latent patch."""
+        return (f"{frames} frames ({how}) are fewer than the {self.min_frames()} one latent patch needs (VAE temporal "
+                f"stride {self.temporal_stride}, patch {self.patch_size}); use a longer clip or drop it")
+
     def min_frames(self) -> int:
         """The fewest frames that make one temporal patch of latents."""
         pt = self.patch_size[0]
         return pt if self.temporal_stride == 1 else (pt - 1) * self.temporal_stride + 1
 
 
-def _decode(path: Path, geometry: FrameGeometry) -> list:
+@dataclass(frozen=True)
+class VideoProbe:
+    """What :func:`probe_video` found: frame size, each frame's timestamp (seconds, presentation order), the rate."""
+
+    width: int
+    height: int
+    times: tuple[float, ...]
+    fps: float | None
+
+    @property
+    def frames(self) -> int:
+        return len(self.times)
+
+
+def _cannot_decode(path: Path, err: Exception) -> VideoDecodeError:
+    return VideoDecodeError(f"{path}: cannot decode the video ({type(err).__name__}: {err}); check the file "
+                            "(e.g. `ffprobe` it), re-encode it, or remove it from the inputs")
+
+
+def _no_video_stream(path: Path, container) -> VideoDecodeError:
+    return VideoDecodeError(f"{path}: no video stream (streams: {[s.type for s in container.streams] or 'none'}); "
+                            "remove it from the inputs")
+
+
+def probe_video(path: str | Path) -> VideoProbe:
+    """Size, frame timestamps and rate of ``path`` from its packets, after decoding its first frame.
+
+    Raises:
+        VideoDecodeError: PyAV cannot open the file, it has no video stream, or its first frame does not decode.
+    """
+    import av
+    from av.error import FFmpegError
+
+    path = Path(path)
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise _no_video_stream(path, container)
+            stream = container.streams.video[0]
+            base = float(stream.time_base) if stream.time_base else None
+            pts = [p.pts for p in container.demux(stream) if p.size and (p.pts is not None or p.dts is not None)]
+            rate = float(stream.average_rate or stream.guessed_rate or 0) or None
+        with av.open(str(path)) as container:
+            first = next(container.decode(video=0), None)
+    except VideoDecodeError:
+        raise
+    except (FFmpegError, OSError, ValueError, StopIteration) as err:
+        raise _cannot_decode(path, err) from err
+    if first is None:
+        raise VideoDecodeError(f"{path}: no frames could be decoded; check the file or remove it from the inputs")
+    if base is not None and all(p is not None for p in pts):
+        times = tuple(sorted(p * base for p in pts))
+    else:
+        times = tuple(i / (rate or 25.0) for i in range(len(pts)))
+    return VideoProbe(int(first.width), int(first.height), times, rate)
+
+
+def _decode(path: Path, geometry: FrameGeometry, wanted: Sequence[int] | None) -> list:
     import av
     from av.error import FFmpegError
 
     cap, frames = geometry.max_frames, []
+    keep = None if wanted is None else set(wanted)
+    last = None if wanted is None else max(wanted, default=-1)
+    found: dict[int, object] = {}
+    decoded = 0
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
-                raise VideoDecodeError(f"{path}: no video stream (streams: "
-                                       f"{[s.type for s in container.streams] or 'none'}); remove it from the inputs")
+                raise _no_video_stream(path, container)
             for n, frame in enumerate(container.decode(video=0)):
-                if n % geometry.frame_stride == 0:
+                decoded = n + 1
+                if keep is not None:
+                    if n in keep:
+                        found[n] = frame
+                    if n >= last:
+                        break
+                elif n % geometry.frame_stride == 0:
                     frames.append(frame)
                     if cap is not None and len(frames) >= cap:
                         break
     except VideoDecodeError:
         raise
     except (FFmpegError, OSError, ValueError) as err:
-        raise VideoDecodeError(f"{path}: cannot decode the video ({type(err).__name__}: {err}); check the file "
-                               "(e.g. `ffprobe` it), re-encode it, or remove it from the inputs") from err
-    return frames
+        raise _cannot_decode(path, err) from err
+    if wanted is None:
+        return frames
+    if len(found) < len(keep):
+        raise VideoDecodeError(f"{path}: {decoded} frames decoded, but the probe found frame {last}; "
+                               "the file is damaged or truncated: re-encode it or remove it from the inputs")
+    return [found[i] for i in wanted]
 
 
-def read_video(path: str | Path, geometry: FrameGeometry) -> torch.Tensor:
+def _crop_start(excess: int, crop: str) -> int:
+    return {"center": excess // 2, "start": 0, "end": excess}[crop]
+
+
+def read_video(path: str | Path, geometry: FrameGeometry, frames: Sequence[int] | None = None,
+               crop: str = "center") -> torch.Tensor:
     """Float pixels ``[3, F, H, W]`` in ``[-1, 1]`` of ``path``, cut and cropped as ``geometry`` says.
+
+    ``frames``: the decoded frames to take (indices in presentation order, already cut to what the VAE takes);
+    ``None``: every ``geometry.frame_stride``-th up to ``geometry.max_frames``, cut here. ``crop``: one of
+    :data:`CROPS`.
 
     Raises:
         VideoDecodeError: the file cannot be decoded, has no frames, has fewer frames than one latent
             patch needs, or is smaller than one spatial patch -- naming the file and the sizes.
     """
     path = Path(path)
-    frames = _decode(path, geometry)
+    if crop not in CROPS:
+        raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
+    wanted = frames
+    frames = _decode(path, geometry, wanted)
     if not frames:
         raise VideoDecodeError(f"{path}: no frames could be decoded; check the file or remove it from the inputs")
-    keep = geometry.frames_to_keep(len(frames))
+    keep = geometry.frames_to_keep(len(frames)) if wanted is None else len(frames)
     if keep < 1:
-        raise VideoDecodeError(f"{path}: {len(frames)} frames (frame_stride {geometry.frame_stride}) are fewer than "
-                               f"the {geometry.min_frames()} one latent patch needs (VAE temporal stride "
-                               f"{geometry.temporal_stride}, patch {geometry.patch_size}); use a longer clip or drop it")
+        raise VideoDecodeError(f"{path}: {geometry.frames_problem(len(frames), f'frame_stride {geometry.frame_stride}')}")
     height, width = frames[0].height, frames[0].width
     h, w, ch, cw = geometry.size(height, width)
-    if ch < 1 or cw < 1:
-        mh, mw = geometry.multiples
-        raise VideoDecodeError(f"{path}: {width}x{height} pixels{f' (scaled to {w}x{h})' if (h, w) != (height, width) else ''}"
-                               f" is smaller than one patch: height must be >= {mh} and width >= {mw} (VAE stride "
-                               f"{geometry.spatial_stride} x patch {geometry.patch_size[1:]}); upscale the video, raise "
-                               "max_area, or drop it")
-    top, left = (h - ch) // 2, (w - cw) // 2
+    problem = geometry.size_problem(width, height)
+    if problem:
+        raise VideoDecodeError(f"{path}: {problem}")
+    top, left = (_crop_start(h - ch, crop), _crop_start(w - cw, crop))
     arrays = []
     for frame in frames[:keep]:
         if (frame.height, frame.width) != (height, width):

@@ -32,7 +32,7 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.units import describe_limit, format_bytes
 
-__all__ = ["BudgetReport", "SPBudget", "budget_report"]
+__all__ = ["BudgetReport", "SPBudget", "budget_report", "capacity_line"]
 
 #: What ``max_length`` returns when memory does not grow with length (no real bound).
 UNBOUNDED = 1 << 40
@@ -93,12 +93,13 @@ class BudgetReport:
         L = self.num_layers
         out = [f"memory budget {self.budget_text}; {L} layers, world size {self.world_size}",
                f"{'SP':>4}  {'longest, no recompute':>22}  {f'longest, all {L} recomputed':>26}" + (
-                   f"  {'longest sample needs: no recompute':>34}  {'all recomputed':>15}" if self.longest else "")]
+                   f"  {'longest sample needs: no recompute':>34}  {'all recomputed':>15}" if self.longest else "")
+               + "  row"]
         for r in self.per_sp:
             row = f"{r.sp:>4}  {_tokens(r.longest_no_recompute):>22}  {_tokens(r.longest_full_recompute):>26}"
             if self.longest:
                 row += f"  {format_bytes(r.need_no_recompute):>34}  {format_bytes(r.need_full_recompute):>15}"
-            out.append(row + ("" if r.measured else "  (estimated from SP 1)"))
+            out.append(row + ("  measured" if r.measured else "  estimated from SP 1"))
         if self.longest is None:
             return out
         out.append(f"dataset: {self.num_samples} samples of {self.shortest}-{self.longest} tokens")
@@ -108,7 +109,14 @@ class BudgetReport:
                    f"({self.needs_recompute_below:.0f} bytes)")
         low = self.min_budget
         if low is not None:
-            out.append(f"  fits no measured SP size up to {self.world_size} ranks below {format_bytes(low)} per device")
+            line = f"  fits no measured SP size up to {self.world_size} ranks below {format_bytes(low)} per device"
+            guess = [r for r in self.per_sp if not r.measured and r.need_full_recompute is not None
+                     and r.need_full_recompute < low]
+            if guess:
+                best = min(guess, key=lambda r: r.need_full_recompute)
+                line += (f"; SP {best.sp}, estimated from SP 1, would hold it from "
+                         f"{format_bytes(best.need_full_recompute)} (measure it under torchrun to plan with it)")
+            out.append(line)
         return out
 
 
@@ -158,3 +166,15 @@ def budget_report(cost_model: CostModel, world_size: int, lengths: Sequence[int]
     rows = tuple(_sp_row(cost_model, p, p in measured, longest) for p in candidates)
     return BudgetReport(float(cost_model.memory_limit), describe_limit(cost_model), world_size, cost_model.num_layers,
                         rows, len(lens or ()), min(lens) if lens else None, longest)
+
+
+def capacity_line(cost_model: CostModel, world_size: int) -> str:
+    """One line: the longest sample the planner places at each SP size it can use, with no layer and with every layer
+    recomputed, at the cost model's budget -- why a sample runs at SP > 1 (a longer one must; a shorter one does
+    when the cost model's times say that balances the step better)."""
+    report = budget_report(cost_model, world_size)
+    L = report.num_layers
+    sizes = "; ".join(f"SP {r.sp} {_tokens(r.longest_no_recompute)} ({_tokens(r.longest_full_recompute)} with all {L} "
+                      "recomputed)" for r in report.per_sp if r.measured)
+    return (f"DCP planning at {report.budget_text}: the longest sample per SP size is {sizes}. A longer sample needs "
+            "a larger SP size; a shorter one runs at SP > 1 only where the profile's times say that balances the step")

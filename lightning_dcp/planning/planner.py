@@ -38,8 +38,12 @@ from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.bucket import BucketPolicy
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
+from lightning_dcp.planning.policies.flexsp import FlexSPPolicy
+from lightning_dcp.planning.policies.hydraulis import HydraulisPolicy
+from lightning_dcp.planning.policies.megatron_hcp import MegatronHCPPolicy
 from lightning_dcp.planning.policies.packed import PackedPolicy
 from lightning_dcp.planning.policies.static import StaticPolicy
+from lightning_dcp.planning.policies.verl import VerlPolicy
 from lightning_dcp.planning.units import describe_limit
 
 POLICIES: dict[str, type[Policy]] = {
@@ -49,8 +53,14 @@ POLICIES: dict[str, type[Policy]] = {
     "bucket": BucketPolicy,
     "packed": PackedPolicy,
     "static": StaticPolicy,
+    "verl": VerlPolicy,
+    "megatron-hcp": MegatronHCPPolicy,
+    "hydraulis": HydraulisPolicy,
+    "flexsp": FlexSPPolicy,
 }
-"""Policy name -> class. ``dcp`` is the default; the others are ablations and baselines."""
+"""Policy name -> class. ``dcp`` is the default; ``dcp-inter``, ``dcp-intra``, ``bucket``, ``packed`` and
+``static`` are ablations and baselines; ``verl``, ``megatron-hcp``, ``hydraulis`` and ``flexsp`` are the
+field's planners as their sources describe them (:mod:`~lightning_dcp.planning.policies.verl` etc.)."""
 
 DEFAULT_TOKENS_PER_GPU = 65536
 """Floor of the default global batch: this many tokens per GPU (amortizes the gradient all-reduce)."""

@@ -7,7 +7,16 @@ joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world
 
 Reported (all exact definitions):
 
-- ``step_times[s]`` = ``compute_span[s] + step_overhead``; ``total_time`` = their sum.
+- ``step_times[s]`` = ``compute_span[s] + step_overhead``: the step's execution.
+- Planning (given ``planning_times``, the seconds the planner took for each step): plans are made
+  one step ahead in a background thread, so the plan of step ``s + 1`` is made while step ``s``
+  runs and is hidden only while it takes no longer: ``charged_step_times[s] = max(step_times[s],
+  planning_times[s + 1])``. The last step of the window overlaps the plan of the step after it,
+  which the window does not have: it is charged the window's mean planning time. The first plan is
+  made before training starts, once per run, and is not charged. ``planning_wait`` = the sum of
+  ``charged - step_times``: the time the GPUs wait on the planner. Without ``planning_times``,
+  charged = step times.
+- ``total_time`` = the sum of ``charged_step_times``.
 - ``tokens_per_s`` = tokens of all items / ``total_time``.
 - ``imbalance`` = idle rank-time / available rank-time over the compute spans of all steps:
   ``sum_s sum_r (span_s - busy_{s,r}) / (W * sum_s span_s)`` — the mean fraction of time a rank
@@ -46,6 +55,8 @@ from typing import Any, Sequence
 
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.item_pricing import barriers_of, item_cost_of, item_key
+from lightning_dcp.planning.parallel_costs import pipeline_time, pipelines_of
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
 from lightning_dcp.planning.rounds import lockstep_rounds, round_span
 from lightning_dcp.planning.speeds import check_rank_speeds, group_speed, rank_speeds_of
@@ -74,6 +85,12 @@ class SimulationResult:
     bound_time: float = 0.0
     fraction_of_bound: float = 0.0
     mean_step_bound_fraction: float = 0.0
+    planning_times: list[float] = field(default_factory=list)
+    """``planning_times[s]``: seconds the planner took for step ``s`` (empty: planning not charged)."""
+    charged_step_times: list[float] = field(default_factory=list)
+    """``charged_step_times[s]``: ``max(step_times[s], planning time of step s + 1)`` (see the module docstring)."""
+    planning_wait: float = 0.0
+    """Seconds the run waits on the planner: ``sum(charged_step_times) - sum(step_times)``."""
 
     def summary(self) -> dict[str, Any]:
         """The scalar figures, JSON-able."""
@@ -81,13 +98,18 @@ class SimulationResult:
             "steps": len(self.step_times), "total_time": self.total_time, "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s, "imbalance": self.imbalance, "ideal_time": self.ideal_time,
             "fraction_of_ideal": self.fraction_of_ideal, "bound_time": self.bound_time,
-            "fraction_of_bound": self.fraction_of_bound, "mean_step_bound_fraction": self.mean_step_bound_fraction, **{f"icc_{k}": v for k, v in self.icc.items()},
+            "fraction_of_bound": self.fraction_of_bound, "mean_step_bound_fraction": self.mean_step_bound_fraction,
+            "planning_s": sum(self.planning_times), "planning_wait_s": self.planning_wait, **{f"icc_{k}": v for k, v in self.icc.items()},
         }
 
 
 def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True,
-             max_sp_size: int | None = None, rank_speeds: Sequence[float] | None = None) -> SimulationResult:
+             max_sp_size: int | None = None, rank_speeds: Sequence[float] | None = None,
+             planning_times: Sequence[float] | None = None) -> SimulationResult:
     """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first.
+
+    ``planning_times``: the planner's seconds per step (one per step of ``plan``): a step lasts at
+    least as long as the next step's planning (see the module docstring).
 
     ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the
     world's largest aligned block; a smaller cap only raises the bound).
@@ -125,7 +147,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
             lines.append(line)
     ideal_compute = _ideal_compute(plan, cost_model, cache)
     tokens, comm, rec, comp = totals.tokens, totals.comm, totals.rec, totals.comp
-    total = sum(step_times)
+    charged = charge_planning(step_times, planning_times)
+    total = sum(charged)
     span_total = sum(spans)
     ideal_time = ideal_compute / W if W else 0.0
     icc = {
@@ -140,8 +163,10 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size, speeds) if W else 0.0
               for st in plan.steps]
     bound_time = sum(bounds)
-    per_step = [b / t for b, t in zip(bounds, step_times) if t > 0]
+    per_step = [b / t for b, t in zip(bounds, charged) if t > 0]
     return SimulationResult(
+        planning_times=[float(x) for x in planning_times or ()], charged_step_times=charged,
+        planning_wait=total - sum(step_times),
         step_bounds=bounds, bound_time=bound_time, fraction_of_bound=bound_time / total if total > 0 else 0.0,
         mean_step_bound_fraction=sum(per_step) / len(per_step) if per_step else 0.0,
         world_size=W, step_times=step_times, compute_spans=spans, step_imbalance=step_imb, total_time=total,
@@ -149,6 +174,19 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,
         timeline=lines if timeline else [],
     )
+
+
+def charge_planning(step_times: Sequence[float], planning_times: Sequence[float] | None) -> list[float]:
+    """Each step's charged time: ``max(step_times[s], planning_times[s + 1])``, the last step against the
+    mean planning time (see the module docstring); the step times unchanged without planning times."""
+    steps = list(step_times)
+    if not planning_times:
+        return steps
+    plans = [float(x) for x in planning_times]
+    if len(plans) != len(steps):
+        raise ValueError(f"{len(plans)} planning times for {len(steps)} steps; give one per step of the plan")
+    nxt = plans[1:] + [sum(plans) / len(plans)]
+    return [max(t, p) for t, p in zip(steps, nxt)]
 
 
 @dataclass
@@ -166,16 +204,22 @@ def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals
               speeds: Sequence[float] | None = None) -> tuple[list[float], float, list[tuple[int, float, float, int, str]]]:
     """Run one step's items in list order: ``(busy seconds per rank, compute span, timeline rows)``.
 
-    Item costs are memoized in ``cache``; ``totals`` gathers the rank-time sums; an item runs at
-    its slowest member's speed."""
+    Item costs (:func:`~lightning_dcp.planning.item_pricing.item_cost_of`: SP, ring or pipeline
+    micro-batch) are memoized in ``cache``; ``totals`` gathers the rank-time sums; an item runs at
+    its slowest member's speed. A pipeline's ranks idle its 1F1B bubble after its last micro-batch;
+    at a declared barrier every rank waits for the slowest."""
     free = [0.0] * W
     busy = [0.0] * W
     line: list[tuple[int, float, float, int, str]] = []
+    pipes = pipelines_of(step.extra)
+    barriers = barriers_of(step.extra)
+    stage: dict[tuple[int, ...], list[float]] = {}
     for i, item in enumerate(step.items):
-        key = (item.lengths, item.sp_size, item.recompute)
+        pipe = pipes.get(item.ranks)
+        key = item_key(item, pipe)
         cost = cache.get(key)
         if cost is None:
-            cost = cost_model.item_cost(item.lengths, item.sp_size, item.recompute)
+            cost = item_cost_of(cost_model, item, pipe)
             cache[key] = cost
         pace = group_speed(speeds, item.ranks)
         t = cost.total / pace
@@ -186,12 +230,20 @@ def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals
             busy[r] += t
             if timeline:
                 line.append((r, start, end, i, "item"))
+        if pipe is not None:
+            stage.setdefault(item.ranks, []).append(t)
+        if i + 1 in barriers:
+            free = [max(free)] * W
         p = item.sp_size
         totals.comm += cost.comm * p / pace
         totals.rec += cost.recompute * p / pace
         totals.comp += (cost.compute + cost.overhead) * p / pace
         totals.ideal_spent += cost.ideal * p
         totals.tokens += item.tokens
+    for ranks, ts in stage.items():  # 1F1B warm-up + cool-down: (pp - 1) slowest micro-batches, idle
+        bubble = pipeline_time(ts, pipes[ranks].scheme.pp) - sum(ts)
+        for r in ranks:
+            free[r] += bubble
     span = max(free) if W else 0.0
     return busy, span, line
 
@@ -214,7 +266,8 @@ def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict,
                   speeds: Sequence[float] | None = None) -> float:
     """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
     rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
-    times = [cache[(it.lengths, it.sp_size, it.recompute)].total / group_speed(speeds, it.ranks)
+    pipes = pipelines_of(step.extra)
+    times = [cache[item_key(it, pipes.get(it.ranks))].total / group_speed(speeds, it.ranks)
              for it in step.items]  # each: round(t), at its slowest member's pace
     groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
     return max((round_span(g, times) for g in groups), default=0.0)

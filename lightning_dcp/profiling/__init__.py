@@ -113,6 +113,8 @@ _EXPORTS = {
     "inputs_signature": "cache",
     # the budget helper
     "measure_budget": "budget", "resolve_budget": "budget",
+    # the cost model a profile is read with (defined by the planner, which stays free of torch)
+    "ProfiledCostModel": "lightning_dcp.planning.profiled",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -122,7 +124,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 

@@ -200,6 +200,16 @@ class DCPProfiler(Callback):
             except Exception as err:  # noqa: BLE001 - a logger failure must not stop the fit
                 log.warning("could not log profiling metrics: %s", err)
 
+    def _report_capacity(self, trainer: Any) -> None:
+        """Why a sample runs at SP > 1: the longest sample per SP size at this budget (the planner's own numbers)."""
+        from lightning_dcp.planning.budget import capacity_line
+        from lightning_dcp.planning.errors import PlanningError
+
+        try:
+            rank_zero_info(capacity_line(self.cost_model, max(1, int(trainer.world_size))))
+        except PlanningError as err:  # a profile without SP 1: nothing to say
+            log.debug("no capacity line: %s", err)
+
     # -- hook ----------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -243,3 +253,4 @@ class DCPProfiler(Callback):
         if callable(set_cost_model):
             set_cost_model(self.cost_model)
         self._report(trainer, profile)
+        self._report_capacity(trainer)

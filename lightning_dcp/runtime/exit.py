@@ -1,10 +1,19 @@
 """A clean interpreter exit for every backend and launcher.
 
-A process group still alive when the interpreter exits can abort the process from a C++ static
-destructor after all work is done (``terminate called without an active exception``, exit by SIGABRT):
-measured with a torch-only script that initialises gloo, creates one ``new_group`` and exits, a rank
-aborted in a few of every 30 launches, and in none once ``destroy_process_group()`` ran first. Under a
-spawn launcher that turns a finished fit into ``ProcessExitedException`` in the main process.
+A process group still alive when the interpreter exits can abort the process after all work is done
+(``terminate called without an active exception``, exit by SIGABRT): measured with a torch-only script
+that initialises gloo, creates one ``new_group`` and exits, a rank aborted in a few of every 30 launches,
+and in none once ``destroy_process_group()`` ran first. Under a spawn launcher that turns a finished fit
+into ``ProcessExitedException`` in the main process.
+
+``destroy_process_group()`` alone is not enough: it unregisters the groups, but a group's C++ object
+(and its gloo worker threads) lives on while Python objects still refer to it (a device mesh, a sharded
+module), until the interpreter's final garbage collection. A core dump of such an abort (2026-11-27, a
+2-process hsdp test, about 1 run in 9 on a loaded machine) shows it: the main thread in
+``Py_FinalizeEx``'s collection, a gloo worker thread dropping a finished all-gather's tensors, taking
+the GIL during finalization and ending in ``std::terminate``. So the handler also runs a collection
+while the interpreter is fully alive: the groups that nothing reaches any more are freed then (their
+destructor releases the GIL while it joins the worker threads).
 
 Lightning registers the default group's destruction at exit for NCCL only; the strategy registers it
 for every backend (:func:`destroy_at_exit`) and destroys its own SP groups at teardown
@@ -14,6 +23,7 @@ for every backend (:func:`destroy_at_exit`) and destroys its own SP groups at te
 from __future__ import annotations
 
 import atexit
+import gc
 
 import torch.distributed as dist
 
@@ -25,6 +35,7 @@ _registered = False
 def _destroy_default_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # free unreachable groups' C++ objects now, not in the interpreter's finalization
 
 
 def destroy_at_exit() -> None:

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.default_cost import DefaultCostModel
 from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
-from lightning_dcp.planning.planner import Planner
+from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.settings import DCPSettings
 from lightning_dcp.runtime.states import ModelStates, shard_cost_model
@@ -67,6 +67,10 @@ class PlannerFactory:
         """A planner over ``cost_model`` (the user's planner, when one was given, is returned as is)."""
         if self.settings.planner is not None:
             return self.settings.planner
+        cls = POLICIES.get(self.settings.policy)
+        if cls is not None and cls.runtime_refusal:
+            raise ValueError(f"policy {self.settings.policy!r} cannot train: {cls.runtime_refusal}; use it with "
+                             "`lightning-dcp plan` / `simulate`, and train with policy='dcp'")
         opts = dict(self.settings.planner_options)
         opts.setdefault("max_sp_size", self.sp_cap.size)
         if self.sp_cap.heads_cap is not None and opts["max_sp_size"] == self.sp_cap.heads_cap:

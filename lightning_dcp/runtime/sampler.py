@@ -172,6 +172,10 @@ class DCPBatchSampler:
         self._batches = {epoch: batches}  # keep one epoch
         return batches
 
+    def left_out(self, epoch: int) -> int:
+        """Samples of ``epoch`` in no global batch: the last, incomplete one, with ``drop_last`` (else 0)."""
+        return len(self.lengths) - sum(len(b) for b in self.global_batches(epoch))
+
     def _check_lengths(self, batch: Sequence[int]) -> None:
         if self.cost_model is None:
             return

@@ -52,11 +52,22 @@ def global_batch(settings: DCPSettings, per_rank: int, world_size: int) -> tuple
 
 def build_sampler(lengths: list[int], planner: Any, settings: DCPSettings, *, global_batch_size: int | None,
                   global_batch_tokens: int | None, world_size: int, rank: int) -> DCPBatchSampler:
-    """The fit's batch sampler: one step per item, planned by ``planner``."""
+    """The fit's batch sampler: one step per item, planned by ``planner``. Says once (rank 0) how many samples an
+    epoch leaves out when the last global batch is incomplete and ``drop_last`` drops it."""
     s = settings
-    return DCPBatchSampler(lengths, planner=planner, global_batch_size=global_batch_size,
-                           global_batch_tokens=global_batch_tokens, num_replicas=world_size, rank=rank, seed=s.seed,
-                           shuffle=s.shuffle, drop_last=s.drop_last, plan_ahead=s.plan_ahead)
+    sampler = DCPBatchSampler(lengths, planner=planner, global_batch_size=global_batch_size,
+                              global_batch_tokens=global_batch_tokens, num_replicas=world_size, rank=rank, seed=s.seed,
+                              shuffle=s.shuffle, drop_last=s.drop_last, plan_ahead=s.plan_ahead)
+    left = sampler.left_out(0)
+    if left:
+        which = "other samples each epoch: the order is shuffled" if s.shuffle else "the last ones"
+        what = (f"global batches of {global_batch_size} samples leave {left} of {len(lengths)} samples out of every "
+                f"epoch" if global_batch_size is not None else
+                f"global batches of up to {global_batch_tokens} tokens leave each epoch's last, incomplete batch out "
+                f"({left} of {len(lengths)} samples in epoch 0)")
+        rank_zero_info(f"DCPStrategy: {what} (drop_last=True; {which}); DCPStrategy(drop_last=False) trains them as a "
+                       "smaller last step")
+    return sampler
 
 
 def check_not_empty(sampler: DCPBatchSampler, num_samples: int, global_batch_size: int | None,

@@ -25,6 +25,9 @@ class Policy(abc.ABC):
 
     name: str = ""
     one_step_per_batch: bool = True
+    runtime_refusal: str | None = None
+    """Why DCPStrategy cannot train with this policy (plan and simulate only), or ``None``: ``hydraulis`` plans
+    TP/PP pipelines, ``flexsp``'s MILP stops at a time limit (ranks could get different plans)."""
 
     def __init__(self, world_size: int, view: CostView, *, seed: int = 0,
                  dataset_lengths: Sequence[int] | None = None, **options: Any):

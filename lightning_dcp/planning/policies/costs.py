@@ -38,6 +38,8 @@ class CostView:
 
     def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None):
         self.cm = cost_model
+        self.max_sp = int(max_sp)
+        """The largest group the world's blocks and ``max_sp_size`` allow (the heads may allow fewer: :attr:`sp_sizes`)."""
         self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
         """Per-rank speeds, or None when every rank runs at the cost model's pace."""
         self.num_layers = int(cost_model.num_layers)
