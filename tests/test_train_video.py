@@ -43,14 +43,10 @@ def test_clips_to_a_generated_video_offline(tmp_path, capsys, monkeypatch):
     import diffusers
     from _encode_helpers import make_videos
 
-    from lightning_dcp.diffusers import EncodeSettings, encode_videos
-    from lightning_dcp.diffusers.tiny import tiny_components
-
     monkeypatch.chdir(tmp_path)
     make_videos(Path("clips"))
-    parts = tiny_components("tiny-wan")
-    encode_videos(Path("clips"), Path("encoded"), vae=parts["vae"], text_encoder=parts["text_encoder"],
-                  tokenizer=parts["tokenizer"], captions="clips/captions.csv", settings=EncodeSettings(), progress=False)
+    assert main(["encode", "--videos", "clips", "--captions", "clips/captions.csv", "--model", "tiny-wan", "--out",
+                 "encoded", "--no-progress"]) == 0
     args = ["train-video", "--model", "tiny-wan", "--data", "encoded", "--out", "runs/tiny", "--steps", "3",
             "--global-batch-size", "2", "--devices", "1", "--prompt", "a red ball", "--validate-every", "2",
             "--budget", "none", "--set", "validation={num_frames: 5, height: 32, width: 32, num_inference_steps: 2}"]

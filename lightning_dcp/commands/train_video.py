@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_dcp.commands.console import training_summary
     from lightning_dcp.diffusers.recipe import train_video
 
-    try:
+    try:  # a model that cannot be loaded (PretrainedError), data that does not fit the model: one message
         run_ = train_video(config, resume=args.resume, quiet_plans=args.quiet_plans, progress_bar=args.progress_bar)
     except (ValueError, FileNotFoundError) as err:
         raise CLIError(str(err)) from None

@@ -1,7 +1,8 @@
 """One video fine-tuning run from its settings: :func:`build_run` and :func:`train_video` (``lightning-dcp train-video``).
 
-From a :class:`~lightning_dcp.diffusers.train_config.VideoTrainConfig`: the transformer (a tiny offline model,
-or ``from_pretrained`` of a pipeline folder or Hub id, fp32 weights), its family's samples of the encode folder
+From a :class:`~lightning_dcp.diffusers.train_config.VideoTrainConfig`: the transformer
+(:func:`~lightning_dcp.diffusers.pretrained.load_transformer`: a tiny offline model, or ``from_pretrained`` of a
+pipeline folder or Hub id, fp32 weights), its family's samples of the encode folder
 (:func:`~lightning_dcp.diffusers.family_data.family_dataset`), a
 :class:`~lightning_dcp.diffusers.VideoDiffusionModule` (with a LoRA adapter unless ``lora.rank`` is 0), and a
 Trainer under :class:`~lightning_dcp.DCPStrategy` with
@@ -21,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_dcp.diffusers.train_config import FAMILY_NAMES, VideoTrainConfig
 
-__all__ = ["CHECKPOINTS", "VideoRun", "build_run", "load_transformer", "train_video"]
+__all__ = ["CHECKPOINTS", "VideoRun", "build_run", "train_video"]
 
 #: The checkpoints' folder under ``out``.
 CHECKPOINTS = "checkpoints"
@@ -43,26 +43,6 @@ class VideoRun:
     @property
     def checkpoints(self) -> Path:
         return Path(self.config.out) / CHECKPOINTS
-
-
-def load_transformer(name: str) -> nn.Module:
-    """The diffusers transformer ``name`` names: a tiny offline model's (random weights), or the
-    ``from_pretrained`` of a pipeline folder or Hub id (its ``transformer/`` subfolder) or of a transformer's own
-    folder, in float32."""
-    from lightning_dcp.diffusers.tiny import is_tiny, tiny_transformer
-
-    if is_tiny(name):
-        return tiny_transformer(name)
-    import diffusers
-
-    local = Path(name)
-    sub = None if local.is_dir() and not (local / "transformer").is_dir() else "transformer"
-    kw = {"subfolder": sub} if sub else {}
-    config = diffusers.ModelMixin.load_config(name, **kw)
-    cls = getattr(diffusers, str(config.get("_class_name")), None)
-    if cls is None:
-        raise ValueError(f"{name}: its transformer config names {config.get('_class_name')!r}, not a diffusers model")
-    return cls.from_pretrained(name, torch_dtype=torch.float32, **kw)
 
 
 def _logger(config: VideoTrainConfig) -> Any:
@@ -104,6 +84,7 @@ def build_run(config: VideoTrainConfig, *, quiet_plans: bool = False, progress_b
     from lightning_dcp.diffusers.family_data import family_dataset
     from lightning_dcp.diffusers.lora import lora_config
     from lightning_dcp.diffusers.module import VideoDiffusionModule
+    from lightning_dcp.diffusers.pretrained import load_transformer
     from lightning_dcp.diffusers.validation import ValidationVideos
     from lightning_dcp.runtime.strategy import DCPStrategy
 
