@@ -9,6 +9,7 @@ then the checkpoint's or the gathered weights loaded into it) -- no download, no
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -24,12 +25,17 @@ PREFIX = "model."
 
 
 def _plain(value: Any) -> Any:
-    """JSON-like copy of a config value (sets and tuples as lists), so the record pickles and prints."""
+    """JSON-like copy of a config value (sets and tuples as lists, enums as their values, anything else not JSON as
+    text): the record loads with ``torch.load(weights_only=True)`` and prints."""
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in (sorted(value) if isinstance(value, (set, frozenset)) else value)]
-    return value
+        return [_plain(v) for v in (sorted(value, key=str) if isinstance(value, (set, frozenset)) else value)]
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 @dataclass(frozen=True)
