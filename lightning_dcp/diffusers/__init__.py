@@ -21,6 +21,11 @@ videos under DCP.
 * :func:`encode_videos` (``lightning-dcp encode``) encodes your own video files and captions with the
   model's VAE and text encoder into resumable shards; :class:`EncodedVideoDataset` trains on them
   (``pip install "lightning-dcp[encode]"`` for PyAV).
+* Fine-tuning as teams do it: a LoRA adapter (``VideoDiffusionModule(model, lora=16)``,
+  :mod:`~lightning_dcp.diffusers.lora`), the EMA (:class:`lightning_dcp.EMA`), validation videos
+  (:class:`~lightning_dcp.diffusers.validation.ValidationVideos`, :func:`write_mp4`), export to a diffusers
+  folder (:mod:`~lightning_dcp.diffusers.export`), and all of it from a config (``lightning-dcp train-video``,
+  :mod:`~lightning_dcp.diffusers.recipe`).
 
 Which class runs how is one :class:`~lightning_dcp.diffusers.family.VideoFamily` per model in :data:`FAMILIES`;
 each family's adapter, attention processor and packed forward is its module in
@@ -55,6 +60,7 @@ from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 from lightning_dcp.diffusers.families.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
 from lightning_dcp.diffusers.families.wan import DCPWanAttnProcessor
 from lightning_dcp.diffusers.module import VideoDiffusionModule
+from lightning_dcp.diffusers.mp4 import write_mp4
 from lightning_dcp.diffusers.samples import (
     CONDITION,
     GRID,
@@ -85,5 +91,5 @@ __all__ = [
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",
     "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed",
     "unpack_output", "unpatchify",
-    "video_sample",
+    "video_sample", "write_mp4",
 ]
