@@ -68,6 +68,7 @@ SLOW = {
     "test_diffusers_joint.py::test_dcp_strategy_equals_single_process_training[4]",
     "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[2-more]",
     "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[4-all]",
+    "test_train_video.py::test_the_quick_start_runs_as_written",
 }
 """Test ids (file::name[params]) marked ``slow``."""
 

@@ -113,3 +113,35 @@ def test_encoded_latents_train_every_family_that_can_build_its_samples(tmp_path,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2, collate_fn=VideoDiffusionModule.collate))
     assert trainer.global_step == 1
+
+
+def test_the_quick_start_runs_as_written(tmp_path):
+    """docs/video.md's quick start, as a newcomer runs it: its three commands (2 CPU processes for train-video), then
+    its Python snippet that loads the exported pipeline and writes the generated video (slow: about 2 minutes)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("av")
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    from _encode_helpers import make_videos
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "video.md").read_text()
+    section = text[text.index("## Quick start"):text.index("## Encode, then train")]
+    commands = [line for line in re.findall(r"```bash\n(.*?)```", section, re.S)[0].splitlines() if line.strip()]
+    snippet = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    assert [c.split()[1] for c in commands] == ["encode", "train-video", "export"]
+    make_videos(tmp_path / "clips")
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for command in commands:
+        argv = [sys.executable, "-m", "lightning_dcp.cli", *shlex.split(command)[1:]]
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "generated.mp4").stat().st_size > 0
+    assert len(list((tmp_path / "runs/tiny/logs/version_0/validation_videos").glob("*.mp4"))) == 2

@@ -68,6 +68,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None}
 
 
+def _rank_zero() -> bool:
+    """Whether this process is the run's first (the command as typed, or rank 0 of the processes Lightning starts)."""
+    import os
+
+    return all(os.environ.get(v, "0") in ("", "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
 def run(args: argparse.Namespace) -> int:
     from lightning_dcp.commands.train import _quiet_nonzero_rank
     from lightning_dcp.diffusers.train_config import load_config
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     try:  # a model that cannot be loaded (PretrainedError), data that does not fit the model: one message
         run_ = train_video(config, resume=args.resume, quiet_plans=args.quiet_plans, progress_bar=args.progress_bar)
     except (ValueError, FileNotFoundError) as err:
+        if not _rank_zero():  # every rank meets it; rank 0 tells it
+            return 2
         raise CLIError(str(err)) from None
     trainer = run_.trainer
     if trainer.is_global_zero:

@@ -127,7 +127,7 @@ def build_run(config: VideoTrainConfig, *, quiet_plans: bool = False, progress_b
         callbacks.append(TQDMProgressBar())
     accelerator, devices, precision = _devices(config)
     strategy = DCPStrategy(global_batch_size=t.global_batch_size, seed=t.seed, sharding=t.sharding,
-                           profile=config.profile)
+                           profile=config.profile, drop_last=t.drop_last)
     trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision,
                          max_steps=t.steps, logger=_logger(config), callbacks=callbacks, default_root_dir=str(out),
                          enable_model_summary=False, enable_progress_bar=progress_bar, num_sanity_val_steps=0,

@@ -9,7 +9,8 @@ command-line flag or ``--set section.key=value`` overrides the file::
     out: runs/video              # checkpoints/, logs/, validation videos
     lora: {rank: 16, alpha: null, targets: null}   # rank 0 (or `lora: null`): full fine-tune
     train: {steps: 200, global_batch_size: 8, lr: 1.0e-4, weight_decay: 0.0, shift: 5.0, seed: 0,
-            devices: auto, accelerator: auto, precision: auto, sharding: none, checkpoint_every: 100}
+            devices: auto, accelerator: auto, precision: auto, sharding: none, checkpoint_every: 100,
+            drop_last: false}        # false: an epoch's remainder trains as a smaller last step
     budget: auto                 # per-device memory in MiB the planner may use; auto: the device's; none: no profile
     ema: {enabled: true, decay: 0.999}
     validation: {prompts: [], seeds: [0], every_n_steps: 100, num_frames: 17, height: 256, width: 256,
@@ -59,6 +60,7 @@ class TrainSettings:
     precision: str = "auto"
     sharding: str = "none"
     checkpoint_every: int = 100
+    drop_last: bool = False  # False: an epoch's remainder trains as a smaller last step (a few clips still train)
 
 
 @dataclass(frozen=True)
