@@ -92,11 +92,12 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*`validation_step` but have no `val_dataloader`")
-    from lightning_dcp.commands.console import training_summary
+    from lightning_dcp.commands.console import PlanPrinter, training_summary
     from lightning_dcp.diffusers.recipe import train_video
 
     try:  # a model that cannot be loaded (PretrainedError), data that does not fit the model: one message
-        run_ = train_video(config, resume=args.resume, quiet_plans=args.quiet_plans, progress_bar=args.progress_bar)
+        run_ = train_video(config, resume=args.resume, callbacks=[PlanPrinter(args.quiet_plans)],
+                           progress_bar=args.progress_bar)
     except (ValueError, FileNotFoundError) as err:
         if not _rank_zero():  # every rank meets it; rank 0 tells it
             return 2

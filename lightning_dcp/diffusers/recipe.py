@@ -12,14 +12,14 @@ Trainer under :class:`~lightning_dcp.DCPStrategy` with
 * checkpoints every ``train.checkpoint_every`` steps and at the end (``<out>/checkpoints/``, ``last.ckpt``);
 * :class:`~lightning_dcp.callbacks.EMA` (``ema.enabled``) and
   :class:`~lightning_dcp.diffusers.validation.ValidationVideos` (``validation.prompts``);
-* the logger (``<out>/logs/``) and a plan line per step, as ``lightning-dcp train`` prints it.
+* the logger (``<out>/logs/``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -69,8 +69,9 @@ def _devices(config: VideoTrainConfig) -> tuple[str, int, str]:
     return accelerator, devices, precision
 
 
-def build_run(config: VideoTrainConfig, *, quiet_plans: bool = False, progress_bar: bool = False) -> VideoRun:
-    """The module, Trainer and DataLoader of ``config`` (nothing trains yet).
+def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progress_bar: bool = False) -> VideoRun:
+    """The module, Trainer and DataLoader of ``config`` (nothing trains yet); ``callbacks`` go first in the Trainer's
+    (``lightning-dcp train-video`` adds its plan printer).
 
     Raises:
         ValueError: the model is not of ``config.family``, or its family's samples cannot come from the encode folder.
@@ -79,7 +80,6 @@ def build_run(config: VideoTrainConfig, *, quiet_plans: bool = False, progress_b
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_dcp.callbacks.ema import EMA
-    from lightning_dcp.commands.console import PlanPrinter
     from lightning_dcp.diffusers.family import family_of
     from lightning_dcp.diffusers.family_data import family_dataset
     from lightning_dcp.diffusers.lora import lora_config
@@ -104,9 +104,8 @@ def build_run(config: VideoTrainConfig, *, quiet_plans: bool = False, progress_b
     module = VideoDiffusionModule(model, lr=t.lr, weight_decay=t.weight_decay, seed=t.seed, shift=t.shift, lora=lora)
 
     out = Path(config.out)
-    callbacks: list[Any] = [PlanPrinter(quiet_plans),
-                            ModelCheckpoint(dirpath=out / CHECKPOINTS, every_n_train_steps=t.checkpoint_every,
-                                            save_last=True, save_top_k=1)]
+    callbacks = [*callbacks, ModelCheckpoint(dirpath=out / CHECKPOINTS, every_n_train_steps=t.checkpoint_every,
+                                             save_last=True, save_top_k=1)]
     if config.ema.enabled:
         callbacks.append(EMA(decay=config.ema.decay))
     v = config.validation
@@ -136,10 +135,10 @@ def build_run(config: VideoTrainConfig, *, quiet_plans: bool = False, progress_b
     return VideoRun(config, module, trainer, loader)
 
 
-def train_video(config: VideoTrainConfig, *, resume: str | None = None, quiet_plans: bool = False,
+def train_video(config: VideoTrainConfig, *, resume: str | None = None, callbacks: Sequence[Any] = (),
                 progress_bar: bool = False) -> VideoRun:
     """Build and fit the run of ``config``; ``resume``: a checkpoint path, or ``"last"`` (``<out>/checkpoints/last.ckpt``)."""
-    run = build_run(config, quiet_plans=quiet_plans, progress_bar=progress_bar)
+    run = build_run(config, callbacks=callbacks, progress_bar=progress_bar)
     ckpt = str(run.checkpoints / "last.ckpt") if resume == "last" else resume
     run.trainer.fit(run.module, run.loader, ckpt_path=ckpt)
     return run
