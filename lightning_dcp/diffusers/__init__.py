@@ -61,6 +61,9 @@ from lightning_dcp.diffusers.families.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_S
 from lightning_dcp.diffusers.families.wan import DCPWanAttnProcessor
 from lightning_dcp.diffusers.module import VideoDiffusionModule
 from lightning_dcp.diffusers.mp4 import write_mp4
+from lightning_dcp.diffusers.lora import add_lora, lora_config, lora_state_dict, save_lora
+from lightning_dcp.diffusers.validation import ValidationVideos
+from lightning_dcp.diffusers.export import ExportResult, export_checkpoint
 from lightning_dcp.diffusers.samples import (
     CONDITION,
     GRID,
@@ -92,4 +95,5 @@ __all__ = [
     "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed",
     "unpack_output", "unpatchify",
     "video_sample", "write_mp4",
+    "ExportResult", "ValidationVideos", "add_lora", "export_checkpoint", "lora_config", "lora_state_dict", "save_lora",
 ]
