@@ -143,6 +143,7 @@ class ValidationVideos(pl.Callback):
         with self._transformer(trainer, pl_module, ema, sharded) as transformer:
             made = [self._one(transformer, pl_module.device, trainer, step, j, prompt, seed, weights)
                     for j, prompt, seed in mine] if transformer is not None else []
+        self._components_to(torch.device("cpu"))  # the text encoders and VAE leave the training device
         if world > 1 and dist.is_available() and dist.is_initialized():
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, made)
@@ -199,16 +200,22 @@ class ValidationVideos(pl.Callback):
         return job, ValidationVideo(step, prompt, seed, weights, str(path))
 
     def _pipe(self, transformer: nn.Module, device: torch.device) -> Any:
-        """The pipeline (built once per rank) around ``transformer``, its other components on ``device``."""
+        """The pipeline (built once on each rank that generates) around ``transformer``, its other components on
+        ``device`` (between validations they wait on the CPU)."""
         if self._pipeline is None:
             self._pipeline = _build_pipeline(self.source, transformer, self.load_kwargs)
-        pipe = self._pipeline
-        pipe.register_modules(transformer=transformer)
-        for name, component in pipe.components.items():
+            self._pipeline.set_progress_bar_config(disable=True)
+        self._pipeline.register_modules(transformer=transformer)
+        self._components_to(device)
+        return self._pipeline
+
+    def _components_to(self, device: torch.device) -> None:
+        """The pipeline's components other than the trained transformer to ``device``."""
+        if self._pipeline is None:
+            return
+        for name, component in self._pipeline.components.items():
             if name != "transformer" and isinstance(component, nn.Module):
                 component.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
 
 
 def _build_pipeline(source: Any, transformer: nn.Module, load_kwargs: dict[str, Any]) -> Any:
