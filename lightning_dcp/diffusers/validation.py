@@ -143,7 +143,9 @@ class ValidationVideos(pl.Callback):
         with self._transformer(trainer, pl_module, ema, sharded) as transformer:
             made = [self._one(transformer, pl_module.device, trainer, step, j, prompt, seed, weights)
                     for j, prompt, seed in mine] if transformer is not None else []
-        self._components_to(torch.device("cpu"))  # the text encoders and VAE leave the training device
+        if self._pipeline is not None:  # no reference to a gathered copy left; text encoders and VAE off the device
+            self._pipeline.register_modules(transformer=None)
+            self._components_to(torch.device("cpu"))
         if world > 1 and dist.is_available() and dist.is_initialized():
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, made)
