@@ -6,10 +6,11 @@ path. :class:`FirstPrinciplesBounder` recomputes it with nothing but the
 :class:`~lightning_dcp.planning.cost_model.CostModel` interface on real lists of lengths:
 
 - capacity of a micro-batch on ``p`` ranks with ``r`` recomputed layers: the most tokens ``T``
-  with ``cm.fits([T], p, r)`` (bisection);
+  with ``cm.fits([T], p, r)`` (bisection), for the planner's SP sizes and their ring degrees;
 - a sample's best GPU-seconds: ``min over (p, r)`` of ``p`` x its share of a full micro-batch
-  of ``cap[p][r]`` tokens. Micro-batch time is linear in (attention work, tokens, 1) (the
-  cost-model contract), so a sample of ``l`` tokens has the share
+  of ``cap[p][r]`` tokens. ``cm.item_time_lower`` is linear in (attention work, tokens, 1) (the
+  cost-model contract: the item time itself, a ring's transfers counted as hidden), so a sample of
+  ``l`` tokens has the share
   ``t([l]) - t([]) + t([]) * l / cap``: its own terms, plus the micro-batch constant ``t([])``
   (an empty micro-batch's time) spread over the fullest micro-batch;
 - the heaviest sample's best time alone: ``min over p`` of ``cm.item_time([l], p, cm.min_recompute([l], p))``;
@@ -116,34 +117,42 @@ class FirstPrinciplesBounder:
     """Step bounds of one (cost model, world size), from the CostModel interface alone (see module doc)."""
 
     def __init__(self, cm: CostModel, world_size: int, max_sp: int | None = None):
+        from lightning_dcp.planning.policies.costs import CostView
+
         self.cm = cm
         self.W = int(world_size)
-        top = 1
-        while top * 2 <= self.W:
-            top *= 2
-        if max_sp is not None:
-            top = min(top, max_sp)
-        self.sps = list(cm.sp_sizes(top))
+        top = self.W if max_sp is None else min(self.W, max_sp)
+        # the planner's SP sizes and their ring degrees: an input here (what is checked is the bound's arithmetic)
+        self.ring = dict(CostView(cm, top, world_size=self.W).ring)
+        self.sps = sorted(self.ring)
         self.caps = {p: [self._cap(p, r) for r in range(cm.num_layers + 1)] for p in self.sps}
         usable = [(p, r) for p in self.sps for r, c in enumerate(self.caps[p]) if c > 0]
-        self.c_min = min(cm.item_time([], p, r) for p, r in usable)
-        self.c_max = {p: max(cm.item_time([], q, r) for q, r in usable if q == p) for p in self.sps
+        self.c_min = min(self._t([], p, r) for p, r in usable)
+        self.c_max = {p: max(self._t([], q, r) for q, r in usable if q == p) for p in self.sps
                       if any(q == p for q, _ in usable)}
-        self.c_low = {p: min(cm.item_time([], q, r) for q, r in usable if q == p) for p in self.c_max}
+        self.c_low = {p: min(self._t([], q, r) for q, r in usable if q == p) for p in self.c_max}
         self._per_len: dict[int, SampleCosts] = {}
 
+    def _kw(self, p: int) -> dict:
+        r = self.ring.get(p, 1)
+        return {} if r == 1 else {"ring": r}
+
+    def _t(self, lengths: Sequence[int], p: int, r: int) -> float:
+        """``item_time_lower``: linear in the samples' sums (a ring's transfers hidden), as the bound needs."""
+        return self.cm.item_time_lower(lengths, p, r, **self._kw(p))
+
     def _cap(self, p: int, r: int) -> int:
-        cm = self.cm
-        if not cm.fits([1], p, r):
+        cm, kw = self.cm, self._kw(p)
+        if not cm.fits([1], p, r, **kw):
             return 0
         lo, hi = 1, 2
-        while cm.fits([hi], p, r):
+        while cm.fits([hi], p, r, **kw):
             lo, hi = hi, hi * 2
             if hi > 1 << 40:
                 return lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if cm.fits([mid], p, r):
+            if cm.fits([mid], p, r, **kw):
                 lo = mid
             else:
                 hi = mid
@@ -164,13 +173,14 @@ class FirstPrinciplesBounder:
             for r, cap in enumerate(caps):
                 if cap < n or (r > 0 and cap == caps[r - 1]):  # more recompute, same capacity: never better
                     continue
-                const = cm.item_time([], p, r)
-                own = cm.item_time([n], p, r) - const
+                const = self._t([], p, r)
+                own = self._t([n], p, r) - const
                 best = min(best, p * (own + const * n / cap))
                 low = min(low, p * own)
             if math.isfinite(best):
                 g[p], bare[p] = best, low
-                alone[p] = cm.item_time([n], p, cm.min_recompute([n], p))
+                kw = self._kw(p)
+                alone[p] = cm.item_time([n], p, cm.min_recompute([n], p, **kw), **kw)
         self._per_len[n] = got = SampleCosts(g, bare, alone)
         return got
 
@@ -253,29 +263,33 @@ def gap_parts(step, cm: CostModel, fp: FirstPrinciplesBounder) -> dict[str, floa
     - ``recompute``: each sample's share at the micro-batch's recompute minus its best share
       at that SP size;
     - ``partial``: ``p C (1 - T / cap)``, the micro-batch constant a micro-batch pays beyond a
-      full one's share (few samples per rank, small micro-batches).
+      full one's share (few samples per rank, small micro-batches);
+    - ``ring``: a ring item's key/value transfers that compute does not hide (``item_time`` minus
+      ``item_time_lower``; 0 without rings).
     """
     W = fp.W
     free = [0.0] * W
-    busy = sp = rec = partial = work = 0.0
+    busy = sp = rec = partial = work = ring = 0.0
     for item in step.items:
         p, r = item.sp_size, item.recompute
-        t = cm.item_time(item.lengths, p, r)
+        kw = {} if item.ring == 1 else {"ring": item.ring}
+        t = cm.item_time(item.lengths, p, r, **kw)
         start = max(free[x] for x in item.ranks)
         for x in item.ranks:
             free[x] = start + t
         busy += t * p
-        const = cm.item_time([], p, r)
+        ring += p * (t - cm.item_time_lower(item.lengths, p, r, **kw))
+        const = cm.item_time_lower([], p, r, **kw)
         cap = fp.caps[p][r]
         partial += p * const * (1 - sum(item.lengths) / cap)
         for n in item.lengths:
             g = fp.sample(n).gpu_s
-            rec += p * (cm.item_time([n], p, r) - const + const * n / cap) - g[p]
+            rec += p * (cm.item_time_lower([n], p, r, **kw) - const + const * n / cap) - g[p]
             sp += g[p] - min(g.values())
             work += min(g.values())
     span = max(free)
     return {"span": span, "work": work / W, "idle": (W * span - busy) / W, "sp": sp / W, "recompute": rec / W,
-            "partial": partial / W}
+            "partial": partial / W, "ring": ring / W}
 
 
 def full_run(dist, seed: int, steps: int, tokens: int, mean: float) -> list[int]:
@@ -335,7 +349,7 @@ def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seed
                          "compute_only": (c.step_bound_s - c.overhead) / (t - c.overhead),
                          "ideal": sum(cm.ideal_time([n]) for n in lengths) / world / t,
                          "diff": abs(c.step_bound_s - ours) / ours, "limited": float(c.heaviest > c.work),
-                         **{key: g[key] / t for key in ("idle", "sp", "recompute", "partial")},
+                         **{key: g[key] / t for key in ("idle", "sp", "recompute", "partial", "ring")},
                          "allreduce": c.overhead / t})
             if out is not None:
                 out(f"seed {seed} step {k}: {len(lengths)} samples, longest {max(lengths):,}; bound "
@@ -344,7 +358,8 @@ def check_cell(model: str, dist_name: str, tokens: int, *, world: int = 32, seed
                     f"constant {c.per_rank_constant:.3f} stacking {c.stacking:.3f}); step {t:.3f}s = "
                     f"{100 * c.step_bound_s / t:.1f}% of the bound, {100 * c.tight_s / t:.1f}% of the tight bound; "
                     f"span {g['span']:.3f}s = best-rate work {g['work']:.3f} + idle {g['idle']:.3f} + SP size "
-                    f"{g['sp']:.3f} + recompute {g['recompute']:.3f} + partial micro-batches {g['partial']:.3f}")
+                    f"{g['sp']:.3f} + recompute {g['recompute']:.3f} + partial micro-batches {g['partial']:.3f} + exposed "
+                    f"ring transfers {g['ring']:.3f}")
     keys = rows[0].keys()
     cell = {k: statistics.mean(r[k] for r in rows) for k in keys}
     for k in ("fraction", "tight", "compute_only", "ideal"):

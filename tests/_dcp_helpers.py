@@ -166,15 +166,16 @@ class Dump(pl.Callback):
 
 
 def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any = None, reduction: str = "token",
-                  optimizer: str = "sgd", clip: float | None = None) -> tuple[dict, dict]:
+                  optimizer: str = "sgd", clip: float | None = None, module: Any = None) -> tuple[dict, dict]:
     """Single process, every sample alone at SP 1: grads of step 0 and weights after ``steps`` steps.
 
     The loss of plain data-parallel training on the step's global batch, written out: token mode
     sums the cross-entropy over every label != -100 and divides by their count over the global
     batch; sample mode averages each sample's mean over the samples that have such labels.
-    ``clip``: clip the gradients' total norm to it before each step (``Trainer(gradient_clip_val=...)``)."""
+    ``clip``: clip the gradients' total norm to it before each step (``Trainer(gradient_clip_val=...)``).
+    ``module``: a fresh module to train (default ``TinyLM(lr, reduction, optimizer)``)."""
     dataset = dataset if dataset is not None else make_dataset()
-    module = TinyLM(lr=lr, reduction=reduction, optimizer=optimizer)
+    module = module if module is not None else TinyLM(lr=lr, reduction=reduction, optimizer=optimizer)
     opt = module.configure_optimizers()
     grads0 = None
     for k in range(steps):

@@ -69,6 +69,13 @@ SLOW = {
     "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[2-more]",
     "test_lora.py::test_lora_under_dcp_equals_plain_peft_training[4-all]",
     "test_train_video.py::test_the_quick_start_runs_as_written",
+    "test_ring.py::test_ring_at_sp4_on_two_heads_and_ring_four_are_exact",
+    "test_ring.py::test_ulysses_and_ring_on_three_processes_are_exact",
+    "test_ring.py::test_ulysses_and_ring_on_six_processes_are_exact",
+    "test_any_sp_size.py::test_ring_at_sp4_on_a_two_head_model_is_exact[zigzag]",
+    "test_any_sp_size.py::test_ring_at_sp4_on_a_two_head_model_is_exact[contiguous]",
+    "test_any_sp_size.py::test_hf_twelve_heads_on_three_processes_sp3_and_ring_is_exact",
+    "test_any_sp_size.py::test_diffusers_wan_six_heads_on_three_processes_sp3_and_ring_is_exact",
 }
 """Test ids (file::name[params]) marked ``slow``."""
 

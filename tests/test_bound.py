@@ -175,5 +175,6 @@ def test_gap_parts_add_up_to_the_span():
     fp = bc.FirstPrinciplesBounder(cm, 8)
     step = Planner(8, cm).plan_batch(list(range(len(lengths))), lengths).steps[0]
     g = bc.gap_parts(step, cm, fp)
-    assert g["span"] == pytest.approx(g["work"] + g["idle"] + g["sp"] + g["recompute"] + g["partial"], rel=1e-9)
-    assert min(g["idle"], g["sp"], g["recompute"], g["partial"]) >= -1e-12
+    assert g["span"] == pytest.approx(g["work"] + g["idle"] + g["sp"] + g["recompute"] + g["partial"] + g["ring"],
+                                      rel=1e-9)
+    assert min(g["idle"], g["sp"], g["recompute"], g["partial"], g["ring"]) >= -1e-12

@@ -427,9 +427,9 @@ class _Videos(torch.utils.data.Dataset):
 _LR = 0.5
 
 
-def _reference_weights(plans, dataset, reduction: str) -> dict:
+def _reference_weights(plans, dataset, reduction: str, heads: int = 4) -> dict:
     """Single process, plain diffusers, each sample alone: the global batch's flow-matching loss, torch.optim.SGD."""
-    ref = make_wan(seed=3)
+    ref = make_wan(seed=3, heads=heads)
     flow = FlowMatching(PATCH, seed=FLOW_SEED)
     opt = torch.optim.SGD(ref.parameters(), lr=_LR)
     for plan in plans:
@@ -572,7 +572,7 @@ def _sp_case(rank, layout, groups, recompute, grids=_SP_GRIDS):
 _STEPS = 3
 
 
-def _fit(world, out_dir, name, reduction, **kw):
+def _fit(world, out_dir, name, reduction, heads: int = 4, **kw):
     """One DCPStrategy fit inside the already-running processes; rank 0 checks it against the reference."""
     from lightning_dcp import DCPStrategy
 
@@ -582,7 +582,7 @@ def _fit(world, out_dir, name, reduction, **kw):
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=_STEPS, callbacks=[plans],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
-    module = SGDVideo(make_wan(seed=3), lr=_LR, seed=FLOW_SEED)
+    module = SGDVideo(make_wan(seed=3, heads=heads), lr=_LR, seed=FLOW_SEED)
     trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=VideoDiffusionModule.collate))
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     gathered = [None] * world
@@ -592,14 +592,14 @@ def _fit(world, out_dir, name, reduction, **kw):
     sizes = sorted({len(it["ranks"]) for p in plans.plans for it in p["items"]})
     recompute = sorted({it["recompute"] for p in plans.plans for it in p["items"]})
     assert len(plans.plans) == _STEPS and max(sizes) > 1, f"{name}: the plans never used SP > 1: {plans.plans}"
-    want = _reference_weights(plans.plans, dataset, reduction)
+    want = _reference_weights(plans.plans, dataset, reduction, heads)
     worst = 0.0
     for r, got in enumerate(gathered):
         for n, w in got.items():
             rel = float((w - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12))
             worst = max(worst, rel)
             assert rel < 1e-5, f"{name}: rank {r} weight {n} after {_STEPS} steps: relative error {rel:.2e}"
-        moved = max(float((w - want[n]).abs().max()) for n, w in make_wan(seed=3).state_dict().items())
+        moved = max(float((w - want[n]).abs().max()) for n, w in make_wan(seed=3, heads=heads).state_dict().items())
         assert moved > 1e-3  # training changed the weights
     print(f"world {world} {name} ({reduction}; SP sizes {sizes}, recompute {recompute}): max rel weight err {worst:.2e}",
           flush=True)

@@ -566,10 +566,10 @@ class _SGDCausalLM(CausalLMModule):
 
     dcp_layers_attr = "model.dcp_repeated_layers"
 
-    def __init__(self, families, lr):
-        super().__init__(make_model(families[0], layers=3, seed=3), lr=lr)
+    def __init__(self, families, lr, heads: int = 4):
+        super().__init__(make_model(families[0], heads=heads, layers=3, seed=3), lr=lr)
         self.families = list(families)
-        self.others = torch.nn.ModuleList(adapt(make_model(f, layers=3, seed=3)) for f in families[1:])
+        self.others = torch.nn.ModuleList(adapt(make_model(f, heads=heads, layers=3, seed=3)) for f in families[1:])
 
     def family_models(self):
         return zip(self.families, [self.model, *self.others])
@@ -591,11 +591,11 @@ class _SGDCausalLM(CausalLMModule):
         torch.set_num_threads(1)
 
 
-def _e2e_reference(plans, dataset, family: str):
+def _e2e_reference(plans, dataset, family: str, heads: int = 4):
     """Plain transformers, no lightning_dcp math: per sample, shifted CE summed over valid targets,
     divided by the valid targets of the step's global batch; torch.optim.SGD. Returns the final
     state dict and each step's loss."""
-    model = make_model(family, layers=3, seed=3)
+    model = make_model(family, heads=heads, layers=3, seed=3)
     opt = torch.optim.SGD(model.parameters(), lr=_E2E_LR)
     losses = []
     for plan in plans:

@@ -72,16 +72,19 @@ def test_pipelines_json_round_trip():
 
 
 def test_ring_fallback_splits_the_work_and_overlaps_p2p():
-    assert not supports_ring(CM)
-    one = CM.item_cost([65536], 1, 0)
-    ring = ring_cost_fallback(CM, [65536], 8, 0, 8)
+    assert supports_ring(CM)  # the analytic model prices rings itself (lightning_dcp/planning/ring.py)
+    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32)
+    cm.prices_ring = False  # a model that does not: the fallback prices its rings
+    assert not supports_ring(cm)
+    one = cm.item_cost([65536], 1, 0)
+    ring = ring_cost_fallback(cm, [65536], 8, 0, 8)
     assert ring.ideal == pytest.approx(one.ideal / 8)
     assert ring.comm == 0.0  # intra-node ring steps hide behind the 64k attention
-    far = ring_cost_fallback(CM, [8192], 32, 0, 32)  # inter-node, little attention: exposed
+    far = ring_cost_fallback(cm, [8192], 32, 0, 32)  # inter-node, little attention: exposed
     assert far.comm > 0
-    assert ring_cost(CM, [65536], 8, 0, 8) == ring
+    assert ring_cost(cm, [65536], 8, 0, 8) == ring
     with pytest.raises(ValueError, match="pure ring"):
-        ring_cost_fallback(CM, [4096], 8, 0, 2)
+        ring_cost_fallback(cm, [4096], 8, 0, 2)
 
 
 class RingCostModel(FakeCostModel):

@@ -135,7 +135,7 @@ def test_shard_group_view_memory_time_and_sp_cap():
     base = AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="none")
     cm = hsdp_view(base, 8)
     assert isinstance(cm, ShardGroupCostModel) and cm.shard_group_size == 8 and cm.sharding == "hsdp"
-    assert max(cm.sp_sizes(32)) == 8 and max(base.sp_sizes(32)) == 8  # 40 heads: SP <= 8 either way
+    assert max(cm.sp_sizes(32)) == 8 and max(base.sp_sizes(32)) == 20  # 40 heads: 20 on 32 ranks, the group caps it
     lengths = [20000, 3000]
     assert cm.item_memory(lengths, 2, 0) == pytest.approx(base.item_memory(lengths, 2, 0) - base.state_bytes
                                                           + cm.state_bytes)

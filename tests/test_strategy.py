@@ -87,16 +87,62 @@ def test_weighted_loss_marks_and_falls_back_outside_dcp():
 
 
 def test_heads_check_names_both_values():
-    with pytest.raises(ValueError, match=r"max_sp_size=8 allows SP size 8, which does not divide the model's 4 attention heads"):
+    with pytest.raises(ValueError, match=r"max_sp_size=8 allows SP size 8, which does not divide the model's 4 attention "
+                                         r"heads: .* the SP sizes are 1, 2, 4. Use max_sp_size=4"):
         resolve_sp_cap(8, world_size=8, heads=4)
+    with pytest.raises(ValueError, match=r"max_sp_size=5 .* 12 attention heads: .* SP sizes are 1, 2, 3, 4, 6, 12. Use "
+                                         r"max_sp_size=4 .* ring attention"):
+        resolve_sp_cap(5, world_size=8, heads=12)
     assert read_model(TinyLM()).num_heads == 4
 
 
+def test_max_sp_size_takes_any_size_the_model_allows():
+    """Any divisor of the heads (not only powers of two); with ring attention any size at all."""
+    assert resolve_sp_cap(6, world_size=8, heads=12) == SPCap(6, ulysses=(1, 2, 3, 4, 6))
+    assert resolve_sp_cap(3, world_size=6, heads=6).group_sizes == (1, 2, 3)
+    assert resolve_sp_cap(5, world_size=8, heads=12, ring=True) == SPCap(5, ulysses=(1, 2, 3, 4), ring=True)
+    assert resolve_sp_cap(None, world_size=8, heads=12, ring=True) == SPCap(8, ulysses=(1, 2, 3, 4, 6), ring=True)
+    assert resolve_sp_cap(None, world_size=6, heads=None).group_sizes == (1, 2, 4)  # heads unknown: powers of two up front
+
+
+def test_setup_takes_any_allowed_max_sp_size_and_refuses_an_impossible_head_split():
+    """DCPStrategy(max_sp_size=3) is a valid cap; on a 4-head module without ring attention it is refused at setup
+    naming the sizes; with ring attention (dcp_ring_layout) it runs as ring x Ulysses."""
+    from lightning_dcp.runtime.fit_setup import resolve_model_setup
+
+    settings = DCPStrategy(max_sp_size=3).settings
+    with pytest.raises(ValueError, match="positive number of ranks"):
+        DCPStrategy(max_sp_size=0)
+    lm = TinyLM()
+    lm.dcp_ring_layout = None
+    with pytest.raises(ValueError, match=r"max_sp_size=3 allows SP size 3, which does not divide the model's 4 attention "
+                                         r"heads: .* SP sizes are 1, 2, 4. Use max_sp_size=2"):
+        resolve_model_setup(read_model(lm), settings, 8)
+    lm.dcp_ring_layout = "zigzag"
+    contract = read_model(lm)
+    assert contract.ring_layout == "zigzag"
+    assert resolve_model_setup(contract, settings, 8) == (4, "sp", SPCap(3, ulysses=(1, 2), ring=True))
+    assert read_model(TinyLM(), support="packed").ring_layout is None  # no SP, no ring
+
+
 def test_default_max_sp_follows_heads_and_world():
-    assert resolve_sp_cap(None, world_size=8, heads=2) == SPCap(2, heads_cap=2)
-    assert resolve_sp_cap(None, world_size=8, heads=16) == SPCap(8)
+    assert resolve_sp_cap(None, world_size=8, heads=2) == SPCap(2, heads_cap=2, ulysses=(1, 2))
+    assert resolve_sp_cap(None, world_size=8, heads=16) == SPCap(8, ulysses=(1, 2, 4, 8))
+    assert resolve_sp_cap(None, world_size=6, heads=12) == SPCap(6, ulysses=(1, 2, 3, 4, 6))  # was 4: powers of two
+    with pytest.warns(UserWarning, match="capped at 4 on this world of 5"):
+        assert resolve_sp_cap(None, world_size=5, heads=12).size == 4
     with pytest.warns(UserWarning, match="exceeds the world"):
-        assert resolve_sp_cap(8, world_size=4, heads=16) == SPCap(4)
+        assert resolve_sp_cap(8, world_size=4, heads=16) == SPCap(4, ulysses=(1, 2, 4))
+
+
+def test_item_refusal_names_the_split_and_the_fix():
+    from lightning_dcp.runtime.model import item_refusal
+
+    assert item_refusal(6, 1, 6, None) is None and item_refusal(4, 2, 2, "contiguous") is None
+    assert "Ulysses size 4 (SP 4) does not divide the model's 6 attention heads" in item_refusal(4, 1, 6, None)
+    assert "max_sp_size=3" in item_refusal(4, 1, 6, None)
+    assert "plan it as ring 2 x Ulysses 2 (WorkItem(..., ring=2))" in item_refusal(4, 1, 2, "zigzag")
+    assert "cannot run ring attention" in item_refusal(4, 2, 2, None)
 
 
 def test_misspelled_arguments_name_the_closest_valid_one():
@@ -117,7 +163,7 @@ def test_settings_are_frozen_and_validated():
     with pytest.raises(TypeError):
         s.settings.planner_options["fallback"] = True  # type: ignore[index]
     assert s.settings.timeout.total_seconds() == 12.0
-    for bad in ({"max_sp_size": 3}, {"global_batch_size": 0}, {"timeout": -1}, {"support": "full"},
+    for bad in ({"max_sp_size": 0}, {"global_batch_size": 0}, {"timeout": -1}, {"support": "full"},
                 {"max_oom_replans": -1}, {"bucket_cap_mb": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DCPStrategy(**bad)

@@ -110,14 +110,20 @@ VIDEO_STEP = [93600, 46800, 46800, 46800, 46410, 44880, 44880, 20930, 20930, 206
 
 def test_video_step_on_32_h100s_reaches_the_bound_the_layout_plan_missed():
     """The layout plan ran the 93,600-token sample on SP 16, then three ~45k samples on the same 16 ranks
-    (77% of the step bound). The tree runs it on SP 16 and splits those ranks for the ~45k samples."""
+    (77% of the step bound). The tree runs it on SP 16 and splits those ranks for the ~45k samples.
+
+    SP sizes 1, 2, 4, 8, 16 (the case this was found on: 48 heads before any head divisor and rings were
+    allowed): the same shape with 16 heads and no ring pricing."""
+    from dataclasses import replace
+
     from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.bound import step_bound
     from lightning_dcp.planning.hardware import get_hardware
     from lightning_dcp.planning.models import get_model
     from lightning_dcp.planning.simulator import simulate
 
-    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32)
+    cm = AnalyticCostModel(replace(get_model("transformer-1d"), num_heads=16), get_hardware("h100"), 32)
+    cm.prices_ring = False
     samples = list(range(len(VIDEO_STEP)))
     plan = Planner(32, cm, "dcp").plan_batch(samples, VIDEO_STEP)
     validate_plan(plan, VIDEO_STEP, cm, samples=samples)

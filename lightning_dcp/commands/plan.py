@@ -39,6 +39,11 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
                             help=f"number of GPUs (ranks) (default {world_size_default})")
     parser.add_argument("--model", default=None,
                         help="model name (default transformer-1d; with --profile, checked against the profile's model)")
+    parser.add_argument("--num-heads", type=int, default=None, metavar="H",
+                        help="attention heads of the --model preset instead of its own (e.g. 28 for a Qwen2.5-7B-like "
+                             "llama-7b): the SP sizes the planner may use follow them (every divisor, rings past them)")
+    parser.add_argument("--no-ring", dest="ring", action="store_false", default=True,
+                        help="plan without ring attention: Ulysses SP sizes (divisors of the heads) only")
     parser.add_argument("--hardware", default="h100", help="hardware name for the analytic cost model (default h100)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
@@ -76,6 +81,11 @@ def build_cost_model(args: argparse.Namespace) -> Any:
             getattr(args, "sharding", None) != "hsdp":
         raise CLIError("--shard-group-size and --offload apply to --sharding hsdp only")
     source = None if limit is None else f"--memory-limit-gib {args.memory_limit_gib:g}"
+    heads = getattr(args, "num_heads", None)
+    if heads is not None and (isinstance(heads, bool) or heads < 1):
+        raise CLIError(f"--num-heads must be a positive integer, got {heads}")
+    if args.profile is not None and heads is not None:
+        raise CLIError("--num-heads changes a model preset; a --profile is measured on its own model: leave one out")
     if args.profile is not None:
         if getattr(args, "sharding", None) == "hsdp":
             raise CLIError("--sharding hsdp plans with the analytic model for now (it needs the layers' weight "
@@ -95,7 +105,7 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     from lightning_dcp.planning.models import get_model
     sharding = getattr(args, "sharding", None)
     try:
-        model = get_model(args.model or "transformer-1d")
+        model = with_heads(get_model(args.model or "transformer-1d"), heads)
         hardware = get_hardware(args.hardware)
         if sharding == "hsdp":
             from lightning_dcp.planning.shard_group import hsdp_view
@@ -107,6 +117,20 @@ def build_cost_model(args: argparse.Namespace) -> Any:
                                  memory_limit_source=source)
     except ValueError as err:
         raise CLIError(str(err)) from None
+
+
+def with_heads(model: Any, heads: int | None) -> Any:
+    """``model`` (a :class:`~lightning_dcp.planning.models.ModelSpec`) with ``heads`` attention heads (unchanged
+    for None); :class:`CLIError` when its grouped-query key/value heads do not divide them."""
+    if heads is None or heads == model.num_heads:
+        return model
+    from dataclasses import replace
+
+    kv = model.num_kv_heads
+    if kv and heads % kv:
+        raise CLIError(f"--num-heads {heads}: model {model.name!r} has {kv} key/value heads, which must divide the "
+                       f"attention heads; give a multiple of {kv}")
+    return replace(model, num_heads=heads)
 
 
 def shard_group_size(args: argparse.Namespace, gpus_per_node: int) -> int:
@@ -228,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
     cost_model = build_cost_model(args)
     try:
-        planner = Planner(args.world_size, cost_model, args.policy, seed=args.seed, dataset_lengths=lengths)
+        planner = Planner(args.world_size, cost_model, args.policy, seed=args.seed, dataset_lengths=lengths, ring=args.ring)
         plan = planner.plan(lengths, global_batch_tokens=args.global_batch_tokens)
     except PlanningError as err:
         raise CLIError(str(err)) from None

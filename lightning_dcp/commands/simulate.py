@@ -136,7 +136,7 @@ def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
             global_batch_tokens: int, seed: int = 0, timeline: bool = False,
             progress: Progress | None = None, rank_speeds: Any = None,
-            speed_aware: bool = True, charge_planning: bool = True) -> list[dict[str, Any]]:
+            speed_aware: bool = True, charge_planning: bool = True, ring: bool = True) -> list[dict[str, Any]]:
     """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result).
 
     ``charge_planning``: each global batch's planning seconds (``time.perf_counter`` around it; a
@@ -147,7 +147,8 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
 
     ``progress``: where to report each policy as it finishes (and slow planning as it goes).
     ``rank_speeds``: the ranks' true speeds: the simulation (and the run's step bound) uses them; the
-    planners see them only when ``speed_aware``.
+    planners see them only when ``speed_aware``. ``ring``: the planners may use ring sizes (the step
+    bound counts them either way).
     The run's step bound and every simulation share one cached
     :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
     """
@@ -162,7 +163,8 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     for k, name in enumerate(policies):
         tag = f"[{k + 1}/{len(policies)}] {name}"
         opts = {"tune_tokens": global_batch_tokens} if "tune_tokens" in POLICIES[name].option_names() else {}
-        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds, **opts)
+        planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds,
+                          ring=ring, **opts)
         t0 = time.perf_counter()
         marks = [t0]
 
@@ -465,10 +467,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
                        seed=args.seed, timeline=args.plot is not None, progress=progress, rank_speeds=speeds,
-                       speed_aware=args.speed_aware, charge_planning=not args.hide_planning)
+                       speed_aware=args.speed_aware, charge_planning=not args.hide_planning, ring=args.ring)
     except PlanningError as err:
         raise CLIError(str(err)) from None
     model = (args.model or "transformer-1d") if args.profile is None else args.profile
+    if getattr(args, "num_heads", None):
+        model = f"{model} with {args.num_heads} heads"
+    if not args.ring:
+        model += ", no ring"
     print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {rows[0]['global_batches']} global batches of "
           f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(cost_model)}"
           + (f", rank speeds {args.rank_speed} (planner {'aware' if args.speed_aware else 'blind'})" if speeds else ""))
@@ -477,9 +483,16 @@ def run(args: argparse.Namespace) -> int:
         note = steps_note(r)
         if note:
             print(textwrap.fill(note, 100, initial_indent="  ", subsequent_indent="    "))
+    _write_outputs(args, rows, source, gbt, len(run_lengths), progress)
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[dict], source: str, gbt: int, samples: int,
+                   progress: Progress) -> None:
+    """The files ``--json``, ``--csv`` and ``--plot`` ask for."""
     if args.json is not None:
         write_atomic(args.json, json.dumps({"source": source, "world_size": args.world_size, "global_batch_tokens": gbt,
-                                             "samples": len(run_lengths), "rows": public(rows)}, indent=2) + "\n")
+                                             "samples": samples, "rows": public(rows)}, indent=2) + "\n")
     if args.csv is not None:
         out = io.StringIO()
         pub = public(rows)
@@ -493,7 +506,6 @@ def run(args: argparse.Namespace) -> int:
         bars = plot_gantt(rows, args.plot, f"{source}, {args.world_size} GPUs")
         progress.line(f"drew {bars:,} bars in {time.perf_counter() - t0:.1f} s")
         print(f"wrote {args.plot}")
-    return 0
 
 
 def rank_speeds_arg(args: argparse.Namespace) -> tuple[float, ...] | None:

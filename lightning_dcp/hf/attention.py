@@ -13,6 +13,9 @@ to its attention function:
 
 * ``cu_seq_lens_q`` -- int32 ``[segments + 1]`` boundaries over the *whole* packed (padded)
   sequence, not just this SP rank's shard (``batch["cu_seqlens"]``);
+
+An SP size the heads do not divide runs as ring x Ulysses (a ring item, :mod:`lightning_dcp.sp.ring`) through
+the same call; :class:`~lightning_dcp.hf.CausalLMModule` shards ring items zigzag (``dcp_ring_layout``).
 * ``max_length_q`` -- the longest segment (``batch["max_seqlen"]``).
 
 :class:`~lightning_dcp.hf.CausalLMModule` passes them. Without them (a direct
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
+from lightning_dcp.sp.tokens import shard_spans
 from lightning_dcp.sp.ulysses import kv_repeat_before_all_to_all, ulysses_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "dcp_attention", "kv_repeat_before_all_to_all", "packed_gqa_attention",
@@ -77,6 +81,12 @@ def _boundaries_from_positions(position_ids: torch.Tensor, group: Any) -> tuple[
         parts = [torch.empty_like(pos) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, pos.contiguous(), group=group)
         pos = torch.cat(parts)
+        grid = active_context().ring
+        if grid is not None and grid.layout != "contiguous":  # the shards are not in token order: put them back
+            size, total = len(parts), pos.numel()
+            order = torch.cat([torch.arange(a, b) for r in range(size)
+                               for a, b in shard_spans(total, r, size, grid.degree, grid.layout)]).to(pos.device)
+            pos = torch.empty_like(pos).index_copy_(0, order, pos)
     starts = torch.nonzero(pos == 0).reshape(-1)
     if starts.numel() == 0 or int(starts[0]) != 0:
         starts = torch.cat([starts.new_zeros(1), starts])

@@ -223,6 +223,7 @@ class CausalLMModule(StepLossLogging, pl.LightningModule):
 
     #: Tells DCPStrategy that this module takes packed, SP-sharded micro-batches.
     dcp_support = "sp"
+    dcp_ring_layout = "zigzag"  # ring items: causal work balanced over the ring (lightning_dcp.sp.tokens)
     #: ``collate_fn`` for plain DataLoaders.
     collate = staticmethod(collate_causal_lm)
 

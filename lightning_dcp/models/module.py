@@ -57,6 +57,12 @@ class DCPTransformerModule(StepLossLogging, pl.LightningModule):
         return self.spec.num_heads
 
     @property
+    def dcp_ring_layout(self) -> str:
+        """Token layout of ring items (:mod:`lightning_dcp.sp.ring`): ``"zigzag"`` for a causal model (every ring
+        position gets as much causal work), else ``"contiguous"``."""
+        return "zigzag" if self.spec.causal else "contiguous"
+
+    @property
     def dcp_shard_batch(self):  # noqa: D401 - a hook, present only for 2d models
         """Hook for the DCP strategy (2d only): ``dcp_shard_batch(batch, sp_rank, sp_size) -> dict``."""
         if self.spec.kind != "2d":

@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
+from lightning_dcp.planning.ring import RingPriced, RingTerms, hardware_ring_terms
+from lightning_dcp.planning.sp_sizes import kv_repeat, ulysses_sizes
 from lightning_dcp.planning.state_sharding import SHARDING_MODES, resolve_sharding, state_bytes
 from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
 
@@ -84,7 +86,7 @@ def default_activation_factor(model: ModelSpec, dtype_bytes: int = 2) -> float:
     return dtype_bytes * (7 + extra + mlp * model.ffn_hidden_size / model.hidden_size)
 
 
-class AnalyticCostModel(CostModel):
+class AnalyticCostModel(RingPriced, CostModel):
     """Closed-form time and memory of a DCP micro-batch: Ulysses SP, sharded data parallel, flash attention.
 
     Time of one micro-batch with ``T`` tokens, per-rank tokens ``t = T / sp``, attention work ``W``
@@ -104,11 +106,15 @@ class AnalyticCostModel(CostModel):
       written once and read once forward (``2 * activation bytes``), twice that backward, at
       ``hbm_bandwidth``.
     * launch latency: ``kernel_launch_overhead`` per block forward, twice backward.
-    * Ulysses all-to-all (``a2a``): ``4`` per block forward (q, k, v in; output back), each of
-      ``t * h * dtype_bytes`` bytes of which ``(sp-1)/sp`` leaves the rank, at ``a2a_bw_intra``
+    * Ulysses all-to-all (``a2a``): ``4`` per block forward (q, k, v in; output back), of ``t * h *
+      dtype_bytes`` bytes each (k and v: ``kv_heads * f / heads`` of that, grouped-query heads repeated
+      as :func:`~lightning_dcp.planning.sp_sizes.kv_repeat` says), ``(sp-1)/sp`` leaving the rank, at ``a2a_bw_intra``
       when ``sp <= gpus_per_node`` else ``a2a_bw_inter``, plus a collective latency each; the
       backward does the same, every recomputed layer repeats its forward's. Zero for ``sp == 1``.
       Not overlapped with compute (DeepSpeed Ulysses does not overlap them).
+    * ring (``ring > 1``, kinds 1d and 3d): the item on its Ulysses subgroup with ``1/ring`` of the
+      tokens, plus the later ring steps, each the larger of its attention compute and its key/value
+      transfer at the hardware's P2P bandwidth (:mod:`~lightning_dcp.planning.ring`).
     * recompute: one extra forward (compute and its all-to-alls) per recomputed layer.
     * 3d (Wan-like) cross-attention, per layer: every video token attends to its sample's
       ``text_len`` text tokens: ``2 * 2 * t * text_len * h`` FLOPs forward (``QK^T`` and ``AV``,
@@ -244,7 +250,9 @@ class AnalyticCostModel(CostModel):
         self._elem_s_per_token = 2.0 * self.act_bytes_per_token / hw.hbm_bandwidth  # forward
         self._launch = hw.kernel_launch_overhead * blocks                   # forward, per layer
         self._a2a_per_layer = 4 * blocks                                     # forward all-to-alls
-        self._a2a_bytes_per_token = float(h * dtype_bytes)
+        self._a2a_h_bytes = float(blocks * h * dtype_bytes)
+        self._kv_fraction = (model.num_kv_heads or model.num_heads) / model.num_heads  # key/value width / h
+        self.prices_ring = model.kind != "2d"  # rings split full self-attention (1d, 3d)
 
     def _init_head_times(self) -> None:
         """Head / embedding time per micro-batch (per token and constant), and 3d's text MLP per sample."""
@@ -322,6 +330,15 @@ class AnalyticCostModel(CostModel):
             fr = 1.0
         return length * length / fr + length * fr
 
+    def ring_terms(self, sp: int, ring: int) -> RingTerms:
+        """The ring's per-step terms at Ulysses size ``sp / ring`` (:mod:`~lightning_dcp.planning.ring`)."""
+        if not self.prices_ring:
+            raise ValueError(f"no ring pricing for the 2d model {self.model.name!r}; plan it with ring=1")
+        u, m = sp // ring, self.model
+        c = self._coefficients(u)
+        kv = 2.0 * m.hidden_size * self._kv_fraction * kv_repeat(m.num_heads, m.num_kv_heads, u) / u
+        return hardware_ring_terms(self.hardware, sp, c[0], c[3], m.blocks_per_layer * kv * self.dtype_bytes, self.num_layers)
+
     def _sums(self, lengths: Sequence[int]) -> tuple[int, float]:
         tokens = 0
         work = 0.0
@@ -347,7 +364,8 @@ class AnalyticCostModel(CostModel):
         sp = _positive_int(sp, "sp")
         if self.num_heads % sp:
             raise ValueError(f"sp={sp} does not divide num_heads={self.num_heads} of model {self.model.name!r}; "
-                             f"usable SP sizes: {[p for p in (1, 2, 4, 8, 16, 32, 64, 128) if self.num_heads % p == 0]}")
+                             f"usable Ulysses SP sizes: {list(ulysses_sizes(self.num_heads, self.num_heads))} (larger "
+                             "groups: ring=)")
         hw, L = self.hardware, self.num_layers
         inv = 1.0 / sp
         g, half, la = self._gemm_s_per_token, self._gemm_half, self._launch
@@ -369,7 +387,8 @@ class AnalyticCostModel(CostModel):
             bw = hw.a2a_bw_intra if intra else hw.a2a_bw_inter
             lat = hw.collective_latency if intra else hw.collective_latency_inter
             n = self._a2a_per_layer
-            aT = n * self._a2a_bytes_per_token * (sp - 1) / sp / bw * inv
+            f = kv_repeat(self.model.num_heads, self.model.num_kv_heads, sp)  # q, output; k, v (repeated)
+            aT = self._a2a_h_bytes * (2.0 + 2.0 * self._kv_fraction * f) * (sp - 1) / sp / bw * inv
             aC = n * lat
         oT = self._head_s_per_token * inv
         oC = self._head_const
@@ -391,18 +410,24 @@ class AnalyticCostModel(CostModel):
 
     # ------------------------------------------------------------------ fast paths
 
-    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int) -> float:
+    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int, ring: int = 1,
+                      ring_exposed: bool = True) -> float:
         """Item time from precomputed sums: ``tokens`` = sum of lengths, ``sq_sum`` = sum of
         :meth:`attention_work` over the samples (``sum l^2`` for 1d models), ``n`` samples.
 
-        Same value as ``item_time(lengths, sp, recompute)``; costs eight multiplications.
+        Same value as ``item_time(lengths, sp, recompute, ring)``; costs eight multiplications (ring 1).
+        ``ring_exposed=False``: a ring's transfers counted as hidden (a lower bound, for the step bound).
         """
+        if ring != 1:
+            return self._ring_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed)
         c = self._coef.get(sp) or self._coefficients(sp)
         r = recompute
         return (c[10] + r * c[13]) * sq_sum + (c[11] + r * c[14]) * tokens + c[12] + r * c[15] + (c[21] + r * c[22]) * n
 
-    def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
+    def item_memory_tokens(self, tokens: int, sp: int, recompute: int, ring: int = 1) -> float:
         """Peak bytes per device of a micro-batch of ``tokens`` total tokens (memory depends on nothing else)."""
+        if ring != 1:
+            return self._ring_memory_tokens(tokens, sp, recompute, ring)
         c = self._coef.get(sp) or self._coefficients(sp)
         return self._mem_base + tokens * (c[16] - recompute * c[17])
 
@@ -426,19 +451,24 @@ class AnalyticCostModel(CostModel):
 
     # ------------------------------------------------------------------ CostModel
 
-    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
         tokens, work = self._sums(lengths)
-        return self.item_time_sum(tokens, work, len(lengths), sp, recompute)
+        return self.item_time_sum(tokens, work, len(lengths), sp, recompute, ring)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.item_memory_tokens(sum(lengths), sp, recompute)
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.item_memory_tokens(sum(lengths), sp, recompute, ring)
 
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
         if not 0 <= recompute <= self.num_layers:
             raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
-        c = self._coefficients(sp)
         T, W = self._sums(lengths)
-        n = len(lengths)
+        if ring != 1:
+            return self._ring_cost(T, W, len(lengths), sp, recompute, ring)
+        return self._cost_sums(T, W, len(lengths), sp, recompute)
+
+    def _cost_sums(self, T: float, W: float, n: int, sp: int, recompute: int) -> ItemCost:
+        """:meth:`item_cost` (ring 1) from the sums: ``T`` tokens, ``W`` attention work, ``n`` samples."""
+        c = self._coefficients(sp)
         L, r = self.num_layers, recompute
         fW, fT, fC, bW, bT, bC, aT, aC, oT, oC = c[:10]
         fN = c[20]
@@ -507,12 +537,16 @@ class AnalyticCostModel(CostModel):
 
     # ------------------------------------------------------------------ closed forms
 
-    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
+    def min_recompute(self, lengths: Sequence[int], sp: int, ring: int = 1) -> int | None:
         """Fewest recomputed layers that fit (closed form of eq. 6), ``None`` if full recompute does not."""
+        if ring != 1:
+            return CostModel.min_recompute(self, lengths, sp, ring)
         return self.min_recompute_tokens(sum(lengths), sp)
 
-    def max_length(self, sp: int, recompute: int | None = None) -> int:
+    def max_length(self, sp: int, recompute: int | None = None, ring: int = 1) -> int:
         """Longest single sequence that fits on ``sp`` ranks with ``recompute`` layers (default all); 0 if none."""
+        if ring != 1:
+            return CostModel.max_length(self, sp, recompute, ring)
         r = self.num_layers if recompute is None else recompute
         c = self._coefficients(sp)
         per_token = c[16] - r * c[17]

@@ -26,8 +26,12 @@ in ``t / s``): ``max(work / sum(speeds), heaviest / max(speeds))`` -- the work s
 combined pace, the heaviest sample on the fastest rank's pace (an SP group only runs as fast as its
 slowest member, so both stay lower bounds).
 
-"Usable" SP sizes are powers of two dividing the heads, no larger than the world's largest
-aligned power-of-two block and ``max_sp_size``, i.e. exactly what the planner may use.
+"Usable" SP sizes are what the planner may use (:meth:`CostModel.sp_splits
+<lightning_dcp.planning.cost_model.CostModel.sp_splits>`): the divisors of the heads and, where the
+cost model prices ring attention, the ring sizes, up to the world, ``max_sp_size`` and the shard
+group. On a ring size the sample's best GPU-seconds count the ring's key/value transfers as hidden
+behind compute (:func:`~lightning_dcp.planning.ring.ring_steps_compute`): packing a sample with
+compute-heavy ones can hide them, so only that keeps ``work`` a lower bound.
 
 ``fraction = bound / step_time`` is at most 1 for any plan the cost model times (up to the
 planner's float rounding); the runtime logs it as ``dcp/step_bound_fraction``.
@@ -46,7 +50,6 @@ import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.units import describe_limit
 from lightning_dcp.planning.speeds import uniform
@@ -87,12 +90,12 @@ class StepBounder:
         if max_sp_size is not None and (not isinstance(max_sp_size, (int, np.integer)) or max_sp_size <= 0):
             raise PlanningError(f"max_sp_size must be a positive integer (ranks) or None, got {max_sp_size!r}")
         self.world_size = int(world_size)
-        max_sp = world_blocks(self.world_size)[0][1]
+        max_sp = self.world_size
         if max_sp_size is not None:
             max_sp = min(max_sp, int(max_sp_size))
         self.cost_model = cost_model
         self.view = view if view is not None and view.cm is cost_model and view.sp_sizes[-1] <= max_sp \
-            else CostView(cost_model, max_sp)
+            else CostView(cost_model, max_sp, world_size=self.world_size)
         self.overhead = float(cost_model.step_overhead(self.world_size))
         speeds = rank_speeds if rank_speeds is not None else (view.speeds if view is not None else None)
         self.speeds = None if uniform(speeds) else tuple(float(x) for x in speeds)  # type: ignore[union-attr]
@@ -125,14 +128,14 @@ class StepBounder:
 
     def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray) -> np.ndarray:
         if self.view._time_fast is not None:
-            return self.view.time_many(tokens, sq, n, p, r)
+            return self.view.time_many(tokens, sq, n, p, r, lower=True)
         # generic cost model (no item_time_sum): whole micro-batches of k = floor(cap / l) equal
         # samples (k <= 4096), scaled to the full count -- within ~1% of the linear form
         out = []
         for t, c, rk in zip(tokens.tolist(), n.tolist(), r.tolist()):
             ell = int(round(t / c))
             k = max(1, min(int(c), 4096))
-            out.append(self.cost_model.item_time([ell] * k, p, int(rk)) * c / k)
+            out.append(self.view.time([ell] * k, p, int(rk)) * c / k)
         return np.array(out, dtype=np.float64)
 
     def alone_times(self, length: int) -> np.ndarray:

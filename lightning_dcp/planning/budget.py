@@ -145,7 +145,7 @@ def _sp_row(cost_model: CostModel, sp: int, measured: bool, longest: int | None)
 
 
 def budget_report(cost_model: CostModel, world_size: int, lengths: Sequence[int] | None = None) -> BudgetReport:
-    """Per SP size up to ``world_size`` (powers of two dividing the heads), the longest sample that
+    """Per SP size up to ``world_size`` (the divisors of the heads: Ulysses sizes), the longest sample that
     fits ``cost_model.memory_limit`` with and without recompute; with the dataset's ``lengths``, the
     budgets below which it needs SP > 1 or recompute (see the module docstring).
 
@@ -161,7 +161,7 @@ def budget_report(cost_model: CostModel, world_size: int, lengths: Sequence[int]
     measured = set(cost_model.sp_sizes(world_size))
     if 1 not in measured:
         raise PlanningError(f"the cost model has no SP size 1 (it has {sorted(measured)}); a budget report needs SP 1")
-    candidates = CostModel.sp_sizes(cost_model, world_size)  # every power of two dividing the heads
+    candidates = CostModel.sp_sizes(cost_model, world_size)  # every divisor of the heads up to the world
     longest = max(lens) if lens else None
     rows = tuple(_sp_row(cost_model, p, p in measured, longest) for p in candidates)
     return BudgetReport(float(cost_model.memory_limit), describe_limit(cost_model), world_size, cost_model.num_layers,

@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from lightning_dcp.planning.calibration import CalibrationFactors
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of
+from lightning_dcp.planning.cost_model import ring_kwargs as _ring
 
 __all__ = ["CalibratedCostModel"]
 
@@ -44,7 +45,8 @@ class CalibratedCostModel(CostModel):
         time_sum = getattr(base, "item_time_sum", None)
         if callable(time_sum):
             scale = self.factors.scale
-            self.item_time_sum = lambda tokens, sq_sum, n, sp, recompute: time_sum(tokens, sq_sum, n, sp, recompute) * scale(sp)
+            self.item_time_sum = lambda tokens, sq_sum, n, sp, recompute, **ring: (
+                time_sum(tokens, sq_sum, n, sp, recompute, **ring) * scale(sp))
         for name in ("item_memory_tokens", "attention_work"):
             got = getattr(base, name, None)
             if callable(got):
@@ -57,6 +59,10 @@ class CalibratedCostModel(CostModel):
         return getattr(self.base, name)
 
     @property
+    def prices_ring(self) -> bool:  # type: ignore[override]
+        return prices_ring_of(self.base)
+
+    @property
     def rank_speeds(self) -> tuple[float, ...] | None:
         """Per-rank speeds for the planner (None: all 1.0)."""
         return self.factors.rank_speeds
@@ -65,26 +71,26 @@ class CalibratedCostModel(CostModel):
         """The time factor of SP size ``sp``."""
         return self.factors.scale(sp)
 
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
         """The base's cost with every time part scaled (``ideal``, the peak-rate compute, is not)."""
-        c = self.base.item_cost(lengths, sp, recompute)
+        c = self.base.item_cost(lengths, sp, recompute, **_ring(ring))
         f = self.scale(sp)
         return replace(c, compute=c.compute * f, recompute=c.recompute * f, comm=c.comm * f, overhead=c.overhead * f)
 
-    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.base.item_time(lengths, sp, recompute) * self.scale(sp)
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.base.item_time(lengths, sp, recompute, **_ring(ring)) * self.scale(sp)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.base.item_memory(lengths, sp, recompute)
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.base.item_memory(lengths, sp, recompute, **_ring(ring))
 
-    def fits(self, lengths: Sequence[int], sp: int, recompute: int) -> bool:
-        return self.base.fits(lengths, sp, recompute)
+    def fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> bool:
+        return self.base.fits(lengths, sp, recompute, **_ring(ring))
 
-    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
-        return self.base.min_recompute(lengths, sp)
+    def min_recompute(self, lengths: Sequence[int], sp: int, ring: int = 1) -> int | None:
+        return self.base.min_recompute(lengths, sp, **_ring(ring))
 
-    def max_length(self, sp: int, recompute: int | None = None) -> int:
-        return self.base.max_length(sp, recompute)
+    def max_length(self, sp: int, recompute: int | None = None, ring: int = 1) -> int:
+        return self.base.max_length(sp, recompute, **_ring(ring))
 
     def step_overhead(self, world_size: int) -> float:
         """The measured step overhead where the run measured one, else the base's estimate."""

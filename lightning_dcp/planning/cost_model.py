@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,7 +37,8 @@ class ItemCost:
     recompute: float
     """Extra forward compute of the recomputed layers (seconds)."""
     comm: float
-    """Ulysses all-to-all time, forward + backward + recomputed forward (seconds)."""
+    """Communication not hidden by compute: Ulysses all-to-alls (forward + backward + recomputed forward)
+    and, on a ring, the key/value transfers compute does not hide (seconds)."""
     overhead: float
     """Per-micro-batch constant: embedding, head, loss, launch latency (seconds)."""
     ideal: float
@@ -51,8 +53,14 @@ class CostModel(abc.ABC):
     """Time and memory of any micro-batch for any SP size and recompute count.
 
     Subclasses set ``num_layers``, ``memory_limit`` (usable bytes per device), ``num_heads``
-    (SP sizes must divide it) and ``gpus_per_node``; optionally ``memory_limit_source`` (where the
+    (Ulysses sizes must divide it) and ``gpus_per_node``; optionally ``memory_limit_source`` (where the
     limit came from, printed in errors by :meth:`describe_limit`).
+
+    Ring attention: every item method takes ``ring`` (keyword, default 1), the ring degree of the
+    SP group (:class:`~lightning_dcp.planning.plan.WorkItem`'s ``ring``: ``sp = ring x ulysses``). A
+    cost model prices rings when :func:`prices_ring_of` says so (its :attr:`prices_ring`, or by default
+    whether its ``item_cost`` takes ``ring``); callers pass ``ring`` only when it is above 1, so a
+    subclass written without the keyword keeps working (and is never offered rings).
     """
 
     num_layers: int
@@ -61,6 +69,10 @@ class CostModel(abc.ABC):
     gpus_per_node: int = 8
     memory_limit_source: str = ""
     """Where ``memory_limit`` came from (an argument, a default, the device), for messages; may be empty."""
+    prices_ring: bool | None = None
+    """Whether :meth:`item_cost` / :meth:`item_memory` price ``ring > 1`` (ring attention, see
+    :mod:`~lightning_dcp.planning.ring`); the planner offers ring sizes only then. None (default): whether
+    ``item_cost`` takes ``ring`` (:func:`prices_ring_of`)."""
 
     def describe_limit(self) -> str:
         """The memory budget with its source, for messages: ``"5.25 MiB per device (...)"``."""
@@ -69,11 +81,11 @@ class CostModel(abc.ABC):
         return limit_text(self.memory_limit, self.memory_limit_source)
 
     @abc.abstractmethod
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
-        """Cost of one packed micro-batch of ``lengths`` on an SP group of size ``sp``."""
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
+        """Cost of one packed micro-batch of ``lengths`` on an SP group of size ``sp`` (``ring`` x Ulysses)."""
 
     @abc.abstractmethod
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
         """Peak bytes per device of that micro-batch, model states included."""
 
     @abc.abstractmethod
@@ -86,52 +98,75 @@ class CostModel(abc.ABC):
 
     # Derived answers; subclasses may override with closed forms.
 
-    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.item_cost(lengths, sp, recompute).total
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return (self.item_cost(lengths, sp, recompute) if ring == 1
+                else self.item_cost(lengths, sp, recompute, ring=ring)).total
+
+    def item_time_lower(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        """A lower bound of :meth:`item_time` linear in the samples' sums (tokens, attention work, count): the
+        step bound's per-sample GPU-seconds use it. :meth:`item_time` itself for ``ring == 1``; on a ring, the
+        time with its key/value transfers hidden behind compute (:mod:`~lightning_dcp.planning.ring`)."""
+        return self.item_time(lengths, sp, recompute) if ring == 1 else self.item_time(lengths, sp, recompute, ring=ring)
 
     def sp_sizes(self, world_size: int) -> list[int]:
-        """SP sizes usable on ``world_size`` ranks: powers of two dividing the heads."""
-        out, p = [], 1
-        while p <= world_size:
-            if self.num_heads % p == 0:
-                out.append(p)
-            p *= 2
-        return out
+        """Ulysses SP sizes usable on ``world_size`` ranks: every divisor of the heads up to it
+        (:func:`~lightning_dcp.planning.sp_sizes.ulysses_sizes`)."""
+        from lightning_dcp.planning.sp_sizes import ulysses_sizes
 
-    def fits(self, lengths: Sequence[int], sp: int, recompute: int) -> bool:
-        return self.item_memory(lengths, sp, recompute) <= self.memory_limit
+        return list(ulysses_sizes(self.num_heads, world_size))
 
-    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
+    def sp_splits(self, limit: int, *, ring: bool = True) -> dict[int, tuple[int, ...]]:
+        """Every SP size the planner may use up to ``limit`` -> its candidate ring degrees
+        (:func:`~lightning_dcp.planning.sp_sizes.sp_splits`), keeping the splits whose Ulysses size is in
+        :meth:`sp_sizes` (a profiled model: the measured ones); ring degrees above 1 only when
+        :attr:`prices_ring` and ``ring``."""
+        from lightning_dcp.planning.sp_sizes import sp_splits
+
+        domain = shard_domain(self)
+        limit = min(int(limit), domain) if domain else int(limit)
+        usable = set(self.sp_sizes(limit))
+        return sp_splits(self.num_heads, limit, getattr(self, "gpus_per_node", 8), ring=ring and prices_ring_of(self),
+                         usable=usable)
+
+    def fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> bool:
+        need = self.item_memory(lengths, sp, recompute) if ring == 1 else self.item_memory(lengths, sp, recompute, ring=ring)
+        return need <= self.memory_limit
+
+    def _fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> bool:
+        """:meth:`fits`, passing ``ring`` only above 1 (a subclass's override may predate it)."""
+        return self.fits(lengths, sp, recompute) if ring == 1 else self.fits(lengths, sp, recompute, ring=ring)
+
+    def min_recompute(self, lengths: Sequence[int], sp: int, ring: int = 1) -> int | None:
         """Fewest recomputed layers that fit in memory, or ``None`` if even full recompute does not.
 
         Memory falls linearly in the recompute count (paper eq. 6), so this is a closed form
         in subclasses; the default bisects.
         """
-        if not self.fits(lengths, sp, self.num_layers):
+        if not self._fits(lengths, sp, self.num_layers, ring):
             return None
         lo, hi = 0, self.num_layers
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.fits(lengths, sp, mid):
+            if self._fits(lengths, sp, mid, ring):
                 hi = mid
             else:
                 lo = mid + 1
         return lo
 
-    def max_length(self, sp: int, recompute: int | None = None) -> int:
+    def max_length(self, sp: int, recompute: int | None = None, ring: int = 1) -> int:
         """Longest single sequence an SP group of ``sp`` holds with ``recompute`` layers (default all)."""
         r = self.num_layers if recompute is None else recompute
-        if not self.fits([sp], sp, r):
+        if not self._fits([sp], sp, r, ring):
             return 0
         lo, hi = sp, sp
-        while self.fits([hi * 2], sp, r):
+        while self._fits([hi * 2], sp, r, ring):
             hi *= 2
             if hi > 1 << 40:
                 return hi
         hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.fits([mid], sp, r):
+            if self._fits([mid], sp, r, ring):
                 lo = mid
             else:
                 hi = mid
@@ -140,6 +175,31 @@ class CostModel(abc.ABC):
     def ideal_time(self, lengths: Sequence[int]) -> float:
         """Compute-only time of these samples on one device: the ideal bound's numerator."""
         return sum(self.item_cost([n], 1, 0).ideal for n in lengths)
+
+
+def prices_ring_of(cost_model: object) -> bool:
+    """Whether ``cost_model`` prices ring attention: its ``prices_ring`` when set, else whether its
+    ``item_cost`` takes the ``ring`` keyword."""
+    flag = getattr(cost_model, "prices_ring", None)
+    if flag is not None:
+        return bool(flag)
+    try:
+        return "ring" in inspect.signature(cost_model.item_cost).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def shard_domain(cost_model: object) -> int | None:
+    """Ranks of the shard group no SP group may cross (``sharding="hsdp"``: ``shard_group_size``), else None."""
+    if getattr(cost_model, "sharding", None) == "hsdp":
+        return int(getattr(cost_model, "shard_group_size"))
+    return None
+
+
+def ring_kwargs(ring: int) -> dict:
+    """``{"ring": ring}`` above 1, else ``{}``: how a wrapper passes ``ring`` on to a cost model that may
+    predate the keyword."""
+    return {} if ring == 1 else {"ring": ring}
 
 
 def keep_class(original: CostModel, rebuilt: CostModel) -> CostModel:

@@ -22,6 +22,7 @@ class DefaultCostModel(CostModel):
     """
 
     def __init__(self, num_layers: int = 0, num_heads: int = 1, max_tokens: int = 1 << 16) -> None:
+        self.prices_ring = False
         self.num_layers = int(num_layers)
         self.num_heads = max(1, int(num_heads))
         self.max_tokens = int(max_tokens)
@@ -32,7 +33,9 @@ class DefaultCostModel(CostModel):
         return (f"{self.max_tokens} tokens per rank without recompute (DefaultCostModel(max_tokens=...): no measured "
                 "memory; measure the model with DCPProfiler or pass a cost model)")
 
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
+        if ring != 1:
+            raise ValueError("DefaultCostModel prices no ring attention (prices_ring is False); plan with ring=1")
         lin = sum(lengths) * 1e-6
         sq = sum(n * n for n in lengths) * 1e-9
         per_layer = (lin + sq) / max(1, self.num_layers or 1)
@@ -40,7 +43,9 @@ class DefaultCostModel(CostModel):
         return ItemCost(compute=(lin + sq) / sp, recompute=per_layer * recompute / sp, comm=comm, overhead=1e-4,
                         ideal=(lin + sq) / sp)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        if ring != 1:
+            raise ValueError("DefaultCostModel prices no ring attention (prices_ring is False); plan with ring=1")
         return sum(lengths) / sp * (1 + self.num_layers - recompute)
 
     def step_overhead(self, world_size: int) -> float:

@@ -50,6 +50,10 @@ class HardwareSpec:
         gemm_max_efficiency: fraction of ``peak_flops`` that large bf16 GEMMs reach.
         attn_max_efficiency: fraction of ``peak_flops`` that flash attention reaches (forward; the
             backward is charged 2.5x the forward FLOPs at the same rate, see analytic.py).
+        p2p_bw_intra: achieved point-to-point (send/receive) bandwidth between two GPUs of a node,
+            one direction, bytes/s: a ring-attention hop (:mod:`~lightning_dcp.planning.ring`); 0: the
+            all-to-all figure of that fabric.
+        p2p_bw_inter: the same between GPUs of two nodes (per GPU, its NIC); 0: the all-to-all figure.
     """
 
     name: str
@@ -68,6 +72,8 @@ class HardwareSpec:
     gemm_half_tokens: float = 512.0
     gemm_max_efficiency: float = 0.75
     attn_max_efficiency: float = 0.55
+    p2p_bw_intra: float = 0.0
+    p2p_bw_inter: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bytes", "usable_memory_bytes", "hbm_bandwidth", "a2a_bw_intra",
@@ -84,7 +90,8 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec {self.name!r}: {f} is a fraction of peak in (0, 1], got {v!r}")
         if self.gpus_per_node < 1:
             raise ValueError(f"HardwareSpec {self.name!r}: gpus_per_node must be >= 1, got {self.gpus_per_node!r}")
-        for f in ("collective_latency", "collective_latency_inter", "kernel_launch_overhead", "gemm_half_tokens"):
+        for f in ("collective_latency", "collective_latency_inter", "kernel_launch_overhead", "gemm_half_tokens",
+                  "p2p_bw_intra", "p2p_bw_inter"):
             if getattr(self, f) < 0:
                 raise ValueError(f"HardwareSpec {self.name!r}: {f} must be non-negative, got {getattr(self, f)!r}")
 
@@ -139,6 +146,11 @@ HARDWARE: dict[str, HardwareSpec] = {
         # lower for head dim 64 and causal masks; FlashAttention-2 on H100 ~35-40 %. PyTorch's
         # SDPA (cuDNN/flash backends) sits in between; we use 0.55.
         attn_max_efficiency=0.55,
+        # Ring-attention hops (estimates): a send/receive between two NVLink-4 GPUs moves at most 450 GB/s
+        # each way; we take the all-to-all's achieved 370 GB/s. Across nodes one 400 Gb/s NIC per GPU
+        # (50 GB/s each way), ~90 % achieved as for the all-reduce: 45 GB/s.
+        p2p_bw_intra=370e9,
+        p2p_bw_inter=45e9,
     ),
     "a100": HardwareSpec(
         name="a100",
@@ -167,6 +179,10 @@ HARDWARE: dict[str, HardwareSpec] = {
         gemm_max_efficiency=0.80,
         # FlashAttention-2 paper (Dao 2023): 50-73 % of peak forward on A100; we use 0.60.
         attn_max_efficiency=0.60,
+        # Ring hops (estimates, as for the H100): the all-to-all figure inside a node, ~90 % of the
+        # 25 GB/s HDR NIC across nodes.
+        p2p_bw_intra=245e9,
+        p2p_bw_inter=22e9,
     ),
 }
 

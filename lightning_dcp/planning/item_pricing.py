@@ -32,7 +32,7 @@ import inspect
 import math
 from typing import Any, Mapping, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of
 from lightning_dcp.planning.parallel_costs import Pipeline, pipeline_time, pipelines_of, scheme_cost, scheme_memory
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 
@@ -43,7 +43,8 @@ _RING_OK: dict[type, bool] = {}
 
 
 def supports_ring(cost_model: CostModel) -> bool:
-    """Whether ``cost_model.item_cost`` takes ``ring=`` (the agreed ring interface)."""
+    """Whether ``cost_model.item_cost`` takes ``ring=`` (the agreed ring interface) and the model prices rings
+    (``prices_ring``, where it says; a model that takes the keyword but prices no ring gets the fallback)."""
     cls = type(cost_model)
     ok = _RING_OK.get(cls)
     if ok is None:
@@ -53,7 +54,7 @@ def supports_ring(cost_model: CostModel) -> bool:
             params = {}
         ok = "ring" in params
         _RING_OK[cls] = ok
-    return ok
+    return ok and prices_ring_of(cost_model)
 
 
 def ring_cost(cost_model: CostModel, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> ItemCost:

@@ -1,13 +1,15 @@
-"""SP-group layouts: how one step splits the world into aligned power-of-two groups.
+"""SP-group layouts: how one step (or one block of ranks) splits into SP groups.
 
 A *layout* is a multiset of SP sizes, e.g. ``{8: 1, 2: 4, 1: 16}`` (one group of 8 ranks, four
-of 2, sixteen of 1). :func:`place` turns it into concrete rank blocks: groups are laid out
-largest first, each at the next free offset of a *world block*, so every group is an aligned
-power-of-two block (the runtime pre-creates a process group for each such block).
+of 2, sixteen of 1). :func:`place` turns it into concrete rank tuples: groups are laid out
+largest first, each at the first offset the placement rule allows
+(:mod:`~lightning_dcp.planning.topology`: consecutive ranks, inside one node when no larger than a
+node, ring groups aligned to their Ulysses size). For power-of-two sizes that is every group on an
+aligned power-of-two block, as the rule of earlier versions.
 
-World blocks: a power-of-two world is one block. Any other world size is split into its binary
-digits, largest first: W=6 has blocks ``[0-3]`` and ``[4-5]``, W=13 has ``[0-7]``, ``[8-11]``,
-``[12]``. No SP group crosses a block boundary, so the largest SP size is the largest block.
+A plain world size (an ``int`` where a :class:`~lightning_dcp.planning.topology.Topology` is
+expected) has no node boundaries. :func:`world_blocks` (the binary digits of a world size) is kept
+for callers that want the aligned power-of-two decomposition.
 
 :func:`allocate` sizes a layout from the work each SP class has to do (Hydraulis §7 with a
 continuous relaxation: ranks proportional to GPU-seconds, rounded to whole groups),
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import math
 from typing import Mapping, Sequence
+
+from lightning_dcp.planning.topology import Topology
 
 Layout = tuple[int, ...]
 """Group SP sizes in placement order (non-increasing)."""
@@ -36,62 +40,53 @@ def world_blocks(world_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def place(layout: Sequence[int], world_size: int) -> list[tuple[int, ...]] | None:
-    """Concrete rank tuples of ``layout`` (same order as sorted non-increasing), or None if it does not fit."""
-    free = [[start, start + size] for start, size in world_blocks(world_size)]  # [next free, end]
-    groups = []
-    for p in sorted(layout, reverse=True):
-        for blk in free:
-            if blk[1] - blk[0] >= p:
-                groups.append(tuple(range(blk[0], blk[0] + p)))
-                blk[0] += p
-                break
-        else:
-            return None
-    return groups
+def place(layout: Sequence[int], world: "int | Topology", start: int = 0,
+          size: int | None = None) -> list[tuple[int, ...]] | None:
+    """Concrete rank tuples of ``layout`` (same order as sorted non-increasing) inside ``[start, start + size)``
+    (default: the whole world), or None if it does not fit."""
+    return Topology.of(world).place(layout, start, size)
 
 
-def capacity_ok(layout: Sequence[int], world_size: int) -> bool:
-    return place(layout, world_size) is not None
+def capacity_ok(layout: Sequence[int], world: "int | Topology", start: int = 0, size: int | None = None) -> bool:
+    return place(layout, world, start, size) is not None
 
 
-def allocate(work: Mapping[int, float], world_size: int, sp_sizes: Sequence[int], must: int,
+def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Sequence[int], must: int,
              min_groups: Mapping[int, int] | None = None, max_groups: Mapping[int, int] | None = None,
-             bias: float = 0.0) -> Layout:
-    """A layout whose rank shares follow ``work`` (GPU-seconds per SP class).
+             bias: float = 0.0, start: int = 0, size: int | None = None) -> Layout:
+    """A layout of the block ``[start, start + size)`` (default: the world) whose rank shares follow
+    ``work`` (GPU-seconds per SP class).
 
     ``must`` is an SP size the layout has to contain (the step's largest required SP). Classes
     are filled largest first: class ``p`` gets ``round(share / p + bias)`` groups (at least one
     for ``must``, bounded by what is left and by ``min_groups``/``max_groups``; ``min_groups``
     wins over keeping ranks free for smaller classes, whose work then runs as fills); the smallest
-    class takes the remaining ranks of every world block. ``bias`` shifts the rounding
-    (Hydraulis keeps the nearby integer solutions as extra candidates).
+    class takes the remaining ranks. Groups are placed as they are counted (largest first, first
+    fit), so what is left for a class is what the placement rule still allows there, and
+    :func:`place` puts the result in the same places. ``bias`` shifts the rounding (Hydraulis keeps
+    the nearby integer solutions as extra candidates).
     """
+    topo = Topology.of(world)
     total = sum(max(w, 0.0) for w in work.values())
     sizes = sorted(set(sp_sizes), reverse=True)
     smallest = sizes[-1]
-    blocks = [size for _, size in world_blocks(world_size)]
-    free = list(blocks)  # free ranks per block; groups placed largest first stay aligned
+    free = topo.free_runs(start, size)  # free runs; groups placed largest first, first fit
     layout: list[int] = []
     remaining_work = total
 
     def take(p: int, count: int) -> int:
-        got = 0
-        for i in range(len(free)):
-            while got < count and free[i] >= p:
-                free[i] -= p
-                layout.append(p)
-                got += 1
+        got = len(topo.take(free, p, count))
+        layout.extend([p] * got)
         return got
 
     for p in sizes:
         if p == smallest:
             break
-        avail = sum(f // p for f in free) * p
+        avail = topo.count(free, p) * p
         if avail <= 0:
             continue
         w = max(work.get(p, 0.0), 0.0)
-        ranks_left = sum(free)
+        ranks_left = sum(hi - lo for lo, hi in free)
         share = ranks_left * (w / remaining_work) if remaining_work > 0 else 0.0
         count = int(math.floor(share / p + 0.5 + bias)) if w > 0 else 0
         if p == must:
@@ -111,21 +106,21 @@ def allocate(work: Mapping[int, float], world_size: int, sp_sizes: Sequence[int]
             count = max(count, 1)
         take(p, count)
         remaining_work -= w
-    take(smallest, sum(free) // smallest)
+    take(smallest, topo.count(free, smallest))
     return tuple(layout)
 
 
-def fit_must(layout: Sequence[int], must: int, world_size: int) -> Layout:
+def fit_must(layout: Sequence[int], must: int, world: "int | Topology") -> Layout:
     """``layout`` changed minimally so that it holds a group of size ``must``."""
     if any(p >= must for p in layout):
         return tuple(sorted(layout, reverse=True))
     groups = sorted(layout)  # merge the smallest groups until a block of ``must`` is free
     work = {p: 0.0 for p in set(groups)}
     work[must] = 1.0
-    return allocate(work, world_size, sorted(set(groups) | {must}), must)
+    return allocate(work, world, sorted(set(groups) | {must}), must)
 
 
-def propose_layouts(class_work: Mapping[int, Mapping[int, float]], world_size: int, sp_sizes: Sequence[int],
+def propose_layouts(class_work: Mapping[int, Mapping[int, float]], world: "int | Topology", sp_sizes: Sequence[int],
                     max_candidates: int = 3) -> dict[int, list[Layout]]:
     """Candidate layouts per "largest SP a step needs" (Hydraulis §7, continuous relaxation).
 
@@ -138,7 +133,7 @@ def propose_layouts(class_work: Mapping[int, Mapping[int, float]], world_size: i
     for m, work in class_work.items():
         cands: list[Layout] = []
         for bias in (0.0, -0.35, 0.35)[:max_candidates]:
-            lay = allocate(work, world_size, sp_sizes, m, bias=bias)
+            lay = allocate(work, world, sp_sizes, m, bias=bias)
             if lay not in cands:
                 cands.append(lay)
         out[m] = cands

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of, ring_kwargs
 
 __all__ = ["MARGIN", "LoweredMemory", "lowered_limit"]
 
@@ -33,11 +33,15 @@ class LoweredMemory(CostModel):
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
         self.memory_limit_source = f"lowered after an out-of-memory error from {base.describe_limit()}"
 
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
-        return self.base.item_cost(lengths, sp, recompute)
+    @property
+    def prices_ring(self) -> bool:  # type: ignore[override]
+        return prices_ring_of(self.base)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.base.item_memory(lengths, sp, recompute)
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
+        return self.base.item_cost(lengths, sp, recompute, **ring_kwargs(ring))
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.base.item_memory(lengths, sp, recompute, **ring_kwargs(ring))
 
     def step_overhead(self, world_size: int) -> float:
         return self.base.step_overhead(world_size)

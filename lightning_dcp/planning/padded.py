@@ -32,6 +32,7 @@ class PaddedCostModel(CostModel):
         self.base = base
         self.num_layers = 0
         self.num_heads = 1
+        self.prices_ring = False
         self.max_padded_tokens = max(1, int(max_padded_tokens))
         self.memory_limit = float(self.max_padded_tokens)
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
@@ -45,13 +46,13 @@ class PaddedCostModel(CostModel):
     def _padded(lengths: Sequence[int]) -> list[int]:
         return [max(lengths)] * len(lengths) if lengths else []
 
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
         return self.base.item_cost(self._padded(lengths), sp, 0)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
         """Tokens, as the planner's packing sees them; :class:`PaddedPlanner` then splits any
         micro-batch whose padded size (:meth:`padded_tokens`) exceeds the limit."""
-        return float(sum(lengths)) if sp == 1 else float("inf")
+        return float(sum(lengths)) if sp == 1 and ring == 1 else float("inf")
 
     @staticmethod
     def padded_tokens(lengths: Sequence[int]) -> int:
@@ -97,4 +98,5 @@ class PaddedPlanner:
             if cur and (len(cur) + 1) * cur[0][0] > self.limit:  # sorted: cur[0] is its longest
                 pieces.append([])
             pieces[-1].append((n, s))
-        return [WorkItem(item.ranks, tuple(s for _, s in p), tuple(n for n, _ in p), item.recompute) for p in pieces]
+        return [WorkItem(item.ranks, tuple(s for _, s in p), tuple(n for n, _ in p), item.recompute, item.ring)
+                for p in pieces]

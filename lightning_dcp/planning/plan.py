@@ -189,16 +189,29 @@ def is_aligned_block(ranks: Sequence[int]) -> bool:
 def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> None:
     """Raise :class:`PlanError` when ``step`` breaks the contract.
 
-    Checks: ranks are aligned power-of-two blocks inside the world; samples and lengths pair
-    up with positive lengths; recompute in ``[0, num_layers]``; with a cost model, no item over
-    its memory limit. (The item order needs no check: v1's single ordered list is always a
-    valid schedule, see :func:`check_deadlock_free`.)
+    Checks: every item's ranks are a group the placement rule allows
+    (:mod:`~lightning_dcp.planning.topology`: consecutive ranks inside the world; with a cost model
+    also inside one node when no larger than ``gpus_per_node``, ring groups aligned to their Ulysses
+    size, the Ulysses size dividing the heads, inside one shard group under ``sharding="hsdp"``);
+    samples and lengths pair up with positive lengths; recompute in ``[0, num_layers]``; with a cost
+    model, no item over its memory limit. (The item order needs no check: v1's single ordered list
+    is always a valid schedule, see :func:`check_deadlock_free`.)
     """
+    from lightning_dcp.planning.topology import Topology, group_problem
+
+    if cost_model is None:
+        topo, heads = Topology(max(int(world_size), 1)), None
+    else:
+        from lightning_dcp.planning.cost_model import shard_domain
+
+        topo = Topology(max(int(world_size), 1), getattr(cost_model, "gpus_per_node", None) or None, shard_domain(cost_model))
+        heads = getattr(cost_model, "num_heads", None)
     for idx, item in enumerate(step.items):
-        if not is_aligned_block(item.ranks):
-            raise PlanError(f"item {idx} has ranks {list(item.ranks)}: SP groups must be aligned power-of-two blocks")
-        if item.ranks[-1] >= world_size:
-            raise PlanError(f"item {idx} names rank {item.ranks[-1]} but the world has {world_size} ranks")
+        if item.ranks[-1] >= world_size or item.ranks[0] < 0:
+            raise PlanError(f"item {idx} names rank {max(item.ranks)} but the world has {world_size} ranks")
+        problem = group_problem(item.ranks, item.ring, topo, heads)
+        if problem:
+            raise PlanError(f"item {idx} (ranks {list(item.ranks)}, ring {item.ring}) is not a valid SP group: {problem}")
         if not item.samples or len(item.samples) != len(item.lengths):
             raise PlanError(f"item {idx} has {len(item.samples)} samples and {len(item.lengths)} lengths; both must match and be non-empty")
         if min(item.lengths) <= 0:
@@ -206,10 +219,15 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
         if item.recompute < 0 or (cost_model is not None and item.recompute > cost_model.num_layers):
             raise PlanError(f"item {idx} recomputes {item.recompute} layers; allowed is 0..{getattr(cost_model, 'num_layers', '?')}")
         if cost_model is not None:
-            need = cost_model.item_memory(item.lengths, item.sp_size, item.recompute)
+            if item.ring == 1:
+                need = cost_model.item_memory(item.lengths, item.sp_size, item.recompute)
+            else:  # the cost model's ring pricing, or item_pricing's estimate for one without it
+                from lightning_dcp.planning.item_pricing import ring_memory
+
+                need = ring_memory(cost_model, item.lengths, item.sp_size, item.recompute, item.ring)
             if need > cost_model.memory_limit:
                 raise PlanError(
-                    f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, recompute {item.recompute}) "
+                    f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, ring {item.ring}, recompute {item.recompute}) "
                     f"needs {format_bytes(need)} per device; the budget is {describe_limit(cost_model)}"
                 )
     check_deadlock_free(step, world_size)
@@ -222,7 +240,7 @@ def check_deadlock_free(step: StepPlan, world_size: int) -> None:
     items in the order of the step's single global list, so that list itself is a valid
     schedule (the first unfinished item in list order is always at the head of all its ranks'
     queues) and any such plan is deadlock-free by construction. What *can* be wrong with a plan
-    is checked by :func:`validate_step` (aligned in-range groups, samples/lengths, recompute,
+    is checked by :func:`validate_step` (valid in-range groups, samples/lengths, recompute,
     memory) and :func:`validate_plan` (each sample once). The check is kept because it is cheap
     and documents the execution rule; a future schema with per-rank orders would need it.
     """

@@ -16,8 +16,14 @@ Every policy puts every sample in exactly one item, keeps every item within the 
 lists items in one global order (v1: each rank runs its items in that order, so the order is a
 valid schedule by construction; dcp's groups may nest, a large group's ranks splitting into
 smaller groups after its own micro-batches), and is
-deterministic in (input, seed, step). World sizes that are not a power of two are planned over
-their aligned power-of-two blocks (W=6: ranks 0-3 and 4-5; no SP group crosses a block).
+deterministic in (input, seed, step).
+
+SP sizes: every divisor of the heads up to the world, ``max_sp_size`` and (under
+``sharding="hsdp"``) the shard group, plus ring sizes past what the heads allow where the cost
+model prices ring attention (:func:`~lightning_dcp.planning.sp_sizes.sp_splits`; ``ring=False``
+turns them off). SP groups are the rank tuples :mod:`~lightning_dcp.planning.topology` allows
+(consecutive ranks, inside one node when no larger than a node); :meth:`Planner.rank_tuples` lists
+every one a plan of this planner may use.
 """
 
 from __future__ import annotations
@@ -28,9 +34,8 @@ import math
 import numbers
 from typing import Any, Callable, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.rounds import align_rounds
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
@@ -44,6 +49,7 @@ from lightning_dcp.planning.policies.megatron_hcp import MegatronHCPPolicy
 from lightning_dcp.planning.policies.packed import PackedPolicy
 from lightning_dcp.planning.policies.static import StaticPolicy
 from lightning_dcp.planning.policies.verl import VerlPolicy
+from lightning_dcp.planning.topology import rank_tuples
 from lightning_dcp.planning.units import describe_limit
 
 POLICIES: dict[str, type[Policy]] = {
@@ -86,21 +92,20 @@ def cut_by_tokens(lengths: Sequence[int], tokens: int) -> list[list[int]]:
 
 
 def longest_sample_time(world_size: int, cost_model: CostModel, longest: int,
-                        max_sp_size: int | None = None) -> tuple[float, int]:
+                        max_sp_size: int | None = None, *, ring: bool = True) -> tuple[float, int]:
     """Best-case time of one sample of ``longest`` tokens on this world: ``(seconds, sp)``.
 
-    The fastest SP size (aligned power-of-two block of the world, dividing the heads) with the
-    fewest recomputed layers that fit; ``(inf, 0)`` if none holds it.
+    The fastest SP size the planner may use (up to the world and ``max_sp_size``) with the fewest
+    recomputed layers that fit; ``(inf, 0)`` if none holds it.
     """
-    max_sp = world_blocks(world_size)[0][1]
-    if max_sp_size is not None:
-        max_sp = min(max_sp, int(max_sp_size))
+    max_sp = world_size if max_sp_size is None else min(world_size, int(max_sp_size))
+    view = CostView(cost_model, max_sp, world_size=world_size, ring=ring)
     best = (math.inf, 0)
-    for p in cost_model.sp_sizes(max_sp):
-        r = cost_model.min_recompute([longest], p)
+    for p in view.sp_sizes:
+        r = view.min_recompute(longest, p)
         if r is None:
             continue
-        t = cost_model.item_time([longest], p, r)
+        t = view.time([longest], p, r)
         if t < best[0]:
             best = (t, p)
     return best
@@ -129,7 +134,7 @@ def default_global_batch_tokens(world_size: int, lengths: Sequence[int] | None =
         longest = max(lengths)
         tokens = max(tokens, 4 * longest)
         if cost_model is not None and work_multiple > 0:
-            t_best, p = longest_sample_time(world_size, cost_model, longest, max_sp_size)
+            t_best, p = longest_sample_time(world_size, cost_model, longest, max_sp_size, ring=False)
             if math.isfinite(t_best) and p < world_size:
                 sample = list(lengths)
                 if len(sample) > 20000:
@@ -183,22 +188,23 @@ class Planner:
     """Plans global batches for ``world_size`` ranks with ``cost_model`` under ``policy``.
 
     Args:
-        world_size: number of ranks (any positive integer; non-powers of two are planned over
-            their aligned power-of-two blocks).
+        world_size: number of ranks (any positive integer).
         cost_model: time and memory of micro-batches (analytic or profiled).
         policy: one of :data:`POLICIES` (default ``"dcp"``).
         seed: plans are a deterministic function of (inputs, seed, step).
         dataset_lengths: the whole dataset's lengths, used once: DCP proposes its candidate
             layouts from them, the fixed-SP baselines size their SP group for the longest,
             bucket tunes its batch sizes on them. Without it each batch is planned on its own.
-        max_sp_size: the largest SP group any policy may use (default: the largest aligned
-            power-of-two block of the world); e.g. 8 keeps every SP group inside one node.
+        max_sp_size: the largest SP group any policy may use (default: the world); e.g. 8 keeps every
+            SP group inside one node.
         sp_cap_reason: why ``max_sp_size`` cannot be raised (e.g. "the model's 3 attention
             heads"): errors name it instead of advising a larger ``max_sp_size`` or more ranks.
         rank_speeds: per-rank speeds (:mod:`~lightning_dcp.planning.speeds`): ``dcp`` places work
             so that an item on ranks ``R`` takes ``time / min(speed[r] for r in R)``. Default: the
             cost model's ``rank_speeds`` (a :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`'s),
             else none; all 1.0 plans exactly as without speeds. The other policies ignore them.
+        ring: offer ring sizes (ring attention past the head count, Ulysses x ring across nodes) when
+            the cost model prices them (default True; False: Ulysses sizes only).
         **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
             ``target=`` for bucket, ``g_max=`` for dcp-inter.
 
@@ -209,7 +215,7 @@ class Planner:
 
     def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
                  dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None,
-                 sp_cap_reason: str | None = None, rank_speeds: Sequence[float] | None = None,
+                 sp_cap_reason: str | None = None, rank_speeds: Sequence[float] | None = None, ring: bool = True,
                  **policy_options: Any):
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
@@ -219,8 +225,7 @@ class Planner:
         self.cost_model = cost_model
         self.policy_name = policy
         self.seed = int(seed)
-        self.blocks = world_blocks(self.world_size)
-        self.max_sp = self.blocks[0][1]
+        self.max_sp = self.world_size
         self.max_sp_size = None
         self.sp_cap_reason = sp_cap_reason
         if max_sp_size is not None:
@@ -231,7 +236,7 @@ class Planner:
         self.rank_speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model),
                                              self.world_size)
         """The speeds the planner plans with (None: every rank at the cost model's pace)."""
-        self.view = CostView(cost_model, self.max_sp, self.rank_speeds)
+        self.view = CostView(cost_model, self.max_sp, self.rank_speeds, world_size=self.world_size, ring=bool(ring))
         self.max_sp = max(self.view.sp_sizes)
         if self.view.longest_fitting() <= 0:
             raise PlanningError(
@@ -249,6 +254,22 @@ class Planner:
             raise PlanningError(str(err)) from None
 
     @property
+    def ring_degrees(self) -> dict[int, int]:
+        """Every SP size this planner's plans may use -> its ring degree (1: Ulysses only)."""
+        return {p: self.view.ring_of(p) for p in self.view.sp_sizes}
+
+    def rank_tuples(self, *, min_size: int = 2) -> tuple[tuple[int, ...], ...]:
+        """Every rank tuple an SP group of this planner's plans may be (sizes of at least ``min_size``):
+        :func:`~lightning_dcp.planning.topology.rank_tuples` of :attr:`ring_degrees` on this world, the cost
+        model's ``gpus_per_node`` and (``sharding="hsdp"``) shard group. The same list, in the same order,
+        on every rank: what the runtime creates process groups for (up front, or lazily for a step's items)."""
+        topo = self.view.topology
+        sizes = dict(self.ring_degrees)
+        for p, r in (getattr(self.policy, "group_sizes", None) or {}).items():  # a policy's own groups (megatron-hcp)
+            sizes.setdefault(p, r)
+        return rank_tuples(self.world_size, sizes, topo.node_size, topo.domain_size, min_size=min_size)
+
+    @property
     def one_step_per_batch(self) -> bool:
         """True when :meth:`plan_batch` always returns exactly one step (every policy but bucket)."""
         return self.policy.one_step_per_batch
@@ -259,7 +280,7 @@ class Planner:
 
     def _capped_by_option(self) -> bool:
         """Whether ``max_sp_size`` (not the world) limits the SP size."""
-        return self.max_sp_size is not None and self.max_sp_size < self.blocks[0][1]
+        return self.max_sp_size is not None and self.max_sp_size < self.world_size
 
     def _cap_note(self) -> str:
         if self.sp_cap_reason:
@@ -276,10 +297,9 @@ class Planner:
         limit = self.view.longest_fitting()
         for s, n in zip(samples, lengths):
             if n > limit:
-                blocks = ", ".join(f"[{a}-{a + b - 1}]" if b > 1 else f"[{a}]" for a, b in self.blocks)
                 raise PlanningError(
                     f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
-                    f"{self.world_size} (blocks {blocks}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
+                    f"{self.world_size} (SP sizes {self.view.sp_sizes}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
                     f"layer recomputed, memory budget {describe_limit(self.cost_model)}) is {limit} tokens: drop or split "
                     f"the sample, or use {self._more()}"
                 )
@@ -305,23 +325,30 @@ class Planner:
             steps = [self._verify_memory(s) for s in steps]
         if getattr(self.cost_model, "sharding", None) == "hsdp":  # lockstep rounds pair items of similar cost
             k, cm = self.cost_model.shard_group_size, self.cost_model
-            steps = [align_rounds(s, self.world_size, k, lambda it: cm.item_time(it.lengths, it.sp_size, it.recompute))
-                     for s in steps]
+            from lightning_dcp.planning.item_pricing import item_cost_of
+
+            steps = [align_rounds(s, self.world_size, k, lambda it: item_cost_of(cm, it).total) for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:
         """Cost models without a token-only memory fast path: re-check every item exactly."""
+        from lightning_dcp.planning.item_pricing import ring_memory
+
         cm = self.cost_model
         items = []
         for item in step.items:
-            if not cm.fits(item.lengths, item.sp_size, item.recompute):
-                r = cm.min_recompute(item.lengths, item.sp_size)
+            if item.ring > 1 and not prices_ring_of(cm):  # a peer's ring on a model without ring pricing: the estimate
+                fits = lambda r, it=item: ring_memory(cm, it.lengths, it.sp_size, r, it.ring) <= cm.memory_limit  # noqa: E731
+            else:
+                fits = lambda r, it=item: cm.fits(it.lengths, it.sp_size, r, **ring_kwargs(it.ring))  # noqa: E731
+            if not fits(item.recompute):
+                r = next((x for x in range(item.recompute, cm.num_layers + 1) if fits(x)), None)
                 if r is None:
                     raise PlanningError(
                         f"the {self.policy_name} policy built a micro-batch (lengths {list(item.lengths)}, SP {item.sp_size}) "
                         f"that the cost model says fits no recompute setting; the cost model's max_length and item_memory disagree"
                     )
-                item = WorkItem(item.ranks, item.samples, item.lengths, r)
+                item = WorkItem(item.ranks, item.samples, item.lengths, r, item.ring)
             items.append(item)
         return StepPlan(tuple(items), step.extra)
 

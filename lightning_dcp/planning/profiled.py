@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -22,6 +23,8 @@ import numpy as np
 from lightning_dcp.planning.analytic import _positive_int
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
+from lightning_dcp.planning.ring import RingPriced, RingTerms, hardware_ring_terms
+from lightning_dcp.planning.sp_sizes import kv_repeat
 from lightning_dcp.planning.state_sharding import resolve_sharding, state_bytes
 from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
 
@@ -116,7 +119,7 @@ def fit_entries(p: int, entries: Sequence[Mapping[str, Any]], per_sample: bool) 
     return fit
 
 
-class ProfiledCostModel(CostModel):
+class ProfiledCostModel(RingPriced, CostModel):
     """Cost model fitted to a measured dual-layer profile.
 
     Per SP size ``p`` in the profile, from its entries (micro-batch ``b`` of length ``l``: ``b*l``
@@ -165,6 +168,13 @@ class ProfiledCostModel(CostModel):
     measured: the smallest measured ``p0``'s, times ``p0``); no recompute, no constant time.
     Only measured SP sizes are usable: :meth:`sp_sizes` returns those and item methods raise for others.
 
+    Ring attention (``ring > 1``): estimated from the measured terms of the ring's Ulysses size
+    ``u = sp / ring`` (the fitted item on ``1/ring`` of the tokens, attention per step from the fitted
+    ``a`` coefficients) and ``hardware``'s P2P bandwidth (:mod:`~lightning_dcp.planning.ring`); needs
+    ``hardware`` and the profile's ``model.hidden_size`` (``model.num_kv_heads`` for grouped-query
+    attention, ``key.dtype`` for the element size: bf16 when absent). Without them the model prices
+    no ring (:attr:`prices_ring` is False) and the planner uses Ulysses sizes only.
+
     Args:
         profile: a v1 profile dict (see :mod:`lightning_dcp.planning.profile`).
         memory_limit: bytes per device the planner may use; default ``device.memory_limit_bytes``.
@@ -175,11 +185,13 @@ class ProfiledCostModel(CostModel):
             instead of the profile's constant fields; ``None`` (default): the profile's.
         memory_limit_source: where ``memory_limit`` came from, printed in errors (default:
             ``"memory_limit="`` when given, else the profile's ``device.memory_limit_bytes``).
+        hardware: a :class:`~lightning_dcp.planning.hardware.HardwareSpec` (or its name) whose P2P
+            bandwidth prices ring attention; None (default): no ring.
     """
 
     def __init__(self, profile: dict, *, memory_limit: float | None = None, sharding: str | None = None,
                  world_size: int | None = None, state_parts: Mapping[str, float] | None = None,
-                 memory_limit_source: str | None = None) -> None:
+                 memory_limit_source: str | None = None, hardware: Any = None) -> None:
         data = validate_profile(profile)
         self.profile = data
         model, device, const = data["model"], data["device"], data["constant"]
@@ -228,6 +240,34 @@ class ProfiledCostModel(CostModel):
             p: fit_entries(p, entries, self.per_sample) for p, entries in sorted(by_sp.items())}
         self.measured_sp = tuple(sorted(self.fits_by_sp))
         self._build_coefficients()
+        self._init_ring(hardware)
+
+    def _init_ring(self, hardware: Any) -> None:
+        """Ring pricing from ``hardware`` and the profile's model shape (see the class docstring)."""
+        from lightning_dcp.planning.hardware import get_hardware
+
+        model, key = self.profile["model"], self.profile.get("key", {})
+        hidden = model.get("hidden_size")
+        if isinstance(hardware, str):
+            hardware = get_hardware(hardware)
+        self.hardware = None if hardware is None else replace(hardware, gpus_per_node=self.gpus_per_node)
+        self.num_kv_heads = int(model.get("num_kv_heads") or self.num_heads)
+        self._kv_bytes = 0.0
+        if isinstance(hidden, int) and hidden > 0:
+            dtype = str(key.get("dtype", "bfloat16")) if isinstance(key, dict) else "bfloat16"
+            size = 4 if "32" in dtype else 1 if "8" in dtype else 2
+            self._kv_bytes = 2.0 * hidden * self.num_kv_heads / self.num_heads * size
+        self.prices_ring = self.hardware is not None and self._kv_bytes > 0
+
+    def ring_terms(self, sp: int, ring: int) -> RingTerms:
+        """The ring's per-step terms at the measured Ulysses size ``sp / ring`` (see the class docstring)."""
+        if not self.prices_ring:
+            raise ValueError("this profiled cost model prices no ring: give ProfiledCostModel(hardware=...) and a "
+                             "profile with model.hidden_size, or plan with ring=1")
+        u = sp // ring
+        c = self._c(u)
+        kv = self._kv_bytes * kv_repeat(self.num_heads, self.num_kv_heads, u) / u
+        return hardware_ring_terms(self.hardware, sp, c[0], c[3], kv, self.num_layers)
 
     def _build_coefficients(self) -> None:
         """The ideal's coefficients and, per measured SP size, the closed forms' coefficients (``self._coef``)."""
@@ -261,14 +301,15 @@ class ProfiledCostModel(CostModel):
 
     @classmethod
     def from_file(cls, path: str | Path, *, memory_limit: float | None = None, sharding: str | None = None,
-                  world_size: int | None = None, memory_limit_source: str | None = None) -> "ProfiledCostModel":
+                  world_size: int | None = None, memory_limit_source: str | None = None,
+                  hardware: Any = None) -> "ProfiledCostModel":
         """Load, validate and fit a profile file; :class:`ProfileError` names the file on problems."""
         data = load_profile(path)
         if memory_limit is None and memory_limit_source is None:
             memory_limit_source = f"device.memory_limit_bytes of profile {path}"
         try:
             return cls(data, memory_limit=memory_limit, sharding=sharding, world_size=world_size,
-                       memory_limit_source=memory_limit_source)
+                       memory_limit_source=memory_limit_source, hardware=hardware)
         except ProfileError as err:
             raise ProfileError(f"profile file {path}: {err}") from None
 
@@ -307,7 +348,7 @@ class ProfiledCostModel(CostModel):
         :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
         rebuilt = ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
                                     world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False),
-                                    memory_limit_source=self.memory_limit_source)
+                                    memory_limit_source=self.memory_limit_source, hardware=self.hardware)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
     def _allreduce_seconds(self, W: int) -> float:
@@ -337,14 +378,20 @@ class ProfiledCostModel(CostModel):
 
     # ------------------------------------------------------------------ fast paths (same API as AnalyticCostModel)
 
-    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int) -> float:
-        """Item time from ``tokens = sum(l)`` and ``sq_sum = sum(l^2)`` of the ``n`` samples."""
+    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int, ring: int = 1,
+                      ring_exposed: bool = True) -> float:
+        """Item time from ``tokens = sum(l)`` and ``sq_sum = sum(l^2)`` of the ``n`` samples (``ring_exposed=False``:
+        a ring's transfers counted as hidden, a lower bound)."""
+        if ring != 1:
+            return self._ring_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed)
         c = self._c(sp)
         r = recompute
         return (c[6] + r * c[9]) * sq_sum + (c[7] + r * c[10]) * tokens + c[8] + r * c[11] + (c[19] + r * c[20]) * n
 
-    def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
+    def item_memory_tokens(self, tokens: int, sp: int, recompute: int, ring: int = 1) -> float:
         """Peak bytes per device of a micro-batch of ``tokens`` total tokens."""
+        if ring != 1:
+            return self._ring_memory_tokens(tokens, sp, recompute, ring)
         c = self._c(sp)
         return c[12] + tokens * c[13] - recompute * (c[14] + tokens * c[15])
 
@@ -368,27 +415,41 @@ class ProfiledCostModel(CostModel):
     # ------------------------------------------------------------------ CostModel
 
     def sp_sizes(self, world_size: int) -> list[int]:
-        """Measured SP sizes that are powers of two dividing the heads and at most ``world_size``."""
+        """Measured SP sizes (divisors of the heads) up to ``world_size``."""
         return [p for p in super().sp_sizes(world_size) if p in self._coef]
 
-    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
         tokens = 0
         sq = 0
         for n in lengths:
             tokens += n
             sq += n * n
-        return self.item_time_sum(tokens, sq, len(lengths), sp, recompute)
+        return self.item_time_sum(tokens, sq, len(lengths), sp, recompute, ring)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.item_memory_tokens(sum(lengths), sp, recompute)
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.item_memory_tokens(sum(lengths), sp, recompute, ring)
 
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
         if not 0 <= recompute <= self.num_layers:
             raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
-        c = self._c(sp)
         T = sum(lengths)
         W = sum(n * n for n in lengths)
-        n = len(lengths)
+        if ring != 1:
+            return self._ring_cost(T, W, len(lengths), sp, recompute, ring)
+        return self._cost_sums(T, W, len(lengths), sp, recompute)
+
+    def _ring_time_sum(self, tokens, sq_sum, n, sp, recompute, ring, exposed=True):  # type: ignore[override]
+        # the host builds the whole micro-batch on every rank, ring or not
+        base = super()._ring_time_sum(tokens, sq_sum, n, sp, recompute, ring, exposed)
+        return base + self.host_per_token * tokens * (1.0 - 1.0 / ring)
+
+    def _ring_cost(self, tokens, work, n, sp, recompute, ring) -> ItemCost:  # type: ignore[override]
+        cost = super()._ring_cost(tokens, work, n, sp, recompute, ring)
+        return replace(cost, overhead=cost.overhead + self.host_per_token * tokens * (1.0 - 1.0 / ring))
+
+    def _cost_sums(self, T: float, W: float, n: int, sp: int, recompute: int) -> ItemCost:
+        """:meth:`item_cost` (ring 1) from the sums: ``T`` tokens, ``W = sum l^2``, ``n`` samples."""
+        c = self._c(sp)
         fwd = c[0] * W + c[1] * T + c[2]
         bwd = c[3] * W + c[4] * T + c[5]
         rec = c[9] * W + c[10] * T + c[11] + c[20] * n
@@ -426,12 +487,16 @@ class ProfiledCostModel(CostModel):
 
     # ------------------------------------------------------------------ closed forms
 
-    def min_recompute(self, lengths: Sequence[int], sp: int) -> int | None:
+    def min_recompute(self, lengths: Sequence[int], sp: int, ring: int = 1) -> int | None:
         """Fewest recomputed layers that fit (closed form of eq. 6), ``None`` if full recompute does not."""
+        if ring != 1:
+            return CostModel.min_recompute(self, lengths, sp, ring)
         return self.min_recompute_tokens(sum(lengths), sp)
 
-    def max_length(self, sp: int, recompute: int | None = None) -> int:
+    def max_length(self, sp: int, recompute: int | None = None, ring: int = 1) -> int:
         """Longest single sequence that fits on ``sp`` ranks with ``recompute`` layers (default all); 0 if none."""
+        if ring != 1:
+            return CostModel.max_length(self, sp, recompute, ring)
         r = self.num_layers if recompute is None else recompute
         c = self._c(sp)
         base = c[12] - r * c[14]

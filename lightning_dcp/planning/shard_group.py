@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.state_sharding import state_bytes
 
 __all__ = ["HOST_ADAM_PARAMS_PER_S", "HOST_BANDWIDTH", "ShardGroupCostModel", "hsdp_view"]
@@ -107,26 +107,30 @@ class ShardGroupCostModel(CostModel):
             self.attention_work = base.attention_work
         time_sum = getattr(base, "item_time_sum", None)
         if callable(time_sum):
-            self.item_time_sum = lambda tokens, sq_sum, n, sp, recompute: self.round_time(
-                time_sum(tokens, sq_sum, n, sp, recompute))
+            self.item_time_sum = lambda tokens, sq_sum, n, sp, recompute, **ring: self.round_time(
+                time_sum(tokens, sq_sum, n, sp, recompute, **ring))
         mem_tokens = getattr(base, "item_memory_tokens", None)
         if callable(mem_tokens):
-            self.item_memory_tokens = lambda tokens, sp, recompute: mem_tokens(tokens, sp, recompute) + shift
+            self.item_memory_tokens = lambda tokens, sp, recompute, **ring: mem_tokens(tokens, sp, recompute, **ring) + shift
 
     # ------------------------------------------------------------------ memory
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.base.item_memory(lengths, sp, recompute) - self.base_state_bytes + self.state_bytes
+    @property
+    def prices_ring(self) -> bool:  # type: ignore[override]
+        return prices_ring_of(self.base)
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.base.item_memory(lengths, sp, recompute, **ring_kwargs(ring)) - self.base_state_bytes + self.state_bytes
 
     # ------------------------------------------------------------------ time
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
         """The base's cost plus the per-layer collectives of a round this item is the slowest of (the
         part compute does not hide, in ``comm``): what the planner balances, and what a lockstep round
         lasts (the simulator takes each round's slowest item)."""
-        cost = self.base.item_cost(lengths, sp, recompute)
+        cost = self.base.item_cost(lengths, sp, recompute, **ring_kwargs(ring))
         return replace(cost, comm=cost.comm + self.round_time(cost.total) - cost.total)
 
-    def item_time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.round_time(self.base.item_time(lengths, sp, recompute))
+    def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.round_time(self.base.item_time(lengths, sp, recompute, **ring_kwargs(ring)))
 
     def sp_sizes(self, world_size: int) -> list[int]:
         """SP groups stay inside a shard group: the base's sizes up to ``shard_group_size``."""

@@ -112,7 +112,7 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     least as long as the next step's planning (see the module docstring).
 
     ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the
-    world's largest aligned block; a smaller cap only raises the bound).
+    world; a smaller cap only raises the bound).
     ``rank_speeds``: the ranks' true speeds (:mod:`~lightning_dcp.planning.speeds`): an item on
     ranks ``R`` lasts its cost-model time divided by ``min(speed[r] for r in R)`` (its time parts
     likewise, for the ICC fractions); the step bounds spread the work over the speeds' sum.

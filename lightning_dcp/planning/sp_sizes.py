@@ -12,7 +12,14 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-__all__ = ["best_split", "divisors", "ulysses_sizes"]
+import math
+
+__all__ = ["MAX_RING", "best_split", "divisors", "kv_repeat", "node_ulysses", "sp_splits", "ulysses_sizes"]
+
+MAX_RING = 8
+"""The largest ring degree of the ring sizes the planner adds (8 rings of a node's Ulysses group: 64 ranks
+on 8-GPU nodes). Longer rings hold samples of many million tokens but multiply the sizes a large world
+plans over (every doubling up to the world) for samples that rarely need them."""
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -42,3 +49,62 @@ def best_split(size: int, num_heads: int | None) -> tuple[int, int]:
         raise ValueError(f"an SP group has >= 1 rank, got {size}")
     u = max(d for d in ulysses_sizes(num_heads, size) if size % d == 0)
     return size // u, u
+
+
+def kv_repeat(num_heads: int, num_kv_heads: int | None, ulysses: int) -> int:
+    """How many times each key/value head is repeated before a Ulysses all-to-all of ``ulysses`` ranks.
+
+    The same rule as :func:`lightning_dcp.sp.ulysses.kv_repeat_before_all_to_all` (pure, for planning):
+    the smallest divisor ``f`` of ``num_heads / num_kv_heads`` with ``num_kv_heads * f`` divisible by
+    ``ulysses``, so every rank receives whole key/value heads. 1 without grouped-query attention
+    (``num_kv_heads`` 0, None or equal to the heads). The all-to-all then moves ``num_kv_heads * f``
+    key and value heads per token instead of ``num_kv_heads``: the cost models price those bytes.
+    """
+    heads, kv, u = int(num_heads), int(num_kv_heads or num_heads), int(ulysses)
+    if kv < 1 or heads % kv or u < 1 or heads % u:
+        raise ValueError(f"cannot split {heads} heads ({kv} key/value heads) over a Ulysses group of {u}: the "
+                         "heads must be a multiple of the key/value heads and divisible by the group size")
+    groups = heads // kv
+    return next(f for f in divisors(groups) if (kv * f) % u == 0)
+
+
+def node_ulysses(num_heads: int, gpus_per_node: int) -> int:
+    """The largest Ulysses size dividing both the heads and a node's GPUs: the Ulysses subgroup of the
+    ring sizes the planner adds (every subgroup of a ring group then fits in one node)."""
+    return max(d for d in divisors(int(num_heads)) if int(gpus_per_node) % d == 0)
+
+
+def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bool = True,
+              usable: "set[int] | None" = None) -> dict[int, tuple[int, ...]]:
+    """Every SP size the planner may use up to ``limit``, with its candidate ring degrees (ascending).
+
+    * every Ulysses size (:func:`ulysses_sizes`: the divisors of the heads up to ``limit``), ring 1;
+    * with ``ring``: ring sizes past what the heads allow, ``r * u`` with ``u = node_ulysses(heads,
+      gpus_per_node)`` and ``r = 2, 4, 8, ...`` (sizes the heads do not already give), so a sample can
+      get more ranks than the heads allow -- every ring subgroup inside one node, the ring across
+      (``r`` up to :data:`MAX_RING`);
+    * with ``ring``, for a Ulysses size ``s`` larger than a node, also the Ulysses x ring split (USP)
+      ``s = r * u``, ``u`` the largest divisor of ``gcd(heads, s)`` that divides the node size: its
+      all-to-alls stay inside nodes; the cost model decides which of the two is cheaper.
+
+    Without ``ring`` (or without a head count) only the Ulysses sizes, each ring 1. ``usable``: the
+    Ulysses sizes a cost model can price (a profile's measured ones; default every divisor): only
+    those are sizes, and the Ulysses subgroups of the rings are drawn from them.
+    """
+    limit = int(limit)
+    out = {s: (1,) for s in ulysses_sizes(num_heads, limit) if usable is None or s in usable}
+    if not ring or not num_heads:
+        return out
+    heads, g = int(num_heads), max(1, int(gpus_per_node))
+    ok = (lambda d: True) if usable is None else (lambda d: d in usable)
+    for s in list(out):
+        if s > g:
+            u = max(d for d in divisors(math.gcd(heads, s)) if g % d == 0 and ok(d))
+            if u < s:
+                out[s] = (1, s // u)
+    u = max(d for d in divisors(heads) if g % d == 0 and ok(d))
+    r = 2
+    while r * u <= limit and r <= MAX_RING:
+        out.setdefault(r * u, (r,))
+        r *= 2
+    return dict(sorted(out.items()))

@@ -294,7 +294,7 @@ def profile_module(
             on several ranks without it, groups are created with :func:`~lightning_dcp.profiling.harness.make_sp_groups`.
         lengths: grid lengths (default: quantiles of the data's lengths, 4 coarse / 8 fine).
         micro_batch_sizes: default ``(1, 2)`` coarse, ``(1, 2, 4)`` fine.
-        sp_sizes: default every power of two up to the world size that divides ``num_heads``.
+        sp_sizes: default every size up to the world size that divides ``num_heads`` (powers of two when unknown).
         density: ``"coarse"`` or ``"fine"``.
         time_budget_s: after this many seconds of profiling, points not ``required`` are skipped
             (logged); ``None``: no budget.

@@ -54,8 +54,8 @@ class DCPProfiler(Callback):
         density: ``"coarse"`` (4 lengths x micro-batch {1, 2}) or ``"fine"`` (8 x {1, 2, 4}).
         lengths: explicit grid lengths (default: quantiles of the dataset's lengths).
         micro_batch_sizes: explicit micro-batch sizes (default by density).
-        sp_sizes: explicit SP sizes (default: powers of two up to the world size dividing the
-            heads under a strategy with ``sp_groups``; ``[1]`` otherwise).
+        sp_sizes: explicit SP sizes (default: under a strategy with ``sp_groups``, the sizes it created
+            aligned blocks for -- every divisor of the heads up to its SP cap; ``[1]`` otherwise).
         memory_limit_bytes: usable bytes per device the planner may use: this run's budget, applied to a
             cached profile too (default: CUDA total x 0.9, CPU 8 GiB; a cached profile's stored limit
             is never used).

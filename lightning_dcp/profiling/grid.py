@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from lightning_dcp.planning.sp_sizes import ulysses_sizes
+
 __all__ = ["DENSITIES", "GridPoint", "ProfileGrid", "Samples", "build_grid", "default_sp_sizes", "select_lengths"]
 
 #: Lengths per SP size and micro-batch sizes per density (``lengths`` / ``micro_batch_sizes`` override).
@@ -57,23 +59,21 @@ def select_lengths(lengths: Sequence[int], count: int) -> list[int]:
 
 
 def default_sp_sizes(world_size: int, num_heads: int | None) -> list[int]:
-    """Every power of two up to ``world_size`` that divides ``num_heads`` (all of them when unknown)."""
-    out, p = [], 1
-    while p <= world_size:
-        if num_heads is None or num_heads % p == 0:
-            out.append(p)
-        p *= 2
-    return out
+    """Every Ulysses SP size up to ``world_size``: the divisors of ``num_heads`` (any size, not only powers of two,
+    as :mod:`lightning_dcp.planning.sp_sizes` rules), or the powers of two when the head count is unknown."""
+    if num_heads is None:
+        return [1 << k for k in range(max(1, world_size).bit_length())]
+    return list(ulysses_sizes(num_heads, world_size))
 
 
 def check_sp_sizes(sp_sizes: Sequence[int], world_size: int, num_heads: int | None) -> list[int]:
-    """``sp_sizes`` as a list; raises naming the unusable ones (not a power of two, above the world
-    size, or not dividing the head count)."""
+    """``sp_sizes`` as a list; raises naming the unusable ones (above the world size, or not dividing the head
+    count: each is measured as Ulysses on an aligned block of that many ranks)."""
     sps = list(sp_sizes)
-    bad = [p for p in sps if p < 1 or p > world_size or p & (p - 1) or (num_heads is not None and num_heads % p)]
+    bad = [p for p in sps if p < 1 or p > world_size or (num_heads is not None and num_heads % p)]
     if bad:
-        raise ValueError(f"sp_sizes {bad} are not usable on {world_size} rank(s) with {num_heads} heads: an SP size is a "
-                         f"power of two <= the world size that divides the head count; drop them")
+        raise ValueError(f"sp_sizes {bad} are not usable on {world_size} rank(s) with {num_heads} heads: an SP size is "
+                         f"at most the world size and divides the head count; drop them")
     return sps
 
 

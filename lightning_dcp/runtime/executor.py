@@ -29,8 +29,10 @@ is a SUM reduce-scatter per bucket into the sharded gradients.
 global loss, the metrics row, the plan that ran); the strategy logs it. The executor holds no
 strategy: it is built from a :class:`~lightning_dcp.runtime.rank.RankRuntime`.
 
-Collectives: inside the loop only the active SP group's (Ulysses); before and after it, the
-world-wide ones above, the same number on every rank whatever its item count. Under
+Collectives: inside the loop only the active SP group's (Ulysses all-to-alls; a ring item's P2P inside
+its rings); before and after it, the world-wide ones above, the same number on every rank whatever its
+item count -- and, before the first micro-batch of a step whose plan names SP groups that do not exist
+yet, their creation (:meth:`~lightning_dcp.sp.groups.SPGroups.ensure`, every rank, sorted). Under
 ``sharding="hsdp"`` (:mod:`lightning_dcp.runtime.hsdp`) the loop runs the plan's lockstep rounds of this
 rank's shard group instead (its item or a zero-weight dummy per round, the shard group's per-layer
 collectives in each); the round count comes from the plan, whose hash the ranks compared before the
@@ -53,6 +55,7 @@ from lightning_dcp.runtime.calibration import slow_rank_clock
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
 from lightning_dcp.runtime.hsdp import HsdpParameters
 from lightning_dcp.runtime.metrics import CalibrationMetrics, StepMetrics, step_metrics
+from lightning_dcp.runtime.model import item_refusal
 from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryError
 from lightning_dcp.runtime.rank import RankRuntime
 from lightning_dcp.runtime.row import GatheredStep, StepRow
@@ -139,7 +142,7 @@ class StepExecutor:
         reduction = self.settings.loss_reduction
         micro_batches = []
         for mb, it in zip(loaded.batches, loaded.step.items):
-            local = local_batch(contract, mb, it.sp_rank, it.sp_size, reduction, lengths=list(it.lengths))
+            local = local_batch(contract, mb, it.sp_rank, it.sp_size, reduction, lengths=list(it.lengths), ring=it.ring)
             micro_batches.append(MicroBatch(it, local.data, loss_units=local.loss_units,
                                             local_loss_tokens=local.local_loss_tokens,
                                             item_loss_tokens=local.item_loss_tokens, real_tokens=local.real_tokens))
@@ -162,24 +165,35 @@ class StepExecutor:
                           real_tokens=0)
 
     def validate(self, step: Step) -> None:
-        """The step fits this world: its world size, its groups, SP sizes that divide the heads."""
+        """The step fits this world: its world size, its ranks, Ulysses sizes that divide the heads, ring items only
+        for a module that runs ring attention (:func:`~lightning_dcp.runtime.model.item_refusal`)."""
         runtime = self.runtime
         if step.world_size != runtime.world_size:
             raise RuntimeError(f"the step was planned for {step.world_size} ranks but the world has {runtime.world_size}")
-        heads = runtime.num_heads
+        layout = self._ring_layout()
         for idx, item in enumerate(step.plan.items):
             ranks = list(item.ranks)
-            if heads is not None and heads % len(ranks):
-                from lightning_dcp.runtime.model import largest_dividing_power_of_two
+            if any(b <= a for a, b in zip(ranks, ranks[1:])) or ranks[0] < 0 or ranks[-1] >= runtime.world_size:
+                raise ValueError(f"{step.where()}: item {idx} runs on ranks {ranks}, which are not distinct increasing "
+                                 f"ranks of this world of {runtime.world_size}; fix the plan")
+            if len(ranks) > 1 and runtime.sp_groups is None:
+                raise ValueError(f"{step.where()}: item {idx} runs on ranks {ranks} but this run has no SP groups (SP size 1 "
+                                 "only); fix the plan")
+            problem = item_refusal(len(ranks), item.ring, runtime.num_heads, layout)
+            if problem:
+                raise ValueError(f"{step.where()}: item {idx} (samples {list(item.samples)}, ranks {ranks}): {problem}")
 
-                raise ValueError(f"{step.where()}: item {idx} (samples {list(item.samples)}) uses SP size {len(ranks)}, "
-                                 f"which does not divide the model's {heads} attention heads; cap the planner at "
-                                 f"max_sp_size={largest_dividing_power_of_two(heads)}")
-            groups = runtime.sp_groups
-            known = groups.has(ranks) if groups is not None else len(ranks) == 1
-            if not known:
-                raise ValueError(f"{step.where()}: item {idx} runs on ranks {ranks}, which is not an SP group of this "
-                                 f"world ({groups}); fix the plan or max_sp_size")
+    def _ring_layout(self) -> str | None:
+        """The module's ring token layout (``None``: no ring attention)."""
+        contract = self.runtime.contract
+        return contract.ring_layout if contract is not None else "contiguous"
+
+    def _ensure_groups(self, step: Step) -> None:
+        """Create the SP groups ``step`` needs that do not exist yet (every rank, the same plan, sorted: see
+        :class:`~lightning_dcp.sp.groups.SPGroups`), before its first micro-batch."""
+        groups = self.runtime.sp_groups
+        if groups is not None and self.world_size > 1:
+            groups.ensure(step.plan.items)
 
     def ready(self, batch: Any) -> PreparedStep:
         """``batch`` prepared (:meth:`prepare`) and on the device (the strategy's ``batch_to_device``; a batch
@@ -197,7 +211,7 @@ class StepExecutor:
         """Run this rank's micro-batches of one optimizer step; return the step's exact global loss and metrics."""
         prepared = self.ready(batch)
         self.validate(prepared.step)
-        self.check_plan_before_loop(prepared.step)
+        self.check_plan_before_loop(prepared.step)  # the plans agree before any group is created from them
         self.oom.begin_step()
         if self.oom.resume_due(prepared.step):
             prepared = self.oom.replan_resumed(prepared.step, self.cost_model, self._replan)
@@ -206,6 +220,7 @@ class StepExecutor:
         self._last_step_start = now
         self._begin_step()
         for attempt in range(self.oom.max_replans + 1):
+            self._ensure_groups(prepared.step)  # a re-plan may name new groups
             busy, local_loss, failed = self.run_items(prepared, batch_idx)
             gathered = self.gather(prepared, busy, local_loss, failed)
             if not gathered.failed_items:
@@ -324,7 +339,7 @@ class StepExecutor:
         results = getattr(trainer, "_results", None)
         if results is not None:  # what Lightning's self.log reads for the batch size
             results.batch, results.batch_size = local, len(it.samples)
-        with sp_context(it.sp_context(runtime.sp_groups)):
+        with sp_context(it.sp_context(runtime.sp_groups, self._ring_layout() or "contiguous")):
             count_weighted_calls(reset=True)
             with runtime.train_step_context():
                 out = module.training_step(local, batch_idx)

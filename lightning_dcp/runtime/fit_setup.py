@@ -16,17 +16,19 @@ __all__ = ["maybe_add_profiler", "resolve_model_setup", "wrap_zero1"]
 
 def resolve_model_setup(contract: Any, settings: DCPSettings, world_size: int) -> tuple[int | None, str, SPCap]:
     """(attention heads, support level, SP cap) from the module's contract (``None``: no module) on
-    ``world_size`` ranks; a module below the ``"sp"`` support level runs at SP 1 (a ``max_sp_size`` above 1
-    is warned about and ignored)."""
+    ``world_size`` ranks (or the ranks an SP group may span); a module below the ``"sp"`` support level runs
+    at SP 1 (a ``max_sp_size`` above 1 is warned about and ignored); sizes past the heads' divisors need a module
+    that runs ring attention (:attr:`~lightning_dcp.sp.contract.ModelContract.ring_layout`)."""
     num_heads = contract.num_heads if contract is not None else None
     support = contract.support if contract is not None else "sp"
+    ring = contract is not None and contract.ring_layout is not None
     requested = settings.max_sp_size
     if support != "sp":
         if requested not in (None, 1):
             rank_zero_warn(f"max_sp_size={requested} ignored: the module runs at support level {support!r}, "
                            "which has no sequence parallelism (SP size 1)")
         requested = 1
-    return num_heads, support, resolve_sp_cap(requested, world_size, num_heads)
+    return num_heads, support, resolve_sp_cap(requested, world_size, num_heads, ring=ring and support == "sp")
 
 
 def maybe_add_profiler(trainer: Any, settings: DCPSettings, cost_model: Any, support: str | None) -> None:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.step import LoadedStep, RankItem, Step
 from lightning_dcp.sp.packing import pack_samples, sample_length
+from lightning_dcp.sp.tokens import pad_multiple
 
 __all__ = ["DCPDataLoader", "StepDataset", "collate_step"]
 
@@ -25,7 +26,7 @@ class StepDataset(Dataset):
     """Wraps the user's map-style dataset: ``ds[step]`` loads and builds a step's micro-batches.
 
     Each item's samples are loaded with ``dataset[i]`` and packed with
-    :func:`lightning_dcp.sp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size); with
+    :func:`lightning_dcp.sp.packing.pack_samples` (``pad_to_multiple`` = the item's SP size, twice it for a ring item); with
     ``collate_fn`` (safe mode, see :mod:`lightning_dcp.runtime.support`) they are collated by it instead,
     exactly as the user's own DataLoader would batch them.
     """
@@ -57,7 +58,7 @@ class StepDataset(Dataset):
             if got != n:
                 raise ValueError(f"sample {i} has {got} tokens but its length is given as {n}; the dataset's "
                                  "`lengths` must match what __getitem__ returns")
-        return pack_samples(samples, pad_to_multiple=item.sp_size, pad_values=self.pad_values,
+        return pack_samples(samples, pad_to_multiple=pad_multiple(item.sp_size, item.ring), pad_values=self.pad_values,
                             sample_indices=list(item.samples))
 
 

@@ -6,7 +6,9 @@ model the strategy holds (given, measured by the profiler, or -- warned once --
 :class:`~lightning_dcp.planning.default_cost.DefaultCostModel`), capped at the SP size the world and
 the heads allow, with the static memory of the runtime's sharding mode
 (:func:`~lightning_dcp.runtime.states.shard_cost_model`); in safe mode wrapped in the padded cost
-model and planner (:mod:`lightning_dcp.planning.padded`).
+model and planner (:mod:`lightning_dcp.planning.padded`). The SP sizes it may use come from the runtime's
+:class:`~lightning_dcp.runtime.model.SPCap`: the cap (any size the heads allow, not only powers of two), the
+head count through the cost model, and whether the module runs ring attention (sizes past the heads).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class PlannerFactory:
     Args:
         settings: the strategy's settings (policy, seed, planner options, a user planner).
         world_size: ranks in the world.
-        sp_cap: the SP cap the runtime created groups for.
+        sp_cap: the SP sizes the runtime runs (cap, Ulysses sizes, ring attention or not).
         num_heads: the model's attention heads (named in the planner's SP-cap errors), if known.
         support: the module's support level (``"safe"`` plans padded micro-batches).
         states: the model states per rank under the runtime's sharding mode (``None``: the cost model's own).
@@ -75,6 +77,7 @@ class PlannerFactory:
         opts.setdefault("max_sp_size", self.sp_cap.size)
         if self.sp_cap.heads_cap is not None and opts["max_sp_size"] == self.sp_cap.heads_cap:
             opts.setdefault("sp_cap_reason", f"the model's {self.num_heads} attention heads (SP sizes must divide them)")
+        opts.setdefault("ring", self.sp_cap.ring)  # ring items only for a module that runs ring attention
         planner = Planner(self.world_size, cost_model, policy=self.settings.policy, seed=self.settings.seed,
                           dataset_lengths=lengths, **opts)
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner

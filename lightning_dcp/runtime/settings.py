@@ -99,8 +99,9 @@ class DCPSettings:
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
         sp = self.max_sp_size
-        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or sp & (sp - 1)):
-            raise ValueError(f"max_sp_size must be a power of two >= 1, got {sp!r}")
+        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+            raise ValueError(f"max_sp_size must be a positive number of ranks (any size the model's heads allow, or any "
+                             f"size with ring attention), got {sp!r}")
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError(f"give global_batch_size ({self.global_batch_size}) or global_batch_tokens "
                              f"({self.global_batch_tokens}), not both")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.agreement import plan_fingerprint
-from lightning_dcp.sp.context import SPContext
+from lightning_dcp.sp.context import RingGrid, SPContext
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -45,11 +45,12 @@ class RankItem:
     Args:
         index: the item's position in the step plan (the same on every rank of its SP group).
         micro_batch: its position in this rank's micro-batch loop.
-        ranks: the global ranks of its SP group (an aligned power-of-two block).
+        ranks: the global ranks of its SP group (any increasing tuple the plan names).
         sp_rank: this rank's position inside ``ranks``.
         samples: dataset indices packed into the item, in packing order.
         lengths: each sample's length in tokens.
         recompute: how many repeated layers run with activation checkpointing.
+        ring: the item's ring-attention degree (``WorkItem.ring``; 1: Ulysses only).
     """
 
     index: int
@@ -59,6 +60,7 @@ class RankItem:
     samples: tuple[int, ...]
     lengths: tuple[int, ...]
     recompute: int
+    ring: int = 1
 
     @classmethod
     def of(cls, item: WorkItem, *, index: int, micro_batch: int, rank: int) -> "RankItem":
@@ -66,7 +68,7 @@ class RankItem:
         if rank not in item.ranks:
             raise ValueError(f"rank {rank} is not in item {index}'s SP group {list(item.ranks)}")
         return cls(index=index, micro_batch=micro_batch, ranks=item.ranks, sp_rank=item.ranks.index(rank),
-                   samples=item.samples, lengths=item.lengths, recompute=item.recompute)
+                   samples=item.samples, lengths=item.lengths, recompute=item.recompute, ring=item.ring)
 
     @property
     def sp_size(self) -> int:
@@ -74,14 +76,31 @@ class RankItem:
 
     @property
     def work_item(self) -> WorkItem:
-        """The plan's item (ranks, samples, lengths, recompute)."""
-        return WorkItem(self.ranks, self.samples, self.lengths, self.recompute)
+        """The plan's item (ranks, samples, lengths, recompute, ring)."""
+        return WorkItem(self.ranks, self.samples, self.lengths, self.recompute, self.ring)
 
-    def sp_context(self, groups: "SPGroups | None") -> SPContext:
-        """The SP context this item runs in: its group (``None`` at SP 1), this rank's position, its recompute count."""
-        group = groups.group_for(self.ranks) if self.sp_size > 1 and groups is not None else None
+    @property
+    def ulysses_size(self) -> int:
+        """Ranks of one Ulysses subgroup (the heads are split this many ways)."""
+        return self.sp_size // self.ring
+
+    def sp_context(self, groups: "SPGroups | None", layout: str = "contiguous") -> SPContext:
+        """The SP context this item runs in: its group (``None`` at SP 1), this rank's position, its recompute count;
+        for a ring item its :class:`~lightning_dcp.sp.context.RingGrid` (subgroup, ring, token ``layout``)."""
+        have = self.sp_size > 1 and groups is not None
+        group = groups.group_for(self.ranks) if have else None
+        grid = None
+        if self.ring > 1:
+            u = self.ulysses_size
+            ring_ranks = self.ranks[self.sp_rank % u::u]
+            position = self.sp_rank // u
+            grid = RingGrid(degree=self.ring, ulysses=u,
+                            ulysses_group=groups.group_for(self.ranks[position * u:(position + 1) * u])
+                            if have and u > 1 else None,
+                            ring_group=groups.group_for(ring_ranks) if have else None, ring_ranks=ring_ranks,
+                            layout=layout)
         return SPContext(group=group, size=self.sp_size, rank=self.sp_rank, recompute=self.recompute,
-                         item=self.work_item)
+                         item=self.work_item, ring=grid)
 
     def describe(self) -> str:
         """``item 3 (samples [4, 9], lengths [120, 33], SP 2, recompute 1)`` (for errors)."""

@@ -7,8 +7,8 @@ What each hook does (the work is done by the runtime's other rooms):
 - ``setup_environment``: after DDP's process-group setup, the module's contract, read once
   (:func:`~lightning_dcp.sp.contract.read_model`: its repeated layers, support level, heads and hooks,
   which every other room reads; :attr:`DCPStrategy.model_contract`), the SP cap
-  (:mod:`~lightning_dcp.runtime.model`) and the SP groups of every aligned power-of-two block
-  (:class:`~lightning_dcp.sp.groups.SPGroups`), once, in the same order on every rank; the SIGTERM
+  (:mod:`~lightning_dcp.runtime.model`) and the SP groups of the aligned blocks of every Ulysses size
+  (:class:`~lightning_dcp.sp.groups.SPGroups`; other groups per step), in the same order on every rank; the SIGTERM
   watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
 - ``setup``: checks the module and the Trainer (:mod:`~lightning_dcp.runtime.checks`), adds the
   profiler (:mod:`~lightning_dcp.runtime.fit_setup`), no DDP wrapper (``configure_ddp`` broadcasts
@@ -130,8 +130,9 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         zero1: deprecated spelling of ``sharding="zero1"``.
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
-        max_sp_size: largest SP size (a power of two) to create groups for; default the largest
-            power of two that fits the world and divides the model's head count.
+        max_sp_size: largest SP size: a divisor of the model's heads, or any size when the module runs ring
+            attention (sizes past the heads' divisors as ring x Ulysses); default the world (or the shard
+            group) with ring attention, else the largest divisor of the heads that fits it.
         lengths: sample lengths (a list, or a callable taking the dataset) when the dataset
             has no ``lengths`` attribute.
         shuffle, drop_last: data order per epoch, and whether to drop the last partial batch.
@@ -294,14 +295,13 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         module = self.lightning_module
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
         self._model_contract = contract
-        self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
-        if self.shard_group_size is not None and self.sp_cap.size > self.shard_group_size:  # SP inside a shard group
-            self.sp_cap = SPCap(self.shard_group_size)
+        sp_span = self.shard_group_size or self.world_size  # SP inside a shard group under hsdp
+        self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, sp_span)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
-        self.sp_groups = SPGroups(self.world_size, self.global_rank, self.sp_cap.size, create=create,
-                                  timeout=self._timeout)
+        self.sp_groups = SPGroups(self.world_size, self.global_rank, create=create, timeout=self._timeout,
+                                  sizes=self.sp_cap.group_sizes)
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
             self._watchdog = rank_watchdog(self.launcher, self.cluster_environment, self.settings.sigterm_grace_s,
                                            self.global_rank)

@@ -6,7 +6,10 @@
 - :mod:`~lightning_dcp.sp.tokens`: a packed micro-batch -> this SP rank's shard, token weights,
   :func:`~lightning_dcp.sp.tokens.weighted_loss`;
 - :mod:`~lightning_dcp.sp.attention`: local variable-length attention (flash-attn, torch varlen, SDPA);
-- :mod:`~lightning_dcp.sp.ulysses`: the Ulysses all-to-all and :func:`ulysses_attention`;
+- :mod:`~lightning_dcp.sp.ulysses`: the Ulysses all-to-all and :func:`ulysses_attention` (any SP size
+  dividing the heads; a ring item goes on to :mod:`~lightning_dcp.sp.ring`);
+- :mod:`~lightning_dcp.sp.ring`: ring attention over packed samples, past the head count (USP);
+- :mod:`~lightning_dcp.sp.groups`: the SP process groups of any rank tuple a plan names;
 - :mod:`~lightning_dcp.sp.recompute`: :class:`RecomputeLayers`, the per-layer recompute switch;
 - :mod:`~lightning_dcp.sp.contract`: what the runtime and the profiler read off the model (its
   repeated layers, heads, hooks), once, and the one path from a micro-batch to an SP rank's part.

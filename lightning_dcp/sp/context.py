@@ -42,6 +42,35 @@ NUM_TOKENS = "num_tokens"
 RESERVED_KEYS = (CU_SEQLENS, MAX_SEQLEN, POSITION_IDS, LOSS_MASK, SEGMENT_IDS, TOKEN_WEIGHT, SAMPLE_INDICES, NUM_TOKENS)
 
 
+#: Token layouts of a ring item's shards (:func:`lightning_dcp.sp.tokens.shard_spans`).
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class RingGrid:
+    """How an SP group of ``degree * ulysses`` ranks runs ring attention (``WorkItem.ring > 1``).
+
+    SP rank ``k`` sits at ring position ``k // ulysses`` of Ulysses subgroup position ``k % ulysses``:
+    the heads are split over the Ulysses subgroup (an all-to-all), the sequence over the ring (key/value
+    blocks passed around it). See :mod:`lightning_dcp.sp.ring`.
+
+    Args:
+        degree: ranks in the ring (``r > 1``).
+        ulysses: ranks in a Ulysses subgroup (``u``; ``1``: ring only).
+        ulysses_group: this rank's Ulysses subgroup (``None`` when ``ulysses == 1``).
+        ring_group: this rank's ring (the ranks at its Ulysses position in every subgroup).
+        ring_ranks: the global ranks of that ring, in ring order.
+        layout: how the packed tokens are dealt to the SP ranks (one of :data:`RING_LAYOUTS`).
+    """
+
+    degree: int
+    ulysses: int
+    ulysses_group: "dist.ProcessGroup | None"
+    ring_group: "dist.ProcessGroup | None"
+    ring_ranks: tuple[int, ...]
+    layout: str = "contiguous"
+
+
 @dataclass(frozen=True)
 class SPContext:
     """Which SP group is active and how many repeated layers recompute.
@@ -52,6 +81,7 @@ class SPContext:
         rank: this process's rank inside ``group``.
         recompute: number of layers of each :class:`~lightning_dcp.RecomputeLayers` to checkpoint.
         item: the executing work item (a :class:`~lightning_dcp.planning.plan.WorkItem`), if any.
+        ring: the ring-attention grid of a ring item (``None``: Ulysses over ``group`` alone).
     """
 
     group: "dist.ProcessGroup | None" = None
@@ -59,6 +89,7 @@ class SPContext:
     rank: int = 0
     recompute: int = 0
     item: Any = None
+    ring: RingGrid | None = None
 
 
 _DEFAULT = SPContext()

@@ -31,6 +31,13 @@ first, then ``num_heads`` on the module, its ``spec``, its ``model.spec`` or a s
 **Hooks** (bound callables or ``None``): ``dcp_prepare_batch(batch)``, ``dcp_shard_batch(batch,
 sp_rank, sp_size)``, ``dcp_loss_units(batch)``, ``dcp_support_message(level)``.
 
+**Ring attention** (SP sizes past the heads, :mod:`lightning_dcp.sp.ring`): a module at support ``"sp"``
+whose batches the package shards (no ``dcp_shard_batch`` hook) can run it, since its attention goes
+through :func:`~lightning_dcp.sp.ulysses.ulysses_attention`; the token layout of a ring item's shards is
+the module's ``dcp_ring_layout`` (on the module or a submodule): ``"contiguous"`` (the default: the same
+shards as Ulysses, which any forward that assumes contiguous shards keeps working with), ``"zigzag"``
+(balanced causal work; the shipped causal language models set it) or ``None`` (no ring attention).
+
 :func:`install_contract` is the other side: the one place a model adapter
 (:func:`lightning_dcp.hf.adapt`, :func:`lightning_dcp.diffusers.adapt`) writes the ``dcp_*`` attributes
 :func:`read_model` reads.
@@ -47,12 +54,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
-from lightning_dcp.sp.context import SEGMENT_IDS
+from lightning_dcp.sp.context import RING_LAYOUTS, SEGMENT_IDS
 from lightning_dcp.sp.recompute import LayerRecompute, RecomputeLayers, RepeatedLayers
 from lightning_dcp.sp.tokens import add_token_weights, local_loss_tokens, shard_batch
 
-__all__ = ["LAYERS_ATTR", "REPEATED_LAYERS_METHOD", "SUPPORT_LEVELS", "AmbiguousLayersError", "LocalBatch",
-           "ModelContract", "install_contract", "local_batch", "read_model"]
+__all__ = ["LAYERS_ATTR", "REPEATED_LAYERS_METHOD", "RING_LAYOUT_ATTR", "SUPPORT_LEVELS", "AmbiguousLayersError",
+           "LocalBatch", "ModelContract", "install_contract", "local_batch", "read_model", "ring_refusal"]
 
 SUPPORT_LEVELS = ("safe", "packed", "sp")
 """What a module supports under DCP, each level a superset of the one before (:mod:`lightning_dcp.runtime.support`)."""
@@ -62,6 +69,9 @@ REPEATED_LAYERS_METHOD = "dcp_repeated_layers"
 
 #: Name of the module attribute that names its repeated layers, like ``layers_attr``.
 LAYERS_ATTR = "dcp_layers_attr"
+
+#: Name of the module attribute that chooses the token layout of ring items (``None``: no ring attention).
+RING_LAYOUT_ATTR = "dcp_ring_layout"
 
 
 class AmbiguousLayersError(ValueError):
@@ -98,6 +108,8 @@ class ModelContract:
         shard_batch: the module's ``dcp_shard_batch(batch, sp_rank, sp_size)`` or ``None``.
         loss_units: the module's ``dcp_loss_units(batch)`` (safe mode) or ``None``.
         support_message: the module's ``dcp_support_message(level)`` or ``None``.
+        ring_layout: the token layout of a ring item's shards (``"contiguous"`` or ``"zigzag"``), ``None``
+            when the module cannot run ring attention (see the module docstring).
     """
 
     name: str
@@ -112,6 +124,7 @@ class ModelContract:
     shard_batch: Callable[[Any, int, int], Any] | None = None
     loss_units: Callable[[Any], int] | None = None
     support_message: Callable[[str], str | None] | None = None
+    ring_layout: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -139,6 +152,7 @@ def read_model(module: nn.Module, layers_attr: str | None = None, support: str |
     """
     name = type(module).__name__
     candidates = _candidates(module)
+    shard_hook = _hook(module, "dcp_shard_batch")
     attr, attr_origin = (layers_attr, "layers_attr") if layers_attr is not None else (
         getattr(module, LAYERS_ATTR, None), f"{name}.{LAYERS_ATTR}")
     if attr is not None:
@@ -148,9 +162,10 @@ def read_model(module: nn.Module, layers_attr: str | None = None, support: str |
         stack = _single(name, candidates)
         source = _describe(name, stack) if stack is not None else (
             f"none (no RecomputeLayers or {REPEATED_LAYERS_METHOD}() in {name})")
+    level = _resolve_support(module, support, has_stack=stack is not None)
     return ModelContract(
         name=name,
-        support=_resolve_support(module, support, has_stack=stack is not None),
+        support=level,
         layers=stack.layers if stack is not None else (),
         layers_source=source,
         recompute=stack.recompute if stack is not None else None,
@@ -158,9 +173,10 @@ def read_model(module: nn.Module, layers_attr: str | None = None, support: str |
         hidden_size=_find_int(module, None, "hidden_size", "hidden_size"),
         per_sample_cost=any(getattr(m, "dcp_cost_per_sample", False) is True for m in module.modules()),
         prepare_batch=_hook(module, "dcp_prepare_batch"),
-        shard_batch=_hook(module, "dcp_shard_batch"),
+        shard_batch=shard_hook,
         loss_units=_hook(module, "dcp_loss_units"),
         support_message=_hook(module, "dcp_support_message"),
+        ring_layout=_ring_layout(module, level, shard_hook is not None),
     )
 
 
@@ -195,6 +211,21 @@ def install_contract(model: nn.Module, *stacks: nn.ModuleList, num_heads: int, p
     if per_sample_cost is not None:
         model.dcp_cost_per_sample = bool(per_sample_cost)
     return switch
+
+
+def _ring_layout(module: nn.Module, level: str, own_sharding: bool) -> str | None:
+    """The module's ring token layout (see the module docstring): its ``dcp_ring_layout`` on the module or a
+    submodule, else ``"contiguous"``; ``None`` below support ``"sp"`` or with its own ``dcp_shard_batch``."""
+    if level != "sp" or own_sharding:
+        return None
+    for m in module.modules():
+        if hasattr(m, RING_LAYOUT_ATTR):
+            value = getattr(m, RING_LAYOUT_ATTR)
+            if value is not None and value not in RING_LAYOUTS:
+                raise ValueError(f"{type(m).__name__}.{RING_LAYOUT_ATTR} is {value!r}; use one of {RING_LAYOUTS} or None "
+                                 "(no ring attention)")
+            return value
+    return "contiguous"
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -347,7 +378,7 @@ class LocalBatch:
 
 
 def local_batch(contract: ModelContract, batch: Any, sp_rank: int, sp: int, reduction: str,
-                lengths: Sequence[int] | None = None) -> LocalBatch:
+                lengths: Sequence[int] | None = None, ring: int = 1) -> LocalBatch:
     """This SP rank's part of the micro-batch ``batch`` and its counts (see :class:`LocalBatch`).
 
     A packed batch (support ``"packed"`` / ``"sp"``): the module's ``dcp_prepare_batch`` first (e.g.
@@ -359,9 +390,11 @@ def local_batch(contract: ModelContract, batch: Any, sp_rank: int, sp: int, redu
 
     Args:
         lengths: the item's sample lengths (needed in safe mode: its samples and real tokens).
+        ring: the item's ring degree: ``> 1`` shards by the module's :attr:`ModelContract.ring_layout`.
 
     Raises:
-        ValueError: safe mode without ``lengths`` or with an SP size above 1.
+        ValueError: safe mode without ``lengths`` or with an SP size above 1; a ring item for a module
+            without ring attention.
     """
     if contract.support == "safe":
         if lengths is None or sp != 1:
@@ -373,9 +406,26 @@ def local_batch(contract: ModelContract, batch: Any, sp_rank: int, sp: int, redu
         batch = contract.prepare_batch(batch)
     units = add_token_weights(batch, reduction)
     item_tokens = units if reduction == "token" else local_loss_tokens(batch)  # token mode: the same count
-    local = contract.shard_batch(batch, sp_rank, sp) if contract.shard_batch is not None else shard_batch(batch, sp_rank, sp)
+    if ring > 1:
+        if contract.ring_layout is None:
+            raise ValueError(ring_refusal(contract, sp, ring))
+        local = shard_batch(batch, sp_rank, sp, ring, contract.ring_layout)
+    elif contract.shard_batch is not None:
+        local = contract.shard_batch(batch, sp_rank, sp)
+    else:
+        local = shard_batch(batch, sp_rank, sp)
     real = int((local[SEGMENT_IDS] >= 0).sum()) if SEGMENT_IDS in local else local_loss_tokens(local)
     return LocalBatch(local, units if sp_rank == 0 else 0, item_tokens, local_loss_tokens(local), real)
+
+
+def ring_refusal(contract: ModelContract, sp: int, ring: int) -> str:
+    """Why ``contract``'s module cannot run an item of ``sp`` ranks as ring ``ring`` (for errors), and the fix."""
+    why = (f"it runs at support level {contract.support!r}" if contract.support != "sp" else
+           "it shards its own batches (dcp_shard_batch)" if contract.shard_batch is not None else
+           f"it sets {RING_LAYOUT_ATTR} = None")
+    heads = f" dividing its {contract.num_heads} attention heads" if contract.num_heads else ""
+    return (f"an item of SP {sp} with ring degree {ring} needs ring attention, which {contract.name} cannot run: {why}. "
+            f"Plan SP sizes{heads} only (DCPStrategy(max_sp_size=...), a planner without ring items)")
 
 
 def _safe_loss_units(contract: ModelContract, batch: Any, num_samples: int, reduction: str) -> int:

@@ -1,11 +1,20 @@
 """Token-dimension sharding of a packed micro-batch, token weights, and :func:`weighted_loss`.
 
 A packed micro-batch (from :func:`lightning_dcp.sp.packing.pack_samples`) has a *token dimension*
-of length ``T`` (padded to a multiple of the SP size): ``LOSS_MASK`` spans it, and so does
-every sequence tensor. For an SP group of size ``P``, rank ``i`` of the group keeps tokens
+of length ``T`` (padded to a multiple of :func:`pad_multiple`: the SP size, any size -- 3, 5, 6, 7 as
+well as powers of two -- and twice it for a ring item): ``LOSS_MASK`` spans it, and so does every
+sequence tensor. For an SP group of size ``P``, rank ``i`` of the group keeps tokens
 ``[i*T/P, (i+1)*T/P)`` of every tensor whose first dimension is ``T``; ``CU_SEQLENS`` and
 ``MAX_SEQLEN`` stay whole (they describe the whole packed sequence, as Ulysses attention needs),
 lists and scalars are kept as they are.
+
+A ring item (``WorkItem.ring = r > 1``, ``u = P / r``) whose module asks for the ``"zigzag"`` layout
+(:attr:`~lightning_dcp.sp.contract.ModelContract.ring_layout`, for causal attention) deals the tokens
+so every ring position gets as much causal work: ``T`` is cut into ``2r`` chunks, ring position ``j``
+takes chunks ``j`` and ``2r - 1 - j`` (one early, one late), and SP rank ``j*u + i`` the ``i``-th of
+``u`` equal pieces of those two chunks laid end to end (:func:`shard_spans`). The ``"contiguous"``
+layout (the default) is the rule above for ring items too. Either way the shard is chosen by token
+index, so the token weights below are sharded with the tokens and the loss stays exact.
 
 Loss reductions (``DCPStrategy(loss_reduction=...)``). A *loss token* is one whose
 ``LOSS_MASK`` is True: not padding and, for integer ``labels``, ``labels != -100`` (prompt
@@ -34,9 +43,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, SEGMENT_IDS, TOKEN_WEIGHT
+from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, MAX_SEQLEN, RING_LAYOUTS, SEGMENT_IDS, TOKEN_WEIGHT
 
-__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "count_weighted_calls", "is_weighted", "local_loss_tokens", "shard_batch", "token_dim", "weighted_loss"]
+__all__ = ["LOSS_REDUCTIONS", "add_token_weights", "count_weighted_calls", "is_weighted", "local_loss_tokens", "pad_multiple",
+           "ring_spans", "shard_batch", "shard_spans", "token_dim", "weighted_loss"]
 
 LOSS_REDUCTIONS = ("token", "sample")
 
@@ -62,26 +72,79 @@ def token_dim(batch: Mapping[str, Any]) -> int:
                    f"got keys {sorted(batch)} (pack samples with lightning_dcp.sp.packing.pack_samples)")
 
 
-def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
-    """This SP rank's shard of a packed micro-batch (see the module docstring for the rule).
+def pad_multiple(sp_size: int, ring: int = 1) -> int:
+    """What the packed token dimension of an item of ``sp_size`` ranks is padded to a multiple of: the SP size,
+    twice it for a ring item (``ring > 1``: the zigzag layout deals ``2 * ring`` equal chunks)."""
+    return int(sp_size) * (2 if ring > 1 else 1)
+
+
+Spans = tuple[tuple[int, int], ...]
+
+
+def _check_layout(total: int, sp_size: int, ring: int, layout: str) -> None:
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"unknown token layout {layout!r}; use one of {RING_LAYOUTS}")
+    if ring < 1 or sp_size % ring:
+        raise ValueError(f"ring degree {ring} must be >= 1 and divide the SP size {sp_size}")
+    multiple = pad_multiple(sp_size, ring) if layout == "zigzag" and ring > 1 else sp_size
+    if total % multiple:
+        what = f"the SP size {sp_size}" if multiple == sp_size else f"{multiple} (SP size {sp_size}, ring {ring}, {layout} layout)"
+        raise ValueError(f"the packed micro-batch has {total} tokens, not a multiple of {what}; pack it with "
+                         f"pack_samples(..., pad_to_multiple={multiple}) (lightning_dcp.sp.tokens.pad_multiple)")
+
+
+def ring_spans(total: int, position: int, ring: int, layout: str = "contiguous") -> Spans:
+    """The token ranges ``[start, end)`` ring position ``position`` of ``ring`` holds (its Ulysses subgroup's shards
+    laid end to end, the order its all-to-all gathers them in)."""
+    if layout == "zigzag" and ring > 1:
+        c = total // (2 * ring)
+        return ((position * c, (position + 1) * c), ((2 * ring - 1 - position) * c, (2 * ring - position) * c))
+    c = total // ring
+    return ((position * c, (position + 1) * c),)
+
+
+def shard_spans(total: int, sp_rank: int, sp_size: int, ring: int = 1, layout: str = "contiguous") -> Spans:
+    """The token ranges ``[start, end)`` SP rank ``sp_rank`` holds, in order (see the module docstring).
 
     Raises:
-        ValueError: the token dimension is not a multiple of ``sp_size``.
+        ValueError: ``total`` is not a multiple of what the layout needs, or a bad rank, ring or layout.
+    """
+    _check_layout(total, sp_size, ring, layout)
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} is outside an SP group of size {sp_size}")
+    local = total // sp_size
+    if ring == 1 or layout == "contiguous":
+        return ((sp_rank * local, (sp_rank + 1) * local),)
+    u = sp_size // ring
+    lo, hi = (sp_rank % u) * local, (sp_rank % u + 1) * local  # a piece of the two chunks laid end to end
+    out, offset = [], 0
+    for a, b in ring_spans(total, sp_rank // u, ring, layout):
+        s, e = max(a, a + lo - offset), min(b, a + hi - offset)
+        if s < e:
+            out.append((s, e))
+        offset += b - a
+    return tuple(out)
+
+
+def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, ring: int = 1,
+                layout: str = "contiguous") -> dict[str, Any]:
+    """This SP rank's shard of a packed micro-batch (see the module docstring for the rule).
+
+    Args:
+        ring, layout: the item's ring degree and the module's ring token layout (``"contiguous"`` or
+            ``"zigzag"``; only read when ``ring > 1``).
+
+    Raises:
+        ValueError: the token dimension is not a multiple of what the layout needs (:func:`pad_multiple`).
     """
     if sp_size == 1:
         return dict(batch)
     total = token_dim(batch)
-    if total % sp_size:
-        raise ValueError(f"the packed micro-batch has {total} tokens, not a multiple of the SP size {sp_size}; "
-                         f"pack it with pack_samples(..., pad_to_multiple={sp_size})")
-    if not 0 <= sp_rank < sp_size:
-        raise ValueError(f"sp_rank {sp_rank} is outside an SP group of size {sp_size}")
-    local = total // sp_size
-    lo, hi = sp_rank * local, (sp_rank + 1) * local
+    spans = shard_spans(total, sp_rank, sp_size, ring, layout)
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key not in _WHOLE_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total:
-            out[key] = value[lo:hi]
+            out[key] = value[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([value[a:b] for a, b in spans])
         else:
             out[key] = value
     return out

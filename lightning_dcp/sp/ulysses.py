@@ -9,6 +9,13 @@ every SP group the strategy switches between; the group is recorded on the autog
 forward time, so backward (which runs after the strategy has moved on to another context) talks
 to the right ranks.
 
+Any group size works, not only powers of two (3, 5, 6, 7, 12 ...): the heads must divide by ``P`` and
+the packed tokens are padded to a multiple of ``P`` (:func:`~lightning_dcp.sp.tokens.pad_multiple`), so
+every rank's chunk is equal; DeepSpeed's all-to-all splits both evenly (tested at SP 3 and 6 in
+``tests/test_ring.py`` and in fits on 3 and 6 processes). A ring item
+(:class:`~lightning_dcp.sp.context.RingGrid` in the active context) runs this all-to-all inside its
+Ulysses subgroup and ring attention between the subgroups (:mod:`lightning_dcp.sp.ring`).
+
 DeepSpeed layout notes (deepspeed 0.19.8, checked in ``deepspeed/sequence/layer.py``):
 
 * ``_SeqAllToAll.apply(group, input, scatter_idx, gather_idx, batch_dim_idx)`` handles 4-D
@@ -271,6 +278,11 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Variable-length attention over a packed sequence sharded across the active SP group.
 
+    A ring item (the active context's :class:`~lightning_dcp.sp.context.RingGrid`, ``WorkItem.ring > 1``) runs
+    Ulysses inside its subgroup and ring attention over the subgroups (:mod:`lightning_dcp.sp.ring`); the
+    shards then follow the batch's token layout (:func:`~lightning_dcp.sp.tokens.shard_spans`) and
+    ``backend`` is not used (the ring has its own block kernels).
+
     Args:
         q: this rank's shard ``[local_tokens, heads, head_dim]``; rank ``i`` of the group holds
             tokens ``[i * local_tokens, (i + 1) * local_tokens)`` of the padded packed sequence.
@@ -297,7 +309,10 @@ def ulysses_attention(
             f"ulysses_attention needs batch[{CU_SEQLENS!r}] and batch[{MAX_SEQLEN!r}] (added by the DCP collate "
             f"step); the batch has keys {sorted(batch)}."
         ) from err
-    group = active_context().group
+    ctx = active_context()
+    if ctx.ring is not None:
+        return _usp_attention(q, k, v, cu_seqlens, ctx, causal=causal, scale=scale, softcap=softcap)
+    group = ctx.group
     size = _group_size(group)
     heads = q.shape[1]
     if k.shape[1] != v.shape[1]:
@@ -324,3 +339,29 @@ def ulysses_attention(
                            backend=backend)
     # [total, H/P, d] -> [local, H, d]
     return seq_all_to_all(out, scatter_dim=0, gather_dim=1, group=group) if size > 1 else out
+
+
+def _usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, ctx: Any, *,
+                   causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """A ring item (``ctx.ring``): Ulysses inside the subgroup, then :func:`~lightning_dcp.sp.ring.ring_attention`
+    over the ring of subgroups, then the all-to-all back (USP)."""
+    from lightning_dcp.sp.ring import ring_attention
+
+    grid = ctx.ring
+    if softcap:
+        raise ValueError(f"ulysses_attention: logit soft-capping (softcap={softcap}) is not supported by ring attention "
+                         f"(this item runs SP {ctx.size} as ring {grid.degree} x Ulysses {grid.ulysses}); plan SP sizes "
+                         "that divide the heads for this model (DCPStrategy(max_sp_size=...) at a divisor of the heads)")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"ulysses_attention: k has {k.shape[1]} heads but v has {v.shape[1]}; they must agree.")
+    u, heads = grid.ulysses, q.shape[1]
+    pre = kv_repeat_before_all_to_all(heads, k.shape[1], u)
+    if pre > 1:
+        k, v = k.repeat_interleave(pre, dim=1), v.repeat_interleave(pre, dim=1)
+    if u > 1:  # [local, H, d] -> [ring chunk, H/u, d]
+        q, k, v = (seq_all_to_all(t, scatter_dim=1, gather_dim=0, group=grid.ulysses_group) for t in (q, k, v))
+    post = q.shape[1] // k.shape[1]
+    if post > 1:
+        k, v = k.repeat_interleave(post, dim=1), v.repeat_interleave(post, dim=1)
+    out = ring_attention(q, k, v, cu_seqlens, grid, ctx.rank // u, causal=causal, scale=scale)
+    return seq_all_to_all(out, scatter_dim=0, gather_dim=1, group=grid.ulysses_group) if u > 1 else out

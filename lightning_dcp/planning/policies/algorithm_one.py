@@ -23,6 +23,7 @@ from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dispatch import fill_costs, lpt_dispatch
+from lightning_dcp.planning.policies.objective import improves, makespan
 
 
 class AlgorithmOnePolicy(Policy):
@@ -158,6 +159,12 @@ class AlgorithmOnePolicy(Policy):
         cost_all, recs, pref_all = ctx
         classes = list(self.view.sp_sizes)[: kmax + 1]
         cs = cost_all[: kmax + 1][:, ids]
+        topo = self.view.topology
+        if size < self.world_size:  # a group's ranks: only the sizes every group of `size` ranks holds
+            barred = [k for k, c in enumerate(classes) if not self.view.contains(size, c)]
+            if barred:
+                cs = cs.copy()
+                cs[barred] = np.inf
         n = len(ids)
         cols = np.arange(n)
         pref = np.minimum(pref_all[ids], kmax)
@@ -180,29 +187,14 @@ class AlgorithmOnePolicy(Policy):
         # a micro-batch may run on a larger group than it chose: on all its ranks, or as a fill
         # (after the group's own micro-batches, on a sub-group of the size it chose), costing
         # the group its GPU-seconds spread over the ranks but lasting at least its own time
-        C, F, ep = fill_costs(cs, pref, cols, gp, classes)
+        C, F, ep = fill_costs(cs, pref, cols, gp, classes, fill_ok=self.view.fill_ok(len(classes)))
         min_groups = None
         if self.g_max:
             counts = np.bincount(pref, minlength=len(classes))
             min_groups = {p: max(1, math.ceil(int(counts[classes.index(p)]) / int(self.g_max))) for p in present}
-        # candidates: the rounded split of the ranks over the chosen sizes and its neighbours;
-        # and the same with the largest size one step up (its group runs the others as fills)
-        cands: list[Layout] = []
-        musts = [must] + [q for q in classes if q > must][:1]
-        for m in musts:
-            sizes = sorted(set(present) | {m})
-            for bias in (0.0, 0.35, -0.35):
-                try:
-                    lay = allocate(work, size, sizes, m, min_groups=min_groups, bias=bias)
-                except ValueError:
-                    continue
-                lay = tuple(p for p in lay if p in sizes)
-                if lay and lay not in cands and place(lay, size) is not None:
-                    cands.append(lay)
-        if not cands:
-            cands.append((must,) * (size // must))
+        cands = self._candidate_layouts(cs, classes, present, must, work, min_groups, offset, size)
         key = cs[pref, cols]
-        flat_ok = place(sorted(present, reverse=True), size) is not None
+        flat_ok = place(sorted(present, reverse=True), topo, offset, size) is not None
         result = None
         # two modes, each with its best layout by the dispatch estimate: flat (every micro-batch
         # on all ranks of its group) and with fills; the lower realized span wins
@@ -216,21 +208,43 @@ class AlgorithmOnePolicy(Policy):
                     members, _, span = lpt_dispatch(cost, lay, classes, key, floor=floor)
                 except ValueError:
                     continue
-                if best is None or span < best[2] * (1 - 1e-9):
+                if best is None or improves(span, best[2]):
                     best = (lay, members, span)
             if best is None:
                 continue
             got = self._realize(best[0], best[1], ids, cs, F if mode_fill else None, size, offset, ctx)
-            if result is None or got[1] < result[1] * (1 - 1e-9):
+            if result is None or improves(got[1], result[1]):
                 result = got
         assert result is not None
         return result
 
+    def _candidate_layouts(self, cs: np.ndarray, classes: list[int], present: list[int], must: int,
+                           work: dict[int, float], min_groups: dict[int, int] | None, offset: int,
+                           size: int) -> list[Layout]:
+        """The rounded split of the ranks over the chosen sizes and its neighbours; and the same with the largest
+        size one step up (its group runs the others as fills)."""
+        topo = self.view.topology
+        cands: list[Layout] = []
+        musts = [must] + [q for q in classes if q > must and np.isfinite(cs[classes.index(q)]).any()][:1]
+        for m in musts:
+            sizes = sorted(set(present) | {m})
+            for bias in (0.0, 0.35, -0.35):
+                try:
+                    lay = allocate(work, topo, sizes, m, min_groups=min_groups, bias=bias, start=offset, size=size)
+                except ValueError:
+                    continue
+                lay = tuple(p for p in lay if p in sizes)
+                if lay and lay not in cands and place(lay, topo, offset, size) is not None:
+                    cands.append(lay)
+        if not cands:
+            cands.append((must,) * max(1, topo.count(topo.free_runs(offset, size), must)))
+        return cands
+
     def _realize(self, layout, members, ids, cs, F, size, offset, ctx):
         cost_all, recs, pref_all = ctx
         classes = list(self.view.sp_sizes)
-        groups = [tuple(r + offset for r in g) for g in (place(layout, size) or [])]
-        blocks, span = [], 0.0
+        groups = place(layout, self.view.topology, offset, size) or []
+        blocks, times = [], []
         for g, mem in enumerate(members):
             P = len(groups[g])
             k = classes.index(P)
@@ -243,8 +257,8 @@ class AlgorithmOnePolicy(Policy):
                 items.extend(interleave_items(sub))
                 t += sub_span
             blocks.append(items)
-            span = max(span, t)
-        return blocks, span, layout
+            times.append(t)
+        return blocks, makespan(times), layout
 
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
         buckets = []
@@ -277,8 +291,9 @@ class AlgorithmOnePolicy(Policy):
             else:
                 misses += 1
         (blocks, span, layout), units, scale = best
-        per_group = [[WorkItem(ranks, tuple(samples[i] for i in units[j][0]), tuple(lengths[i] for i in units[j][0]), rec)
-                      for ranks, j, rec in blk] for blk in blocks]
+        ring = self.view.ring_of
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in units[j][0]), tuple(lengths[i] for i in units[j][0]), rec,
+                               ring(len(ranks))) for ranks, j, rec in blk] for blk in blocks]
         extra = {"layout": list(layout), "estimated_time": float(span), "accumulation_scale": scale}
         return [StepPlan(tuple(interleave_items(per_group)), extra)]
 

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.layouts import place
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.policies.objective import makespan
 
 
 class Policy(abc.ABC):
@@ -58,7 +58,9 @@ class FixedSPPolicy(Policy):
     """Baselines with one SP size and one recompute count for the whole run.
 
     The SP size is the smallest usable one that holds the longest sample (of the dataset when
-    given, else of the batch) at full recompute — what a user of a static system must pick.
+    given, else of the batch) at full recompute and whose groups fill the world (a static user
+    does not leave GPUs idle: on 32 GPUs SP 16 rather than 12; the smallest holding one when none
+    does) — what a user of a static system must pick.
     The recompute count is the fewest layers that fit that longest sample (a careful user does
     not checkpoint more than needed), overridable with ``sp=`` / ``recompute=``.
     """
@@ -75,7 +77,7 @@ class FixedSPPolicy(Policy):
 
     def _choose(self, lengths: Sequence[int]) -> tuple[int, int]:
         longest = max(lengths)
-        sp = self.options.get("sp") or self.view.min_sp(longest)
+        sp = self.options.get("sp") or self._static_sp(longest)
         if sp is None or sp not in self.view.sp_sizes:
             raise ValueError(f"no usable SP size for length {longest}; usable: {self.view.sp_sizes}")
         rec = self.options.get("recompute")
@@ -84,6 +86,12 @@ class FixedSPPolicy(Policy):
             if rec is None:
                 raise ValueError(f"SP {sp} cannot hold length {longest}")
         return int(sp), int(rec)
+
+    def _static_sp(self, longest: int) -> int | None:
+        """The smallest SP size holding ``longest`` whose groups fill the world (else the smallest holding it)."""
+        holding = [p for p in self.view.sp_sizes if self.view.max_len(p) >= longest]
+        full = [p for p in holding if len(self.groups(p)) * p == self.world_size]
+        return (full or holding or [None])[0]
 
     def fixed(self, lengths: Sequence[int]) -> tuple[int, int]:
         """(sp, recompute) for a batch: the fixed setting, widened if this batch has a longer sample."""
@@ -99,11 +107,14 @@ class FixedSPPolicy(Policy):
         return sp, rec
 
     def groups(self, sp: int) -> list[tuple[int, ...]]:
-        """All SP groups of size ``sp`` the world's blocks hold (data-parallel replicas)."""
-        count = 0
-        while place([sp] * (count + 1), self.world_size) is not None:
-            count += 1
-        return place([sp] * count, self.world_size) or []
+        """All SP groups of size ``sp`` the world holds side by side (data-parallel replicas), first fit."""
+        got = getattr(self, "_groups", None)
+        if got is None:
+            got = self._groups = {}
+        if sp not in got:
+            topo = self.view.topology
+            got[sp] = topo.take(topo.free_runs(), sp, self.world_size)
+        return list(got[sp])
 
 
 def step_span(step: StepPlan, view: CostView) -> float:
@@ -113,18 +124,16 @@ def step_span(step: StepPlan, view: CostView) -> float:
     speeds = view.speeds
     free: dict[int, float] = {}
     cache: dict[tuple, float] = {}
-    span = 0.0
     for item in step.items:
-        key = (item.lengths, item.sp_size, item.recompute)
+        key = (item.lengths, item.sp_size, item.recompute, item.ring)
         t = cache.get(key)
         if t is None:
-            t = cache[key] = view.time(item.lengths, item.sp_size, item.recompute)
+            t = cache[key] = view.time(item.lengths, item.sp_size, item.recompute, item.ring)
         start = max(free.get(r, 0.0) for r in item.ranks)
         end = start + (t if speeds is None else t / view.speed(item.ranks))
         for r in item.ranks:
             free[r] = end
-        span = max(span, end)
-    return span
+    return makespan(free.values())
 
 
 def interleave_items(per_group: list[list[WorkItem]]) -> list[WorkItem]:

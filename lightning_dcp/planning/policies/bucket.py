@@ -33,6 +33,7 @@ import numpy as np
 
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import FixedSPPolicy, log_buckets
+from lightning_dcp.planning.policies.objective import makespan
 
 
 class BucketPolicy(FixedSPPolicy):
@@ -124,7 +125,7 @@ class BucketPolicy(FixedSPPolicy):
         self.rng(0, 11).shuffle(arr)
         steps = math.ceil(len(arr) / groups)
         arr = np.concatenate([arr, np.zeros(steps * groups - len(arr))]).reshape(steps, groups)
-        total = float(arr.max(axis=1).sum()) + steps * self.view.cm.step_overhead(self.world_size)
+        total = math.fsum(makespan(row) for row in arr.tolist()) + steps * self.view.cm.step_overhead(self.world_size)
         return sum(lengths) / total
 
     # -- planning -------------------------------------------------------------------------
@@ -155,7 +156,7 @@ class BucketPolicy(FixedSPPolicy):
         steps = []
         for s in range(0, len(micro), len(groups)):
             items = tuple(
-                WorkItem(groups[g], tuple(samples[i] for i in mb), tuple(lengths[i] for i in mb), rec)
+                WorkItem(groups[g], tuple(samples[i] for i in mb), tuple(lengths[i] for i in mb), rec, self.view.ring_of(sp))
                 for g, mb in enumerate(micro[s:s + len(groups)])
             )
             steps.append(StepPlan(items, {"sp": sp}))

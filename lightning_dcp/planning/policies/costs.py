@@ -22,8 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.cost_model import CostModel
+from lightning_dcp.planning.cost_model import CostModel, ring_kwargs, shard_domain
 from lightning_dcp.planning.speeds import group_speed, uniform
+from lightning_dcp.planning.topology import Topology
 
 
 class CostView:
@@ -31,30 +32,113 @@ class CostView:
 
     Args:
         cost_model: any :class:`CostModel`.
-        max_sp: the largest SP group the world's aligned power-of-two blocks allow.
+        max_sp: the largest SP group allowed (the world, ``max_sp_size``, the shard group).
         rank_speeds: per-rank speeds the speed-aware policies plan with (:mod:`~lightning_dcp.planning.speeds`;
             None or all 1.0: the cost model as is).
+        world_size: ranks of the world, for :attr:`topology` (default ``max_sp``).
+        ring: offer ring sizes when the cost model prices them (:meth:`CostModel.sp_splits`).
     """
 
-    def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None):
+    def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None, *,
+                 world_size: int | None = None, ring: bool = True):
         self.cm = cost_model
         self.max_sp = int(max_sp)
-        """The largest group the world's blocks and ``max_sp_size`` allow (the heads may allow fewer: :attr:`sp_sizes`)."""
+        """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer: :attr:`sp_sizes`)."""
         self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
         """Per-rank speeds, or None when every rank runs at the cost model's pace."""
         self.num_layers = int(cost_model.num_layers)
-        self.sp_sizes = [p for p in cost_model.sp_sizes(max_sp) if p <= max_sp]
-        if not self.sp_sizes:
-            self.sp_sizes = [1]
-        self._time_fast = getattr(cost_model, "item_time_sum", None)
-        self._mem_fast = getattr(cost_model, "item_memory_tokens", None)
+        splits = {p: c for p, c in cost_model.sp_splits(max_sp, ring=ring).items() if p <= max_sp} or {1: (1,)}
+        self.sp_sizes = sorted(splits)
+        """Usable SP sizes, ascending (Ulysses sizes, and ring sizes where the cost model prices them)."""
+        self.ring: dict[int, int] = {p: c[0] for p, c in splits.items()}
+        """Ring degree of every SP size (1: Ulysses only); :meth:`_choose_rings` picks among candidates."""
+        self._time_base = getattr(cost_model, "item_time_sum", None)
+        self._mem_base = getattr(cost_model, "item_memory_tokens", None)
         work = getattr(cost_model, "attention_work", None)
         self.work = work if callable(work) else (lambda n: float(n) * n)
         """Attention work of one sample (``l**2`` for 1d; the model's own measure for 2d)."""
-        self.exact_memory = callable(self._mem_fast)
+        self.exact_memory = callable(self._mem_base)
         self._cap: dict[int, list[int]] = {}
         self._est: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._vector_ok: bool | None = None
+        self._bind()
+        self._choose_rings({p: c for p, c in splits.items() if len(c) > 1})
+        g = int(getattr(cost_model, "gpus_per_node", 0) or 0) or None
+        self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model),
+                                 {p: p // r for p, r in self.ring.items() if r > 1})
+        """Where SP groups may go (:mod:`~lightning_dcp.planning.topology`)."""
+        self._contains: dict[tuple, object] = {}
+
+    def _bind(self) -> None:
+        """The fast paths with every size's ring degree filled in (the bare methods when every ring is 1)."""
+        rings = self.ring
+        t, m = self._time_base, self._mem_base
+        if all(r == 1 for r in rings.values()):
+            self._time_fast, self._mem_fast = t, m
+            return
+
+        def time_fast(tokens, sq, n, sp, recompute, _t=t, _r=rings):
+            r = _r.get(sp, 1)
+            return _t(tokens, sq, n, sp, recompute) if r == 1 else _t(tokens, sq, n, sp, recompute, ring=r)
+
+        def mem_fast(tokens, sp, recompute, _m=m, _r=rings):
+            r = _r.get(sp, 1)
+            return _m(tokens, sp, recompute) if r == 1 else _m(tokens, sp, recompute, ring=r)
+
+        self._time_fast = time_fast if callable(t) else None
+        self._mem_fast = mem_fast if callable(m) else None
+
+    def _choose_rings(self, choices: dict[int, tuple[int, ...]]) -> None:
+        """For sizes with two splits (Ulysses, or Ulysses x ring across nodes), keep the faster one for the
+        longest sample both hold at full recompute (what a group that large is for); ties: the first."""
+        for p, cands in sorted(choices.items()):
+            caps = [self._cap_with(p, r) for r in cands]
+            fitting = [c for c in caps if c > 0]
+            if not fitting:
+                self.ring[p] = cands[0]
+                continue
+            ell = min(fitting)
+            times = []
+            for r, cap in zip(cands, caps):
+                self._cap_with(p, r)
+                rec = self.min_recompute(ell, p) if cap >= ell else None
+                times.append(math.inf if rec is None else self.time([ell], p, rec))
+            self.ring[p] = cands[times.index(min(times))]
+        self._cap.clear()
+        self._bind()
+
+    def _cap_with(self, p: int, r: int) -> int:
+        """Full-recompute capacity of size ``p`` at ring degree ``r`` (leaves that ring bound)."""
+        self.ring[p] = r
+        self._bind()
+        self._cap.pop(p, None)
+        return self.max_len(p)
+
+    @property
+    def ulysses_sizes(self) -> list[int]:
+        """The usable SP sizes the planner runs as plain Ulysses groups (ring degree 1), ascending."""
+        return [p for p in self.sp_sizes if self.ring.get(p, 1) == 1]
+
+    def ring_of(self, sp: int) -> int:
+        """The ring degree the planner gives a group of ``sp`` ranks."""
+        return self.ring.get(sp, 1)
+
+    def fill_ok(self, count: int) -> np.ndarray:
+        """``ok[k, c]`` for the first ``count`` SP sizes: :meth:`contains` of size ``k`` and size ``c``."""
+        got = self._contains.get(("matrix", count))
+        if got is None:
+            cl = self.sp_sizes[:count]
+            got = self._contains[("matrix", count)] = np.array([[self.contains(p, c) for c in cl] for p in cl], dtype=bool)
+        return got  # type: ignore[return-value]
+
+    def contains(self, outer: int, inner: int) -> bool:
+        """Whether every group of ``outer`` ranks holds a group of ``inner`` ranks wherever it is placed (so a
+        group of ``outer`` may run a sample planned for ``inner`` ranks as a fill on a sub-group)."""
+        key = (outer, inner)
+        got = self._contains.get(key)
+        if got is None:
+            got = self._contains[key] = self.topology.always_contains(outer, inner)
+        return bool(got)
 
     # -- capacity ------------------------------------------------------------------------
     def capacities(self, sp: int) -> list[int]:
@@ -69,7 +153,7 @@ class CostView:
 
     def _max_tokens(self, sp: int, r: int) -> int:
         if not callable(self._mem_fast):
-            return int(self.cm.max_length(sp, r))
+            return int(self.cm.max_length(sp, r, **ring_kwargs(self.ring_of(sp))))
         limit = self.cm.memory_limit
         mem = self._mem_fast
         if mem(sp, sp, r) > limit:
@@ -113,35 +197,45 @@ class CostView:
         """Pace of an item on ``ranks``: its slowest member's speed (1.0 without speeds)."""
         return group_speed(self.speeds, ranks)
 
-    def time(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        """Time of one packed micro-batch."""
-        if self._time_fast is not None:
-            w = self.work
-            return self._time_fast(sum(lengths), float(sum(w(n) for n in lengths)), len(lengths), sp, recompute)
-        return self.cm.item_time(lengths, sp, recompute)
+    def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None) -> float:
+        """Time of one packed micro-batch (on ``ring`` x Ulysses; default the ring degree of ``sp``)."""
+        if ring is None or ring == self.ring_of(sp):
+            if self._time_fast is not None:
+                w = self.work
+                return self._time_fast(sum(lengths), float(sum(w(n) for n in lengths)), len(lengths), sp, recompute)
+            ring = self.ring_of(sp)
+        return self.cm.item_time(lengths, sp, recompute, **ring_kwargs(ring))
 
-    def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray) -> np.ndarray:
+    def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray,
+                  lower: bool = False) -> np.ndarray:
         """Times of many packed micro-batches on ``sp`` ranks from their sums (arrays, one entry each).
 
         ``tokens``: token sums, ``sq``: attention-work sums (:attr:`work`), ``n``: sample counts,
         ``recompute``: recomputed layers. One vectorized call of the cost model's
         ``item_time_sum`` when it accepts arrays (the analytic and profiled models do), else a loop.
+        ``lower``: on a ring size, a lower bound linear in the sums (the ring's transfers hidden), for the
+        step bound.
         """
         tokens = np.asarray(tokens, dtype=np.float64)
-        if self._time_fast is not None and self._vector_ok is not False:
+        fast = self._time_fast
+        r = self.ring_of(sp)
+        if lower and r > 1 and fast is not None:
+            base = self._time_base
+            fast = lambda t, q, k, p, rc: base(t, q, k, p, rc, ring=r, ring_exposed=False)  # noqa: E731
+        if fast is not None and self._vector_ok is not False:
             try:
-                out = np.asarray(self._time_fast(tokens, np.asarray(sq, dtype=np.float64), np.asarray(n),
-                                                 sp, np.asarray(recompute, dtype=np.float64)), dtype=np.float64)
+                out = np.asarray(fast(tokens, np.asarray(sq, dtype=np.float64), np.asarray(n),
+                                      sp, np.asarray(recompute, dtype=np.float64)), dtype=np.float64)
                 if out.shape == tokens.shape:
                     self._vector_ok = True
                     return out
             except (TypeError, ValueError):
                 pass
             self._vector_ok = False
-        if self._time_fast is not None:
-            return np.array([self._time_fast(float(t), float(q), int(k), sp, int(r))
-                             for t, q, k, r in zip(tokens.tolist(), np.asarray(sq).tolist(), np.asarray(n).tolist(),
-                                                   np.asarray(recompute).tolist())], dtype=np.float64)
+        if fast is not None:
+            return np.array([fast(float(t), float(q), int(k), sp, int(rc))
+                             for t, q, k, rc in zip(tokens.tolist(), np.asarray(sq).tolist(), np.asarray(n).tolist(),
+                                                    np.asarray(recompute).tolist())], dtype=np.float64)
         raise TypeError("time_many needs a cost model with item_time_sum; use time() per micro-batch")
 
     def min_recompute_many(self, tokens: np.ndarray, sp: int) -> np.ndarray:
@@ -157,7 +251,7 @@ class CostView:
         if self._time_fast is not None:
             return self._time_fast(length * count, self.work(length) * count, count, sp, recompute)
         k = max(1, int(round(count)))
-        return self.cm.item_time([int(length)] * k, sp, recompute) * (count / k)
+        return self.cm.item_time([int(length)] * k, sp, recompute, **ring_kwargs(self.ring_of(sp))) * (count / k)
 
     def constant(self, sp: int, recompute: int) -> float:
         """Per-micro-batch constant on ``sp`` ranks: what a micro-batch costs beyond its samples' own terms.
@@ -167,7 +261,8 @@ class CostView:
         """
         if self._time_fast is not None:
             return float(self._time_fast(0, 0.0, 0, sp, recompute))
-        return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute) - self.cm.item_time([1, 1], sp, recompute))
+        kw = ring_kwargs(self.ring_of(sp))
+        return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute, **kw) - self.cm.item_time([1, 1], sp, recompute, **kw))
 
     def split_costs(self, lengths: np.ndarray, sp: int) -> tuple[np.ndarray, np.ndarray]:
         """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch, and the
@@ -194,7 +289,7 @@ class CostView:
             work = np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64)
             t = self.time_many(L[ok], work, np.ones(int(ok.sum())), sp, r[ok])
         else:
-            t = np.array([self.cm.item_time([int(n)], sp, int(x)) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
+            t = np.array([self.time([int(n)], sp, int(x)) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
         own[ok] = np.maximum(t - const[ok], 0.0)
         return own, const
 

@@ -7,7 +7,8 @@
    micro-batch, with the recompute that micro-batch needs). Its *preferred* SP size minimizes
    GPU-seconds (time x ``p``) — usually the smallest that holds it, a larger one when that
    saves enough recomputation (the DCP-intra trade).
-2. *Layout.* Candidate layouts (multisets of SP sizes on aligned power-of-two blocks): one
+2. *Layout.* Candidate layouts (multisets of SP sizes, placed as :mod:`~lightning_dcp.planning.topology`
+   allows: runs of consecutive ranks, inside a node when no larger than one): one
    fitted to this batch (ranks per SP class proportional to its preferred work, largest class
    at least the one the longest sample needs) plus the dataset's candidates proposed once
    (Hydraulis §7, :func:`~lightning_dcp.planning.layouts.propose_layouts`) for the same
@@ -57,16 +58,22 @@ from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dcp_schedule import LayoutScheduler
 from lightning_dcp.planning.policies.dcp_tree import TREE_DEADLINES, TREE_REFINE_WIDTH, TREE_SLACK, BuddyTreeSearch
 from lightning_dcp.planning.policies.dispatch import fill_costs
+from lightning_dcp.planning.policies.objective import improves
 from lightning_dcp.planning.policies.tree import BuddyTree
 
 __all__ = [
     "DCPPolicy", "AlgorithmOnePolicy", "DCPInterPolicy", "DCPIntraPolicy", "fill_costs", "FALLBACK_MAX_SAMPLES_PER_RANK",
+    "FALLBACK_MAX_WORLD",
     "TREE_MAX_SAMPLES_PER_RANK", "TREE_SLACK", "TREE_DEADLINES", "TREE_REFINE_WIDTH",
 ]
 
 
 FALLBACK_MAX_SAMPLES_PER_RANK = 8
 """dcp's safety net (:meth:`DCPPolicy._best_of_parts`) runs for batches of at most this many samples per rank."""
+
+FALLBACK_MAX_WORLD = 256
+"""... and on worlds of at most this many ranks: above, Algorithm 1's nested plans over every SP size cost several
+times dcp's own planning (on ``benchmarks/planner_speed.py``'s 1024-GPU grid they never won a step)."""
 
 TREE_MAX_SAMPLES_PER_RANK = 64
 """dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`) for batches of at most this many samples per rank."""
@@ -143,7 +150,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             pref = np.argmin(sub, axis=0)
             w = np.bincount(pref, weights=sub[pref, np.arange(sub.shape[1])], minlength=k + 1)
             class_work[m] = {self.classes[j]: float(w[j]) for j in range(k + 1)}
-        return propose_layouts(class_work, self.world_size, self.classes, int(self.options.get("max_candidates", 3)))
+        return propose_layouts(class_work, self.view.topology, self.classes, int(self.options.get("max_candidates", 3)))
 
     # -- per step -------------------------------------------------------------------------
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
@@ -174,8 +181,8 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
                         extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
         finally:
             self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
-        Ll = self._Ll
-        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec)
+        Ll, ring = self._Ll, self.view.ring_of
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
                       for ranks, idx, rec in blk] for blk in blocks]
         if extra.get("schedule") == "buddy-tree":  # levels, largest SP first: ancestors' items before their halves'
             plan = StepPlan(tuple(it for level in per_group for it in level), extra)
@@ -195,14 +202,15 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
 
         Skipped when it cannot matter or would cost too much, both deterministic: dcp's plan is
         within 1% of the step's achievable bound
-        (:class:`~lightning_dcp.planning.bound.StepBounder`: no plan beats it by more), or the
+        (:class:`~lightning_dcp.planning.bound.StepBounder`: no plan beats it by more), the world has
+        more than ``FALLBACK_MAX_WORLD`` ranks, or the
         batch has more than ``FALLBACK_MAX_SAMPLES_PER_RANK`` samples per rank (there the parts
         take 5-10x dcp's planning time, and dcp's per-sample estimates, which this net guards,
         are accurate: many samples share each micro-batch). Otherwise both parts plan the same
         batch and the plan with the lowest exact span (:func:`step_span`, as the simulator runs
         it) wins; ties keep dcp's.
         """
-        if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size:
+        if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size or self.world_size > FALLBACK_MAX_WORLD:
             return plan
         best, best_span = plan, step_span(plan, self.view)
         if best_span <= self._bound_span(lengths) * 1.01:
@@ -212,7 +220,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         for part in self._parts:
             cand = part.plan_batch(samples, lengths, step)[0]
             span = step_span(cand, self.view)
-            if span < best_span * (1 - 1e-9):
+            if improves(span, best_span):
                 extra = dict(cand.extra, estimated_time=span, chosen=part.name)
                 best, best_span = StepPlan(cand.items, extra), span
         return best

@@ -1,11 +1,12 @@
 """dcp's scheduler for one block of ranks (steps 1-5 of :mod:`~lightning_dcp.planning.policies.dcp`).
 
-:class:`LayoutScheduler` plans samples on an aligned block of ranks (the world, or a group's
-ranks after its own items): each sample's preferred SP size, candidate layouts of SP groups,
+:class:`LayoutScheduler` plans samples on a block of consecutive ranks (the world, or a group's
+ranks after its own items; groups go where :mod:`~lightning_dcp.planning.topology` allows): each sample's preferred SP size, candidate layouts of SP groups,
 longest-first dispatch (:func:`~lightning_dcp.planning.policies.dispatch.lpt_dispatch`),
 time-balanced packing inside each group and, at the top level, refinement by moving samples off
 the slowest group. A group runs its own samples first, then the samples that prefer a smaller
-SP size as a nested plan on its ranks (*fills*).
+SP size as a nested plan on its ranks (*fills*) -- only samples whose SP size every group of its
+size holds wherever it is placed (:meth:`~lightning_dcp.planning.policies.costs.CostView.contains`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,19 @@ import numpy as np
 from lightning_dcp.planning.layouts import Layout, allocate, place
 from lightning_dcp.planning.policies.base import interleave_items
 from lightning_dcp.planning.policies.dispatch import fill_costs, lpt_dispatch
+from lightning_dcp.planning.policies.objective import improves, makespan
 from lightning_dcp.planning.policies.packing import pack_time_balanced, recompute_for
+
+
+REFINE_BUDGET = 16
+"""Refinement re-plans at most this many times the block's samples (see :meth:`LayoutScheduler._refine`)."""
+
+NESTED_REFINE_ROUNDS = 4
+"""Refinement rounds of the nested plan of a group of more than half the world (the top level has ``refine_rounds``)."""
+
+FULL_REPLAN_WEIGHT = 8
+"""What one sample of such a group's re-plan costs the top level's refinement budget (its nested plan is planned
+in both modes and refined: several flat plans' work)."""
 
 
 @dataclass
@@ -59,8 +72,10 @@ class LayoutScheduler:
 
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
     def _schedule(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, size: int, offset: int,
-                  kmax: int, rng: np.random.Generator, top: bool = False):
-        """Plan samples ``ids`` on ranks ``offset .. offset+size-1`` using SP classes ``<= kmax``.
+                  kmax: int, rng: np.random.Generator, top: bool = False, full: bool = False):
+        """Plan samples ``ids`` on ranks ``offset .. offset+size-1`` using SP classes ``<= kmax`` (below the
+        top: only those every group of ``size`` ranks holds, :meth:`CostView.contains`). ``full`` (implied by
+        ``top``): plan with fills on sub-blocks and refine, as the top level does.
 
         Returns ``(per-group item lists, estimated span, layout)``; an item is ``(ranks, sample
         indices, recompute)``. A group of ``P`` ranks runs its *own* samples (those cheapest on
@@ -74,13 +89,35 @@ class LayoutScheduler:
         n = len(ids)
         cols = np.arange(n)
         minidx = np.searchsorted(self.maxlens[: kmax + 1], L[ids], side="left")
-        pref, mean_load = self._preferred(ids, L, Es, Gs, size, classes)
+        if not top:
+            barred = [k for k, c in enumerate(classes) if not self.view.contains(size, c)]
+            if barred:  # a group of `size` ranks cannot always hold these: plan without them
+                Es, Gs = Es.copy(), Gs.copy()
+                Es[barred] = np.inf
+                Gs[barred] = np.inf
+                minidx = np.argmax(np.isfinite(Es), axis=0)
+        pref, mean_load, needed = self._preferred(ids, L, Es, Gs, size, classes)
         must = classes[max(int(minidx.max()), int(pref.max()))]
         gp = Gs[pref, cols]
         # dispatch cost: a sample on a group of class k either runs on all its ranks, or (when it
         # prefers a smaller SP size) as fill, costing its GPU-seconds spread over the group
-        C, F, ep = fill_costs(Es, pref, cols, gp, classes)
-        cands = self._layout_candidates(pref, gp, ep, mean_load, size, classes, must, top)
+        fill_ok = self.view.fill_ok(len(classes))
+        C, F, ep = fill_costs(Es, pref, cols, gp, classes, fill_ok=fill_ok)
+        cands = self._layout_candidates(pref, gp, ep, mean_load, size, offset, classes, must, top)
+        need = max(int(minidx.max()), needed)
+        if classes[need] < must:
+            # the largest SP size the samples *need* (memory, the mean load) is smaller than the one a sample
+            # prefers for its GPU-seconds: also the layouts without that group, the samples that preferred a
+            # larger size on their cheapest one up to the need (a group of most of the world otherwise leaves
+            # the rest of the step to its nested plan)
+            alt = pref.copy()
+            over = alt > need
+            alt[over] = np.argmin(Gs[: need + 1][:, over], axis=0)
+            _, _, ep_alt = fill_costs(Es, alt, cols, Gs[alt, cols], classes, fill_ok=fill_ok)
+            for lay in self._layout_candidates(alt, Gs[alt, cols], ep_alt, mean_load, size, offset, classes,
+                                               classes[need], top):
+                if lay not in cands:
+                    cands.append(lay)
         # early exit: a dispatch estimate within 1% of the lower bound (mean rank load at the
         # preferred sizes, or the longest sample's best time) cannot be beaten by much
         bound = max(mean_load, float(np.min(Es, axis=0).max()) if n else 0.0) * 1.01
@@ -95,21 +132,23 @@ class LayoutScheduler:
         # the lower exact span wins
         # (only the top level nests; a nested sub-plan is flat and unrefined, which keeps the
         # planner's time linear in the samples)
-        for nested in ((True, False) if top else (False,)):
+        full = full or top
+        for nested in ((True, False) if full else (False,)):
             got = self._dispatch_mode(block, cands, nested)
-            if result is None or got[1] < result[1] * (1 - 1e-9):
+            if result is None or improves(got[1], result[1]):
                 result = got
             if not np.any(F) or got[1] <= bound:  # nothing can be a fill (the flat plan is the same), or close enough
                 break
         plans, span, layout, groups, members, ctx = result  # type: ignore[misc]
-        if self.refine_rounds and top:  # refine the winner only
-            plans = self._refine(plans, groups, members, ctx)
-            span = max((t for _, t in plans), default=0.0)
+        if self.refine_rounds and full:  # refine the winner only (a nested block: a few rounds)
+            plans = self._refine(plans, groups, members, ctx, self.refine_rounds if top else NESTED_REFINE_ROUNDS)
+            span = makespan(t for _, t in plans)
         return [items for items, _ in plans], span, layout
 
     def _preferred(self, ids: np.ndarray, L: np.ndarray, Es: np.ndarray, Gs: np.ndarray, size: int,
-                   classes: Sequence[int]) -> tuple[np.ndarray, float]:
-        """Each local sample's preferred SP class (fewest GPU-seconds, promoted when too long), and the mean rank load."""
+                   classes: Sequence[int]) -> tuple[np.ndarray, float, int]:
+        """Each local sample's preferred SP class (fewest GPU-seconds, promoted when too long), the mean rank
+        load, and the largest class a promotion needed (0 if none)."""
         n = len(ids)
         cols = np.arange(n)
         pref = np.argmin(Gs, axis=0)
@@ -121,27 +160,30 @@ class LayoutScheduler:
         # by its share of a full micro-batch, which understates constant-heavy SP sizes.
         over = np.nonzero(Es[pref, cols] > mean_load)[0]
         alone = n <= size  # so few samples that each may get a micro-batch (and group) of its own
+        needed = 0
         for i in over.tolist():
             t = np.maximum(Es[:, i], self._alone_times(int(L[ids[i]]), classes)) if alone else Es[:, i]
             ok = np.nonzero(t <= mean_load)[0]
             k = int(ok[0]) if len(ok) else int(np.argmin(t))
             pref[i] = max(int(pref[i]), k) if len(ok) else k
-        return pref, mean_load
+            needed = max(needed, k)
+        return pref, mean_load, needed
 
     def _layout_candidates(self, pref: np.ndarray, gp: np.ndarray, ep: np.ndarray, mean_load: float, size: int,
-                           classes: Sequence[int], must: int, top: bool) -> list[Layout]:
+                           offset: int, classes: Sequence[int], must: int, top: bool) -> list[Layout]:
         """Candidate layouts of the block: the rounded split of its work over the SP sizes and its neighbours
         (Hydraulis §7), with and without a minimum group count per size; at the top, the dataset's layouts."""
         w = np.bincount(pref, weights=gp, minlength=len(classes))
         work = {p: float(w[k]) for k, p in enumerate(classes)}
         min_groups = _min_groups(pref, ep > 0.5 * mean_load, size, classes)
+        topo = self.view.topology
         cands: list[Layout] = []
         for bias in (0.0, 0.35, -0.35):  # the rounded layout and its neighbours (Hydraulis §7)
-            lay = allocate(work, size, classes, must, bias=bias)
+            lay = allocate(work, topo, classes, must, bias=bias, start=offset, size=size)
             if lay not in cands:
                 cands.append(lay)
             if min_groups:
-                lay = allocate(work, size, classes, must, min_groups=min_groups, bias=bias)
+                lay = allocate(work, topo, classes, must, min_groups=min_groups, bias=bias, start=offset, size=size)
                 if lay not in cands:
                     cands.append(lay)
         if top:
@@ -175,7 +217,7 @@ class LayoutScheduler:
                                                     fills_after_own=True,
                                                     cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf,
                                                     group_speed=gs)
-                if best is None or span < best[3] * (1 - 1e-9):
+                if best is None or improves(span, best[3]):
                     best = (lay, members, groups, span)
                 if span <= block.bound:
                     done = True
@@ -187,21 +229,23 @@ class LayoutScheduler:
         isfill = (Es > C).tolist() if nested else None
         ctx = (ids, block.L, block.E, block.G, Es, C if nested else Es, block.pref, block.rng, isfill, ids.tolist())
         plans = [self._group(list(members[g]), groups[g], ctx) for g in range(len(groups))]
-        span = max((t for _, t in plans), default=0.0)
+        span = makespan(t for _, t in plans)
         return plans, span, layout, groups, members, ctx
 
     def _placements(self, layout: Layout, block: BlockCosts) -> list[list[tuple[int, ...]]]:
-        """Rank tuples of ``layout``'s groups on the block (in layout order): the aligned placement, and
-        with uneven rank speeds on a power-of-two block also its mirror image (the large groups on the
-        block's other end), so the dispatch can keep the slow ranks out of the long samples' groups."""
-        groups = place(layout, block.size)
+        """Rank tuples of ``layout``'s groups on the block (in layout order): the first-fit placement, and
+        with uneven rank speeds also its mirror image (the large groups on the block's other end) when the
+        placement rule allows it, so the dispatch can keep the slow ranks out of the long samples' groups."""
+        topo = self.view.topology
+        groups = place(layout, topo, block.offset, block.size)
         assert groups is not None
-        out = [[tuple(r + block.offset for r in g) for g in groups]]
+        out = [groups]
         speeds = self.view.speeds
-        size = block.size
-        if speeds is not None and size & (size - 1) == 0 and len(set(speeds[block.offset:block.offset + size])) > 1:
-            mirror = [tuple(range(block.offset + size - g[0] - len(g), block.offset + size - g[0])) for g in groups]
-            if [self.view.speed(g) for g in mirror] != [self.view.speed(g) for g in out[0]]:
+        lo, hi = block.offset, block.offset + block.size
+        if speeds is not None and len(set(speeds[lo:hi])) > 1:
+            mirror = [tuple(range(hi - (g[0] - lo) - len(g), hi - (g[0] - lo))) for g in groups]
+            if all(topo.legal(g[0], len(g)) for g in mirror) and \
+                    [self.view.speed(g) for g in mirror] != [self.view.speed(g) for g in out[0]]:
                 out.append(mirror)
         return out
 
@@ -225,7 +269,9 @@ class LayoutScheduler:
                 items.append((ranks, idx, rec))
                 t += ti / speed
         if fill:
-            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng)
+            # a group of most of the world (its long samples want most ranks): what follows its own items is most
+            # of the step, planned as the top level is (both modes, refined)
+            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=self._full(P))
             items.extend(interleave_items(sub))
             t += span
         return items, t
@@ -272,23 +318,36 @@ class LayoutScheduler:
             self._packs[ckey] = out
         return out
 
-    def _refine(self, plans, groups, members, ctx):
+    def _full(self, size: int) -> bool:
+        """Whether a group of ``size`` ranks plans what follows its own items as the top level does: a group
+        of more than half the world (its long samples want most ranks; the rest of the step is its nested plan)."""
+        return 2 * size > self.world_size
+
+    def _replan_weight(self, ranks: Sequence[int]) -> int:
+        """Refinement budget one sample of a group's re-plan costs (a fully planned nested plan: several)."""
+        return FULL_REPLAN_WEIGHT if self._full(len(ranks)) else 1
+
+    def _refine(self, plans, groups, members, ctx, rounds: int):
         """Move samples off the slowest group while that lowers the makespan (exact times).
 
         Each round looks at the moves of one sample from the slowest group to one of the three
         least-loaded groups that can hold it, ranked by the estimated makespan of the pair
         afterwards (``max(slow - its cost there, dst + its cost here)``: the move that evens
         the pair best, not merely the smallest sample), and makes the first of the best four
-        that lowers the makespan when both groups are re-planned exactly.
+        that lowers the makespan when both groups are re-planned exactly (the destination first: a
+        move it already makes too slow is dropped without re-planning the source). Re-planning stops
+        once it has handled ``REFINE_BUDGET`` times the block's samples (deterministic: counted in
+        samples, not seconds).
         """
         ids, L, E, G, Es, C, pref, rng, isfill, idl = ctx
         members = [list(m) for m in members]
+        budget = REFINE_BUDGET * sum(len(m) for m in members)
         times = [t for _, t in plans]
         sizes = [len(g) for g in groups]
         kidx = [self.classes.index(p) for p in sizes]
         gsp = [self.view.speed(g) for g in groups]
         tried: set[tuple[int, int]] = set()
-        for _ in range(self.refine_rounds):
+        for _ in range(rounds):
             slow = max(range(len(times)), key=times.__getitem__)
             span = times[slow]
             moves = self._refine_moves(slow, span, members, times, kidx, C, L, ids, gsp)
@@ -299,15 +358,19 @@ class LayoutScheduler:
                 tried.add((slow, j))
                 src = [x for x in members[slow] if x != j]
                 dst = members[g] + [j]
-                new_src = self._group(src, groups[slow], ctx)
+                budget -= len(dst) * self._replan_weight(groups[g])
                 new_dst = self._group(dst, groups[g], ctx)
-                if max(new_src[1], new_dst[1]) < span * (1 - 1e-9):
+                if not improves(new_dst[1], span):
+                    continue
+                budget -= len(src) * self._replan_weight(groups[slow])
+                new_src = self._group(src, groups[slow], ctx)
+                if improves(makespan((new_src[1], new_dst[1])), span):
                     plans[slow], plans[g] = new_src, new_dst
                     times[slow], times[g] = new_src[1], new_dst[1]
                     members[slow], members[g] = src, dst
                     moved = True
                     break
-            if not moved:
+            if not moved or budget <= 0:
                 break
         return plans
 

@@ -16,14 +16,20 @@ from typing import Sequence
 import numpy as np
 
 from lightning_dcp.planning.policies.base import interleave_items
+from lightning_dcp.planning.policies.objective import improves
 from lightning_dcp.planning.policies.tree import BuddyTree
 
 TREE_SLACK = 0.005
 """dcp keeps its layout plan without trying buddy-tree schedules when that plan is within this fraction of the step bound."""
 
-TREE_DEADLINES = (1.0, 1.02, 1.05, 1.1, 1.2)
-"""Deadlines of the buddy-tree greedy, as multiples of the step bound's compute part (larger ones never won
-on the benchmark grid)."""
+TREE_DEADLINES = (1.0, 1.02)
+"""Deadlines of the buddy-tree greedy, as multiples of the step bound's compute part (1.1 and 1.2 never won on
+``benchmarks/planner_speed.py``'s 32-GPU grid: past 1.05 the least-loaded greedy repeats itself and best fit
+only gets worse)."""
+
+BEST_FIT_MAX_WORLD = 64
+"""The buddy-tree greedy also tries best fit (each unit on the fullest node it still ends on by the deadline) on
+worlds of at most this many ranks; above, scanning every node of a level per unit costs more than it wins."""
 
 TREE_REFINE_WIDTH = 8
 """Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
@@ -50,7 +56,7 @@ class BuddyTreeSearch:
         items)``, or None when no tree schedule is faster than ``span``.
         """
         if self._tree is None:
-            self._tree = BuddyTree(self.world_size, self.classes)
+            self._tree = BuddyTree(self.view.topology, self.classes)
         tree = self._tree
         Ll = self._Ll
         var, const = [], []
@@ -61,31 +67,35 @@ class BuddyTreeSearch:
         order = np.argsort(-L, kind="stable").tolist()
         best = None
         for f in TREE_DEADLINES:
-            for best_fit in (False, True):
+            for best_fit in ((False, True) if self.world_size <= BEST_FIT_MAX_WORLD else (False,)):
                 where = tree.assign(var, const, Ll, self.budget, order, floor * f, best_fit=best_fit)
                 packs, own = self._tree_realize(tree, where, L, E)
                 got = tree.span(own)
-                if best is None or got < best[0] * (1 - 1e-9):
-                    best = (got, where, packs, own)
+                if best is None or improves(got, best[0]):
+                    best = (got, where, packs, own, tree)
             if best[0] <= floor * (1 + TREE_SLACK):
                 break
         if self.refine_rounds:
             got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
-            best = (got, where, packs, own)
-            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well
-            node = {(tree.offset[v], tree.size[v]): v for v in range(len(tree.size))}
+            best = (got, where, packs, own, tree)
+            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well,
+            # on the search's tree when its groups are nodes of it, else on a tree with its groups as nodes
+            groups = {(ranks[0], len(ranks)) for blk in blocks for ranks, _, _ in blk}
+            ltree = tree if all(tree.has_group(a, n) for a, n in groups) else \
+                BuddyTree(self.view.topology, self.classes, chain=tree.chain, groups=groups)
+            node = {(ltree.offset[v], ltree.size[v]): v for v in range(len(ltree.size))}
             where = [-1] * len(Ll)
             for blk in blocks:
                 for ranks, idx, _ in blk:
                     v = node[(ranks[0], len(ranks))]
                     for i in idx:
                         where[i] = v
-            packs, own = self._tree_realize(tree, where, L, E)
-            got, where, packs, own = self._tree_refine(tree, where, packs, own, L, E, var)
-            if got < best[0] * (1 - 1e-9):
-                best = (got, where, packs, own)
-        got, where, packs, own = best  # type: ignore[misc]
-        if got >= span * (1 - 1e-9):
+            packs, own = self._tree_realize(ltree, where, L, E)
+            got, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, var)
+            if improves(got, best[0]):
+                best = (got, where, packs, own, ltree)
+        got, where, packs, own, tree = best  # type: ignore[misc]
+        if not improves(got, span):
             return None
         levels: dict[int, list[list]] = {}
         nodes = sorted(packs, key=lambda u: (-tree.size[u], tree.offset[u]))
@@ -144,7 +154,7 @@ class BuddyTreeSearch:
                 new[d] = sum(t for _, _, t in pd) / self._pace(tree, d)
                 got = tree.span(new)
                 sq = tree.spread(new)
-                if got < span * (1 - 1e-9) or (got <= span and sq < spread * (1 - 1e-9)):
+                if improves(got, span) or (got <= span and improves(sq, spread)):
                     spread = sq
                     members[s_], members[d] = src, dst
                     packs[d] = pd

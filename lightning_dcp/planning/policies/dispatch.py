@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from lightning_dcp.planning.policies.objective import improves, makespan
+
 
 def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int], order_key: np.ndarray,
                  trials: int = 1, rng: np.random.Generator | None = None,
@@ -91,8 +93,8 @@ def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int]
             cut_any = True
             continue
         members, loads = got
-        span = max(loads) if loads else 0.0
-        if best is None or span < best[2] * (1 - 1e-12):
+        span = makespan(loads)
+        if best is None or improves(span, best[2], 1e-12):
             best = (members, loads, span)
     if best is None:
         if cut_any:
@@ -270,20 +272,24 @@ def _chunks(cost: np.ndarray, floor: np.ndarray | None, order: np.ndarray, ngrou
 
 
 def fill_costs(times: np.ndarray, pref: np.ndarray, cols: np.ndarray, gpu_s: np.ndarray,
-               classes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               classes: Sequence[int], fill_ok: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Dispatch costs of units on groups of each SP class, and the floors fills impose.
 
     ``times[k, i]``: unit i's time on a group of ``classes[k]`` ranks; ``pref[i]``: the class it
     prefers; ``gpu_s[i]``: its GPU-seconds at that class. On a larger class than it prefers, a
     unit either runs on all the group's ranks (``times``) or as a fill on a sub-group of its own
     size, costing the group its GPU-seconds spread over the ranks (whichever is cheaper); a fill
-    still lasts its own time, returned as the floor ``F``. Returns ``(C, F, own_time)``.
+    still lasts its own time, returned as the floor ``F``. ``fill_ok[k, c]`` (default: always): a group of
+    class ``k`` may run a unit of class ``c`` as a fill (it holds a group of ``c`` ranks wherever it is
+    placed). Returns ``(C, F, own_time)``.
     """
     C = times.copy()
     F = np.zeros_like(times)
     own = times[pref, cols]
     for k in range(1, len(classes)):
         fill = pref < k
+        if fill_ok is not None:
+            fill &= fill_ok[k, pref]
         if fill.any():
             spread = gpu_s[fill] / classes[k]
             use = spread < times[k, fill]

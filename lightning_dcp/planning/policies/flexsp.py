@@ -82,6 +82,12 @@ class FlexSPPolicy(Policy):
     def cap(self, sp: int, r: int) -> int:
         return self.view.capacities(sp)[r]
 
+    @property
+    def sizes(self) -> list[int]:
+        """FlexSP's group sizes: the usable Ulysses sizes that are powers of two (its MILP packs groups by their
+        sum of ranks, which places on the world's aligned blocks only for powers of two)."""
+        return [p for p in self.view.ulysses_sizes if p <= self.world_size and p & (p - 1) == 0] or [1]
+
     def t_seq(self, length: int, sp: int, r: int) -> float:
         """One sequence's own time on ``sp`` ranks (its micro-batch's constant left out)."""
         key = (length, sp, r)
@@ -94,7 +100,7 @@ class FlexSPPolicy(Policy):
     def candidates(self, longest: int) -> list[int]:
         L = self.view.num_layers
         recs = [int(self.options["recompute"])] if "recompute" in self.options else sorted({0, L // 2, L})
-        return [r for r in recs if self.cap(self.view.sp_sizes[-1], r) >= longest]
+        return [r for r in recs if self.cap(self.sizes[-1], r) >= longest]
 
     def _setting(self) -> int | None:
         if not self.dataset_lengths:
@@ -116,14 +122,14 @@ class FlexSPPolicy(Policy):
     # -- planning ------------------------------------------------------------------------
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
         r = self.setting
-        if r is None or self.cap(self.view.sp_sizes[-1], r) < max(lengths):
+        if r is None or self.cap(self.sizes[-1], r) < max(lengths):
             cands = self.candidates(max(lengths)) or [self.view.num_layers]
             r = cands[0]
         return self.plan_with(r, samples, lengths)
 
     def plan_with(self, r: int, samples: Sequence[int], lengths: Sequence[int]) -> list[StepPlan]:
         N = self.world_size
-        cluster = N * self.cap(1, r) if self.cap(1, r) > 0 else N * self.cap(self.view.sp_sizes[-1], r) // self.view.sp_sizes[-1]
+        cluster = N * self.cap(1, r) if self.cap(1, r) > 0 else N * self.cap(self.sizes[-1], r) // self.sizes[-1]
         mb = max(1, math.ceil(sum(lengths) / max(cluster, 1)))
         while True:
             chunks = chunk_sorted(lengths, mb)
@@ -173,7 +179,7 @@ class FlexSPPolicy(Policy):
             count += 1
         if len(buckets) >= n:
             buckets = [Bucket(int(lengths[i]), (i,)) for i in range(n)]
-        sizes = [s for s in self.view.sp_sizes if s <= self.world_size]
+        sizes = list(self.sizes)
         return solve(self.world_size, buckets, sizes, lambda s: self.cap(s, r), lambda b, s: self.t_seq(b, s, r),
                      lambda s: self.view.constant(s, r), time_limit=time_limit,
                      node_limit=int(self.options.get("node_limit", 2000)))

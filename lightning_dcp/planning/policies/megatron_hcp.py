@@ -143,6 +143,12 @@ class MegatronHCPPolicy(Policy):
     def option_names(cls) -> tuple[str, ...]:
         return ("max_seqlen_per_dp_cp_rank", "recompute", "tune_tokens")
 
+    @property
+    def group_sizes(self) -> dict[int, int]:
+        """SP sizes of its own (for :meth:`Planner.rank_tuples`): every power of two up to ``max_cp``, on the
+        aligned blocks (pure rings: no Ulysses subgroup to align)."""
+        return {1 << k: 1 for k in range(self.max_cp.bit_length()) if 1 << k <= self.max_cp}
+
     def candidates(self, longest: int) -> list[tuple[int, int]]:
         L = self.view.num_layers
         recs = [int(self.options["recompute"])] if "recompute" in self.options else sorted({0, L // 4, L // 2, L})

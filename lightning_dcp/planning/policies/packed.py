@@ -36,5 +36,6 @@ class PackedPolicy(FixedSPPolicy):
         per_group: list[list[WorkItem]] = [[] for _ in groups]
         for j, pack in enumerate(packs):
             g = j % len(groups)
-            per_group[g].append(WorkItem(groups[g], tuple(samples[i] for i in pack), tuple(lengths[i] for i in pack), rec))
+            per_group[g].append(WorkItem(groups[g], tuple(samples[i] for i in pack), tuple(lengths[i] for i in pack), rec,
+                                         self.view.ring_of(sp)))
         return [StepPlan(tuple(interleave_items(per_group)), {"sp": sp, "pack_tokens": budget})]

@@ -73,9 +73,20 @@ def karmarkar_karp(values: Sequence[float], k: int, equal_size: bool = False) ->
     return [sorted(p[1]) for p in heap[0][3]]
 
 
-def aligned_starts(sizes: Sequence[int], world_size: int) -> list[int] | None:
+def aligned_starts(sizes: Sequence[int], world_size: int, topology: Any = None) -> list[int] | None:
     """Start rank of each group of ``sizes`` (powers of two), placed largest first at the next free
-    offset of the world's aligned blocks; ``None`` when they do not fit. Same order as ``sizes``."""
+    offset of the world's aligned blocks; ``None`` when they do not fit. Same order as ``sizes``.
+    With a :class:`~lightning_dcp.planning.topology.Topology`: groups of any size where its rule puts them
+    (the same places for powers of two)."""
+    if topology is not None:
+        order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+        groups = topology.place([sizes[i] for i in order])
+        if groups is None:
+            return None
+        out = [0] * len(sizes)
+        for i, g in zip(order, groups):
+            out[i] = g[0]
+        return out
     free = [[s, s + b] for s, b in world_blocks(world_size)]
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     out = [0] * len(sizes)

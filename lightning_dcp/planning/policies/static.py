@@ -24,5 +24,5 @@ class StaticPolicy(FixedSPPolicy):
         groups = self.groups(sp)
         per_group: list[list[WorkItem]] = [[] for _ in groups]
         for j, (s, n) in enumerate(zip(samples, lengths)):
-            per_group[j % len(groups)].append(WorkItem(groups[j % len(groups)], (s,), (n,), rec))
+            per_group[j % len(groups)].append(WorkItem(groups[j % len(groups)], (s,), (n,), rec, self.view.ring_of(sp)))
         return [StepPlan(tuple(interleave_items(per_group)), {"sp": sp})]

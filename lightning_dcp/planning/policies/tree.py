@@ -1,12 +1,21 @@
-"""Buddy-tree schedules: aligned power-of-two SP groups that split over the step.
+"""Buddy-tree schedules: SP groups that split over the step, on any placement the topology allows.
 
-A world block of ``2^m`` ranks is a binary tree of aligned blocks (the *buddy* tree): the root
-is the block, each node of ``P`` ranks has two children of ``P/2`` ranks (its halves), the
-leaves are single ranks. A schedule puts every unit (sample) on one node whose size is a usable
-SP size. A node runs its own micro-batches on all its ranks first, then its halves go on
-independently, so every rank's items are its root-to-leaf path, node by node. The step's
-compute span is the largest root-to-leaf sum of the nodes' own times -- exactly what the
-simulator measures for the plan listed node by node, largest first.
+A *split tree* of the world: every node is a legal SP group (:mod:`~lightning_dcp.planning.topology`),
+a node's children split its ranks into smaller groups, the leaves are single ranks. For power-of-two
+sizes this is the classic *buddy* tree of aligned blocks (each node of ``P`` ranks has two children
+of ``P/2`` ranks). A schedule puts every unit (sample) on one node whose size is a usable SP size. A
+node runs its own micro-batches on all its ranks first, then its children go on independently, so
+every rank's items are its root-to-leaf path, node by node. The step's compute span is the largest
+root-to-leaf sum of the nodes' own times (:func:`~lightning_dcp.planning.policies.objective.makespan`)
+-- exactly what the simulator measures for the plan listed node by node, largest first.
+
+Which nodes: a *chain* of sizes ``c_0 > c_1 > ... > 1`` (each dividing the one before; sizes that
+are not usable SP sizes only pass their ranks through). A run of ranks is covered by as many groups
+of the largest chain size that fits as first fit places, the rest of the run recursively; a node of
+``c_i`` ranks is split the same way by the smaller chain sizes. The world itself is such a run (a
+non-power-of-two world is a forest: W=13 has roots of 8, 4 and 1 ranks). :func:`best_chain` picks
+the chain whose tree covers the most ranks at usable SP sizes; ``groups`` forces given groups to be
+nodes (a layout plan's groups and their fills, refined as a tree).
 
 This is the shape of the step bound's best case (every sample on the SP size it needs, the
 rest of the ranks busy beside or after it): a long sample gets a large block, whose ranks then
@@ -24,30 +33,138 @@ Pure Python, deterministic.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from lightning_dcp.planning.layouts import world_blocks
+from lightning_dcp.planning.policies.objective import makespan
+from lightning_dcp.planning.topology import Topology
+
+
+HEAP_LEVEL = 64
+"""A tree level with more nodes than this finds its least-loaded node with a heap in :meth:`BuddyTree.assign`."""
+
+
+def chains(classes: Sequence[int], world_size: int) -> list[tuple[int, ...]]:
+    """The maximal divisibility chains from the largest class (at most the world) down to 1, largest
+    steps first; above the top class, its doublings up to the world pass ranks through (as the
+    aligned blocks of a power-of-two world do)."""
+    usable = sorted({int(p) for p in classes if p <= world_size} | {1}, reverse=True)
+    top = usable[0]
+    above = []
+    q = top * 2
+    while q <= world_size:
+        above.insert(0, q)
+        q *= 2
+    out: list[tuple[int, ...]] = []
+
+    def walk(chain: list[int]) -> None:
+        cur = chain[-1]
+        if cur == 1:
+            out.append(tuple(above + chain))
+            return
+        divs = [c for c in usable if c < cur and cur % c == 0]
+        # maximal steps only: no usable size strictly between c and cur that c divides and that divides cur
+        for c in divs:
+            if not any(c < m < cur and m % c == 0 and cur % m == 0 for m in divs):
+                walk(chain + [c])
+
+    walk([top])
+    return out
+
+
+def best_chain(classes: Sequence[int], topology: Topology) -> tuple[int, ...]:
+    """The chain (:func:`chains`) whose tree covers the most ranks at usable sizes (summed over the
+    sizes); ties: the first."""
+    best, best_score = None, -1.0
+    usable = set(classes)
+    for chain in chains(classes, topology.world_size):
+        tree = BuddyTree(topology, classes, chain=chain, index=False)
+        score = sum(tree.size[v] for v in range(len(tree.size)) if tree.size[v] in usable)
+        if score > best_score:
+            best, best_score = chain, score
+    return best  # type: ignore[return-value]
 
 
 class BuddyTree:
-    """The buddy trees of a world's aligned power-of-two blocks, with their usable SP sizes.
+    """A split tree of the world (see the module docstring), with its usable SP sizes.
 
     Args:
-        world_size: ranks; a non-power-of-two world is a forest, one tree per block of
-            :func:`~lightning_dcp.planning.layouts.world_blocks`.
-        classes: usable SP sizes, ascending (powers of two); a node of another size holds no
-            units (its ranks only pass through to its halves).
+        world: the world size (no node boundaries) or a :class:`~lightning_dcp.planning.topology.Topology`.
+        classes: usable SP sizes, ascending; a node of another size holds no units (its ranks only pass
+            through to its children).
+        chain: the sizes that split runs and nodes (default :func:`best_chain`).
+        groups: ``(start, size)`` pairs that must be nodes (laminar: two either nest or are disjoint).
+        index: build the tables :meth:`assign` and the path sums need (False: the nodes only).
     """
 
-    def __init__(self, world_size: int, classes: Sequence[int]):
+    def __init__(self, world: "int | Topology", classes: Sequence[int], *, chain: Sequence[int] | None = None,
+                 groups: Iterable[tuple[int, int]] = (), index: bool = True):
+        self.topology = Topology.of(world)
         self.classes = list(classes)
+        self.chain = tuple(chain) if chain is not None else best_chain(self.classes, self.topology)
         self.offset: list[int] = []
         self.size: list[int] = []
         self.parent: list[int] = []
         self.kids: list[list[int]] = []
-        for start, size in world_blocks(world_size):
-            self._build(start, size, -1)
+        self._fixed = sorted({(int(a), int(n)) for a, n in groups}, key=lambda g: (g[0], -g[1]))
+        self._fixed_starts = [a for a, _ in self._fixed]
+        self._cover(0, self.topology.world_size, -1, self.topology.world_size + 1)
+        if index:
+            self._index()
+
+    # -- construction ----------------------------------------------------------------------
+    def _node(self, offset: int, size: int, parent: int) -> None:
+        v = len(self.offset)
+        self.offset.append(offset)
+        self.size.append(size)
+        self.parent.append(parent)
+        self.kids.append([])
+        if parent >= 0:
+            self.kids[parent].append(v)
+        if size > 1:
+            self._cover(offset, offset + size, v, size)
+
+    def _cover(self, lo: int, hi: int, parent: int, below: int) -> None:
+        """Cover the run ``[lo, hi)`` with nodes (children of ``parent``) of sizes below ``below``: the
+        maximal given groups inside it, then the largest chain size first fit places, then the rest."""
+        top = []
+        if self._fixed:  # the maximal given groups inside the run (sorted by start, larger first: a sweep)
+            end = lo
+            for j in range(bisect.bisect_left(self._fixed_starts, lo), bisect.bisect_left(self._fixed_starts, hi)):
+                a, n = self._fixed[j]
+                if n < below and a + n <= hi and a >= end:
+                    top.append((a, n))
+                    end = a + n
+        if top:
+            pos = lo
+            for a, n in top:
+                if a > pos:
+                    self._cover(pos, a, parent, below)
+                self._node(a, n, parent)
+                pos = a + n
+            if pos < hi:
+                self._cover(pos, hi, parent, below)
+            return
+        for c in self.chain:
+            if c >= below or c > hi - lo:
+                continue
+            free = [[lo, hi]]
+            placed = self.topology.take(free, c, hi - lo)
+            if not placed:
+                continue
+            pieces = sorted([(g[0], len(g), True) for g in placed] + [(a, b - a, False) for a, b in free])
+            for a, n, is_node in pieces:
+                if is_node:
+                    self._node(a, n, parent)
+                else:
+                    self._cover(a, a + n, parent, below)
+            return
+        for r in range(lo, hi):  # no chain size fits (a chain always ends in 1): single ranks
+            self._node(r, 1, parent)
+
+    def _index(self) -> None:
         n = len(self.offset)
         self.level: dict[int, list[int]] = {}
         for v in range(n):
@@ -66,46 +183,42 @@ class BuddyTree:
                 u = self.parent[u]
             self.ancestors.append(a)
         # descendants of v at each smaller size: a contiguous slice of that level (sorted by offset)
+        sizes = sorted(self.level, reverse=True)
+        offs = {q: [self.offset[u] for u in self.level[q]] for q in sizes}
         self.below: list[list[tuple[int, int, int]]] = []
         for v in range(n):
             lo_r, hi_r = self.offset[v], self.offset[v] + self.size[v]
             d = []
-            q = self.size[v] // 2
-            while q >= 1:
-                nodes = self.level.get(q, [])
-                js = [j for j, u in enumerate(nodes) if lo_r <= self.offset[u] < hi_r]
-                if js:
-                    d.append((q, js[0], js[-1] + 1))
-                q //= 2
+            for q in sizes:
+                if q >= self.size[v]:
+                    continue
+                lo, hi = bisect.bisect_left(offs[q], lo_r), bisect.bisect_left(offs[q], hi_r)
+                if hi > lo:
+                    d.append((q, lo, hi))
             self.below.append(d)
         self.leaves = self.level.get(1, [])
 
-    def _build(self, offset: int, size: int, parent: int) -> None:
-        v = len(self.offset)
-        self.offset.append(offset)
-        self.size.append(size)
-        self.parent.append(parent)
-        self.kids.append([])
-        if parent >= 0:
-            self.kids[parent].append(v)
-        if size > 1:
-            self._build(offset, size // 2, v)
-            self._build(offset + size // 2, size // 2, v)
+    def has_group(self, start: int, size: int) -> bool:
+        """Whether ranks ``[start, start + size)`` are a node."""
+        return any(self.offset[v] == start for v in self.level.get(size, ()))
 
     def ranks(self, v: int) -> tuple[int, ...]:
         """Global ranks of node ``v``."""
         return tuple(range(self.offset[v], self.offset[v] + self.size[v]))
 
-    def span(self, own: Sequence[float]) -> float:
-        """Largest root-to-leaf sum of ``own`` (seconds per node): the compute span."""
-        best = 0.0
+    def paths(self, own: Sequence[float]) -> list[float]:
+        """Every root-to-leaf sum of ``own`` (seconds per node): each rank's busy time."""
+        out = []
         for v in self.leaves:
             s = own[v]
             for a in self.ancestors[v]:
                 s += own[a]
-            if s > best:
-                best = s
-        return best
+            out.append(s)
+        return out
+
+    def span(self, own: Sequence[float]) -> float:
+        """Largest root-to-leaf sum of ``own`` (seconds per node): the compute span."""
+        return makespan(self.paths(own))
 
     def spread(self, own: Sequence[float]) -> float:
         """Sum of squared root-to-leaf sums: lower when the paths are shorter or more even (a tie-breaker
@@ -154,22 +267,35 @@ class BuddyTree:
         val = {p: [0.0] * len(nodes) for p, nodes in self.level.items()}
         where = [-1] * len(lengths)
         inf = math.inf
-        opts = [(k, p, val[p], self.level[p]) for k, p in enumerate(self.classes) if p in self.level]
-        kids, anc, below, size, pos = self.kids, self.ancestors, self.below, self.size, self.pos
+        # levels of many nodes find their least-loaded node with a heap (values only grow: a stale entry is
+        # refreshed when it surfaces); the same node as min() then index(), ties to the lowest offset
+        heaps = {p: [(0.0, j) for j in range(len(nodes))] for p, nodes in self.level.items()
+                 if len(nodes) > HEAP_LEVEL and not best_fit}
+        opts = [(k, p, val[p], self.level[p], heaps.get(p)) for k, p in enumerate(self.classes) if p in self.level]
+        heapreplace = heapq.heapreplace
         for i in order:
             ln = lengths[i]
             best = None
-            for k, p, lv, nodes in opts:
+            for k, p, lv, nodes, hp in opts:
                 t = var[k][i]
                 if t == inf:
                     continue
-                m = min(lv)
-                if best_fit:  # the fullest node it still fits by the deadline
-                    lim = deadline - t
-                    for x in lv:
-                        if m < x <= lim:
-                            m = x
-                v = nodes[lv.index(m)]
+                if best is not None and best[0][0] == 0 and p * t > best[0][1]:
+                    continue  # more GPU-seconds than a size that already ends by the deadline: cannot win
+                if hp is not None:
+                    m, j = hp[0]
+                    while m != lv[j]:
+                        heapreplace(hp, (lv[j], j))
+                        m, j = hp[0]
+                    v = nodes[j]
+                else:
+                    m = min(lv)
+                    if best_fit:  # the fullest node it still fits by the deadline
+                        lim = deadline - t
+                        for x in lv:
+                            if m < x <= lim:
+                                m = x
+                    v = nodes[lv.index(m)]
                 if room[v] < ln:
                     t += const[k][i]
                 fin = m + t
@@ -183,19 +309,28 @@ class BuddyTree:
                 room[v] = budget[k] - ln if ln < budget[k] else 0
             else:
                 room[v] -= ln
-            own[v] += t
-            down[v] += t
-            val[size[v]][pos[v]] += t
-            for q, lo, hi in below[v]:  # every path through a descendant grows by t
-                lq = val[q]
-                for j in range(lo, hi):
-                    lq[j] += t
-            for a in anc[v]:  # longest path below each ancestor (binary: two halves)
-                c0, c1 = kids[a]
-                d0, d1 = down[c0], down[c1]
-                down[a] = own[a] + (d0 if d0 > d1 else d1)
-            up = 0.0
-            for a in reversed(anc[v]):  # then the path value through it
-                val[size[a]][pos[a]] = up + down[a]
-                up += own[a]
+            self._charge(v, t, own, down, val)
         return where
+
+    def _charge(self, v: int, t: float, own: list[float], down: list[float], val: dict[int, list[float]]) -> None:
+        """Node ``v`` runs ``t`` more seconds: its own time, the longest path below each ancestor, and the path
+        value through every node above and below it."""
+        kids, anc, below, size, pos = self.kids, self.ancestors, self.below, self.size, self.pos
+        own[v] += t
+        down[v] += t
+        val[size[v]][pos[v]] += t
+        for q, lo, hi in below[v]:  # every path through a descendant grows by t
+            lq = val[q]
+            for j in range(lo, hi):
+                lq[j] += t
+        for a in anc[v]:  # longest path below each ancestor
+            k = kids[a]
+            if len(k) == 2:
+                d0, d1 = down[k[0]], down[k[1]]
+                down[a] = own[a] + (d0 if d0 > d1 else d1)
+            else:
+                down[a] = own[a] + max([down[c] for c in k])
+        up = 0.0
+        for a in reversed(anc[v]):  # then the path value through it
+            val[size[a]][pos[a]] = up + down[a]
+            up += own[a]

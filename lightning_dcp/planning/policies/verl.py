@@ -79,12 +79,12 @@ class VerlPolicy(Policy):
     def candidates(self, longest: int) -> list[tuple[int, bool, int]]:
         """Every ``(sp, checkpointing, max_token_len_per_gpu)`` the options allow that holds ``longest``."""
         L = self.view.num_layers
-        sps = [self.options["sp"]] if self.options.get("sp") else self.view.sp_sizes
+        sps = [self.options["sp"]] if self.options.get("sp") else self.view.ulysses_sizes  # verl: Ulysses SP
         ckpts = [bool(self.options["checkpointing"])] if "checkpointing" in self.options else [False, True]
         out = []
         for sp in sps:
-            if sp not in self.view.sp_sizes:
-                raise ValueError(f"verl: sp={sp} is not a usable SP size here; usable: {self.view.sp_sizes}")
+            if sp not in self.view.ulysses_sizes:
+                raise ValueError(f"verl: sp={sp} is not a usable SP size here; usable: {self.view.ulysses_sizes}")
             for ck in ckpts:
                 cap = self.view.capacities(sp)[L if ck else 0]
                 if cap < longest:
@@ -123,10 +123,10 @@ class VerlPolicy(Policy):
     def plan_with(self, setting: tuple[int, bool, int], samples: Sequence[int], lengths: Sequence[int]) -> list[StepPlan]:
         sp, ckpt, per_gpu = setting
         count = self.world_size // sp
-        starts = aligned_starts([sp] * count, self.world_size)
+        starts = aligned_starts([sp] * count, self.world_size, self.view.topology)
         while starts is None:
             count -= 1
-            starts = aligned_starts([sp] * count, self.world_size)
+            starts = aligned_starts([sp] * count, self.world_size, self.view.topology)
         groups = [tuple(range(s, s + sp)) for s in starts]
         work = [workload(n) for n in lengths]
         G = len(groups)
