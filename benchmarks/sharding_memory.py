@@ -75,7 +75,7 @@ def resident(strategy: Any) -> dict[str, int]:
     module = strategy.lightning_module
     params = list(module.parameters())
     shards = strategy.shards
-    if shards is not None:
+    if shards is not None and shards.sharded_checkpoint:  # the fully_shard units: their shards and full weights
         params += list(shards.sharded.values()) + list(shards.full.values())
     seen: set[int] = set()
     weights = _storages(params, seen)

@@ -50,6 +50,7 @@ def test_every_mode_is_its_two_files_and_a_registry_line():
         runtime = getattr(importlib.import_module(module), attr)
         missing = [m for m in ("setup_optimizers", "states", "begin_step", "rounds", "begin_round", "run_dummy",
                                "grad_reduction", "after_reduce", "after_step", "unshard", "at_rest", "reshard", "save_checkpoint",
+                               "optimized_parameters",
                                "load_checkpoint", "model_state", "optimizer_state") if not callable(getattr(runtime, m, None))]
         assert not missing and hasattr(runtime, "sharded_checkpoint") and Shards is not None, (name, missing)
         assert cls(4).name == name and cls.shards_weights == runtime.sharded_checkpoint

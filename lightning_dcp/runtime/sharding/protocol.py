@@ -100,6 +100,10 @@ class Shards(Protocol):
     def setup_optimizers(self, optimizers: list[Any], lr_scheduler_configs: Sequence[Any]) -> list[Any]:
         """The optimizers to train with (``zero1``: wrapped; sharded modes: checked, raising by name)."""
 
+    def optimized_parameters(self) -> dict[str, nn.Parameter]:
+        """Name -> the parameters the optimizer steps: the module's own in the replicated modes, this rank's
+        DTensor shards where the mode shards the weights (what an EMA of the weights averages)."""
+
     def states(self, optimizers: Sequence[Any]) -> "ModelStates":
         """The model-state bytes this rank holds, as measured on the module (what the planner budgets)."""
 

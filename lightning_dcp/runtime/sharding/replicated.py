@@ -45,6 +45,9 @@ class ReplicatedShards:
     def setup_optimizers(self, optimizers: list[Any], lr_scheduler_configs: Sequence[Any]) -> list[Any]:
         return optimizers
 
+    def optimized_parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.module.named_parameters())
+
     def states(self, optimizers: Sequence[Any]) -> ModelStates:
         from lightning_dcp.runtime.sharding.units import shard_units
 

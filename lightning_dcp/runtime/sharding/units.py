@@ -134,6 +134,9 @@ class FsdpUnits:
                             "calls configure_optimizers)")
         return optimizers
 
+    def optimized_parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.sharded)
+
     def states(self, optimizers: Sequence[Any]) -> ModelStates:
         return measure_model_states(self.module, optimizers, self.mode, units=self.layer_units,
                                     coresident=self.coresident)
