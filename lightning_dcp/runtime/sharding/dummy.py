@@ -51,11 +51,13 @@ def _own_trainable(unit: nn.Module, units: set[int], skip: set[int]) -> list[tup
 
 
 def _touch(params: Sequence[tuple[nn.Module, str]]) -> Callable[[Tensor], Tensor]:
-    """``x + 0 * sum(one element of each parameter)``: a graph edge to every parameter, no compute."""
+    """``x + 0 * sum(one element of each parameter)``: a graph edge to every parameter, no compute. Always a new
+    tensor (``+ 0.0``), even for a unit with no trainable parameter (a frozen layer, a LoRA run's root): FSDP hooks
+    each unit's pre-backward on its output, and two units' hooks on one tensor would fire in forward order."""
     def touch(x: Tensor) -> Tensor:
         for holder, name in params:
             x = x + getattr(holder, name).reshape(-1)[:1].sum() * 0.0
-        return x
+        return x + 0.0
 
     return touch
 
