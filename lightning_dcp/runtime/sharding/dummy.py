@@ -15,7 +15,8 @@ the step's last round the replicas' all-reduce. Nothing else runs: no sample is 
 is kept (its peak memory is the states and the units in flight), the gradients it adds are exactly 0.
 
 It mirrors a micro-batch whose forward calls every repeated layer once, in the contract's order (as
-every model this package adapts does). Measured against the cheapest input (8 tokens through the
+every model this package adapts does), trainable or frozen (a LoRA run's frozen base and root, its trainable
+adapters: ``tests/test_lora.py`` runs Wan, LTX-Video and CogVideoX that way under ``hsdp``). Measured against the cheapest input (8 tokens through the
 model, loss times 0) on 2 gloo processes: see ``benchmarks/hsdp_dummy_rounds.py``.
 """
 
