@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from lightning_dcp.planning.rounds import FREE_RUNNING, RoundPlan
+from lightning_dcp.planning.round_plan import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.prices import CollectivePrices

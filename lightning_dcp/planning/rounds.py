@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from lightning_dcp.planning.plan import PlanError, StepPlan, WorkItem
+from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, RoundPlan
 
 __all__ = ["FREE_RUNNING", "FreeRunning", "Lockstep", "RoundPlan", "ShardGroupRounds", "align_rounds",
            "check_shard_groups", "lockstep_rounds", "round_span", "shard_groups"]
@@ -143,48 +144,7 @@ def round_span(rounds: ShardGroupRounds, item_times: Sequence[float],
     return total
 
 
-# ---------------------------------------------------------------------------------------------- round plans
-ItemTime = Callable[[WorkItem], float]
-
-
-class RoundPlan:
-    """How a step's items run (see the module docstring); the base is :data:`FREE_RUNNING`'s behaviour."""
-
-    lockstep = False
-    """Whether ranks run their items in lockstep rounds (collectives inside the micro-batch loop)."""
-    domain: int | None = None
-    """Consecutive ranks no SP group may cross (a shard group: its per-layer collectives are the group's)."""
-
-    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime) -> StepPlan:
-        """THE round planner's entry point: ``step`` (a policy's) as the rounds should run it."""
-        return step
-
-    def rank_rounds(self, step: StepPlan, world_size: int, rank: int) -> list[int | None]:
-        """Per round of ``rank``: the position of its item in its own micro-batch loop (``Step.items``
-        order), or ``None`` for a dummy round. Free-running: one round per item, no dummy."""
-        return list(range(sum(1 for item in step.items if rank in item.ranks)))
-
-    def span(self, step: StepPlan, world_size: int, item_times: Sequence[float]) -> float | None:
-        """The step's compute span when the rounds decide it (``item_times`` indexed like ``step.items``);
-        ``None``: each rank runs freely (the simulator's per-rank schedule decides)."""
-        return None
-
-    def dummy_rounds(self, step: StepPlan, world_size: int) -> int:
-        """Rank-rounds without an item in ``step`` (the dummies every group runs)."""
-        return 0
-
-
-class FreeRunning(RoundPlan):
-    """The replicated modes' rounds: none in lockstep."""
-
-    def __repr__(self) -> str:
-        return "FREE_RUNNING"
-
-
-FREE_RUNNING = FreeRunning()
-"""The rounds of every mode without collectives inside the micro-batch loop."""
-
-
+# ---------------------------------------------------------------------------------------------- lockstep rounds
 class Lockstep(RoundPlan):
     """Lockstep rounds inside shard groups of ``shard_group_size`` consecutive ranks.
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from lightning_dcp.planning.prices import CollectivePrices
-from lightning_dcp.planning.rounds import FREE_RUNNING, RoundPlan
+from lightning_dcp.planning.round_plan import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.cost_model import CostModel

@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from lightning_dcp.planning.prices import CollectivePrices
+from lightning_dcp.planning.round_plan import RoundPlan
+from lightning_dcp.planning.rounds import Lockstep
 from lightning_dcp.planning.sharding.base import ShardingMode, StateParts, UnplannableCostModel
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
-from lightning_dcp.planning.rounds import Lockstep, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.planning.cost_model import CostModel
