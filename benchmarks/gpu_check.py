@@ -23,6 +23,8 @@ every plan is SP 1). Sections, each timed, each written to the JSON as soon as i
    :class:`lightning_dcp.hf.CausalLMModule`) and, only when diffusers imports, of a tiny Wan
    (:class:`lightning_dcp.diffusers.VideoDiffusionModule`; else skipped with the reason), each under
    ``DCPStrategy`` on one device: losses per step, finite or not.
+6. ``hsdp``: ``sharding="hsdp"`` fits on two ranks, bf16 on NCCL and ``offload=True``
+   (:mod:`benchmarks.hsdp_check`; skipped with the reason on one GPU, a gloo dry run on the CPU).
 
 Run::
 
@@ -60,8 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.hsdp_check import section_hsdp, summary as hsdp_summary  # noqa: E402
+
 SCHEMA = "lightning-dcp/gpu-check/v1"
-SECTIONS = ("attention", "profile", "memory", "mfu", "fit")
+SECTIONS = ("attention", "profile", "memory", "mfu", "fit", "hsdp")
 
 #: Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; the first row whose ``needle``
 #: is in ``torch.cuda.get_device_name()`` and none of whose ``unless`` is, wins. Other GPUs: unknown.
@@ -562,7 +566,7 @@ def section_fit(ctx: Ctx) -> dict:
 
 SECTION_FNS: dict[str, Callable[[Ctx], dict]] = {
     "attention": section_attention, "profile": section_profile, "memory": section_memory, "mfu": section_mfu,
-    "fit": section_fit,
+    "fit": section_fit, "hsdp": section_hsdp,
 }
 
 
@@ -622,6 +626,8 @@ def _summary(name: str, sec: dict) -> str:
         best = max(r["cases"], key=lambda c: c["tflops"])
         return (f"{r['layer']}: best {best['tflops']:.1f} TFLOP/s at {best['tokens']} tokens, MFU "
                 + ("unknown" if best["mfu"] is None else f"{100 * best['mfu']:.1f}%"))
+    if name == "hsdp":
+        return hsdp_summary(r)
     if name == "fit":
         return "; ".join(f"{x['model']}: {x['status']}" + (f" ({x['reason'][:80]})" if "reason" in x else
                          f", loss {x['losses'][0]:.3f} -> {x['losses'][-1]:.3f} in {x['steps']} steps") for x in r["runs"])

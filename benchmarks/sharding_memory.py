@@ -38,7 +38,7 @@ from lightning_dcp.models.module import DCPTransformerModule
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime import buckets as buckets_module
-from lightning_dcp.runtime.hsdp import HsdpGrads
+from lightning_dcp.runtime.sharding.hsdp import HsdpGrads
 
 MODES = ("none", "zero1", "zero2", "fsdp", "hsdp")
 
@@ -75,7 +75,7 @@ def resident(strategy: Any) -> dict[str, int]:
     module = strategy.lightning_module
     params = list(module.parameters())
     shards = strategy.shards
-    if shards is not None:
+    if shards is not None and shards.sharded_checkpoint:  # the fully_shard units: their shards and full weights
         params += list(shards.sharded.values()) + list(shards.full.values())
     seen: set[int] = set()
     weights = _storages(params, seen)

@@ -1,6 +1,6 @@
 """What sharding the model states buys the planner: a 7B model on 32 H100s, long documents.
 
-For each ``sharding`` mode of :mod:`lightning_dcp.planning.state_sharding` (``none``, ``zero1``,
+For each ``sharding`` mode of :mod:`lightning_dcp.planning.sharding` (``none``, ``zero1``,
 ``zero2``, ``fsdp``, as ``DCPStrategy(sharding=...)`` runs them), the H100 analytic cost model of
 ``--model`` (default ``llama-7b``, the Llama-2-7B shape) on ``--world-size`` GPUs reports the
 model-state bytes per rank (in the micro-batch loop, which the planner budgets, and between
@@ -36,8 +36,8 @@ from lightning_dcp.planning.distributions import get_distribution  # noqa: E402
 from lightning_dcp.planning.errors import PlanningError  # noqa: E402
 from lightning_dcp.planning.hardware import GiB, get_hardware  # noqa: E402
 from lightning_dcp.planning.models import get_model  # noqa: E402
-from lightning_dcp.planning.shard_group import hsdp_view  # noqa: E402
-from lightning_dcp.planning.state_sharding import SHARDING_MODES  # noqa: E402
+from lightning_dcp.planning.sharding.hsdp import hsdp_view  # noqa: E402
+from lightning_dcp.planning.sharding.registry import COST_MODEL_MODES as SHARDING_MODES  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_sharding.md"
 
@@ -140,9 +140,9 @@ def main() -> None:
         "every mode. States per rank as `DCPStrategy(sharding=...)` holds them (bf16 weights and gradients, fp32 "
         "master and Adam m, v: `W`, `G`, `O`): in the micro-batch loop, which the planner budgets, `none` W+G+O, "
         "`zero1` W+G+O/N, `zero2` and `fsdp` W+W/N+G+O/N; between steps `zero2` W+W/N+G/N+O/N, `fsdp` (W+G+O)/N "
-        "(`lightning_dcp.planning.state_sharding`); `hsdp K=k` "
+        "(`lightning_dcp.planning.sharding`); `hsdp K=k` "
         "(W+G+O)/K plus two layers' weights and gradients and the root's in flight, its per-layer all-gathers and "
-        "reduce-scatters priced per lockstep round of each shard group (`lightning_dcp.planning.shard_group`); "
+        "reduce-scatters priced per lockstep round of each shard group (`lightning_dcp.planning.sharding.hsdp_cost`); "
         "`offload` keeps the shards on the host. The other modes add no time per micro-batch.\n\n" + text)
 
 

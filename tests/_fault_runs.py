@@ -158,6 +158,14 @@ def _oom_sp2_resume(out: str) -> None:
                  default_root_dir=out).fit(TinyLM(), ckpt_path=ckpt)
 
 
+def _oom_hsdp(out: str) -> None:
+    """Out of memory in an SP-1 micro-batch of step 1 under sharding="hsdp" (a lockstep round: the other rank of the
+    shard group waits in the round's per-layer collectives): the run stops, naming the round."""
+    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, max_sp=1, idle_prob=0.0), global_batch_size=8,
+                           start_method="popen", sharding="hsdp", shard_group_size=2, timeout=60)
+    make_trainer(2, strategy, [ErrorFile(out)], max_steps=4, default_root_dir=out).fit(OOMOnceLM())
+
+
 def _lengths(out: str) -> None:
     strategy = DCPStrategy(planner=RandomPlanner(2, max_sp=1), global_batch_size=8, start_method="popen")
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=3).fit(RankFilteredLM())
@@ -217,7 +225,7 @@ def _collective_timeout(out: str) -> None:
     make_trainer(2, strategy, [ErrorFile(out)], max_steps=4).fit(SleepyLM(stall_s=45.0))
 
 
-SCENARIOS = {"world3": _world3, "oom": _oom, "oom_sp2": _oom_sp2, "oom_sp2_resume": _oom_sp2_resume, "sigterm": _sigterm, "lengths": _lengths,
+SCENARIOS = {"world3": _world3, "oom": _oom, "oom_hsdp": _oom_hsdp, "oom_sp2": _oom_sp2, "oom_sp2_resume": _oom_sp2_resume, "sigterm": _sigterm, "lengths": _lengths,
              "profile_fill": _profile_fill, "lengths_profiled": _lengths_profiled, "plan_sp2": _plan_sp2, "collective_timeout": _collective_timeout,
              "killed_rank1": lambda out: _killed(out, 1), "killed_rank0": lambda out: _killed(out, 0)}
 

@@ -22,7 +22,8 @@ from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.planner import Planner, default_global_batch_tokens
-from lightning_dcp.planning.shard_group import ShardGroupCostModel, hsdp_view
+from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.simulator import simulate
 from lightning_dcp.planning.speeds import parse_rank_speeds, rank_speeds_of
 
@@ -343,10 +344,7 @@ def test_composes_with_the_shard_group_view():
     outer = CalibratedCostModel(hsdp_view(base, 4), f)
     inner_cal = CalibratedCostModel(base.with_sharding({"sharding": "none", "world_size": W, **base.full_state_parts}), f)
     h = hsdp_view(base, 4)
-    inner = ShardGroupCostModel(inner_cal, world_size=W, shard_group_size=4, state_parts=h.state_parts,
-                                layer_bytes=h.layer_bytes, root_bytes=h.root_bytes, gather_bw=h.gather_bw,
-                                gather_latency=h.gather_latency, replica_bw=h.replica_bw,
-                                replica_latency=h.replica_latency, params=h.params, optimizer_step_s=h.optimizer_step_s)
+    inner = ShardGroupCostModel(inner_cal, h.mode, h.parts, prices=h.prices)
     for cm in (outer, inner):
         assert cm.sharding == "hsdp" and cm.shard_group_size == 4
         assert cm.item_memory([4096], 2, 3) == h.item_memory([4096], 2, 3)

@@ -25,7 +25,7 @@ from lightning_dcp.models.transformer2d import FRAME_LAYOUT
 from lightning_dcp.planning.default_cost import DefaultCostModel
 from lightning_dcp.planning.profiled import ProfiledCostModel
 from lightning_dcp.profiling import DCPProfiler, find_layer_stack, layer_stack, profile_module
-from lightning_dcp.runtime.fsdp import shard_units
+from lightning_dcp.runtime.sharding.units import shard_units
 from lightning_dcp.sp.context import TOKEN_WEIGHT
 from lightning_dcp.sp.contract import AmbiguousLayersError, ModelContract, local_batch, read_model
 from lightning_dcp.sp.packing import pack_samples

@@ -28,13 +28,16 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from _dcp_helpers import RandomPlanner, TinyLM, make_trainer, max_rel_err, reference_run
+from _dcp_helpers import SPEC, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
 from _dist import run_distributed
 from lightning_dcp import DCPStrategy
+from lightning_dcp.data import plain_collate
+from lightning_dcp.models.transformer1d import Transformer1D
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.checkpoint import is_sharded_checkpoint
-from lightning_dcp.runtime.hsdp import HsdpParameters, rank_rounds
-from lightning_dcp.runtime.states import ModelStates
+from lightning_dcp.planning.sharding.registry import get_mode
+from lightning_dcp.planning.rounds import Lockstep
+from lightning_dcp.runtime.sharding.states import ModelStates
 
 LR = 0.05
 K_STEPS = 2  # checkpoint after K_STEPS steps, compare after 2 * K_STEPS
@@ -54,28 +57,101 @@ class SkewPlanner:
         return [StepPlan(tuple(WorkItem(r, (s,), (n,), i % 4) for i, (r, (s, n)) in enumerate(zip(ranks, pairs))))]
 
 
+class LongFirstPlanner:
+    """Every step: the step's longest sample first, at SP 2 on ranks 0-1, then every other sample at SP 1 on rank 1:
+    rank 0 has no item in every round but the first (the plan today's dummies would have run the longest sample in)."""
+
+    one_step_per_batch = True
+
+    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        pairs = sorted(zip(lengths, samples), reverse=True)
+        items = [WorkItem((0, 1), (pairs[0][1],), (pairs[0][0],), 1)]
+        items += [WorkItem((1,), (s,), (n,), i % 3) for i, (n, s) in enumerate(pairs[1:])]
+        return [StepPlan(tuple(items))]
+
+
 class PlanRecord(pl.Callback):
-    """Keeps every step's plan (each rank, in memory)."""
+    """Keeps every step's plan and metrics (each rank, in memory)."""
 
     def __init__(self) -> None:
         self.plans: list[dict] = []
+        self.metrics: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.plans.append(batch.step.plan.to_dict())
+        self.metrics.append(trainer.strategy.last_step_metrics.as_log_dict())
 
 
-def _fit(world: int, k: int, planner, steps: int, callbacks=(), ckpt_path=None, offload=False, **trainer_kw):
+class CountingLM(TinyLM):
+    """TinyLM that records the local tokens of every ``training_step`` call (each rank)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(lr=LR, optimizer="momentum", **kw)
+        self.calls: list[int] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.calls.append(int(batch["input_ids"].shape[0]))
+        return super().training_step(batch, batch_idx)
+
+
+class CoResidentLM(CountingLM):
+    """A frozen teacher beside the trained model (run inside every micro-batch, weight 0 in the loss), with
+    validation and predict steps: the teacher stays a plain replica, out of the sharded units."""
+
+    dcp_layers_attr = "model.layers"
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.teacher = Transformer1D(SPEC).requires_grad_(False)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.0 * self.teacher(batch).float().mean()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", _val_loss(self.model, batch), sync_dist=True, batch_size=1)
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(batch).argmax(-1)
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(make_dataset(n=8), batch_size=2, collate_fn=plain_collate)
+
+    val_dataloader = predict_dataloader = _loader
+
+
+def _val_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(batch).float(), batch["labels"], ignore_index=-100)
+
+
+class EMA(pl.Callback):
+    """An EMA of the weights kept by a callback after each optimizer step (DTensor shards under hsdp: no collective)."""
+
+    def __init__(self) -> None:
+        self.ema: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for name, p in pl_module.model.named_parameters():
+            if name not in self.ema:
+                self.ema[name] = p.detach().clone()
+            self.ema[name].lerp_(p.detach(), 0.5)
+
+
+def _fit(world: int, k: int | None, planner, steps: int, callbacks=(), ckpt_path=None, offload=False, module=None,
+         **trainer_kw):
     record = PlanRecord()
     strategy = DCPStrategy(planner=planner, global_batch_size=8, seed=1, sharding="hsdp", shard_group_size=k,
                            offload=offload)
-    module = TinyLM(lr=LR, optimizer="momentum")
+    module = module if module is not None else TinyLM(lr=LR, optimizer="momentum")
     trainer = make_trainer(world, strategy, [record, *callbacks], max_steps=steps, **trainer_kw)
     trainer.fit(module, ckpt_path=ckpt_path)
-    shards = trainer.strategy.shards
-    assert isinstance(shards, HsdpParameters) and shards.shard_group_size == k
-    p = next(module.parameters())
+    strategy = trainer.strategy
+    k = strategy.shard_group_size if k is None else k
+    assert strategy.mode.name == "hsdp" and strategy.shard_group_size == strategy.shards.mode.shard_group_size == k
+    p = next(module.model.parameters())
     assert isinstance(p, DTensor) and p.device_mesh.ndim == (1 if k == world else 2)
-    return module, trainer, record.plans
+    return module, trainer, record
 
 
 def _full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,7 +168,8 @@ def _check_reference(rank: int, weights: dict, plans: list[dict], steps: int, wh
 
 
 def _skewed(rank: int, world: int, k: int, offload: bool = False) -> None:
-    module, _, plans = _fit(world, k, SkewPlanner(world), 2, offload=offload)
+    module, _, record = _fit(world, k, SkewPlanner(world), 2, offload=offload)
+    plans = record.plans
     last = world - 1
     assert all([sum(r in it["ranks"] for it in p["items"]) for r in (0, last)] == [1, 7] for p in plans), plans
     _check_reference(rank, _full_weights(module), plans, 2, f"hsdp K={k}{', offload' if offload else ''}, 1 vs 7 "
@@ -101,7 +178,8 @@ def _skewed(rank: int, world: int, k: int, offload: bool = False) -> None:
 
 def _mixed_and_resume(rank: int, world: int, k: int, tmp: str, resume: bool) -> None:
     planner = RandomPlanner(world, seed=11, max_sp=k, force_mix=True)
-    module, _, plans = _fit(world, k, planner, 2 * K_STEPS)
+    module, _, record = _fit(world, k, planner, 2 * K_STEPS)
+    plans = record.plans
     full = _full_weights(module)
     sizes = sorted({len(it["ranks"]) for p in plans for it in p["items"]})
     assert sizes == [s for s in (1, 2, 4) if s <= k], sizes
@@ -116,20 +194,69 @@ def _mixed_and_resume(rank: int, world: int, k: int, tmp: str, resume: bool) -> 
     paths = [os.path.join(ckdir, f) for f in sorted(os.listdir(ckdir))]
     assert len(paths) == 1 and is_sharded_checkpoint(paths[0]), paths
     module, _, resumed = _fit(world, k, planner, 2 * K_STEPS, ckpt_path=paths[0])
-    assert resumed == plans[K_STEPS:]
+    assert resumed.plans == plans[K_STEPS:]
     for name, w in _full_weights(module).items():
         assert max_rel_err(w, full[name]) < 1e-6, f"hsdp K={k} resumed: {name}"
 
 
+def _dummies_run_no_sample(rank: int, world: int) -> None:
+    """The step's longest sample first at SP 2, then rank 1 alone: rank 0's rounds after the first are dummies that
+    run only the collectives -- no training_step, no sample (0 tokens, at most the step's shortest) -- and exact."""
+    module = CountingLM()
+    module, _, record = _fit(world, 2, LongFirstPlanner(), 2, module=module)
+    mine = [sum(rank in it["ranks"] for it in p["items"]) for p in record.plans]
+    assert len(module.calls) == sum(mine)  # one training_step per own item, none for a dummy round
+    for p, m in zip(record.plans, record.metrics):
+        shortest = min(n for it in p["items"] for n in it["lengths"])
+        assert p["items"][0]["lengths"][0] == max(n for it in p["items"] for n in it["lengths"]) > shortest
+        assert m["dcp/dummy_rounds"] == len(p["items"]) - 1 and m["dcp/dummy_tokens"] == 0 <= shortest
+    _check_reference(rank, _full_weights(module), record.plans, 2, "hsdp K=2, longest first at SP 2, then dummies")
+
+
+def _picked_group_coresident_eval(rank: int, world: int) -> None:
+    """No shard_group_size: the smallest that fits, at least the node's processes, is picked (both ranks here); a
+    frozen teacher stays a plain replica run inside every micro-batch and every dummy round's neighbour, an EMA
+    callback updates the shards; validation and predict run under hsdp and equal the full weights' values."""
+    ema = EMA()
+    module, trainer, record = _fit(world, None, SkewPlanner(world), 2, module=CoResidentLM(), callbacks=[ema])
+    strategy = trainer.strategy
+    assert strategy.shard_group_size == world and record.metrics[0]["dcp/dummy_rounds"] == 6
+    assert not any(isinstance(p, DTensor) for p in module.teacher.parameters())
+    assert all(isinstance(v, DTensor) for v in ema.ema.values()) and len(ema.ema) == len(list(module.model.parameters()))
+    full = _full_weights(module)
+    _check_reference(rank, full, record.plans, 2, "hsdp, picked K, teacher and EMA beside it")
+    teacher = torch.cat([p.reshape(-1) for p in module.teacher.parameters()])
+    gathered = [torch.empty_like(teacher) for _ in range(world)]
+    dist.all_gather(gathered, teacher)
+    assert all(g.equal(gathered[0]) for g in gathered)
+    val = trainer.validate(module, verbose=False)[0]["val_loss"]
+    predictions = trainer.predict(module)
+    plain = TinyLM()
+    plain.model.load_state_dict({k[len("model."):]: v for k, v in full.items() if k.startswith("model.")})
+    data = make_dataset(n=8)
+
+    def batches(r: int) -> list[dict]:  # the distributed sampler's samples of rank r, in batches of 2
+        own = list(range(r, len(data), world))
+        return [plain_collate([data[i] for i in own[j:j + 2]]) for j in range(0, len(own), 2)]
+
+    with torch.no_grad():
+        ref = [float(_val_loss(plain.model, b)) for r in range(world) for b in batches(r)]
+        assert abs(val - sum(ref) / len(ref)) < 1e-5, (val, ref)
+        want = [plain.model(b).argmax(-1) for b in batches(rank)]
+    assert len(predictions) == len(want) and all(p.equal(w) for p, w in zip(predictions, want))
+
+
 def _two_processes(rank: int, world: int, tmp: str) -> None:
-    _skewed(rank, world, 2)
+    _dummies_run_no_sample(rank, world)
     _mixed_and_resume(rank, world, 2, tmp, resume=True)
+    _picked_group_coresident_eval(rank, world)
 
 
-def test_hsdp_two_processes_skewed_mixed_sp_and_resume(tmp_path):
-    """ZeRO-3 on 2 ranks: 1 vs 7 micro-batches per step and mixed SP with recompute equal the reference;
-    a resumed run equals the uninterrupted one."""
-    run_distributed(_two_processes, 2, str(tmp_path), timeout=500)
+def test_hsdp_two_processes_dummies_mixed_sp_resume_and_what_users_do_next(tmp_path):
+    """ZeRO-3 on 2 ranks: dummy rounds run no sample and stay exact; mixed SP with recompute equals the
+    reference; a resumed run equals the uninterrupted one; a picked shard group with a frozen teacher, an EMA,
+    validation and predict."""
+    run_distributed(_two_processes, 2, str(tmp_path), timeout=600)
 
 
 def _offloaded(rank: int, world: int) -> None:
@@ -145,6 +272,20 @@ def test_hsdp_offload_on_cpu_is_refused_by_name():
     """FSDP2's CPUOffloadPolicy needs an accelerator: on CPU, offload=True stops at setup with the fix (the
     offloaded fit itself needs GPUs and is not run by this suite)."""
     run_distributed(_offloaded, 2, timeout=500)
+
+
+def test_out_of_memory_in_a_lockstep_round_stops_the_run_naming_the_round(tmp_path):
+    """Rank 1 runs out of memory in step 2 under hsdp: the other rank of its shard group may wait in the round's
+    per-layer collectives, so there is no in-process re-plan (as in an SP > 1 item): the run stops, the failing rank
+    naming the round, and nothing is saved (one rank cannot gather the sharded states)."""
+    from test_faults import _errors, _run
+
+    code, _ = _run("oom_hsdp", str(tmp_path), timeout=240)
+    assert code != 0
+    failing = _errors(str(tmp_path))[1]
+    assert failing.startswith("StepOutOfMemoryError: step 2 of epoch 0: item "), failing
+    assert "other ranks of its shard group may already wait inside the round's per-layer collectives" in failing
+    assert "No checkpoint was written (sharding='hsdp' shards the model states" in failing, failing
 
 
 def _four_processes(rank: int, world: int, tmp: str) -> None:
@@ -167,9 +308,8 @@ def test_hsdp_settings_errors():
     with pytest.raises(ValueError, match="shard_group_size must be an int"):
         DCPStrategy(sharding="hsdp", shard_group_size=0)
     settings = DCPStrategy(sharding="hsdp", shard_group_size=3).settings
-    with pytest.raises(ValueError, match="must divide the world size"):
-        settings.resolved_shard_group_size(4, 4)
-    assert DCPStrategy(sharding="hsdp").settings.resolved_shard_group_size(8, 4) == 4  # default: the node's processes
+    with pytest.raises(ValueError, match="must be a positive divisor of the world size"):
+        get_mode("hsdp", 4, shard_group_size=3)
     assert settings.agreement()["sharding"] == "hsdp"
 
 
@@ -177,12 +317,14 @@ def test_rank_rounds_give_dummies_and_keep_order():
     """Rank 0 has one item, rank 1 three, rank 2-3 one SP-2 item: each group's ranks get the same round count."""
     plan = StepPlan((WorkItem((0,), (0,), (4,), 0), WorkItem((1,), (1,), (4,), 0), WorkItem((1,), (2,), (4,), 0),
                      WorkItem((1,), (3,), (4,), 0), WorkItem((2, 3), (4,), (4,), 0)))
-    assert [rank_rounds(plan, 4, 2, r) for r in range(4)] == [[0, None, None], [0, 1, 2], [0], [0]]
-    assert [len(rank_rounds(plan, 4, 4, r)) for r in range(4)] == [3] * 4
+    assert [Lockstep(2).rank_rounds(plan, 4, r) for r in range(4)] == [[0, None, None], [0, 1, 2], [0], [0]]
+    assert [len(Lockstep(4).rank_rounds(plan, 4, r)) for r in range(4)] == [3] * 4
+    assert Lockstep(2).dummy_rounds(plan, 4) == 2 and Lockstep(4).dummy_rounds(plan, 4) == 12 - 6
     idle = StepPlan((WorkItem((0,), (0,), (4,), 0),))  # ranks 2-3 have nothing: one dummy round (the all-reduce)
-    assert [rank_rounds(idle, 4, 2, r) for r in range(4)] == [[0], [None], [None], [None]]
+    assert [Lockstep(2).rank_rounds(idle, 4, r) for r in range(4)] == [[0], [None], [None], [None]]
+    assert Lockstep(2).dummy_rounds(idle, 4) == 3
     with pytest.raises(Exception, match="spans two shard groups"):
-        rank_rounds(StepPlan((WorkItem((1, 2), (0,), (4,), 0),)), 4, 1, 0)
+        Lockstep(1).rank_rounds(StepPlan((WorkItem((1, 2), (0,), (4,), 0),)), 4, 0)
 
 
 def test_hsdp_memory_for_the_planner():

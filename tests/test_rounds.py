@@ -18,9 +18,10 @@ from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, check_deadlock_free
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.rounds import align_rounds, check_shard_groups, lockstep_rounds, round_span, shard_groups
-from lightning_dcp.planning.shard_group import ShardGroupCostModel, hsdp_view
+from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.simulator import simulate
-from lightning_dcp.planning.state_sharding import state_bytes
+from lightning_dcp.planning.sharding.registry import state_bytes
 
 H100 = get_hardware("h100")
 

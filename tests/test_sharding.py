@@ -39,8 +39,12 @@ from lightning_dcp import DCPStrategy
 from lightning_dcp.data import plain_collate
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.checkpoint import is_sharded_checkpoint
-from lightning_dcp.runtime.fsdp import ShardedParameters, check_precision
-from lightning_dcp.runtime.states import ModelStates, shard_cost_model
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.sharding.base import UnplannableCostModel
+from lightning_dcp.planning.sharding.registry import get_mode
+from lightning_dcp.runtime.checks import check_precision
+from lightning_dcp.runtime.sharding.fsdp import FsdpShards
+from lightning_dcp.runtime.sharding.states import ModelStates, plan_cost_model
 from lightning_dcp.sp.context import active_context
 
 MODES = ("zero2", "fsdp")
@@ -172,9 +176,9 @@ def _reduce_scatter_layout(rank: int, world: int) -> None:
     """Full local gradients (rank r: (r + 1) * g, e unused on every rank) reduce-scatter into the right
     slices of fully_shard's uneven shards, in several buckets (a tiny cap), scaled once."""
     module = Uneven()
-    shards = ShardedParameters(module, "fsdp", torch.device("cpu"), world)
+    shards = FsdpShards(module, get_mode("fsdp", world), torch.device("cpu"))
     shards.unshard()
-    buckets = shards.grad_buckets(cap_bytes=64)
+    buckets = shards.grad_reduction(cap_bytes=64)
     assert len(buckets.keys) > 1
     base = {n: torch.arange(p.numel(), dtype=torch.float32).view_as(p) + 1 for n, p in shards.full.items()}
     buckets.begin()
@@ -285,7 +289,7 @@ def test_unshardable_parameter_names_it_and_nearest_mode():
     module = TinyLM()
     module.temperature = torch.nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="'temperature' is a scalar.*sharding='zero1'"):
-        ShardedParameters(module, "fsdp", torch.device("cpu"), 2)
+        FsdpShards(module, get_mode("fsdp", 2), torch.device("cpu"))
 
 
 def test_gradients_accumulate_in_the_buckets():
@@ -316,26 +320,45 @@ def test_planner_memory_per_mode():
     assert [states(m).step_bytes for m in ("none", "zero1", "zero2", "fsdp")] == [404.0, 254.0, 279.0, 279.0]
     assert [states(m).rest_bytes for m in ("none", "zero1", "zero2", "fsdp")] == [404.0, 254.0, 204.0, 104.0]
 
-    class Declares:
+    class Plain(CostModel):  # states nothing about sharding: used as given under the modes without a shard group
+        num_layers, num_heads, memory_limit = 2, 4, 1e9
+
+        def item_cost(self, lengths, sp, recompute):
+            return ItemCost(1.0, 0.0, 0.0, 0.0, 1.0)
+
+        def item_memory(self, lengths, sp, recompute):
+            return 10.0 * sum(lengths)
+
+        def step_overhead(self, world_size):
+            return 0.0
+
+        def signature(self):
+            return {}
+
+    class Declares(Plain):
         sharding = "zero1"
 
-    with pytest.raises(ValueError, match="sharding='zero1' but DCPStrategy runs sharding='fsdp'"):
-        shard_cost_model(Declares(), states("fsdp"))
+    with pytest.raises(UnplannableCostModel, match="sharding='zero1' but DCPStrategy runs sharding='fsdp'"):
+        plan_cost_model(Declares(), states("fsdp"))
 
-    class Adapts:
+    class Adapts(Plain):
         def with_sharding(self, info: dict) -> dict:
             return info
 
-    assert shard_cost_model(Adapts(), states("zero2"))["step_bytes"] == 279.0
+    assert plan_cost_model(Adapts(), states("zero2"))["step_bytes"] == 279.0
     # a profile without the state split (param_bytes and memory_bytes only) plans with the runtime's bytes
     base = ProfiledCostModel(_tiny_profile())
-    sharded = shard_cost_model(base, states("fsdp"))
+    sharded = plan_cost_model(base, states("fsdp"))
     assert isinstance(sharded, ProfiledCostModel) and (sharded.sharding, sharded.world_size) == ("fsdp", 4)
     assert base.item_memory([64], 1, 0) - sharded.item_memory([64], 1, 0) == pytest.approx(404.0 - 279.0)
-    assert shard_cost_model(sharded, states("fsdp")).signature() == sharded.signature()  # re-applied: the same
-    assert shard_cost_model(base, states("none")).item_memory([64], 1, 0) == base.item_memory([64], 1, 0)
-    plain = object()  # neither the hook nor a declared mode: used as given
-    assert shard_cost_model(plain, states("fsdp")) is plain and shard_cost_model(base, None) is base
+    assert plan_cost_model(sharded, states("fsdp")).signature() == sharded.signature()  # re-applied: the same
+    assert plan_cost_model(base, states("none")).item_memory([64], 1, 0) == base.item_memory([64], 1, 0)
+    plain = Plain()  # neither the hook nor a declared mode: used as given
+    assert plan_cost_model(plain, states("fsdp")) is plain and plan_cost_model(base, None) is base
+    # under hsdp a cost model whose memory is in bytes must say which states it counts, or it is refused
+    hsdp = ModelStates(100.0, 4.0, 100.0, 200.0, sharding="hsdp", world_size=4, shard_group_size=2)
+    with pytest.raises(UnplannableCostModel, match="Plain cannot plan sharding='hsdp'.*state_bytes"):
+        plan_cost_model(plain, hsdp)
 
 
 def _tiny_profile() -> dict:

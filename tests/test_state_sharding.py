@@ -1,5 +1,5 @@
 """Sharding the model states (``sharding="none" | "zero1" | "zero2" | "fsdp"``): the per-rank formulas
-(:mod:`lightning_dcp.planning.state_sharding`, shared by the runtime's ``ModelStates``), what each mode
+(:mod:`lightning_dcp.planning.sharding`, shared by the runtime's ``ModelStates``), what each mode
 frees in both cost models, the ``zero_stage`` alias, and ``with_sharding`` (the runtime's hook)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.profile import ProfileError
 from lightning_dcp.planning.profiled import ProfiledCostModel
-from lightning_dcp.planning.state_sharding import SHARDING_MODES, resolve_sharding, state_bytes
-from lightning_dcp.runtime.states import ModelStates
+from lightning_dcp.planning.sharding.registry import COST_MODEL_MODES as SHARDING_MODES, resolve_sharding, state_bytes
+from lightning_dcp.runtime.sharding.states import ModelStates
 from test_cost_model import make_profile
 
 H100 = get_hardware("h100")

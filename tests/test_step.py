@@ -22,6 +22,14 @@ PLAN = StepPlan((WorkItem((0, 1), (4, 7), (30, 12), 2), WorkItem((1,), (3,), (9,
                  WorkItem((2, 3), (1,), (40,))))
 
 
+
+def _replicas(module):
+    """The runtime of sharding="none" on one rank (what every RankRuntime holds)."""
+    from lightning_dcp.planning.sharding.registry import get_mode
+    from lightning_dcp.runtime.sharding.replicated import ReplicatedShards
+
+    return ReplicatedShards(module, get_mode("none", 1))
+
 def test_step_is_built_from_the_plan_for_each_rank():
     steps = [Step.build(PLAN, epoch=2, index=5, rank=r, world_size=4) for r in range(4)]
     assert [[it.index for it in s.items] for s in steps] == [[0, 2], [0, 1], [3], [3]]
@@ -75,8 +83,9 @@ def test_loaded_step_passes_lightning_precision_conversion_and_the_executor_conv
     loaded = LoadedStep(Step.build(plan, epoch=0, index=0, rank=0, world_size=1), ({"x": torch.ones(3)},))
     precision = HalfPrecision("bf16-true")
     assert precision.convert_input(loaded) is loaded
-    runtime = RankRuntime(module=TinyLM(), settings=DCPSettings(support="safe"), backward=lambda loss: None,
-                          support="safe", convert_input=precision.convert_input)
+    module = TinyLM()
+    runtime = RankRuntime(module=module, settings=DCPSettings(support="safe"), backward=lambda loss: None,
+                          shards=_replicas(module), support="safe", convert_input=precision.convert_input)
     executor = StepExecutor(runtime, None, None, None, OOMRecovery(None, max_replans=0, write_checkpoint=False))
     ready = executor.ready(loaded)
     assert ready.on_device and ready.micro_batches[0].data["x"].dtype == torch.bfloat16
@@ -104,7 +113,8 @@ def test_sp_context_is_built_from_a_rank_item():
 
 
 def _executor(module: TinyLM, settings: DCPSettings) -> StepExecutor:
-    runtime = RankRuntime(module=module, settings=settings, backward=lambda loss: loss.backward())
+    runtime = RankRuntime(module=module, settings=settings, backward=lambda loss: loss.backward(),
+                          shards=_replicas(module))
     oom = OOMRecovery(None, max_replans=0, write_checkpoint=False)
     return StepExecutor(runtime, sampler=None, step_dataset=None, cost_model=None, oom=oom)
 

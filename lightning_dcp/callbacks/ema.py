@@ -29,10 +29,10 @@ __all__ = ["EMA", "full_tensor", "trained_parameters"]
 
 def trained_parameters(trainer: Any) -> dict[str, Tensor]:
     """Name -> the tensor the optimizer steps, for every parameter of the LightningModule that requires gradients:
-    the module's own parameters, or under a strategy that shards them (``strategy.shards.sharded``) each rank's
-    sharded DTensor."""
-    shards = getattr(getattr(trainer, "strategy", None), "shards", None)
-    named = getattr(shards, "sharded", None) or dict(trainer.lightning_module.named_parameters())
+    the module's own parameters, or under a strategy that shards them each rank's sharded DTensor
+    (``strategy.shards.optimized_parameters()``)."""
+    shards = getattr(getattr(trainer, "strategy", None), "shards", None)  # DCPStrategy's sharding runtime
+    named = shards.optimized_parameters() if shards is not None else dict(trainer.lightning_module.named_parameters())
     return {name: p for name, p in named.items() if p.requires_grad}
 
 

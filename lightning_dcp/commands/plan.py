@@ -48,17 +48,17 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
     parser.add_argument("--profile", type=Path, default=None,
                         help="a measured profile JSON (lightning-dcp profile); used instead of the analytic model")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="usable memory per GPU in GiB (default: the hardware's)")
-    parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp", "hsdp"), default=None,
-                        help="how the model states are sharded over the world, as DCPStrategy(sharding=...): the "
-                             "memory it frees in the micro-batch loop goes to activations (zero1 frees the most there; "
-                             "zero2/fsdp hold W/N more, and less only between steps; hsdp shards per layer inside the "
-                             "loop over shard groups of --shard-group-size ranks, in lockstep rounds: planned and "
-                             "DCPStrategy(sharding='hsdp') runs it). Default: zero1 for the analytic "
-                             "model (the DCP paper's setting), none (as measured) with --profile")
+    from lightning_dcp.planning.sharding.registry import MODES
+
+    modes = "; ".join(f"{name}: {mode.summary}" for name, mode in MODES.items())
+    parser.add_argument("--sharding", choices=tuple(MODES), default=None,
+                        help=f"how the model states are sharded, as DCPStrategy(sharding=...) ({modes}). Default: zero1 "
+                             "for the analytic model (the DCP paper's setting), none (as measured) with --profile")
     parser.add_argument("--shard-group-size", default=None,
-                        help="hsdp: ranks the states are sharded over (a divisor of --world-size; default the GPUs of "
-                             "one node; the world size is plain ZeRO-3). simulate also takes 'auto': try every "
-                             "power-of-two size and keep the fastest")
+                        help="hsdp: ranks the states are sharded over (a divisor of --world-size; the world size is plain "
+                             "ZeRO-3). Default: the smallest power of two, at least one node's GPUs, whose states fit "
+                             "and that holds the longest sample, as DCPStrategy picks it. simulate also takes 'auto': try every power-of-two size "
+                             "and keep the fastest")
     parser.add_argument("--offload", action="store_true",
                         help="hsdp: keep the sharded states on the host (FSDP2's CPU offload), priced as host copies "
                              "per round and a CPU optimizer step")
@@ -70,16 +70,21 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
                              "and enough that mean per-GPU work covers the longest sample's best-case time)")
 
 
-def build_cost_model(args: argparse.Namespace) -> Any:
-    """The cost model the arguments name; :class:`CLIError` for unknown names or a bad profile."""
+def build_cost_model(args: argparse.Namespace, lengths: list[int] | None = None) -> Any:
+    """The cost model the arguments name; :class:`CLIError` for unknown names or a bad profile. A mode with a
+    shard group and no ``--shard-group-size`` gets the smallest that fits ``lengths`` (printed, with why)."""
+    from lightning_dcp.planning.sharding.registry import MODES
+
     if not isinstance(args.world_size, int) or args.world_size <= 0:
         raise CLIError(f"--world-size must be a positive integer, got {args.world_size}")
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
     if limit is not None and limit <= 0:
         raise CLIError(f"--memory-limit-gib must be positive, got {args.memory_limit_gib}")
-    if (getattr(args, "shard_group_size", None) is not None or getattr(args, "offload", False)) and \
-            getattr(args, "sharding", None) != "hsdp":
-        raise CLIError("--shard-group-size and --offload apply to --sharding hsdp only")
+    sharding = args.sharding
+    grouped = sharding is not None and bool(MODES[sharding].options)
+    if (getattr(args, "shard_group_size", None) is not None or getattr(args, "offload", False)) and not grouped:
+        with_options = ", ".join(name for name, mode in MODES.items() if mode.options)
+        raise CLIError(f"--shard-group-size and --offload apply to --sharding {with_options} only")
     source = None if limit is None else f"--memory-limit-gib {args.memory_limit_gib:g}"
     heads = getattr(args, "num_heads", None)
     if heads is not None and (isinstance(heads, bool) or heads < 1):
@@ -87,15 +92,14 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     if args.profile is not None and heads is not None:
         raise CLIError("--num-heads changes a model preset; a --profile is measured on its own model: leave one out")
     if args.profile is not None:
-        if getattr(args, "sharding", None) == "hsdp":
-            raise CLIError("--sharding hsdp plans with the analytic model for now (it needs the layers' weight "
+        if grouped:
+            raise CLIError(f"--sharding {sharding} plans with the analytic model for now (it needs the layers' weight "
                            "bytes); leave out --profile")
         from lightning_dcp.planning.profile import ProfileError
         from lightning_dcp.planning.profiled import ProfiledCostModel
         try:
-            cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit, sharding=getattr(args, "sharding", None),
-                                                     memory_limit_source=source,
-                                                     world_size=args.world_size)
+            cost_model = ProfiledCostModel.from_file(args.profile, memory_limit=limit, sharding=sharding,
+                                                     memory_limit_source=source, world_size=args.world_size)
         except (OSError, ProfileError, ValueError) as err:
             raise CLIError(f"cannot use profile {args.profile}: {err}") from None
         _check_profile_fits(args, json.loads(Path(args.profile).read_text()))
@@ -103,16 +107,13 @@ def build_cost_model(args: argparse.Namespace) -> Any:
     from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.hardware import get_hardware
     from lightning_dcp.planning.models import get_model
-    sharding = getattr(args, "sharding", None)
     try:
         model = with_heads(get_model(args.model or "transformer-1d"), heads)
         hardware = get_hardware(args.hardware)
-        if sharding == "hsdp":
-            from lightning_dcp.planning.shard_group import hsdp_view
-
+        if grouped:
             base = AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding="none",
                                      memory_limit_source=source)
-            return hsdp_view(base, shard_group_size(args, hardware.gpus_per_node), offload=args.offload)
+            return grouped_view(args, base, lengths)
         return AnalyticCostModel(model, hardware, args.world_size, memory_limit=limit, sharding=sharding,
                                  memory_limit_source=source)
     except ValueError as err:
@@ -133,11 +134,48 @@ def with_heads(model: Any, heads: int | None) -> Any:
     return replace(model, num_heads=heads)
 
 
-def shard_group_size(args: argparse.Namespace, gpus_per_node: int) -> int:
-    """``--shard-group-size`` as a number (default: one node's GPUs, at most the world)."""
+def grouped_view(args: argparse.Namespace, base: Any, lengths: list[int] | None) -> Any:
+    """``base`` (one replica) under ``--sharding`` with its shard group: ``--shard-group-size`` if a number,
+    else the smallest that fits the states and ``lengths`` (:mod:`~lightning_dcp.planning.sharding.shard_group_size`)."""
+    from lightning_dcp.planning.sharding.shard_group_size import NoShardGroupFits, choose_shard_group_size
+
+    k = shard_group_size(args)
+    if k is None:
+        def holds(size: int) -> int:
+            view = mode_view(args, base, size)
+            return max((view.max_length(p) for p in view.sp_sizes(args.world_size)), default=0)
+
+        try:
+            choice = choose_shard_group_size(args.world_size, parts_of(base), base.memory_limit, mode=args.sharding,
+                                             gpus_per_node=base.gpus_per_node, offload=args.offload, workspace_bytes=base.workspace_bytes,
+                                             longest=max(lengths) if lengths else None,
+                                             longest_fitting=holds if lengths else None,
+                                             limit_source=base.memory_limit_source)
+        except NoShardGroupFits as err:
+            raise CLIError(str(err)) from None
+        k = choice.size
+        print(f"shard group size {k}: {choice.reason}")
+    return mode_view(args, base, k)
+
+
+def mode_view(args: argparse.Namespace, base: Any, k: int) -> Any:
+    """The analytic one-replica ``base`` planned for ``--sharding`` over shard groups of ``k``."""
+    from lightning_dcp.planning.sharding.registry import get_mode
+
+    return get_mode(args.sharding, args.world_size, shard_group_size=k, offload=args.offload).plan_with(base, parts_of(base))
+
+
+def parts_of(analytic: Any) -> Any:
+    from lightning_dcp.planning.sharding.base import StateParts
+
+    return StateParts.of_analytic(analytic)
+
+
+def shard_group_size(args: argparse.Namespace) -> int | None:
+    """``--shard-group-size`` as a number (``None``: pick one; ``'auto'`` is ``simulate``'s search)."""
     given = getattr(args, "shard_group_size", None)
     if given in (None, "auto"):
-        return min(args.world_size, gpus_per_node)
+        return None
     try:
         k = int(given)
     except ValueError:
@@ -250,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch_tokens is not None and args.global_batch_tokens <= 0:
         raise CLIError(f"--global-batch-tokens must be positive, got {args.global_batch_tokens}")
     lengths = read_lengths(args.lengths)
-    cost_model = build_cost_model(args)
+    cost_model = build_cost_model(args, lengths)
     try:
         planner = Planner(args.world_size, cost_model, args.policy, seed=args.seed, dataset_lengths=lengths, ring=args.ring)
         plan = planner.plan(lengths, global_batch_tokens=args.global_batch_tokens)

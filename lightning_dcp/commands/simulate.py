@@ -439,7 +439,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--global-batch-tokens must be positive, got {args.global_batch_tokens}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CLIError(f"--plot writes a PNG; give a path ending in .png, got {args.plot}")
-    cost_model = build_cost_model(args)
     speeds = rank_speeds_arg(args)
     if defaults:
         print(f"using defaults {' '.join(defaults)} (pass them to change)")
@@ -451,17 +450,19 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise CLIError(str(err)) from None
         dataset = dist.sample(DATASET_SIZE, args.seed)
+        cost_model = build_cost_model(args, dataset)
         gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset, cost_model)
         mean = sum(dataset) / len(dataset)
         pool = dist.sample(int(args.num_steps * gbt / mean * 1.5) + 100, args.seed + 1)
         source = args.dataset
     else:
         dataset = read_lengths(args.lengths)
+        cost_model = build_cost_model(args, dataset)
         gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset, cost_model)
         pool = dataset
         source = str(args.lengths)
     run_lengths = draw_run(pool, args.num_steps * gbt)
-    if getattr(args, "sharding", None) == "hsdp" and args.shard_group_size == "auto":
+    if getattr(args, "shard_group_size", None) == "auto":
         cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress)
     progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     try:
@@ -476,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.ring:
         model += ", no ring"
     print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {rows[0]['global_batches']} global batches of "
-          f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(cost_model)}"
+          f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(args, cost_model)}"
           + (f", rank speeds {args.rank_speed} (planner {'aware' if args.speed_aware else 'blind'})" if speeds else ""))
     print(format_table(rows))
     for r in rows:
@@ -521,38 +522,40 @@ def rank_speeds_arg(args: argparse.Namespace) -> tuple[float, ...] | None:
         raise CLIError(f"--rank-speed: {err}") from None
 
 
-def _sharding_note(cost_model: Any) -> str:
+def _sharding_note(args: argparse.Namespace, cost_model: Any) -> str:
     """``, sharding zero1`` for the header line (empty when the cost model does not say)."""
-    mode = getattr(cost_model, "sharding", None)
-    if mode == "hsdp":
-        return f", sharding hsdp over shard groups of {cost_model.shard_group_size}" + (", offload" if cost_model.offload else "")
-    return f", sharding {mode}" if mode else ""
+    from lightning_dcp.planning.sharding.registry import MODES, get_mode
+
+    name = cost_model.sharding
+    if name is None:
+        return ""
+    grouped = {"shard_group_size": cost_model.shard_group_size, "offload": args.offload} if MODES[name].options else {}
+    return ", " + get_mode(name, args.world_size, **grouped).describe()
 
 
 def best_shard_group(args: argparse.Namespace, cost_model: Any, dataset: list[int], run_lengths: list[int], gbt: int,
                      progress: Progress) -> Any:
     """``--shard-group-size auto``: simulate dcp with every power-of-two shard group size dividing the world and
     return the cost model of the fastest (printing each one's figure)."""
+    from lightning_dcp.commands.plan import mode_view
     from lightning_dcp.planning.errors import PlanningError
-    from lightning_dcp.planning.shard_group import hsdp_view
+    from lightning_dcp.planning.sharding.shard_group_size import shard_group_candidates
 
     base = cost_model.base
-    best, best_rate, k = None, -1.0, 1
-    while k <= args.world_size:
-        if args.world_size % k == 0:
-            candidate = hsdp_view(base, k, offload=args.offload)
-            try:
-                (row,) = compare(args.world_size, candidate, dataset, run_lengths, ["dcp"], global_batch_tokens=gbt,
-                                 seed=args.seed)
-            except PlanningError as err:
-                print(f"shard group {k}: does not run ({str(err).split(':')[0]})")
-            else:
-                print(f"shard group {k}: states {candidate.state_bytes / 2**30:.1f} GiB per rank in the loop, dcp "
-                      f"{row['tokens_per_s']:,.0f} tokens/s")
-                if row["tokens_per_s"] > best_rate:
-                    best, best_rate = candidate, row["tokens_per_s"]
-        k *= 2
+    best, best_rate = None, -1.0
+    for k in shard_group_candidates(args.world_size):
+        candidate = mode_view(args, base, k)
+        try:
+            (row,) = compare(args.world_size, candidate, dataset, run_lengths, ["dcp"], global_batch_tokens=gbt,
+                             seed=args.seed)
+        except PlanningError as err:
+            print(f"shard group {k}: does not run ({str(err).split(':')[0]})")
+        else:
+            print(f"shard group {k}: states {candidate.state_bytes / 2**30:.1f} GiB per rank in the loop, dcp "
+                  f"{row['tokens_per_s']:,.0f} tokens/s")
+            if row["tokens_per_s"] > best_rate:
+                best, best_rate = candidate, row["tokens_per_s"]
     if best is None:
-        raise CLIError("no shard group size runs this dataset under --sharding hsdp; add ranks or --offload")
+        raise CLIError(f"no shard group size runs this dataset under --sharding {args.sharding}; add ranks or --offload")
     print(f"best shard group size: {best.shard_group_size}")
     return best

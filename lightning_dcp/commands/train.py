@@ -52,8 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a collective may wait before the run stops with an error naming the step, item "
                              "and group (default 300)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sharding", choices=("none", "zero1", "zero2", "fsdp"), default="none",
-                        help="how the model states are sharded over the processes (DCPStrategy(sharding=...); default none)")
+    from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES
+
+    parser.add_argument("--sharding", choices=tuple(MODES), default=DEFAULT_MODE,
+                        help="how the model states are sharded over the processes (DCPStrategy(sharding=...); default "
+                             f"{DEFAULT_MODE}; hsdp picks the smallest shard group that fits)")
     parser.add_argument("--ckpt-path", default=None,
                         help="resume from this Lightning checkpoint, e.g. the dcp_oom/ file an out-of-memory stop names")
     parser.add_argument("--default-root-dir", default=None,

@@ -27,6 +27,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass,
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES
+
 __all__ = ["FAMILY_NAMES", "LOGGERS", "EMASettings", "LoRASettings", "TrainSettings", "ValidationSettings",
            "VideoTrainConfig", "load_config"]
 
@@ -35,7 +37,7 @@ FAMILY_NAMES = {"wan": "WanTransformer3DModel", "ltx": "LTXVideoTransformer3DMod
                 "cogvideox": "CogVideoXTransformer3DModel", "hunyuan": "HunyuanVideoTransformer3DModel"}
 #: ``logger`` values.
 LOGGERS = ("csv", "tensorboard", "wandb", "none")
-_SHARDING = ("none", "zero1", "zero2", "fsdp", "hsdp")
+_SHARDING = tuple(MODES)  # the sharding modes (the one registry)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class TrainSettings:
     devices: int | str = "auto"
     accelerator: str = "auto"
     precision: str = "auto"
-    sharding: str = "none"
+    sharding: str = DEFAULT_MODE
     checkpoint_every: int = 100
     drop_last: bool = False  # False: an epoch's remainder trains as a smaller last step (a few clips still train)
 

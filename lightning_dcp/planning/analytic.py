@@ -17,10 +17,11 @@ from typing import Any, Mapping, Sequence
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.hardware import GiB, HardwareSpec
 from lightning_dcp.planning.models import ModelSpec
+from lightning_dcp.planning.prices import CollectivePrices
+from lightning_dcp.planning.sharding.base import StateParts
+from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 from lightning_dcp.planning.ring import RingPriced, RingTerms, hardware_ring_terms
 from lightning_dcp.planning.sp_sizes import kv_repeat, ulysses_sizes
-from lightning_dcp.planning.state_sharding import SHARDING_MODES, resolve_sharding, state_bytes
-from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
 
 # FlashAttention's backward recomputes the score matrix: 5 matmuls against the forward's 2, so the
 # backward kernel does 2.5x the forward FLOPs (Dao 2023, FlashAttention-2 §3.1/§4).
@@ -141,7 +142,7 @@ class AnalyticCostModel(RingPriced, CostModel):
       and Adam m, v (4+4+4 bytes/param, the optimizer state ``O``), no buffers -- or the bytes
       ``state_parts`` gives (the runtime's measured ones: :meth:`with_sharding`) -- per rank as
       ``sharding`` leaves them in the micro-batch loop
-      (:func:`~lightning_dcp.planning.state_sharding.state_bytes`): ``none`` replicates
+      (:mod:`~lightning_dcp.planning.sharding`): ``none`` replicates
       everything; ``zero1`` shards ``O`` over ``world_size``; ``zero2`` and ``fsdp`` shard ``O``
       too and hold the full weights and full local gradients during the step, plus FSDP's weight
       shard beside them (``W/N`` more than ``zero1``); they hold less only between steps
@@ -181,7 +182,7 @@ class AnalyticCostModel(RingPriced, CostModel):
         dtype_bytes: bytes per parameter/activation element of the compute dtype (2 for bf16).
         sharding: ``"none"``, ``"zero1"`` (default), ``"zero2"`` or ``"fsdp"``: how the model states
             are sharded over the world (see ``states`` above and
-            :mod:`~lightning_dcp.planning.state_sharding`). The default is zero1, the DCP paper's
+            :mod:`~lightning_dcp.planning.sharding`). The default is zero1, the DCP paper's
             setting; ``DCPStrategy``'s own default is ``none``.
         zero_stage: older alias: 0, 1, 2 for ``"none"``, ``"zero1"``, ``"zero2"``.
         activation_factor: override :func:`default_activation_factor` (bytes per token per block
@@ -203,8 +204,10 @@ class AnalyticCostModel(RingPriced, CostModel):
         self.hardware = hardware
         self.world_size = world_size
         self.dtype_bytes = dtype_bytes
-        self.zero_stage = SHARDING_MODES.index(self.sharding)
-        """The mode's position in ``SHARDING_MODES``: 0-3 for none, zero1, zero2, fsdp."""
+        self.mode = get_mode(self.sharding, world_size)
+        """The sharding mode's pure counterpart (:mod:`lightning_dcp.planning.sharding`)."""
+        self.zero_stage = self.mode.zero_stage
+        """0-3 for none, zero1, zero2, fsdp."""
         self.num_layers = model.num_layers
         self.num_heads = model.num_heads
         self.gpus_per_node = hardware.gpus_per_node
@@ -299,13 +302,15 @@ class AnalyticCostModel(RingPriced, CostModel):
         if state_parts is None:  # fp32 master + Adam m, v; buffers (rotary/mask caches) are in the workspace
             parts = {"weights": db * P, "buffers": 0.0, "gradients": db * P, "optimizer": (master + 8.0) * P}
         else:
-            parts = state_parts_of(state_parts)
+            given = state_parts if isinstance(state_parts, StateParts) else StateParts.from_mapping(state_parts)
+            parts = {"weights": given.weights, "buffers": given.buffers, "gradients": given.gradients,
+                     "optimizer": given.optimizer}
         self.full_state_parts = parts
         """One replica's state bytes (``weights``, ``buffers``, ``gradients``, ``optimizer``)."""
-        states = state_bytes(self.sharding, world_size, **parts)
+        states = self.mode.state_bytes(StateParts(**parts))
         self.state_bytes = states
         """Model-state bytes per rank in the micro-batch loop (what the planner budgets)."""
-        self.state_bytes_at_rest = state_bytes(self.sharding, world_size, at_rest=True, **parts)
+        self.state_bytes_at_rest = self.mode.state_bytes(StateParts(**parts), at_rest=True)
         """Model-state bytes per rank between steps (zero2 and fsdp hold less there)."""
         self.workspace_bytes = float(WORKSPACE_BYTES)
         self._mem_base = states + self.workspace_bytes
@@ -501,23 +506,26 @@ class AnalyticCostModel(RingPriced, CostModel):
             intra = N <= hw.gpus_per_node
             bw = hw.allreduce_bw_intra if intra else hw.allreduce_bw_inter
             lat = hw.collective_latency if intra else hw.collective_latency_inter
-            grads = parts["gradients"]
-            moved = grads + parts["weights"] if self.sharding in ("zero2", "fsdp") else 2.0 * grads
-            buckets = math.ceil(grads / GRAD_BUCKET_BYTES)
-            comm = (N - 1) / N * moved / bw + (2 if self.sharding != "none" else 1) * buckets * lat
-        shard = self.param_count / (N if self.sharding != "none" else 1)
+            moved, per_bucket = self.mode.step_traffic(StateParts(**parts))
+            buckets = math.ceil(parts["gradients"] / GRAD_BUCKET_BYTES)
+            comm = (N - 1) / N * moved / bw + per_bucket * buckets * lat
+        shard = self.param_count * get_mode(self.sharding, N).optimizer_share()
         return comm + OPTIMIZER_BYTES_PER_PARAM * shard / hw.hbm_bandwidth
+
+    def collective_prices(self) -> CollectivePrices:
+        """The hardware's all-reduce bus bandwidths and latencies."""
+        return CollectivePrices.from_hardware(self.hardware)
 
     def with_sharding(self, states: Mapping[str, Any]) -> "AnalyticCostModel":
         """This model, hardware, memory limit, dtype and activation factor planned for the runtime's
         ``states["sharding"]`` on ``states["world_size"]`` ranks, with the runtime's measured
         ``weights``/``buffers``/``gradients``/``optimizer`` bytes when ``states`` has them (then
         :attr:`state_bytes` is the runtime's ``step_bytes``). ``states`` is
-        :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
+        :meth:`lightning_dcp.runtime.sharding.states.ModelStates.to_dict`."""
         rebuilt = AnalyticCostModel(self.model, self.hardware, int(states["world_size"]), memory_limit=self.memory_limit,
                                     dtype_bytes=self.dtype_bytes, sharding=states["sharding"],
                                     activation_factor=self.activation_factor,
-                                    state_parts=state_parts_of(states, required=False),
+                                    state_parts=StateParts.from_mapping(states, required=False),
                                     memory_limit_source=self.memory_limit_source)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 

@@ -1,7 +1,7 @@
 """A cost model scaled by what the run measured: :class:`CalibratedCostModel`.
 
 A view of any :class:`~lightning_dcp.planning.cost_model.CostModel` (analytic, profiled, a
-:class:`~lightning_dcp.planning.shard_group.ShardGroupCostModel`, a lowered-memory one) whose item
+:class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`, a lowered-memory one) whose item
 times are the base's times the refitted time scale of the item's SP size, and whose step overhead is
 the measured one once the run measured it
 (:class:`~lightning_dcp.planning.calibration.CalibrationFactors`). Memory is the base's, untouched:
@@ -11,8 +11,8 @@ per-rank speeds for the planner and the simulator (:mod:`~lightning_dcp.planning
 It composes both ways with the sharding view: ``CalibratedCostModel(ShardGroupCostModel(...))``
 scales the whole round time (what a run under ``sharding="hsdp"`` measures per item), and
 ``ShardGroupCostModel(CalibratedCostModel(...))`` adds unscaled collectives to scaled compute;
-attributes the view does not define (``sharding``, ``shard_group_size``, ``state_bytes``, ...)
-are the base's. Pure Python.
+the sharding it states (``sharding``, ``state_bytes``, ``rounds``, ``collective_prices``) and attributes
+the view does not define (``shard_group_size``, ...) are the base's. Pure Python.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class CalibratedCostModel(CostModel):
         self.num_layers, self.num_heads = base.num_layers, base.num_heads
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
         self.memory_limit = float(base.memory_limit)
+        self.sharding, self.state_bytes, self.rounds = base.sharding, base.state_bytes, base.rounds
+        self.memory_in_bytes = base.memory_in_bytes
+        self.collective_prices = base.collective_prices
         # the planner's fast paths, where the base has them (getattr checks must see them or not)
         time_sum = getattr(base, "item_time_sum", None)
         if callable(time_sum):

@@ -14,7 +14,12 @@ import abc
 import copy
 import inspect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from lightning_dcp.planning.round_plan import FREE_RUNNING, RoundPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.prices import CollectivePrices
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,12 @@ class CostModel(abc.ABC):
     cost model prices rings when :func:`prices_ring_of` says so (its :attr:`prices_ring`, or by default
     whether its ``item_cost`` takes ``ring``); callers pass ``ring`` only when it is above 1, so a
     subclass written without the keyword keeps working (and is never offered rings).
+
+    What a cost model states about sharding (:mod:`lightning_dcp.planning.sharding`), so that every mode
+    can plan with it or refuse it by name (each mode's ``plan_with``):
+    :attr:`sharding`, :attr:`state_bytes`, :attr:`memory_in_bytes`, :attr:`rounds` and
+    :meth:`collective_prices`. A cost model with a ``with_sharding(states)`` method is re-planned with the
+    runtime's measured state bytes.
     """
 
     num_layers: int
@@ -73,6 +84,20 @@ class CostModel(abc.ABC):
     """Whether :meth:`item_cost` / :meth:`item_memory` price ``ring > 1`` (ring attention, see
     :mod:`~lightning_dcp.planning.ring`); the planner offers ring sizes only then. None (default): whether
     ``item_cost`` takes ``ring`` (:func:`prices_ring_of`)."""
+
+    sharding: str | None = None
+    """The ``DCPStrategy(sharding=...)`` mode whose model-state memory ``item_memory`` counts (``None``: not stated)."""
+    state_bytes: float | None = None
+    """Model-state bytes per rank that ``item_memory`` includes (``None``: not stated)."""
+    memory_in_bytes: bool = True
+    """Whether ``item_memory`` and ``memory_limit`` are bytes (the fallback and safe-mode models count tokens)."""
+    rounds: RoundPlan = FREE_RUNNING
+    """How a step's items run (:mod:`~lightning_dcp.planning.rounds`): free-running per rank, or lockstep
+    rounds of a shard group (``sharding="hsdp"``)."""
+
+    def collective_prices(self) -> "CollectivePrices | None":
+        """Bandwidths and latencies of collectives, from the hardware or a profile (``None``: unknown)."""
+        return None
 
     def describe_limit(self) -> str:
         """The memory budget with its source, for messages: ``"5.25 MiB per device (...)"``."""
@@ -189,11 +214,10 @@ def prices_ring_of(cost_model: object) -> bool:
         return False
 
 
-def shard_domain(cost_model: object) -> int | None:
-    """Ranks of the shard group no SP group may cross (``sharding="hsdp"``: ``shard_group_size``), else None."""
-    if getattr(cost_model, "sharding", None) == "hsdp":
-        return int(getattr(cost_model, "shard_group_size"))
-    return None
+def shard_domain(cost_model: CostModel) -> int | None:
+    """Ranks of the shard group no SP group may cross (a mode with lockstep rounds: its shard group), else None:
+    the cost model's :attr:`~CostModel.rounds` say."""
+    return cost_model.rounds.domain
 
 
 def ring_kwargs(ring: int) -> dict:

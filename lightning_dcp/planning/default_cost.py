@@ -21,6 +21,8 @@ class DefaultCostModel(CostModel):
     Measure the model (``DCPProfiler``) or pass a cost model to get SP and recompute choices.
     """
 
+    memory_in_bytes = False
+
     def __init__(self, num_layers: int = 0, num_heads: int = 1, max_tokens: int = 1 << 16) -> None:
         self.prices_ring = False
         self.num_layers = int(num_layers)

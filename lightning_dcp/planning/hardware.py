@@ -203,3 +203,13 @@ def get_hardware(name: str) -> HardwareSpec:
         return HARDWARE[name]
     except KeyError:
         raise ValueError(f"unknown hardware {name!r}; known hardware: {', '.join(sorted(HARDWARE))}") from None
+
+
+def hardware_named(device_name: str) -> HardwareSpec | None:
+    """The registered spec whose name the device's name contains (``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``;
+    an H200 is the full-memory ``"h200"``), or ``None`` for a device this registry does not describe."""
+    name = device_name.lower().replace("-", "").replace(" ", "")
+    for key in ("h200", "h100", "a100"):
+        if key in name:
+            return HARDWARE[key]
+    return None

@@ -32,6 +32,9 @@ class LoweredMemory(CostModel):
         self.num_heads = base.num_heads
         self.gpus_per_node = getattr(base, "gpus_per_node", 8)
         self.memory_limit_source = f"lowered after an out-of-memory error from {base.describe_limit()}"
+        self.sharding, self.state_bytes, self.rounds = base.sharding, base.state_bytes, base.rounds
+        self.memory_in_bytes = base.memory_in_bytes
+        self.collective_prices = base.collective_prices
 
     @property
     def prices_ring(self) -> bool:  # type: ignore[override]

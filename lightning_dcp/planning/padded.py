@@ -28,6 +28,8 @@ class PaddedCostModel(CostModel):
         max_padded_tokens: the most padded tokens (samples x longest) one micro-batch may hold.
     """
 
+    memory_in_bytes = False
+
     def __init__(self, base: CostModel, max_padded_tokens: int) -> None:
         self.base = base
         self.num_layers = 0

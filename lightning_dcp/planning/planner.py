@@ -36,7 +36,6 @@ from typing import Any, Callable, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.rounds import align_rounds
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
@@ -323,11 +322,11 @@ class Planner:
             steps = self.policy.plan_batch(samples, lengths, step)
         if not self.view.exact_memory:
             steps = [self._verify_memory(s) for s in steps]
-        if getattr(self.cost_model, "sharding", None) == "hsdp":  # lockstep rounds pair items of similar cost
-            k, cm = self.cost_model.shard_group_size, self.cost_model
+        cm = self.cost_model
+        if cm.rounds.lockstep:  # the round planner's one entry point (lightning_dcp.planning.rounds)
             from lightning_dcp.planning.item_pricing import item_cost_of
 
-            steps = [align_rounds(s, self.world_size, k, lambda it: item_cost_of(cm, it).total) for s in steps]
+            steps = [cm.rounds.plan_step(s, self.world_size, lambda it: item_cost_of(cm, it).total) for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:

@@ -23,10 +23,11 @@ import numpy as np
 from lightning_dcp.planning.analytic import _positive_int
 from lightning_dcp.planning.cost_model import CostModel, ItemCost, keep_class
 from lightning_dcp.planning.profile import ProfileError, load_profile, validate_profile
+from lightning_dcp.planning.prices import CollectivePrices
+from lightning_dcp.planning.sharding.base import StateParts
+from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 from lightning_dcp.planning.ring import RingPriced, RingTerms, hardware_ring_terms
 from lightning_dcp.planning.sp_sizes import kv_repeat
-from lightning_dcp.planning.state_sharding import resolve_sharding, state_bytes
-from lightning_dcp.planning.state_sharding import state_parts as state_parts_of
 
 # All-reduce bus bandwidth assumed when a profile made on one device must predict the gradient
 # reduction of a larger world (it measured none): 45 GB/s, the inter-node figure of the h100
@@ -148,7 +149,7 @@ class ProfiledCostModel(RingPriced, CostModel):
     model states per rank): the profile's ``constant.memory_bytes`` holds one replica's weights,
     buffers, gradients and optimizer states; under ``zero1`` / ``zero2`` / ``fsdp`` what that mode
     leaves a rank in the micro-batch loop over ``world_size`` ranks
-    (:func:`~lightning_dcp.planning.state_sharding.state_bytes`) replaces it: the difference is
+    (:mod:`~lightning_dcp.planning.sharding`) replaces it: the difference is
     :attr:`freed_bytes`, which the planner then has for activations (``zero1``: ``O - O/N``;
     ``zero2``/``fsdp``: ``O - O/N - W/N``, the weights' shard sitting beside the full weights).
     The state bytes come from ``state_parts`` when given (the runtime's measured bytes:
@@ -181,7 +182,7 @@ class ProfiledCostModel(RingPriced, CostModel):
         sharding: ``"none"`` (default), ``"zero1"``, ``"zero2"`` or ``"fsdp"``, as ``DCPStrategy(sharding=...)``.
         world_size: ranks the states are sharded over; default the profile's ``key.world_size`` (or 1).
         state_parts: the full model's ``weights``, ``buffers``, ``gradients`` and ``optimizer`` bytes
-            measured elsewhere (the runtime's :class:`~lightning_dcp.runtime.states.ModelStates`), used
+            measured elsewhere (the runtime's :class:`~lightning_dcp.runtime.sharding.states.ModelStates`), used
             instead of the profile's constant fields; ``None`` (default): the profile's.
         memory_limit_source: where ``memory_limit`` came from, printed in errors (default:
             ``"memory_limit="`` when given, else the profile's ``device.memory_limit_bytes``).
@@ -223,8 +224,11 @@ class ProfiledCostModel(RingPriced, CostModel):
         self.profile_world_size = ws if isinstance(ws, int) and ws >= 1 else None
         self.sharding = resolve_sharding(sharding, default="none")
         self.world_size = _positive_int(world_size if world_size is not None else (self.profile_world_size or 1), "world_size")
+        self.mode = get_mode(self.sharding, self.world_size)
         self.state_parts = self._state_parts(const, state_parts)
-        """The full model's state bytes the sharding is computed from (``None`` when ``sharding="none"``)."""
+        """The full model's state bytes the sharding is computed from (``None`` with ``sharding="none"`` and none given)."""
+        self.state_bytes = None if self.state_parts is None else self.mode.state_bytes(StateParts(**self.state_parts))
+        """Model-state bytes per rank ``item_memory`` counts (``None``: the profile does not split its constant)."""
         self.freed_bytes = self._freed_by_sharding()
         """State bytes per rank that ``sharding`` frees, in the micro-batch loop, from ``constant.memory_bytes``."""
         self.constant_memory -= self.freed_bytes
@@ -317,11 +321,16 @@ class ProfiledCostModel(RingPriced, CostModel):
 
     def _state_parts(self, const: Mapping[str, Any], given: Mapping[str, float] | None) -> dict[str, float] | None:
         """The full model's state bytes: ``given`` (measured by the runtime), else the profile's constant fields."""
+        if given is not None:
+            parts = StateParts.from_mapping(given)
+            return {"weights": parts.weights, "buffers": parts.buffers, "gradients": parts.gradients,
+                    "optimizer": parts.optimizer}
         if self.sharding == "none":
             return None
-        if given is not None:
-            return state_parts_of(given)
-        need = ["optimizer_bytes"] + (["weight_bytes"] if self.sharding in ("zero2", "fsdp") else [])
+        # the fields whose bytes the mode frees in the loop (gradients and buffers are held in full there)
+        need = [f for part, f in (("optimizer", "optimizer_bytes"), ("weights", "weight_bytes"))
+                if self.mode.state_bytes(StateParts(**{**dict.fromkeys(("weights", "gradients", "optimizer"), 0.0),
+                                                      part: 1.0})) != 1.0]
         missing = [f for f in need if const.get(f) is None]
         if missing:
             raise ProfileError(
@@ -338,16 +347,17 @@ class ProfiledCostModel(RingPriced, CostModel):
         parts = self.state_parts
         if parts is None:
             return 0.0
-        return sum(parts.values()) - state_bytes(self.sharding, self.world_size, **parts)
+        return sum(parts.values()) - self.mode.state_bytes(StateParts(**parts))
 
     def with_sharding(self, states: Mapping[str, Any]) -> "ProfiledCostModel":
         """This profile and memory limit planned for the runtime's ``states["sharding"]`` on
         ``states["world_size"]`` ranks, from the runtime's measured ``weights``/``buffers``/``gradients``/
         ``optimizer`` bytes when ``states`` has them (so a profile without the state fields works under
         the runtime), else from the profile's. ``states`` is
-        :meth:`lightning_dcp.runtime.states.ModelStates.to_dict`."""
+        :meth:`lightning_dcp.runtime.sharding.states.ModelStates.to_dict`."""
         rebuilt = ProfiledCostModel(self.profile, memory_limit=self.memory_limit, sharding=states["sharding"],
-                                    world_size=int(states["world_size"]), state_parts=state_parts_of(states, required=False),
+                                    world_size=int(states["world_size"]),
+                                    state_parts=StateParts.from_mapping(states, required=False),
                                     memory_limit_source=self.memory_limit_source, hardware=self.hardware)
         return keep_class(self, rebuilt)  # a user's subclass keeps its overrides
 
@@ -471,7 +481,15 @@ class ProfiledCostModel(RingPriced, CostModel):
         ``sharding="none"`` and divided by ``world_size`` for the sharded modes (each rank steps its shard).
         """
         W = _positive_int(world_size, "world_size")
-        return self._allreduce_seconds(W) + (self.optimizer_s if self.sharding == "none" else self.optimizer_s / W)
+        return self._allreduce_seconds(W) + self.optimizer_s * get_mode(self.sharding, W).optimizer_share()
+
+    def collective_prices(self) -> CollectivePrices | None:
+        """The bus bandwidth of the profile's measured gradient all-reduce (``None``: not measured on several ranks)."""
+        W0, nbytes = self.profile_world_size, self.param_bytes
+        if W0 is None or W0 < 2 or nbytes is None or not self.allreduce_s > 0:
+            return None
+        bw = 2.0 * (W0 - 1) / W0 * nbytes / self.allreduce_s
+        return CollectivePrices(bw, bw, gpus_per_node=self.gpus_per_node, source=f"the profile's all-reduce on {W0} ranks")
 
     def signature(self) -> dict:
         return {

@@ -1,16 +1,27 @@
-"""Lockstep micro-batch rounds of a shard group (``sharding="hsdp"``): which item runs in which round.
+"""How a step's items run, per sharding mode: free-running, or in lockstep rounds of a shard group.
 
-Under per-layer sharding every layer's weights are all-gathered before its forward and its backward,
-and its gradients reduce-scattered after its backward, over the ``K`` ranks of a *shard group*. Those
-collectives need every rank of the group to run the same number of micro-batches, and to run them
-in lockstep: a rank with fewer items runs zero-weight empty micro-batches (*dummies*), and an SP item
-must run in the same round on all its ranks. Across shard groups nothing is shared inside a step
-(the gradients meet once per step), so accumulation varies freely there, as under the other modes.
+Every mode has a :class:`RoundPlan` (:attr:`~lightning_dcp.planning.sharding.base.ShardingMode.rounds`,
+and a cost model's ``rounds``): the planner, the simulator and the runtime read it and nothing else.
 
-:func:`lockstep_rounds` assigns each item of a step to a round, keeping every rank's order;
-:func:`align_rounds` reorders each rank's items so that a round's items cost about the same (a round
-lasts as long as its slowest item: sorting each rank's items by cost, largest first, pairs items of
-similar cost; it never moves an item to another rank, so the gradients are unchanged). Pure Python.
+- :data:`FREE_RUNNING` (``none``, ``zero1``, ``zero2``, ``fsdp``: no collective inside the micro-batch
+  loop but the SP groups'): each rank runs its items in plan order, one round per item; ranks run
+  different numbers of items.
+- :class:`Lockstep` (``hsdp``): under per-layer sharding every layer's weights are all-gathered before
+  its forward and its backward, and its gradients reduce-scattered after its backward, over the ``K``
+  ranks of a *shard group*. Those collectives need every rank of the group to run the same number of
+  micro-batches, in lockstep: a rank with no item in a round runs a *dummy* round (the same
+  collectives, no compute: :mod:`lightning_dcp.runtime.sharding.dummy`), and an SP item runs in the same
+  round on all its ranks. Across shard groups nothing is shared inside a step (the gradients meet once
+  per step), so accumulation varies freely there. A round lasts as long as its slowest item (a dummy
+  computes nothing) plus the round's per-layer collectives.
+
+**Round planning has one entry point**: :meth:`RoundPlan.plan_step` -- the planner calls it on every
+step a policy returns (:class:`~lightning_dcp.planning.planner.Planner`). Today :class:`Lockstep`
+does it by :func:`align_rounds` (each rank's items sorted by cost, so round ``i`` pairs every rank's
+``i``-th costliest item; no item changes rank, so the gradients are unchanged). A better round
+planner replaces :meth:`Lockstep.plan_step` and nothing else. :func:`lockstep_rounds` is the
+deterministic assignment of a plan's items to rounds that the runtime executes
+(:meth:`RoundPlan.rank_rounds`): every rank computes it from the same plan. Pure Python.
 """
 
 from __future__ import annotations
@@ -19,8 +30,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from lightning_dcp.planning.plan import PlanError, StepPlan, WorkItem
+from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, RoundPlan
 
-__all__ = ["ShardGroupRounds", "align_rounds", "check_shard_groups", "lockstep_rounds", "round_span", "shard_groups"]
+__all__ = ["FREE_RUNNING", "FreeRunning", "Lockstep", "RoundPlan", "ShardGroupRounds", "align_rounds",
+           "check_shard_groups", "lockstep_rounds", "round_span", "shard_groups"]
 
 
 def shard_groups(world_size: int, shard_group_size: int) -> list[tuple[int, ...]]:
@@ -129,3 +142,56 @@ def round_span(rounds: ShardGroupRounds, item_times: Sequence[float],
         slowest = max((item_times[i] for i in rnd), default=0.0)
         total += round_time(slowest) if round_time is not None else slowest
     return total
+
+
+# ---------------------------------------------------------------------------------------------- lockstep rounds
+class Lockstep(RoundPlan):
+    """Lockstep rounds inside shard groups of ``shard_group_size`` consecutive ranks.
+
+    Args:
+        shard_group_size: ``K``.
+        dummy_round_s: what a round of dummies only lasts (its per-layer collectives; a dummy computes
+            nothing, so a round with an item lasts as long as its slowest item's time, which the cost
+            model already prices with the round's collectives).
+    """
+
+    lockstep = True
+
+    def __init__(self, shard_group_size: int, dummy_round_s: float = 0.0) -> None:
+        self.shard_group_size = self.domain = int(shard_group_size)
+        self.dummy_round_s = float(dummy_round_s)
+
+    def __repr__(self) -> str:
+        return f"Lockstep(shard_group_size={self.shard_group_size})"
+
+    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime) -> StepPlan:
+        return align_rounds(step, world_size, self.shard_group_size, item_time)
+
+    def rank_rounds(self, step: StepPlan, world_size: int, rank: int) -> list[int | None]:
+        """Every rank of a group gets a list of the group's round count. A group without any item still runs
+        one dummy round when there are replicas: every group takes part in the replicas' all-reduce."""
+        k = self.shard_group_size
+        group = lockstep_rounds(step, world_size, k)[int(rank) // k]
+        mine = [i for i, item in enumerate(step.items) if rank in item.ranks]
+        position = {index: pos for pos, index in enumerate(mine)}
+        out: list[int | None] = []
+        for rnd in group.rounds:
+            hit = [position[i] for i in rnd if i in position]
+            out.append(hit[0] if hit else None)
+        if not out and int(world_size) > k and step.items:
+            out.append(None)
+        return out
+
+    def span(self, step: StepPlan, world_size: int, item_times: Sequence[float]) -> float | None:
+        """The slowest group's sum over its rounds of the round's slowest item (``item_times``: the cost
+        model's, which include the round's collectives); a group without an item (but replicas to meet)
+        runs one dummy round."""
+        groups = lockstep_rounds(step, world_size, self.shard_group_size)
+        idle = int(world_size) > self.shard_group_size and bool(step.items)
+        return max((round_span(g, item_times) if g.rounds else (self.dummy_round_s if idle else 0.0) for g in groups),
+                   default=0.0)
+
+    def dummy_rounds(self, step: StepPlan, world_size: int) -> int:
+        groups = lockstep_rounds(step, world_size, self.shard_group_size)
+        idle = sum(len(g.ranks) for g in groups if not g.rounds) if int(world_size) > self.shard_group_size else 0
+        return sum(g.dummies(step) for g in groups) + (idle if step.items else 0)

@@ -3,7 +3,11 @@
 Semantics (one step at a time): each rank runs its items in list order; an item starts when
 *all* its ranks are free (finished their previous items) and lasts ``cost_model.item_cost(...)
 .total`` on each of them (divided by the slowest member's speed, given per-rank speeds: ``rank_speeds``). The step's compute ends when the last rank finishes; then every rank
-joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world_size)``.
+joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world_size)``. Under a
+mode with lockstep rounds (``cost_model.rounds``, ``sharding="hsdp"``) the span is the rounds' instead:
+per shard group the sum over its rounds of the round's slowest item (a rank without an item runs a
+dummy round, which computes nothing: the round lasts max(items, dummies) plus its collectives, which
+the cost model's item times include), the slowest group.
 
 Reported (all exact definitions):
 
@@ -58,7 +62,6 @@ from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.item_pricing import barriers_of, item_cost_of, item_key
 from lightning_dcp.planning.parallel_costs import pipeline_time, pipelines_of
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
-from lightning_dcp.planning.rounds import lockstep_rounds, round_span
 from lightning_dcp.planning.speeds import check_rank_speeds, group_speed, rank_speeds_of
 
 
@@ -133,8 +136,11 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
             except PlanError as err:
                 raise PlanError(f"step {s_idx}: {err}") from None
         busy, span, line = _run_step(step, W, cost_model, cache, totals, timeline, speeds)
-        if getattr(cost_model, "sharding", None) == "hsdp":  # lockstep rounds inside each shard group
-            span = lockstep_span(step, W, cost_model, cache, speeds)
+        if cost_model.rounds.lockstep:  # lockstep rounds inside each shard group decide the span
+            pipes = pipelines_of(step.extra)
+            times = [cache[item_key(it, pipes.get(it.ranks))].total / group_speed(speeds, it.ranks)
+                     for it in step.items]  # each: its round's time, at its slowest member's pace
+            span = cost_model.rounds.span(step, W, times)
         idle = sum(span - b for b in busy)
         idle_total += idle
         busy_total += sum(busy)
@@ -260,14 +266,3 @@ def _ideal_compute(plan: Plan, cost_model: CostModel, cache: dict) -> float:
                     cache[("ideal", n)] = c
                 ideal_compute += c
     return ideal_compute
-
-
-def lockstep_span(step: Any, world_size: int, cost_model: Any, cache: dict,
-                  speeds: Sequence[float] | None = None) -> float:
-    """The compute span of ``step`` under ``sharding="hsdp"``: per shard group the sum of its lockstep
-    rounds (each as long as its slowest item, plus the round's per-layer collectives), the slowest group."""
-    pipes = pipelines_of(step.extra)
-    times = [cache[item_key(it, pipes.get(it.ranks))].total / group_speed(speeds, it.ranks)
-             for it in step.items]  # each: round(t), at its slowest member's pace
-    groups = lockstep_rounds(step, world_size, cost_model.shard_group_size)
-    return max((round_span(g, times) for g in groups), default=0.0)

@@ -79,7 +79,7 @@ Constant parts, measured once at SP 1 (``constant`` section):
 * ``param_bytes``: gradient bytes reduced per step.
 * ``weight_bytes``, ``buffer_bytes``, ``optimizer_bytes`` (added optional fields): the parts of
   ``memory_bytes`` (which is their sum plus ``param_bytes``), so a planner can tell what a sharding
-  mode frees (:mod:`lightning_dcp.planning.state_sharding`). All of them count the *full* model, whatever
+  mode frees (:mod:`lightning_dcp.planning.sharding`). All of them count the *full* model, whatever
   ``DCPStrategy(sharding=...)`` runs (a sharded parameter counts its global size): one profile serves
   every mode, and the runtime tells the planner its mode's share.
 

@@ -4,15 +4,16 @@ One concept per module:
 
 - :mod:`~lightning_dcp.runtime.strategy`: :class:`DCPStrategy`, the Lightning hooks only; its helpers
   :mod:`~lightning_dcp.runtime.checks`, :mod:`~lightning_dcp.runtime.fit_setup`,
-  :mod:`~lightning_dcp.runtime.train_loader`, :mod:`~lightning_dcp.runtime.setup_agreement`;
+  :mod:`~lightning_dcp.runtime.train_loader`, :mod:`~lightning_dcp.runtime.setup_agreement`,
+  :mod:`~lightning_dcp.runtime.sharded_state`, :mod:`~lightning_dcp.runtime.run_sharding`;
 - :mod:`~lightning_dcp.runtime.settings`: the frozen, validated ``DCPStrategy(...)`` arguments;
 - :mod:`~lightning_dcp.runtime.step`: the typed step, from the sampler to the step's result;
 - :mod:`~lightning_dcp.runtime.executor`: one step -- prepare on the host, the micro-batch loop, the
   step-end gather (:mod:`~lightning_dcp.runtime.row`), the gradient reduction
   (:mod:`~lightning_dcp.runtime.buckets`) -- built from a :mod:`~lightning_dcp.runtime.rank` runtime;
-- :mod:`~lightning_dcp.runtime.fsdp`, :mod:`~lightning_dcp.runtime.checkpoint`,
-  :mod:`~lightning_dcp.runtime.states`: sharded weights (``sharding="zero2"`` / ``"fsdp"`` on torch's
-  ``fully_shard``), their checkpoints, and the model states per rank the planner budgets;
+- :mod:`~lightning_dcp.runtime.sharding`, :mod:`~lightning_dcp.runtime.checkpoint`: one
+  :class:`~lightning_dcp.runtime.sharding.protocol.Shards` per sharding mode (step start, rounds, gradient
+  reduction, resting state, the bytes it measured), sharded checkpoints;
 - :mod:`~lightning_dcp.runtime.oom`: out-of-memory recovery, one object;
 - :mod:`~lightning_dcp.runtime.sampler`, :mod:`~lightning_dcp.runtime.loader`,
   :mod:`~lightning_dcp.runtime.lengths`: steps, their micro-batches, and the sample lengths;

@@ -6,7 +6,7 @@ in a few flat buffers after its last micro-batch; once per step the buffers are 
 the world (one collective per bucket) and scaled by ``1 / global loss units``, and each parameter's
 ``.grad`` becomes a view of its slice (:class:`GradBuckets`).
 
-With sharded weights (``sharding="zero2"`` / ``"fsdp"``, :mod:`lightning_dcp.runtime.fsdp`) the same
+With sharded weights (``sharding="zero2"`` / ``"fsdp"``, :mod:`lightning_dcp.runtime.sharding.gathered`) the same
 step end is one SUM *reduce-scatter* per bucket into ``fully_shard``'s layout, and each sharded
 DTensor parameter's ``.grad`` becomes a DTensor over its rank's slice (:class:`ShardedGradBuckets`).
 """

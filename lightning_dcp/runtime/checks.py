@@ -13,11 +13,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_dcp.runtime.fsdp import check_precision
-from lightning_dcp.runtime.settings import SHARDING_MODES
+from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES
 
-__all__ = ["SYNC_IN_LOOP_WARNING", "check_fit", "check_sharding", "check_sharding_agreement", "in_micro_loop_error",
-           "unsaveable_reason"]
+__all__ = ["SYNC_IN_LOOP_WARNING", "check_fit", "check_precision", "check_sharding", "check_sharding_agreement",
+           "in_micro_loop_error"]
 
 #: Warned once when ``self.log(..., sync_dist=True)`` runs inside ``training_step`` (the value stays local).
 SYNC_IN_LOOP_WARNING = ("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run different "
@@ -54,29 +53,40 @@ def check_fit(trainer: Any, module: Any) -> None:
             "instead (DCPStrategy(global_batch_size=...))")
 
 
-def check_sharding(mode: str, world_size: int, fully_sharded: bool, precision_plugin: Any) -> None:
-    """A sharding mode on one process is warned about (nothing to shard over); fully sharded modes refuse
-    a GradScaler precision."""
-    if mode != "none" and world_size == 1:
+def check_precision(precision_plugin: Any, mode: str) -> None:
+    """Refuse precision plugins that cannot work with sharded gradients, naming the nearest mode that works.
+
+    Raises:
+        ValueError: ``"16-mixed"`` (a ``GradScaler``): its inf/NaN check sees only this rank's gradient
+            shard, so ranks would skip different steps and their shards drift apart.
+    """
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"sharding={mode!r} with precision={getattr(precision_plugin, 'precision', '16-mixed')!r}: the GradScaler's "
+            "inf/NaN check would see only this rank's gradient shard, so ranks could skip different steps and their "
+            f"weight shards drift apart. Use precision='bf16-mixed' (no loss scaling) with sharding={mode!r}, or keep "
+            "'16-mixed' with sharding='zero1' (full weights and gradients, optimizer state sharded)")
+
+
+def check_sharding(mode: str, world_size: int, precision_plugin: Any) -> None:
+    """A sharding mode on one process is warned about (nothing to shard over); the modes that shard the
+    weights refuse a GradScaler precision."""
+    if mode != DEFAULT_MODE and world_size == 1:
         rank_zero_warn(f"DCPStrategy(sharding={mode!r}) on a single process: nothing to shard over, running "
                        "with full replicas")
-    if fully_sharded:
+    if MODES[mode].shards_weights and world_size > 1:
         check_precision(precision_plugin, mode)
 
 
-def check_sharding_agreement(mode: str, gather: Callable[[Tensor], Tensor]) -> None:
-    """Every rank must run the same sharding mode (else their first collectives differ and hang): one
-    world all-gather (``gather``) of the mode at setup, the same error on every rank."""
-    modes = gather(torch.tensor([float(SHARDING_MODES.index(mode))], dtype=torch.float64))[:, 0].tolist()
-    if len(set(modes)) > 1:
-        per_rank = ", ".join(f"rank {r}: {SHARDING_MODES[int(m)]!r}" for r, m in enumerate(modes))
+def check_sharding_agreement(mode: str, shard_group_size: int | None, gather: Callable[[Tensor], Tensor]) -> None:
+    """Every rank must run the same sharding mode and shard group (else their first collectives differ and
+    hang): one world all-gather (``gather``) of both at setup, the same error on every rank."""
+    names = list(MODES)
+    row = torch.tensor([float(names.index(mode)), float(shard_group_size or 0)], dtype=torch.float64)
+    table = gather(row).tolist()
+    if len({tuple(r) for r in table}) > 1:
+        per_rank = ", ".join(f"rank {r}: {names[int(m)]!r}" + (f" shard_group_size={int(k)}" if k else "")
+                             for r, (m, k) in enumerate(table))
         raise ValueError(f"DCPStrategy(sharding=...) differs across ranks ({per_rank}); every rank must pass the "
-                         "same sharding")
-
-
-def unsaveable_reason(sharding: str) -> str | None:
-    """Why one rank alone cannot write a full checkpoint under ``sharding`` (``None``: it can); an
-    out-of-memory stop in an SP > 1 item writes one only when it can."""
-    if sharding != "none":
-        return f"sharding={sharding!r} shards the model states; gathering them needs every rank"
-    return None
+                         "same sharding and shard_group_size and see the same train data (an automatic shard group "
+                         "is picked from the data)")

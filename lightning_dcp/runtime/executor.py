@@ -21,9 +21,10 @@ Per optimizer step (one DataLoader item, a :class:`~lightning_dcp.runtime.step.L
 4. the strategy's ``optimizer_step`` then calls :meth:`StepExecutor.reduce_gradients`: one SUM
    all-reduce per bucket over the world, scaled by ``1 / global loss units``.
 
-With sharded weights (``sharding="zero2"`` / ``"fsdp"``, :mod:`lightning_dcp.runtime.fsdp`) the step
-starts with the weights' all-gather (before step 2; a no-op where they are already full) and step 4
-is a SUM reduce-scatter per bucket into the sharded gradients.
+The sharding mode's runtime (the :class:`~lightning_dcp.runtime.sharding.protocol.Shards` of the
+:class:`~lightning_dcp.runtime.rank.RankRuntime`) decides what the step start, the rounds and the
+reduction do: ``"zero2"`` / ``"fsdp"`` start with the weights' all-gather (before step 2; a no-op where
+they are already full) and step 4 is a SUM reduce-scatter per bucket into the sharded gradients.
 
 :meth:`StepExecutor.run_step` returns a :class:`~lightning_dcp.runtime.step.StepResult` (the exact
 global loss, the metrics row, the plan that ran); the strategy logs it. The executor holds no
@@ -33,10 +34,11 @@ Collectives: inside the loop only the active SP group's (Ulysses all-to-alls; a 
 its rings); before and after it, the world-wide ones above, the same number on every rank whatever its
 item count -- and, before the first micro-batch of a step whose plan names SP groups that do not exist
 yet, their creation (:meth:`~lightning_dcp.sp.groups.SPGroups.ensure`, every rank, sorted). Under
-``sharding="hsdp"`` (:mod:`lightning_dcp.runtime.hsdp`) the loop runs the plan's lockstep rounds of this
-rank's shard group instead (its item or a zero-weight dummy per round, the shard group's per-layer
-collectives in each); the round count comes from the plan, whose hash the ranks compared before the
-step's first micro-batch, and an out-of-memory error in a round stops the run as in an SP > 1 item.
+``sharding="hsdp"`` (:mod:`lightning_dcp.runtime.sharding.hsdp`) the loop runs the plan's lockstep rounds
+of this rank's shard group instead (its item, or where it has none a dummy round that runs only the
+shard group's per-layer collectives, :mod:`~lightning_dcp.runtime.sharding.dummy`); the round count
+comes from the plan, whose hash the ranks compared before the step's first micro-batch, and an
+out-of-memory error in a round stops the run as in an SP > 1 item.
 """
 
 from __future__ import annotations
@@ -50,16 +52,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dcp.runtime.agreement import STEP_CAUSE, check_column, plan_fingerprint
-from lightning_dcp.runtime.buckets import GradBuckets
 from lightning_dcp.runtime.calibration import slow_rank_clock
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
-from lightning_dcp.runtime.hsdp import HsdpParameters
 from lightning_dcp.runtime.metrics import CalibrationMetrics, StepMetrics, step_metrics
 from lightning_dcp.runtime.model import item_refusal
 from lightning_dcp.runtime.oom import OOM_ERRORS, OOMRecovery, StepOutOfMemoryError
 from lightning_dcp.runtime.rank import RankRuntime
 from lightning_dcp.runtime.row import GatheredStep, StepRow
-from lightning_dcp.runtime.step import LoadedStep, MicroBatch, PreparedStep, RankItem, Step, StepResult
+from lightning_dcp.runtime.sharding.protocol import GradReduction, Round
+from lightning_dcp.runtime.step import LoadedStep, MicroBatch, PreparedStep, Step, StepResult
 from lightning_dcp.sp.context import sp_context
 from lightning_dcp.sp.contract import local_batch, read_model
 from lightning_dcp.sp.tokens import count_weighted_calls, is_weighted
@@ -116,7 +117,7 @@ class StepExecutor:
         # without calibration the slow-rank test hook (if set) still slows its rank
         self._clock = calibration.clock if calibration is not None else slow_rank_clock(runtime.device, runtime.rank,
                                                                                         runtime.world_size)
-        self.buckets: GradBuckets | None = None
+        self.buckets: GradReduction | None = None
         self.grads_parked = False
         self.in_micro_loop = False
         self._world_has_grad: Tensor | None = None
@@ -146,23 +147,7 @@ class StepExecutor:
             micro_batches.append(MicroBatch(it, local.data, loss_units=local.loss_units,
                                             local_loss_tokens=local.local_loss_tokens,
                                             item_loss_tokens=local.item_loss_tokens, real_tokens=local.real_tokens))
-        return PreparedStep(loaded.step, tuple(micro_batches), dummy=self._dummy(loaded.step, contract))
-
-    def _dummy(self, step: Step, contract: Any) -> MicroBatch | None:
-        """Under ``sharding="hsdp"``, where this rank has a round without an item: the step's first sample at
-        SP 1, recompute 0, loaded here on every rank, with no loss units (its loss is multiplied by 0)."""
-        shards = self.runtime.shards
-        if not isinstance(shards, HsdpParameters) or not step.plan.items:
-            return None
-        if None not in shards.rounds(step.plan, self.runtime.rank):
-            return None
-        first = step.plan.items[0]
-        item = RankItem(index=-1, micro_batch=-1, ranks=(self.runtime.rank,), sp_rank=0, samples=first.samples[:1],
-                        lengths=first.lengths[:1], recompute=0)
-        data = self.runtime.convert_input(self.step_dataset.load_item(item))
-        local = local_batch(contract, data, 0, 1, self.settings.loss_reduction, lengths=list(item.lengths))
-        return MicroBatch(item, local.data, loss_units=0, local_loss_tokens=0, item_loss_tokens=local.item_loss_tokens,
-                          real_tokens=0)
+        return PreparedStep(loaded.step, tuple(micro_batches))
 
     def validate(self, step: Step) -> None:
         """The step fits this world: its world size, its ranks, Ulysses sizes that divide the heads, ring items only
@@ -234,16 +219,11 @@ class StepExecutor:
         return self._finish(gathered, prepared.step, step_s, prediction)
 
     def _begin_step(self) -> None:
-        """Full weights for the step (sharded: a world collective, before any micro-batch); the buckets once."""
+        """The mode's step start (``"fsdp"``: the weights' all-gather, before any micro-batch); the buckets once."""
         shards = self.runtime.shards
-        if shards is not None:
-            shards.begin_step()
+        shards.begin_step()
         if self.buckets is None:
-            if shards is not None:
-                self.buckets = shards.grad_buckets(self.settings.bucket_cap_bytes)
-            else:
-                params = [p for p in self.runtime.module.parameters() if p.requires_grad]
-                self.buckets = GradBuckets(params, self.settings.bucket_cap_bytes)
+            self.buckets = shards.grad_reduction(self.settings.bucket_cap_bytes)
 
     def _finish(self, gathered: GatheredStep, step: Step, step_s: float, prediction: Any = None) -> StepResult:
         """Park the divisor and the has-gradient flags for the reduction; the loss and the metrics row."""
@@ -275,29 +255,28 @@ class StepExecutor:
         self.in_micro_loop = True
         shards = self.runtime.shards
         try:
-            for mb, last in self._schedule(prepared):
-                it = mb.item
-                if failed and it.sp_size == 1:
+            for rnd in shards.rounds(step.plan, self.runtime.rank):
+                mb = prepared.micro_batches[rnd.position] if rnd.position is not None else None
+                if failed and mb is not None and mb.item.sp_size == 1 and not rnd.lockstep:
                     continue  # the step is re-run; SP > 1 items still run, their partners need this rank
-                if last is not None:
-                    shards.begin_round(last)
+                shards.begin_round(rnd)
                 try:
-                    if clock is None:
-                        local_loss += self._run_item(mb, batch_idx, dummy=mb is prepared.dummy)
+                    if mb is None:
+                        shards.run_dummy()
+                    elif clock is None:
+                        local_loss += self._run_item(mb, batch_idx)
                     else:
                         clock.start(mb)
-                        local_loss += self._run_item(mb, batch_idx, dummy=mb is prepared.dummy)
+                        local_loss += self._run_item(mb, batch_idx)
                         clock.stop()
                 except OOM_ERRORS as err:
-                    if it.sp_size > 1 or last is not None:  # SP > 1 or lockstep rounds: no per-rank re-plan
-                        raise StepOutOfMemoryError(self._sp_oom_stop(step, it), this_rank_only=True) from err
-                    failed = it.index + 1
+                    if mb is None or mb.item.sp_size > 1 or rnd.lockstep:  # SP > 1 or lockstep: no per-rank re-plan
+                        raise StepOutOfMemoryError(self._sp_oom_stop(step, mb, rnd), this_rank_only=True) from err
+                    failed = mb.item.index + 1
                 except Exception as err:
                     if not is_collective_failure(err):
                         raise
-                    group = f"SP group {list(it.ranks)}" if it.sp_size > 1 else f"rank {self.runtime.rank}"
-                    raise collective_error(err, epoch=step.epoch, step=step.index, what=it.describe(),
-                                           group=group, timeout=self.settings.timeout) from err
+                    raise self._collective_error(err, step, mb, rnd) from err
         finally:
             self.in_micro_loop = False
         if failed:  # free what the failed item left; every rank discards this attempt's gradients
@@ -307,16 +286,19 @@ class StepExecutor:
         loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
         return time.perf_counter() - t0, loss, failed
 
-    def _schedule(self, prepared: PreparedStep) -> list[tuple[MicroBatch, bool | None]]:
-        """The loop's micro-batches, each with whether it is its step's last lockstep round (``None``: no
-        rounds). Under ``sharding="hsdp"``: one per round of this rank's shard group, the dummy where it has
-        no item; every rank of the group computes the same round count from the same plan."""
-        shards = self.runtime.shards
-        if not isinstance(shards, HsdpParameters):
-            return [(mb, None) for mb in prepared.micro_batches]
-        rounds = shards.rounds(prepared.step.plan, self.runtime.rank)
-        return [(prepared.micro_batches[i] if i is not None else prepared.dummy, r == len(rounds) - 1)
-                for r, i in enumerate(rounds)]
+    def _collective_error(self, err: Exception, step: Step, mb: MicroBatch | None, rnd: Round) -> Exception:
+        """A failed collective in a round, naming the step, the item (or the dummy round) and its group."""
+        rank, k = self.runtime.rank, self.runtime.shards.mode.shard_group_size
+        if mb is None:
+            what, group = "a dummy round (no item on this rank)", f"the shard group of rank {rank} ({k} ranks)"
+        else:
+            it = mb.item
+            what = it.describe()
+            group = f"SP group {list(it.ranks)}" if it.sp_size > 1 else f"rank {rank}"
+            if rnd.lockstep:
+                group += f" and its shard group ({k} ranks)"
+        return collective_error(err, epoch=step.epoch, step=step.index, what=what, group=group,
+                                timeout=self.settings.timeout)
 
     def _drop_grads(self) -> None:
         for p in self.buckets.params:
@@ -324,15 +306,16 @@ class StepExecutor:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _sp_oom_stop(self, step: Step, it: RankItem) -> str:
+    def _sp_oom_stop(self, step: Step, mb: MicroBatch | None, rnd: Round) -> str:
         self._drop_grads()  # this step's partial gradients are discarded; free them first
         runtime = self.runtime
         timeout = self.settings.timeout.total_seconds() if self.settings.timeout is not None else None
-        return self.oom.sp_stop_message(step, it, rank=runtime.rank, timeout_s=timeout, cost_model=self.cost_model,
+        return self.oom.sp_stop_message(step, mb.item if mb is not None else None, rank=runtime.rank, timeout_s=timeout, cost_model=self.cost_model,
                                         trainer=runtime.trainer, checkpoint_io=runtime.checkpoint_io,
-                                        no_checkpoint_reason=runtime.unsaveable_reason)
+                                        no_checkpoint_reason=runtime.shards.unsaveable_reason,
+                                        lockstep=rnd.lockstep)
 
-    def _run_item(self, mb: MicroBatch, batch_idx: int, dummy: bool = False) -> Tensor:
+    def _run_item(self, mb: MicroBatch, batch_idx: int) -> Tensor:
         runtime = self.runtime
         module, it, local = runtime.module, mb.item, mb.data
         trainer = runtime.trainer
@@ -344,8 +327,6 @@ class StepExecutor:
             with runtime.train_step_context():
                 out = module.training_step(local, batch_idx)
             loss = self._summed_loss(out, mb, weighted=count_weighted_calls(reset=True) > 0)
-            if dummy:  # every layer's collectives, no gradient
-                loss = loss * 0.0
             runtime.backward(loss)
         value = loss.detach().double()
         if mb.local_loss_tokens == 0:  # a shard without loss tokens: its (0-weighted) loss may be NaN
@@ -416,14 +397,15 @@ class StepExecutor:
         self.grads_parked = False
         self.buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1,
                             scale=1.0 / self._loss_divisor)
-        if self.runtime.shards is not None:
-            self.runtime.shards.after_reduce()
+        self.runtime.shards.after_reduce()
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, rows: list[StepRow], step: Step, step_s: float, loss: float, prediction: Any = None) -> StepMetrics:
         bound = self.bounder.seconds(step.plan_lengths) if self.bounder is not None else float("nan")
+        rounds = self.runtime.shards.mode.rounds
         m = step_metrics(rows, epoch=step.epoch, step=step.index, step_s=step_s, plan=step.plan,
-                         global_tokens=step.global_tokens, loss=loss, step_bound_s=bound)
+                         global_tokens=step.global_tokens, loss=loss, step_bound_s=bound,
+                         dummy_rounds=rounds.dummy_rounds(step.plan, self.world_size))
         if prediction is not None:
             speeds = self.calibration.factors.rank_speeds
             m.calibration = CalibrationMetrics(prediction.predicted_s, prediction.base_predicted_s,

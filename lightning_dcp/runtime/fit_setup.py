@@ -1,17 +1,16 @@
-"""What the strategy resolves and adds at setup: the module's heads, support level and SP cap, the
-profiler callback and the ZeRO-1 optimizer wrapper."""
+"""What the strategy resolves and adds at setup: the module's heads, support level and SP cap, and the
+profiler callback."""
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Sequence
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dcp.runtime.model import SPCap, resolve_sp_cap
 from lightning_dcp.runtime.settings import DCPSettings
 
-__all__ = ["maybe_add_profiler", "resolve_model_setup", "wrap_zero1"]
+__all__ = ["maybe_add_profiler", "resolve_model_setup"]
 
 
 def resolve_model_setup(contract: Any, settings: DCPSettings, world_size: int) -> tuple[int | None, str, SPCap]:
@@ -27,7 +26,7 @@ def resolve_model_setup(contract: Any, settings: DCPSettings, world_size: int) -
         if requested not in (None, 1):
             rank_zero_warn(f"max_sp_size={requested} ignored: the module runs at support level {support!r}, "
                            "which has no sequence parallelism (SP size 1)")
-        requested = 1
+        return num_heads, support, SPCap(1, reason=f"the module's support level {support!r} (no sequence parallelism)")
     return num_heads, support, resolve_sp_cap(requested, world_size, num_heads, ring=ring and support == "sp")
 
 
@@ -45,24 +44,3 @@ def maybe_add_profiler(trainer: Any, settings: DCPSettings, cost_model: Any, sup
     if not any(isinstance(cb, DCPProfiler) for cb in trainer.callbacks):
         trainer.callbacks.append(DCPProfiler())
 
-
-def wrap_zero1(optimizers: Sequence[Any], lr_scheduler_configs: Sequence[Any]) -> list[Any]:
-    """Each optimizer as a ``ZeroRedundancyOptimizer`` of its class (its schedulers follow it)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    new = []
-    for opt in optimizers:
-        if isinstance(opt, ZeroRedundancyOptimizer):
-            new.append(opt)
-            continue
-        groups = [dict(g) for g in opt.param_groups]
-        # ``defaults`` can hold keys the constructor does not take (torch's AdamW records
-        # ``decoupled_weight_decay``); the param groups keep every per-group value anyway.
-        accepted = inspect.signature(type(opt).__init__).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
-        zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
-        for cfg in lr_scheduler_configs:
-            if getattr(cfg.scheduler, "optimizer", None) is opt:
-                cfg.scheduler.optimizer = zero
-        new.append(zero)
-    return new

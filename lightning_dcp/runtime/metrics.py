@@ -86,6 +86,10 @@ class StepMetrics:
     """The plan's achievable bound (cost-model seconds, all-reduce included); NaN when unknown."""
     calibration: CalibrationMetrics | None = None
     """Predicted vs measured time and rank speeds (``None`` with ``calibration="off"``)."""
+    dummy_rounds: int = 0
+    """Rank-rounds without an item (lockstep rounds, ``sharding="hsdp"``): each ran only its collectives."""
+    dummy_tokens: int = 0
+    """Tokens the dummy rounds ran: 0, they run no sample (:mod:`lightning_dcp.runtime.sharding.dummy`)."""
 
     @property
     def step_bound_fraction(self) -> float:
@@ -103,6 +107,8 @@ class StepMetrics:
             "dcp/microbatches_max": float(max(self.microbatches)),
             "dcp/sp_size_max": float(max(self.sp_sizes, default=1)),
             "dcp/num_sp_sizes": float(len(self.sp_sizes)),
+            "dcp/dummy_rounds": float(self.dummy_rounds),
+            "dcp/dummy_tokens": float(self.dummy_tokens),
         }
         if self.step_bound_s == self.step_bound_s:  # not NaN
             out["dcp/step_bound_fraction"] = self.step_bound_fraction
@@ -138,11 +144,12 @@ def format_plan(plan: StepPlan, world_size: int) -> str:
 
 
 def step_metrics(rows: Sequence[StepRow], *, epoch: int, step: int, step_s: float, plan: StepPlan,
-                 global_tokens: int, loss: float = float("nan"), step_bound_s: float = float("nan")) -> StepMetrics:
+                 global_tokens: int, loss: float = float("nan"), step_bound_s: float = float("nan"),
+                 dummy_rounds: int = 0) -> StepMetrics:
     """Build :class:`StepMetrics` from the step-end rows (one :class:`~lightning_dcp.runtime.row.StepRow` per rank).
 
     ``loss``: the step's global loss; ``step_bound_s``: :func:`lightning_dcp.planning.bound.plan_step_bound`
-    of ``plan`` (optional).
+    of ``plan`` (optional); ``dummy_rounds``: the plan's rank-rounds without an item (lockstep rounds).
     """
     busy = [float(r.busy_s) for r in rows]
     world = len(busy)
@@ -156,7 +163,7 @@ def step_metrics(rows: Sequence[StepRow], *, epoch: int, step: int, step_s: floa
         microbatches=[int(r.items) for r in rows], step_s=step_s, imbalance=imbalance,
         global_tokens=int(global_tokens), tokens_per_s=(global_tokens / step_s) if step_s > 0 else 0.0,
         sp_sizes=summary["sp_sizes"], recompute=summary["recompute"], loss=float(loss),
-        step_bound_s=float(step_bound_s),
+        step_bound_s=float(step_bound_s), dummy_rounds=int(dummy_rounds),
     )
 
 

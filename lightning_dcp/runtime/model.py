@@ -11,7 +11,7 @@ layers are read once, by :func:`lightning_dcp.sp.contract.read_model`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -45,6 +45,9 @@ class SPCap:
     heads_cap: int | None = None
     ulysses: tuple[int, ...] = ()
     ring: bool = False
+    reason: str | None = field(default=None, compare=False)
+    """What caps SP when neither the world nor ``max_sp_size`` does (the heads, the shard group, the support
+    level), in words the planner's errors quote; ``None``: the planner names the world or ``max_sp_size``."""
 
     @property
     def group_sizes(self) -> tuple[int, ...]:
@@ -101,7 +104,8 @@ def resolve_sp_cap(requested: int | None, world_size: int, heads: int | None, ri
            "(attention through lightning_dcp.ulysses_attention, the package's token sharding)") if size == 1 else ""
     rank_zero_warn(f"the model has {heads} attention heads: SP sizes must divide it, so SP is capped at {size} on this "
                    f"world of {world_size} ranks{fix}")
-    return SPCap(size, heads_cap=size, ulysses=_ulysses(heads, size))
+    return SPCap(size, heads_cap=size, ulysses=_ulysses(heads, size),
+                 reason=f"the model's {heads} attention heads (SP sizes must divide them)")
 
 
 def _ulysses(heads: int | None, size: int) -> tuple[int, ...]:

@@ -70,12 +70,15 @@ CHECKPOINT_KEY = "dcp_oom"
 
 
 def sp_oom_message(where: str, item: str, rank: int, timeout_s: float | None, checkpoint: str | None = None,
-                   memory_limit: float | None = None, no_checkpoint: str = "") -> str:
-    """The error for an out-of-memory error in an SP > 1 item (the step cannot be retried in process)."""
+                   memory_limit: float | None = None, no_checkpoint: str = "", lockstep: bool = False) -> str:
+    """The error for an out-of-memory error in an SP > 1 item or a lockstep round (the step cannot be retried
+    in process)."""
     limit = f"{timeout_s:g} s" if timeout_s is not None else "the backend's time-out"
-    head = (f"{where}: {item} ran out of memory on rank {rank}. Its SP partners may already wait inside the group's "
-            f"collectives, so the step cannot be retried in process; the run stops (the partners fail when this rank "
-            f"exits, at the latest after the collective time-out of {limit}). ")
+    partners = ("The other ranks of its shard group may already wait inside the round's per-layer collectives "
+                "(lockstep rounds)" if lockstep else "Its SP partners may already wait inside the group's collectives")
+    head = (f"{where}: {item} ran out of memory on rank {rank}. {partners}, so the step cannot be retried in process; "
+            f"the run stops (the partners fail when this rank exits, at the latest after the collective time-out of "
+            f"{limit}). ")
     if checkpoint is not None:
         lowered = (f"re-planned with the memory limit lowered to {format_bytes(memory_limit)}"
                    if memory_limit is not None else "re-planned by your planner with another step seed")
@@ -195,22 +198,24 @@ class OOMRecovery:
         return self.planners.planner(lowered, batch_lengths), 0
 
     # -- SP > 1: stop with a checkpoint ----------------------------------------------------------
-    def sp_stop_message(self, step: "Step", it: "RankItem", *, rank: int, timeout_s: float | None,
+    def sp_stop_message(self, step: "Step", it: "RankItem | None", *, rank: int, timeout_s: float | None,
                         cost_model: CostModel | None, trainer: Any, checkpoint_io: Any,
-                        no_checkpoint_reason: str | None = None) -> str:
-        """Out of memory in an SP > 1 item: write the state before the step (unless
-        ``no_checkpoint_reason`` or ``oom_checkpoint=False`` says not to) and return the error message.
-        The caller has already dropped the step's partial gradients."""
+                        no_checkpoint_reason: str | None = None, lockstep: bool = False) -> str:
+        """Out of memory in an SP > 1 item or a lockstep round (``it``: ``None`` in a dummy round): write the
+        state before the step (unless ``no_checkpoint_reason`` or ``oom_checkpoint=False`` says not to) and
+        return the error message. The caller has already dropped the step's partial gradients."""
         _free_cuda_cache()
-        args = (step.where(), it.describe(), rank, timeout_s)
+        what = it.describe() if it is not None else "a dummy round (the shard group's collectives, no item)"
+        args = (step.where(), what, rank, timeout_s)
         if not self.write_checkpoint:
-            return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)")
+            return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)", lockstep=lockstep)
         if no_checkpoint_reason:
-            return sp_oom_message(*args, no_checkpoint=no_checkpoint_reason)
+            return sp_oom_message(*args, no_checkpoint=no_checkpoint_reason, lockstep=lockstep)
         attempts = self.attempts + 1
-        if attempts > self.max_replans:
-            return sp_oom_message(*args, no_checkpoint=f"this step ran out of memory {attempts} times, across resumes; "
-                                  f"max_oom_replans is {self.max_replans}")
+        if attempts > self.max_replans or it is None:
+            why = "a dummy round has no item to re-plan" if it is None else (
+                f"this step ran out of memory {attempts} times, across resumes; max_oom_replans is {self.max_replans}")
+            return sp_oom_message(*args, no_checkpoint=why, lockstep=lockstep)
         limit = None
         if self.planners.settings.planner is None:
             limit = lowered_limit(self.lowered if self.lowered is not None else cost_model, [it.work_item.to_dict()])
@@ -220,8 +225,9 @@ class OOMRecovery:
         try:
             self._save(trainer, checkpoint_io, path, entry)
         except Exception as save_err:  # never hide the out-of-memory error behind a failed save
-            return sp_oom_message(*args, no_checkpoint=f"saving {path} failed: {type(save_err).__name__}: {save_err}")
-        return sp_oom_message(*args, checkpoint=path, memory_limit=limit)
+            return sp_oom_message(*args, no_checkpoint=f"saving {path} failed: {type(save_err).__name__}: {save_err}",
+                                  lockstep=lockstep)
+        return sp_oom_message(*args, checkpoint=path, memory_limit=limit, lockstep=lockstep)
 
     @staticmethod
     def _save(trainer: Any, checkpoint_io: Any, path: str, entry: dict) -> None:

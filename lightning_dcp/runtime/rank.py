@@ -17,6 +17,9 @@ import torch
 from torch import Tensor
 
 from lightning_dcp.runtime.settings import DCPSettings
+from lightning_dcp.runtime.sharding.protocol import Shards
+from lightning_dcp.sp.contract import ModelContract
+from lightning_dcp.sp.groups import SPGroups
 
 __all__ = ["BatchTransfer", "PrecisionBackward", "RankRuntime"]
 
@@ -66,13 +69,13 @@ class RankRuntime:
         world_size, rank: the world and this rank's global rank.
         sp_groups: the :class:`~lightning_dcp.sp.groups.SPGroups` (``None``: SP 1 only).
         num_heads: the model's attention heads (``None``: unknown, no SP-size check).
-        shards: the ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"``), else ``None``.
+        shards: the sharding mode's runtime (:class:`~lightning_dcp.runtime.sharding.protocol.Shards`): the
+            step start, the rounds, the gradient reduction.
         to_device: moves a batch to ``device`` (the strategy gives a :class:`BatchTransfer`).
         convert_input: the precision plugin's ``convert_input`` (e.g. ``"bf16-true"``: floating-point
             tensors to bf16), applied to the loaded micro-batches before they are prepared.
         train_step_context: the precision plugin's ``train_step_context``.
         checkpoint_io: writes an out-of-memory checkpoint (``None``: none is written).
-        unsaveable_reason: why one rank alone cannot write a full checkpoint (``None``: it can).
         contract: the module's :class:`~lightning_dcp.sp.contract.ModelContract` (the strategy's
             ``model_contract``; ``None``: read from ``module`` when a step is prepared).
     """
@@ -80,19 +83,18 @@ class RankRuntime:
     module: Any
     settings: DCPSettings
     backward: Callable[[Tensor], None]
+    shards: Shards
     support: str = "sp"
     device: torch.device = torch.device("cpu")
     world_size: int = 1
     rank: int = 0
-    sp_groups: Any = None
+    sp_groups: SPGroups | None = None
     num_heads: int | None = None
-    shards: Any = None
     to_device: Callable[[Any], Any] = _no_move
     convert_input: Callable[[Any], Any] = _no_move
     train_step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     checkpoint_io: Any = None
-    unsaveable_reason: str | None = None
-    contract: Any = None
+    contract: ModelContract | None = None
 
     @property
     def trainer(self) -> Any:

@@ -18,14 +18,11 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.calibration import MODES as CALIBRATION_MODES
-from lightning_dcp.planning.state_sharding import PLANNED_SHARDING_MODES
+from lightning_dcp.planning.sharding.registry import MODES, ZERO_STAGE_ALIASES, get_mode
 from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
 
-__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "SHARDING_MODES", "DCPSettings", "split_strategy_kwargs"]
-
-SHARDING_MODES = PLANNED_SHARDING_MODES
-"""What ``sharding=`` accepts: every mode the planner knows, per-layer ``"hsdp"`` included."""
+__all__ = ["DDP_STRATEGY_ARGS", "DEFAULT_TIMEOUT_S", "DCPSettings", "split_strategy_kwargs"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default time-out of every process group the strategy uses (world and SP groups): 5 minutes."""
@@ -136,39 +133,26 @@ class DCPSettings:
         """``sharding`` checked; ``zero1=True`` is the deprecated spelling of ``sharding="zero1"`` (``zero1``
         then mirrors ``sharding == "zero1"``)."""
         mode = self.sharding
-        if mode not in SHARDING_MODES:
-            hint = " (ZeRO-3 is 'fsdp')" if str(mode).lower() in ("zero3", "zero-3", "full_shard") else ""
-            raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {mode!r}{hint}")
+        if mode not in MODES:
+            get_mode(mode, 1)  # raises, naming the registry's modes
         if self.zero1:
-            if mode not in ("none", "zero1"):
+            if MODES[mode].zero_stage not in (0, 1):
                 raise ValueError(f"zero1=True and sharding={mode!r} contradict each other; zero1=True is the old "
                                  f"spelling of sharding='zero1': pass sharding={mode!r} alone")
             warnings.warn("DCPStrategy(zero1=True) is deprecated: use DCPStrategy(sharding='zero1') (the alias is "
                           "removed in 0.3.0)", FutureWarning, stacklevel=5)
-            mode = "zero1"
+            mode = ZERO_STAGE_ALIASES[1]
         object.__setattr__(self, "sharding", mode)
-        object.__setattr__(self, "zero1", mode == "zero1")
+        object.__setattr__(self, "zero1", MODES[mode].zero_stage == 1)
         k = self.shard_group_size
-        if mode != "hsdp" and (k is not None or self.offload):
-            raise ValueError(f"shard_group_size={k!r} and offload={self.offload!r} apply to sharding='hsdp' only "
-                             f"(got sharding={mode!r}); drop them or pass sharding='hsdp'")
+        if not MODES[mode].options and (k is not None or self.offload):
+            with_options = " or ".join(repr(name) for name, m in MODES.items() if m.options)
+            raise ValueError(f"shard_group_size={k!r} and offload={self.offload!r} apply to sharding={with_options} only "
+                             f"(got sharding={mode!r}); drop them or pass sharding={with_options}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"shard_group_size must be an int >= 1 (a divisor of the world size), got {k!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
-
-    def resolved_shard_group_size(self, world_size: int, local_world_size: int) -> int:
-        """``K`` under ``"hsdp"``: ``shard_group_size``, default the node's processes (the local world size).
-
-        Raises:
-            ValueError: ``K`` does not divide ``world_size``, naming both and the fix.
-        """
-        k = self.shard_group_size if self.shard_group_size is not None else max(1, min(local_world_size, world_size))
-        if world_size % k:
-            raise ValueError(f"sharding='hsdp' with shard_group_size={k} on {world_size} ranks: the shard group size "
-                             f"must divide the world size; pass shard_group_size={world_size} (ZeRO-3 over the world) "
-                             "or a divisor of it (e.g. the GPUs of one node)")
-        return k
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -235,15 +235,12 @@ class MicroBatch:
 class PreparedStep:
     """A step ready for the micro-batch loop: one :class:`MicroBatch` per rank item, in execution order.
 
-    ``on_device``: the shards were moved to the device (``batch_to_device``). ``dummy``: under
-    ``sharding="hsdp"``, the zero-weight micro-batch this rank runs in the lockstep rounds where it has no
-    item (:mod:`lightning_dcp.runtime.hsdp`); ``None`` when it has an item in every round.
+    ``on_device``: the shards were moved to the device (``batch_to_device``).
     """
 
     step: Step
     micro_batches: tuple[MicroBatch, ...]
     on_device: bool = False
-    dummy: MicroBatch | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -256,14 +253,12 @@ class PreparedStep:
     def to_device(self, move: Callable[[Any], Any]) -> "PreparedStep":
         """The shards moved by one call of ``move`` on the tuple of them (Lightning's ``batch_to_device``,
         so the module's batch-transfer hooks run once per step)."""
-        extra = (self.dummy,) if self.dummy is not None else ()
-        moved = move(tuple(mb.data for mb in (*self.micro_batches, *extra)))
-        if len(moved) != len(self.micro_batches) + len(extra):
+        moved = move(tuple(mb.data for mb in self.micro_batches))
+        if len(moved) != len(self.micro_batches):
             raise ValueError(f"moving {self.step.where()} to the device gave {len(moved)} micro-batches for "
                              f"{len(self.micro_batches)}; a batch-transfer hook must keep the tuple of micro-batches")
         micro_batches = tuple(mb.with_data(data) for mb, data in zip(self.micro_batches, moved))
-        dummy = self.dummy.with_data(moved[-1]) if self.dummy is not None else None
-        return replace(self, micro_batches=micro_batches, on_device=True, dummy=dummy)
+        return replace(self, micro_batches=micro_batches, on_device=True)
 
 
 @dataclass(frozen=True)

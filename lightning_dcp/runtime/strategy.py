@@ -2,38 +2,29 @@
 
 What each hook does (the work is done by the runtime's other rooms):
 
-- ``__init__``: the arguments become a frozen :class:`~lightning_dcp.runtime.settings.DCPSettings`
-  (validated; a misspelled argument is a ``TypeError`` naming the closest valid one).
+- ``__init__``: the arguments become a frozen :class:`~lightning_dcp.runtime.settings.DCPSettings`.
 - ``setup_environment``: after DDP's process-group setup, the module's contract, read once
-  (:func:`~lightning_dcp.sp.contract.read_model`: its repeated layers, support level, heads and hooks,
-  which every other room reads; :attr:`DCPStrategy.model_contract`), the SP cap
+  (:func:`~lightning_dcp.sp.contract.read_model`, :attr:`DCPStrategy.model_contract`), the SP cap
   (:mod:`~lightning_dcp.runtime.model`) and the SP groups of the aligned blocks of every Ulysses size
-  (:class:`~lightning_dcp.sp.groups.SPGroups`; other groups per step), in the same order on every rank; the SIGTERM
-  watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
-- ``setup``: checks the module and the Trainer (:mod:`~lightning_dcp.runtime.checks`), adds the
-  profiler (:mod:`~lightning_dcp.runtime.fit_setup`), no DDP wrapper (``configure_ddp`` broadcasts
-  rank 0's weights; with ``sharding="zero2"`` / ``"fsdp"`` it then shards them with ``fully_shard``,
-  :mod:`~lightning_dcp.runtime.fsdp`), optional ZeRO-1 (``ZeroRedundancyOptimizer``).
+  (:class:`~lightning_dcp.sp.groups.SPGroups`; other groups per step); the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
+- ``setup``: the checks (:mod:`~lightning_dcp.runtime.checks`), the profiler
+  (:mod:`~lightning_dcp.runtime.fit_setup`), no DDP wrapper: ``configure_ddp`` broadcasts rank 0's
+  weights, then builds the sharding mode's runtime :attr:`DCPStrategy.shards` (a
+  :class:`~lightning_dcp.runtime.sharding.protocol.Shards` for every mode, chosen through
+  :mod:`~lightning_dcp.runtime.run_sharding`, which also picks a shard group when ``"hsdp"`` gets none);
+  then the mode's optimizer hook.
 - ``process_dataloader`` (train only): the planner (:mod:`~lightning_dcp.runtime.planner_factory`), the
-  :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and
-  :class:`~lightning_dcp.runtime.loader.DCPDataLoader` (one item per optimizer step,
-  :mod:`~lightning_dcp.runtime.train_loader`), the setup agreement check
-  (:mod:`~lightning_dcp.runtime.setup_agreement`) and the step executor
-  (:class:`~lightning_dcp.runtime.executor.StepExecutor`, built from a
-  :class:`~lightning_dcp.runtime.rank.RankRuntime`). Validation, test and predict loaders keep
-  Lightning's distributed sampling (SP size 1).
-- ``batch_to_device``: the executor turns the :class:`~lightning_dcp.runtime.step.LoadedStep` into a
-  :class:`~lightning_dcp.runtime.step.PreparedStep` (this rank's shards, on the host); only they move.
-- ``training_step`` (once per optimizer step): the executor runs this rank's micro-batches and the
-  step-end gather and returns a :class:`~lightning_dcp.runtime.step.StepResult`; the strategy logs its
-  metrics and hands Lightning the exact global loss (detached; ``backward`` skips it).
-- ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients
-  (one SUM all-reduce per bucket; sharded: one SUM reduce-scatter per bucket); then the precision
-  plugin's ``on_before_optimizer_step``, clipping, the optimizer step (``"zero2"``: then one
-  all-gather of the updated weights), and the calibration's step timing.
-- checkpoints: sharded modes write and read every rank's shards in a directory
-  (:mod:`~lightning_dcp.runtime.checkpoint`); otherwise Lightning's file. World collectives from user
-  code inside the micro-batch loop: :mod:`~lightning_dcp.runtime.guards`. Exactness, agreement,
+  :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and :class:`~lightning_dcp.runtime.loader.DCPDataLoader`
+  (:mod:`~lightning_dcp.runtime.train_loader`), the setup agreement check
+  (:mod:`~lightning_dcp.runtime.setup_agreement`) and the :class:`~lightning_dcp.runtime.executor.StepExecutor`
+  (built from a :class:`~lightning_dcp.runtime.rank.RankRuntime`). Evaluation loaders keep Lightning's sampling.
+- ``batch_to_device`` / ``training_step``: the executor prepares this rank's micro-batches on the host,
+  runs them and the step-end gather, and returns a :class:`~lightning_dcp.runtime.step.StepResult`; the
+  strategy logs its metrics and hands Lightning the exact global loss (detached; ``backward`` skips it).
+- ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients (the
+  mode's reduction); then clipping, the optimizer step, the mode's ``after_step``, the calibration's timing.
+- checkpoints and evaluation: the mode's (:mod:`~lightning_dcp.runtime.sharded_state`). World collectives from
+  user code inside the micro-batch loop: :mod:`~lightning_dcp.runtime.guards`. Exactness, agreement,
   time-outs, out-of-memory recovery: :mod:`~lightning_dcp.runtime.executor`, ``agreement``, ``faults``, ``oom``.
 """
 
@@ -57,25 +48,27 @@ from typing_extensions import override
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.runtime.calibration import CHECKPOINT_KEY as CALIBRATION_KEY
 from lightning_dcp.runtime.calibration import RunCalibration, build_calibration
-from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement, unsaveable_reason
+from lightning_dcp.planning.sharding.base import ShardingMode
+from lightning_dcp.planning.sharding.registry import DEFAULT_MODE
+from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement
 from lightning_dcp.runtime.guards import MicroLoopGuards
-from lightning_dcp.runtime.checkpoint import load_sharded, save_sharded
-from lightning_dcp.runtime.executor import StepExecutor, world_all_gather
+from lightning_dcp.runtime.executor import StepExecutor
 from lightning_dcp.runtime.exit import destroy_at_exit
-from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup, wrap_zero1
-from lightning_dcp.runtime.fsdp import FULLY_SHARDED_MODES, ShardedParameters, ShardedSpawnLauncher
-from lightning_dcp.runtime.hsdp import shard_module
+from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
 from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.oom import CHECKPOINT_KEY, OOMRecovery
 from lightning_dcp.runtime.planner_factory import PlannerFactory
 from lightning_dcp.runtime.progress import mend_progress_bars
+from lightning_dcp.runtime.run_sharding import RunSharding, contract_units
 from lightning_dcp.runtime.rank import BatchTransfer, PrecisionBackward, RankRuntime
 from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.settings import DEFAULT_TIMEOUT_S, DCPSettings, split_strategy_kwargs
-from lightning_dcp.runtime.setup_agreement import agreement_settings, check_setup_agreement
-from lightning_dcp.runtime.states import ModelStates, measure_model_states
+from lightning_dcp.runtime.setup_agreement import SetupAgreement
+from lightning_dcp.runtime.sharded_state import ShardedStateHooks
+from lightning_dcp.runtime.sharding import Shards, build_shards
+from lightning_dcp.runtime.sharding.launcher import ShardedSpawnLauncher
 from lightning_dcp.runtime.step import LoadedStep
 from lightning_dcp.runtime.support import support_message
 from lightning_dcp.runtime.train_loader import (build_loader, build_sampler, check_not_empty, global_batch,
@@ -87,7 +80,7 @@ from lightning_dcp.sp.contract import ModelContract, read_model
 __all__ = ["DCPStrategy"]
 
 
-class DCPStrategy(MicroLoopGuards, DDPStrategy):
+class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrategy):
     """Data-Centric Parallel: per step, the data chooses SP groups, micro-batches per rank and recomputation.
 
     Gradients equal those of plain data-parallel training on the same global batch (fp32, up
@@ -116,17 +109,18 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
             ``"sample"`` (mean over samples of each sample's token mean); see
             :mod:`lightning_dcp.sp.tokens` for what ``training_step`` must return.
-        sharding: which model states are sharded over the world (see :mod:`~lightning_dcp.runtime.fsdp`):
+        sharding: which model states are sharded (the modes: :mod:`lightning_dcp.planning.sharding.registry`):
             ``"none"`` (full replicas, the default); ``"zero1"`` the optimizer state
             (``ZeroRedundancyOptimizer``); ``"zero2"`` the optimizer state and update, and gradients
             between steps (torch's ``fully_shard``; full weights kept); ``"fsdp"`` also the weights
             between steps. Every rank runs the same collectives whatever its micro-batch count: the
             weights are gathered once before the loop, the gradients reduce-scattered once after it.
             ``"hsdp"``: per-layer sharding inside the loop over shard groups of ``shard_group_size`` ranks
-            (lockstep rounds, :mod:`~lightning_dcp.runtime.hsdp`). Checkpoints of ``"zero2"`` / ``"fsdp"`` /
-            ``"hsdp"`` are directories of shards. ``"16-mixed"`` (a GradScaler) is refused with them.
-        shard_group_size, offload: ``"hsdp"`` only: ranks the states are sharded over (default the node's
-            processes; the world: ZeRO-3), and the sharded states on the host (``CPUOffloadPolicy``).
+            (lockstep rounds, :mod:`~lightning_dcp.runtime.sharding.hsdp`). Checkpoints of ``"zero2"`` /
+            ``"fsdp"`` / ``"hsdp"`` are directories of shards. ``"16-mixed"`` (a GradScaler) is refused with them.
+        shard_group_size, offload: ``"hsdp"`` only: ranks the states are sharded over (the world: ZeRO-3;
+            default the smallest power of two whose states fit, said at fit start:
+            :mod:`~lightning_dcp.runtime.shard_group`), and the sharded states on the host (``CPUOffloadPolicy``).
         zero1: deprecated spelling of ``sharding="zero1"``.
         seed: data-order seed (the epoch is added each epoch); the same on every rank.
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
@@ -181,7 +175,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         global_batch_tokens: int | None = None,
         loss_reduction: str = "token",
         zero1: bool = False,
-        sharding: str = "none",
+        sharding: str = DEFAULT_MODE,
         seed: int = 0,
         plan_ahead: bool = True,
         max_sp_size: int | None = None,
@@ -231,8 +225,9 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         self.calibration: RunCalibration | None = None
         """The fit's calibration (predicted vs measured, refits; ``None`` with ``calibration="off"``)."""
         self.executor: StepExecutor | None = None
-        self.shards: ShardedParameters | None = None
-        """The ``fully_shard`` units (``sharding="zero2"`` / ``"fsdp"`` on more than one rank), from setup on."""
+        self.shards: Shards | None = None
+        """The sharding mode's runtime (:class:`~lightning_dcp.runtime.sharding.protocol.Shards`), from setup on."""
+        self._sharding = RunSharding(self.settings)
         self.last_step_metrics: StepMetrics | None = None
         """The last step's metrics (set by ``training_step`` from the executor's result)."""
         self.last_step_plan: dict | None = None
@@ -249,8 +244,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
 
     @property
     def model_contract(self) -> ModelContract | None:
-        """What the strategy read off the LightningModule at setup (:func:`~lightning_dcp.sp.contract.read_model`):
-        its repeated layers, support level, heads and hooks; ``None`` before setup."""
+        """What the strategy read off the module at setup (:func:`~lightning_dcp.sp.contract.read_model`); ``None`` before."""
         return self._model_contract
 
     @property
@@ -260,18 +254,18 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
 
     @property
     def sharding(self) -> str:
-        """The sharding mode this run uses (``DCPStrategy(sharding=...)``; ``"none"`` on a single rank)."""
-        return self.settings.sharding if self.world_size > 1 else "none"
-
-    @property
-    def _fully_sharded(self) -> bool:
-        return self.sharding in (*FULLY_SHARDED_MODES, "hsdp")
+        """The sharding mode this run uses (``DCPStrategy(sharding=...)``; full replicas on a single rank)."""
+        return self._sharding.name(self.world_size)
 
     @property
     def shard_group_size(self) -> int | None:
-        """``K`` under ``sharding="hsdp"`` (default the node's processes); ``None`` in the other modes."""
-        hsdp = self.sharding == "hsdp"
-        return self.settings.resolved_shard_group_size(self.world_size, self.num_processes) if hsdp else None
+        """The shard group ``K`` of a mode that has one (given, or picked at setup); else ``None``."""
+        return self._sharding.shard_group_size(self.world_size)
+
+    @property
+    def mode(self) -> ShardingMode:
+        """The sharding mode's pure counterpart on this world (:mod:`lightning_dcp.planning.sharding`)."""
+        return self._sharding.mode(self.world_size)
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -295,8 +289,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         module = self.lightning_module
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
         self._model_contract = contract
-        sp_span = self.shard_group_size or self.world_size  # SP inside a shard group under hsdp
-        self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, sp_span)
+        self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
+        self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
@@ -306,10 +300,13 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             self._watchdog = rank_watchdog(self.launcher, self.cluster_environment, self.settings.sigterm_grace_s,
                                            self.global_rank)
 
+    def _sp_cap_over(self, span: int) -> SPCap:  # the model's SP cap over a shard group's ranks
+        return resolve_model_setup(self._model_contract, self.settings, span)[2]
+
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.settings.sharding in (*FULLY_SHARDED_MODES, "hsdp") and self._start_method != "popen":
+        if self._sharding.may_shard_weights() and self._start_method != "popen":
             self._launcher = ShardedSpawnLauncher(self, start_method=self._start_method)
 
     @override
@@ -317,20 +314,10 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._before_fit_setup(trainer)
-        elif self.shards is not None and self.shards.module is self.model:
-            # validate/test/predict after a sharded fit: DDPStrategy.setup without its weight broadcast (the
-            # weights are DTensor shards, equal across ranks by construction; c10d cannot broadcast DTensors)
-            self.accelerator.setup(trainer)
-            self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
-            self.setup_precision_plugin()
+        elif self._evaluation_after_sharded_fit(trainer):
             return
         super().setup(trainer)
-        if fitting and self.sharding == "zero1":
-            self.optimizers = wrap_zero1(self.optimizers, self.lr_scheduler_configs)
-        if fitting and self.shards is not None:
-            self.shards.check_optimizers(self.optimizers)
-            self.shards.unshard()  # full weights from fit start (the profiler measures them), as in every step
+        self._shards_after_setup(fitting)
 
     def _before_fit_setup(self, trainer: Any) -> None:
         """A new fit: the checks, the support message, the progress bars, the profiler."""
@@ -341,7 +328,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             rank_zero_info(message)
         mend_progress_bars(trainer)
         maybe_add_profiler(trainer, self.settings, self._cost_model, self.support)
-        check_sharding(self.settings.sharding, self.world_size, self._fully_sharded, self.precision_plugin)
+        check_sharding(self.settings.sharding, self.world_size, self.precision_plugin)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -349,28 +336,22 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """No DDP wrapper: broadcast rank 0's parameters and buffers instead; with ``sharding="zero2"`` /
-        ``"fsdp"`` then shard them (``fully_shard``, once: a later fit keeps the units)."""
+        """No DDP wrapper: broadcast rank 0's parameters and buffers instead, then build the sharding mode's
+        runtime (the modes that shard the weights ``fully_shard`` them now, once: a later fit keeps the units)."""
         if self.world_size > 1 and dist.is_initialized():
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
-            check_sharding_agreement(self.settings.sharding, self._world_gather)
-            if self.shards is not None and self.shards.module is self.model:
+            if self._sharded_checkpoint and self.shards.module is self.model:  # a later fit keeps the units
                 self.shards.reshard()  # the optimizer is built over the sharded parameters; setup() then unshards
                 return
             _sync_module_states(self.model)
-            if self._fully_sharded:
-                self.shards = shard_module(self.model, self.sharding, self.root_device, self.world_size,
-                                           layers=self._model_contract.layers, k=self.shard_group_size,
-                                           offload=self.settings.offload)
-
-    def model_states(self) -> ModelStates:
-        """Bytes of the full model's weights, buffers, gradients and optimizer state, and the sharding mode:
-        what the planner's static memory is built from (:mod:`~lightning_dcp.runtime.states`)."""
-        return measure_model_states(self.lightning_module, self.optimizers, sharding=self.sharding,
-                                    world_size=self.world_size, shard_group_size=self.shard_group_size,
-                                    offload=self.settings.offload,
-                                    layers=self._model_contract.layers if self._model_contract is not None else ())
+            trainer = self.lightning_module._trainer
+            if self._sharding.pick(self.model, self._model_contract, self.world_size, self.root_device, trainer=trainer,
+                                   cost_model=self._cost_model if self.settings.planner is None else None,
+                                   lengths=self.train_lengths, gpus_per_node=self.num_processes) is not None:
+                self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
+            check_sharding_agreement(self.settings.sharding, self.shard_group_size, self._world_gather)
+            self.shards = build_shards(self.mode, self.model, self.root_device, **contract_units(self._model_contract))
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         """Give the planner a cost model (the profiler calls this at fit start, before the sampler exists)."""
@@ -391,7 +372,8 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
         per_rank = dataloader.batch_size or 1
         gbs, gbt = global_batch(self.settings, per_rank, self.world_size)
         planners = PlannerFactory(self.settings, self.world_size, self.sp_cap, self.num_heads, self.support,
-                                  states=self.model_states())
+                                  states=self.model_states(),
+                                  prices=RunSharding.prices(self.root_device, self.num_processes))
         if self.settings.planner is None:
             self._cost_model = planners.cost_model(self._cost_model, lengths, self._model_contract.num_layers, per_rank)
         planner = planners.planner(self._cost_model, lengths)
@@ -422,33 +404,7 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             shards=self.shards, to_device=BatchTransfer(self.lightning_module, self.root_device),
             convert_input=self.precision_plugin.convert_input,
             train_step_context=self.precision_plugin.train_step_context, checkpoint_io=self.checkpoint_io,
-            unsaveable_reason=unsaveable_reason(self.sharding), contract=self._model_contract)
-
-    def _check_setup_agreement(self, lengths: list[int], planner: Any, **resolved: Any) -> None:
-        """One world all-gather at setup: every rank must have the same lengths, planner settings and
-        cost model (:mod:`lightning_dcp.runtime.agreement`); else every rank raises the same error."""
-        if self.world_size == 1 or not dist.is_initialized():
-            return
-        cost_model = self._cost_model if self.settings.planner is None else getattr(planner, "cost_model", None)
-        settings = agreement_settings(self.settings, planner, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                      support=self.support, shard_group_size=self.shard_group_size, **resolved)
-        check_setup_agreement(lengths, settings, cost_model, gather=self._world_gather)
-
-    def check_agreement_before_profiling(self, dataset: Any, profiler_inputs: Mapping[str, Any]) -> None:
-        """The setup agreement check, run by the profiler before its first collective: lengths, settings
-        and the profiler's own inputs (its grid, memory limit, cache key). Ranks that disagree would
-        otherwise profile different grids in lock-step collectives and crash or hang; now every rank
-        raises the same :class:`~lightning_dcp.runtime.agreement.AgreementError` instead."""
-        if self.world_size == 1 or not dist.is_initialized():
-            return
-        settings = agreement_settings(self.settings, None, world_size=self.world_size, max_sp_size=self.max_sp_size,
-                                      support=self.support, profiler=dict(profiler_inputs),
-                                      shard_group_size=self.shard_group_size)
-        check_setup_agreement(self.train_lengths(dataset), settings, None, gather=self._world_gather,
-                              where="at fit start, before profiling")
-
-    def _world_gather(self, t: Tensor) -> Tensor:
-        return world_all_gather(t, world_size=self.world_size, device=self.root_device)
+            contract=self._model_contract)
 
     def train_lengths(self, dataset: Any) -> list[int]:
         """Every train sample's length, without loading samples (safe mode: equal lengths when none are given)."""
@@ -495,94 +451,38 @@ class DCPStrategy(MicroLoopGuards, DDPStrategy):
             return result
 
         out = super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
-        if self.shards is not None:
-            self.shards.after_step()
+        self.shards.after_step()
         if self.calibration is not None:
             self.calibration.step_done()
         return out
 
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Sharded states load into the sharded module and optimizer, so after setup."""
-        return self._fully_sharded
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return not self._fully_sharded
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state; sharded (each rank's DTensor shards) with ``sharding="zero2"`` / ``"fsdp"``."""
-        if self.shards is None:
-            return super().lightning_module_state_dict()
-        from lightning_dcp.runtime.checkpoint import model_state
-
-        return model_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.shards is None:
-            return super().optimizer_state(optimizer)
-        from lightning_dcp.runtime.checkpoint import optimizer_state
-
-        return optimizer_state(self.lightning_module, optimizer)
-
+    # ------------------------------------------------------------------ checkpoints (the mode's: ShardedStateHooks)
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
-        """Lightning's file; with ``sharding="zero2"`` / ``"fsdp"`` a directory at ``filepath`` where every rank
+        """Lightning's file; where the mode shards the weights, a directory at ``filepath`` where every rank
         writes its shards (:mod:`~lightning_dcp.runtime.checkpoint`; all ranks call this)."""
         if self.calibration is not None:
             checkpoint[CALIBRATION_KEY] = self.calibration.state_dict()
-        if self.shards is None:
+        if not self._sharded_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError(f"sharding={self.sharding!r}: storage_options is not supported (torch.distributed.checkpoint)")
-        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), rank=self.global_rank, barrier=self.barrier)
-        self.shards.at_rest()  # taking the state dicts resharded the weights; zero2 gathers them again
+        self.shards.save_checkpoint(checkpoint, Path(self.broadcast(str(filepath))), rank=self.global_rank,
+                                    barrier=self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's checkpoint load (sharded: every rank reads its shards into the module and optimizers);
         an out-of-memory checkpoint's step is re-planned with its lowered limit."""
-        if self.shards is not None:
-            module = self.lightning_module
-            checkpoint = load_sharded(Path(self.broadcast(str(checkpoint_path))), module, self.optimizers,
-                                      strict=module.strict_loading)
-            self.shards.at_rest()
+        if self._sharded_checkpoint:
+            checkpoint = self.shards.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), self.optimizers,
+                                                     strict=self.lightning_module.strict_loading)
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._oom_resume = checkpoint.get(CHECKPOINT_KEY)  # its step is re-planned when it comes
         self._calibration_resume = checkpoint.get(CALIBRATION_KEY)  # the refitted model, for the next fit
         return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.shards is None:
-            super().load_model_state_dict(checkpoint, strict=strict)
-        # sharded: load_checkpoint already loaded every rank's shards
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.shards is None:
-            super().load_optimizer_state_dict(checkpoint)
-
-    # ------------------------------------------------------------------ evaluation with sharded weights
-    def _full_weights(self) -> None:
-        """Evaluation starts: sharded units are all-gathered once (every rank), then run as plain modules."""
-        if self.shards is not None:
-            self.shards.unshard()
-
-    def _weights_at_rest(self) -> None:
-        """Evaluation ends: the mode's resting state (``"fsdp"``: sharded again)."""
-        if self.shards is not None:
-            self.shards.at_rest()
-
-    on_validation_start = on_test_start = on_predict_start = _full_weights
-    on_validation_end = on_test_end = on_predict_end = _weights_at_rest
 
     @override
     def teardown(self) -> None:

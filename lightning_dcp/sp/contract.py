@@ -38,6 +38,11 @@ the module's ``dcp_ring_layout`` (on the module or a submodule): ``"contiguous"`
 shards as Ulysses, which any forward that assumes contiguous shards keeps working with), ``"zigzag"``
 (balanced causal work; the shipped causal language models set it) or ``None`` (no ring attention).
 
+**Co-resident modules** (a frozen teacher, an EMA copy held beside the trained model): kept out of the
+sharded units as plain replicas (:mod:`lightning_dcp.runtime.sharding.protocol`). The module's
+``dcp_coresident`` (dotted attribute paths from the module) names them; without it, every direct child
+whose parameters are all frozen and that holds none of the repeated layers.
+
 :func:`install_contract` is the other side: the one place a model adapter
 (:func:`lightning_dcp.hf.adapt`, :func:`lightning_dcp.diffusers.adapt`) writes the ``dcp_*`` attributes
 :func:`read_model` reads.
@@ -110,6 +115,7 @@ class ModelContract:
         support_message: the module's ``dcp_support_message(level)`` or ``None``.
         ring_layout: the token layout of a ring item's shards (``"contiguous"`` or ``"zigzag"``), ``None``
             when the module cannot run ring attention (see the module docstring).
+        coresident: modules kept beside the sharded units as plain frozen replicas (see the module docstring).
     """
 
     name: str
@@ -125,6 +131,7 @@ class ModelContract:
     loss_units: Callable[[Any], int] | None = None
     support_message: Callable[[str], str | None] | None = None
     ring_layout: str | None = None
+    coresident: tuple[nn.Module, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -177,6 +184,7 @@ def read_model(module: nn.Module, layers_attr: str | None = None, support: str |
         loss_units=_hook(module, "dcp_loss_units"),
         support_message=_hook(module, "dcp_support_message"),
         ring_layout=_ring_layout(module, level, shard_hook is not None),
+        coresident=_coresident(module, stack.layers if stack is not None else ()),
     )
 
 
@@ -348,6 +356,28 @@ def _find_int(module: nn.Module, preferred: str | None, name: str, config_name: 
             if value is not None:
                 return value
     return None
+
+
+def _coresident(module: nn.Module, layers: Sequence[nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules ``dcp_coresident`` names, else the frozen direct children that hold no repeated layer."""
+    named = getattr(module, "dcp_coresident", None)
+    if named is not None:
+        if isinstance(named, str) or not all(isinstance(n, str) for n in named):
+            raise ValueError(f"{type(module).__name__}.dcp_coresident must be a list of dotted attribute paths "
+                             f"(e.g. ['teacher', 'ema']), got {named!r}")
+        out = []
+        for path in named:
+            target: Any = module
+            for part in path.split("."):
+                target = getattr(target, part, None)
+            if not isinstance(target, nn.Module):
+                raise ValueError(f"{type(module).__name__}.dcp_coresident names {path!r}, which is not a module")
+            out.append(target)
+        return tuple(out)
+    held = {id(m) for layer in layers for m in layer.modules()}
+    return tuple(child for child in module.children()
+                 if any(True for _ in child.parameters()) and not any(p.requires_grad for p in child.parameters())
+                 and not any(id(m) in held for m in child.modules()))
 
 
 def _hook(module: nn.Module, name: str) -> Callable[..., Any] | None:

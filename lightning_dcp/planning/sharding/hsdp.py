@@ -1,0 +1,118 @@
+"""``sharding="hsdp"``: per-layer sharding inside the micro-batch loop, over shard groups of ``K`` ranks.
+
+The model states are sharded over the ``K`` consecutive ranks of a *shard group* and replicated across
+the ``N / K`` groups (``K = N``: plain ZeRO-3). Per rank::
+
+    in the loop     (W + G + O)/K + B + 2R + 4L        offload: B + 2R + 4L (the shards on the host)
+    between steps   (W + G + O)/K + B                  offload: B
+
+``R`` the weight bytes outside the repeated layers (the root unit: embeddings, head; gathered for the
+whole micro-batch with its gradients), ``L`` the largest repeated layer's (two layers' weights and
+gradients in flight: the running one and the prefetched one). Each layer's collectives run inside the
+loop, so the ranks of a group run lockstep rounds (:class:`~lightning_dcp.planning.rounds.Lockstep`)
+and SP groups stay inside a shard group (:meth:`HsdpMode.sp_cap`). Time:
+:class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`; which ``K`` when none is given:
+:mod:`~lightning_dcp.planning.sharding.shard_group_size`. Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from lightning_dcp.planning.prices import CollectivePrices
+from lightning_dcp.planning.round_plan import RoundPlan
+from lightning_dcp.planning.rounds import Lockstep
+from lightning_dcp.planning.sharding.base import ShardingMode, StateParts, UnplannableCostModel
+from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.cost_model import CostModel
+
+__all__ = ["HsdpMode", "hsdp_view"]
+
+
+class HsdpMode(ShardingMode):
+    """Per-layer sharding (HSDP on a ``(N/K, K)`` mesh, ZeRO-3 when ``K = N``).
+
+    Args:
+        world_size: ``N``.
+        shard_group_size: ``K``, a positive divisor of ``N`` (default ``N``).
+        offload: the sharded states live on the host (FSDP2's ``CPUOffloadPolicy``).
+    """
+
+    name = "hsdp"
+    runtime = "lightning_dcp.runtime.sharding.hsdp:HsdpShards"
+    summary = ("per-layer sharding inside the loop over shard groups of K ranks (lockstep rounds): models whose "
+               "states do not fit one device")
+    options = ("shard_group_size", "offload")
+    shards_weights = True
+
+    def __init__(self, world_size: int, *, shard_group_size: int | None = None, offload: bool = False) -> None:
+        super().__init__(world_size, shard_group_size=shard_group_size, offload=offload)
+        k = self.world_size if shard_group_size is None else int(shard_group_size)
+        if k < 1 or self.world_size % k:
+            raise ValueError(f"shard_group_size={shard_group_size} must be a positive divisor of the world size "
+                             f"({self.world_size}); use e.g. the GPUs of one node, or the world for plain ZeRO-3")
+        self.shard_group_size = k
+
+    def __repr__(self) -> str:
+        return f"HsdpMode(world_size={self.world_size}, shard_group_size={self.shard_group_size}, offload={self.offload})"
+
+    def state_bytes(self, parts: StateParts, *, at_rest: bool = False) -> float:
+        held = parts.buffers if self.offload else (parts.weights + parts.gradients + parts.optimizer) / \
+            self.shard_group_size + parts.buffers
+        return held if at_rest else held + 2.0 * parts.root_bytes + 4.0 * parts.layer_bytes
+
+    def step_traffic(self, parts: StateParts) -> tuple[float, int]:
+        """The replicas' all-reduce of the gradient shards (the per-layer collectives are the rounds')."""
+        return 2.0 * parts.gradients / self.shard_group_size, 1
+
+    def optimizer_share(self) -> float:
+        return 1.0 / self.shard_group_size
+
+    @property
+    def rounds(self) -> RoundPlan:
+        return Lockstep(self.shard_group_size)
+
+    def sp_cap(self) -> int | None:
+        """SP groups stay inside a shard group (their per-layer collectives are the group's)."""
+        return self.shard_group_size
+
+    def describe(self) -> str:
+        return f"sharding hsdp over shard groups of {self.shard_group_size}" + (", offload" if self.offload else "")
+
+    def plan_with(self, cost_model: "CostModel", parts: StateParts | None, prices: CollectivePrices | None = None,
+                  measured: Mapping[str, Any] | None = None) -> "CostModel":
+        """``cost_model`` (its memory counting one full replica's states) seen through
+        :class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`: the sharded states in the
+        budget, the per-round collectives in the time, priced by ``prices`` (the hardware's or the profile's;
+        ``None``: the cost model's own, else unpriced).
+
+        Raises:
+            UnplannableCostModel: its memory is in bytes but says nothing of the states it counts (no
+                ``state_bytes``, no ``with_sharding``), or the states' bytes are unknown.
+        """
+        if parts is None:
+            raise UnplannableCostModel("sharding='hsdp' needs the model-state bytes (weights, gradients, optimizer, "
+                                       "the largest layer's and the root unit's) to plan its memory")
+        hook = getattr(cost_model, "with_sharding", None)
+        if callable(hook):  # the cost model of one full replica
+            base = hook({**(dict(measured) if measured is not None else {}), **parts.to_dict(), "sharding": "none",
+                         "world_size": self.world_size})
+        else:
+            base = cost_model
+        if base.memory_in_bytes and base.state_bytes is None:
+            raise UnplannableCostModel(
+                f"{type(cost_model).__name__} cannot plan sharding='hsdp': its item_memory is in bytes but it does not "
+                "say which model-state bytes it counts. Give it a state_bytes attribute (the states one replica holds "
+                "in its item_memory) or a with_sharding(states) method, or use sharding='zero1'")
+        own = base.collective_prices()  # a profile measured here, or the analytic model's hardware, before a fallback
+        return ShardGroupCostModel(base, self, parts, prices=own if own is not None else prices)
+
+
+def hsdp_view(analytic: Any, shard_group_size: int | None = None, *, offload: bool = False) -> ShardGroupCostModel:
+    """The :class:`ShardGroupCostModel` of an :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`
+    (its model shape, hardware, world size and state bytes); ``shard_group_size`` defaults to the world."""
+    mode = HsdpMode(analytic.world_size, shard_group_size=shard_group_size, offload=offload)
+    return mode.plan_with(analytic, StateParts.of_analytic(analytic))
+
