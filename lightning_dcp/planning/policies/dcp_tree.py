@@ -44,26 +44,39 @@ class BuddyTreeSearch:
     """
 
     _tree: BuddyTree | None = None
+    _tree_var: list[list[float]] = []
 
     def _tree_schedule(self, L: np.ndarray, E: np.ndarray, floor: float, span: float, blocks: list):
         """A buddy-tree schedule of the step (:mod:`~lightning_dcp.planning.policies.tree`) if it beats ``span``.
 
+        The deadline greedy's best schedule, refined (:meth:`_tree_search`), and the layout plan
+        (``blocks``) refined as a tree (:meth:`_tree_of_layout`): the faster of the two if it is
+        faster than ``span`` (the layout plan's), as :meth:`_tree_levels`; else None.
+        """
+        best = self._tree_search(L, E, floor)
+        got = self._tree_of_layout(blocks, L, E)
+        if got is not None and improves(got[0], best[0]):
+            best = got
+        return self._tree_levels(best) if improves(best[0], span) else None
+
+    def _tree_search(self, L: np.ndarray, E: np.ndarray, floor: float) -> tuple:
+        """The deadline greedy's best schedule, refined: ``(span, where, packs, own, tree)``.
+
         Tries the deadlines ``floor x TREE_DEADLINES`` (``floor``: the step bound's compute
         part), keeps the lowest exact span, then moves samples off its critical path while that
-        lowers the span (:meth:`_tree_refine`); the layout plan (``blocks``: its groups, then
-        their fills on sub-blocks, is a tree schedule too) is refined the same way. Returns
-        ``(item lists per level, largest SP first; span; SP size of every node that runs
-        items)``, or None when no tree schedule is faster than ``span``.
+        lowers the span (:meth:`_tree_refine`).
         """
         if self._tree is None:
             self._tree = BuddyTree(self.view.topology, self.classes)
         tree = self._tree
         Ll = self._Ll
         var, const = [], []
+        work = np.asarray(self._Wl, dtype=np.float64) if self.view._time_fast is not None else None
         for p in self.classes:
-            v, c = self.view.split_costs(L, p)
+            v, c = self.view.split_costs(L, p, work)
             var.append(v.tolist())
             const.append(c.tolist())
+        self._tree_var = var
         order = np.argsort(-L, kind="stable").tolist()
         best = None
         for f in TREE_DEADLINES:
@@ -78,25 +91,36 @@ class BuddyTreeSearch:
         if self.refine_rounds:
             got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
             best = (got, where, packs, own, tree)
-            # the layout plan is a tree schedule too (groups, then fills on their sub-blocks): refine it as well,
-            # on the search's tree when its groups are nodes of it, else on a tree with its groups as nodes
-            groups = {(ranks[0], len(ranks)) for blk in blocks for ranks, _, _ in blk}
-            ltree = tree if all(tree.has_group(a, n) for a, n in groups) else \
-                BuddyTree(self.view.topology, self.classes, chain=tree.chain, groups=groups)
-            node = {(ltree.offset[v], ltree.size[v]): v for v in range(len(ltree.size))}
-            where = [-1] * len(Ll)
-            for blk in blocks:
-                for ranks, idx, _ in blk:
-                    v = node[(ranks[0], len(ranks))]
-                    for i in idx:
-                        where[i] = v
-            packs, own = self._tree_realize(ltree, where, L, E)
-            got, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, var)
-            if improves(got, best[0]):
-                best = (got, where, packs, own, ltree)
-        got, where, packs, own, tree = best  # type: ignore[misc]
-        if not improves(got, span):
+        return best
+
+    def _tree_of_layout(self, blocks: list, L: np.ndarray, E: np.ndarray) -> tuple | None:
+        """The layout plan (``blocks``: its groups, then their fills on sub-blocks, is a tree schedule too)
+        refined as a tree: ``(span, where, packs, own, tree)``, or None without refinement rounds.
+
+        On the search's tree when the plan's groups are nodes of it, else on a tree with its groups as nodes.
+        Needs :meth:`_tree_search` first (its tree and costs).
+        """
+        if not self.refine_rounds:
             return None
+        tree, Ll = self._tree, self._Ll
+        groups = {(ranks[0], len(ranks)) for blk in blocks for ranks, _, _ in blk}
+        ltree = tree if all(tree.has_group(a, n) for a, n in groups) else \
+            BuddyTree(self.view.topology, self.classes, chain=tree.chain, groups=groups)
+        node = {(ltree.offset[v], ltree.size[v]): v for v in range(len(ltree.size))}
+        where = [-1] * len(Ll)
+        for blk in blocks:
+            for ranks, idx, _ in blk:
+                v = node[(ranks[0], len(ranks))]
+                for i in idx:
+                    where[i] = v
+        packs, own = self._tree_realize(ltree, where, L, E)
+        got, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, self._tree_var)
+        return got, where, packs, own, ltree
+
+    def _tree_levels(self, best: tuple):
+        """A tree schedule ``(span, where, packs, own, tree)`` as ``(item lists per level, largest SP first; span;
+        SP size of every node that runs items)``."""
+        got, _, packs, _, tree = best
         levels: dict[int, list[list]] = {}
         nodes = sorted(packs, key=lambda u: (-tree.size[u], tree.offset[u]))
         for v in nodes:
