@@ -64,7 +64,7 @@ from lightning_dcp.planning.policies.tree import BuddyTree
 __all__ = [
     "DCPPolicy", "AlgorithmOnePolicy", "DCPInterPolicy", "DCPIntraPolicy", "fill_costs", "FALLBACK_MAX_SAMPLES_PER_RANK",
     "FALLBACK_MAX_WORLD",
-    "TREE_MAX_SAMPLES_PER_RANK", "TREE_SLACK", "TREE_DEADLINES", "TREE_REFINE_WIDTH",
+    "TREE_MAX_SAMPLES_PER_RANK", "TREE_FIRST_SAMPLES_PER_RANK", "TREE_FIRST_MIN_SAMPLES", "LAYOUT_SKIP", "TREE_SLACK", "TREE_DEADLINES", "TREE_REFINE_WIDTH",
 ]
 
 
@@ -77,6 +77,20 @@ times dcp's own planning (on ``benchmarks/planner_speed.py``'s 1024-GPU grid the
 
 TREE_MAX_SAMPLES_PER_RANK = 64
 """dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`) for batches of at most this many samples per rank."""
+
+TREE_FIRST_SAMPLES_PER_RANK = 8
+"""Batches of more samples per rank than this (and at most ``TREE_MAX_SAMPLES_PER_RANK``) plan the buddy tree
+first (:meth:`DCPPolicy._tree_first`): with many samples per rank it is the faster plan on
+``benchmarks/simulate_scaling.py``'s grid, and the layout scheduler's candidate dispatches over every sample are
+most of the planning time."""
+
+TREE_FIRST_MIN_SAMPLES = 8192
+"""... and of more samples than this (below, the layout scheduler is cheap: a few tens of ms)."""
+
+LAYOUT_SKIP = 0.015
+"""... and keep it without running the layout scheduler when its span is within this fraction of the step
+bound's compute part (a layout plan was never more than 1% above that bound on the grid's 256- and 1024-GPU
+cells where the tree was within 1.5%, and never won there)."""
 
 
 class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
@@ -170,15 +184,20 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             w = self.view.work
             self._Wl = [wc[n] if n in wc else wc.setdefault(n, float(w(n))) for n in self._Ll]
         try:
-            blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
-            extra = {"layout": list(layout), "estimated_time": span}
-            if self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size:
-                floor = self._bound_span(lengths)
-                if span > floor * (1 + TREE_SLACK):
-                    got = self._tree_schedule(L, E, floor, span, blocks)
-                    if got is not None:
-                        blocks, span, sizes = got
-                        extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
+            tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
+            if tree and len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES):
+                blocks, extra = self._tree_first(ids, L, E, G, lengths, rng)
+            else:
+                blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng,
+                                                      top=True)
+                extra = {"layout": list(layout), "estimated_time": span}
+                if tree:
+                    floor = self._bound_span(lengths)
+                    if span > floor * (1 + TREE_SLACK):
+                        got = self._tree_schedule(L, E, floor, span, blocks)
+                        if got is not None:
+                            blocks, span, sizes = got
+                            extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
         finally:
             self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
         Ll, ring = self._Ll, self.view.ring_of
@@ -191,6 +210,26 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         if self.fallback:
             plan = self._best_of_parts(samples, lengths, step, plan)
         return [plan]
+
+    def _tree_first(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, lengths: Sequence[int],
+                    rng: np.random.Generator) -> tuple[list, dict]:
+        """A step of many samples per rank: the buddy-tree search first (:meth:`_tree_search`), the layout
+        scheduler only when the tree's span is over ``1 + LAYOUT_SKIP`` times the bound's compute part.
+
+        Then the fastest of the tree, the layout plan refined as a tree and the layout plan wins (the layout
+        plan on ties), as in :meth:`plan_batch`'s other order. Returns ``(blocks, extra)``.
+        """
+        floor = self._bound_span(lengths)
+        best = self._tree_search(L, E, floor)
+        if best[0] > floor * (1 + LAYOUT_SKIP):
+            blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+            got = self._tree_of_layout(blocks, L, E)
+            if got is not None and improves(got[0], best[0]):
+                best = got
+            if not improves(best[0], span):
+                return blocks, {"layout": list(layout), "estimated_time": span}
+        blocks, span, sizes = self._tree_levels(best)
+        return blocks, {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
 
     def _bound_span(self, lengths: Sequence[int]) -> float:
         """The step bound's compute part, ``max(work / W, heaviest)`` (seconds, no all-reduce)."""

@@ -18,6 +18,7 @@ import numpy as np
 from lightning_dcp.planning.policies.base import interleave_items
 from lightning_dcp.planning.policies.objective import improves
 from lightning_dcp.planning.policies.tree import BuddyTree
+from lightning_dcp.planning.policies.tree_balance import TreeState, balance
 
 TREE_SLACK = 0.005
 """dcp keeps its layout plan without trying buddy-tree schedules when that plan is within this fraction of the step bound."""
@@ -30,6 +31,10 @@ only gets worse)."""
 BEST_FIT_MAX_WORLD = 64
 """The buddy-tree greedy also tries best fit (each unit on the fullest node it still ends on by the deadline) on
 worlds of at most this many ranks; above, scanning every node of a level per unit costs more than it wins."""
+
+BALANCE_PACKS_PER_NODE = 2
+"""The balancing after tree refinement (:func:`~lightning_dcp.planning.policies.tree_balance.balance`) re-packs
+at most this many nodes per node of the tree (a work budget: the same plan on every rank)."""
 
 TREE_REFINE_WIDTH = 8
 """Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
@@ -45,6 +50,7 @@ class BuddyTreeSearch:
 
     _tree: BuddyTree | None = None
     _tree_var: list[list[float]] = []
+    _tree_const: list[list[float]] = []
 
     def _tree_schedule(self, L: np.ndarray, E: np.ndarray, floor: float, span: float, blocks: list):
         """A buddy-tree schedule of the step (:mod:`~lightning_dcp.planning.policies.tree`) if it beats ``span``.
@@ -76,7 +82,7 @@ class BuddyTreeSearch:
             v, c = self.view.split_costs(L, p, work)
             var.append(v.tolist())
             const.append(c.tolist())
-        self._tree_var = var
+        self._tree_var, self._tree_const = var, const
         order = np.argsort(-L, kind="stable").tolist()
         best = None
         for f in TREE_DEADLINES:
@@ -90,8 +96,29 @@ class BuddyTreeSearch:
                 break
         if self.refine_rounds:
             got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
-            best = (got, where, packs, own, tree)
+            best = self._tree_balance(tree, where, packs, own, L, E)
         return best
+
+    def _tree_balance(self, tree: BuddyTree, where: list[int], packs: dict, own: list[float], L: np.ndarray,
+                      E: np.ndarray) -> tuple:
+        """:func:`~lightning_dcp.planning.policies.tree_balance.balance` on a refined tree schedule (at most
+        ``BALANCE_PACKS_PER_NODE`` packs per node of the tree): ``(span, where, packs, own, tree)``."""
+        members: dict[int, list[int]] = {}
+        for i, v in enumerate(where):
+            members.setdefault(v, []).append(i)
+        state = TreeState(tree, members, dict(packs), list(own))
+
+        def pack(v: int, idx: list[int]) -> tuple[list, float]:
+            got = self._pack(idx, tree.size[v], L, E)
+            return got, sum(t for _, _, t in got) / self._pace(tree, v)
+
+        if balance(state, pack, self._tree_var, self._tree_const, self._Ll, self.budget, self.classes,
+                   BALANCE_PACKS_PER_NODE * len(tree.size)):
+            where = list(where)
+            for v, idx in state.members.items():
+                for i in idx:
+                    where[i] = v
+        return tree.span(state.own), where, state.packs, state.own, tree
 
     def _tree_of_layout(self, blocks: list, L: np.ndarray, E: np.ndarray) -> tuple | None:
         """The layout plan (``blocks``: its groups, then their fills on sub-blocks, is a tree schedule too)
@@ -115,7 +142,7 @@ class BuddyTreeSearch:
                     where[i] = v
         packs, own = self._tree_realize(ltree, where, L, E)
         got, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, self._tree_var)
-        return got, where, packs, own, ltree
+        return self._tree_balance(ltree, where, packs, own, L, E)
 
     def _tree_levels(self, best: tuple):
         """A tree schedule ``(span, where, packs, own, tree)`` as ``(item lists per level, largest SP first; span;
