@@ -220,7 +220,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         plan on ties), as in :meth:`plan_batch`'s other order. Returns ``(blocks, extra)``.
         """
         floor = self._bound_span(lengths)
-        best = self._tree_search(L, E, floor)
+        best = self._tree_search(L, E, floor, many=True)
         if best[0] > floor * (1 + LAYOUT_SKIP):
             blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
             got = self._tree_of_layout(blocks, L, E)

@@ -28,6 +28,10 @@ TREE_DEADLINES = (1.0, 1.02)
 ``benchmarks/planner_speed.py``'s 32-GPU grid: past 1.05 the least-loaded greedy repeats itself and best fit
 only gets worse)."""
 
+TREE_FIRST_DEADLINES = (1.02,)
+"""The deadlines of a step of many samples per rank (:meth:`BuddyTreeSearch._tree_search` with ``many``): after
+balancing, 1.02 was as good as or better than 1.0 on ``benchmarks/simulate_scaling.py``'s 256- and 1024-GPU cells."""
+
 BEST_FIT_MAX_WORLD = 64
 """The buddy-tree greedy also tries best fit (each unit on the fullest node it still ends on by the deadline) on
 worlds of at most this many ranks; above, scanning every node of a level per unit costs more than it wins."""
@@ -65,12 +69,14 @@ class BuddyTreeSearch:
             best = got
         return self._tree_levels(best) if improves(best[0], span) else None
 
-    def _tree_search(self, L: np.ndarray, E: np.ndarray, floor: float) -> tuple:
+    def _tree_search(self, L: np.ndarray, E: np.ndarray, floor: float, many: bool = False) -> tuple:
         """The deadline greedy's best schedule, refined: ``(span, where, packs, own, tree)``.
 
         Tries the deadlines ``floor x TREE_DEADLINES`` (``floor``: the step bound's compute
         part), keeps the lowest exact span, then moves samples off its critical path while that
-        lowers the span (:meth:`_tree_refine`).
+        lowers the span (:meth:`_tree_refine`) and balances it (:meth:`_tree_balance`). ``many``
+        (a step of many samples per rank, :meth:`~lightning_dcp.planning.policies.dcp.DCPPolicy._tree_first`):
+        the deadlines ``TREE_FIRST_DEADLINES`` and balancing without the refinement before it.
         """
         if self._tree is None:
             self._tree = BuddyTree(self.view.topology, self.classes)
@@ -85,7 +91,7 @@ class BuddyTreeSearch:
         self._tree_var, self._tree_const = var, const
         order = np.argsort(-L, kind="stable").tolist()
         best = None
-        for f in TREE_DEADLINES:
+        for f in TREE_FIRST_DEADLINES if many else TREE_DEADLINES:
             for best_fit in ((False, True) if self.world_size <= BEST_FIT_MAX_WORLD else (False,)):
                 where = tree.assign(var, const, Ll, self.budget, order, floor * f, best_fit=best_fit)
                 packs, own = self._tree_realize(tree, where, L, E)
@@ -95,7 +101,10 @@ class BuddyTreeSearch:
             if best[0] <= floor * (1 + TREE_SLACK):
                 break
         if self.refine_rounds:
-            got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
+            if many:  # balancing alone does as well, for a fraction of the time
+                got, where, packs, own = best[:4]
+            else:
+                got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
             best = self._tree_balance(tree, where, packs, own, L, E)
         return best
 
