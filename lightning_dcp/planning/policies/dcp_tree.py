@@ -40,6 +40,11 @@ BALANCE_PACKS_PER_NODE = 2
 """The balancing after tree refinement (:func:`~lightning_dcp.planning.policies.tree_balance.balance`) re-packs
 at most this many nodes per node of the tree (a work budget: the same plan on every rank)."""
 
+TREE_REFINE_MAX_WORLD = 128
+"""Tree refinement (:meth:`BuddyTreeSearch._tree_refine`: a pass over the tree per round) runs before balancing on
+worlds of at most this many ranks; above, balancing alone was as good on ``benchmarks/simulate_scaling.py``'s
+256- and 1024-GPU cells, for a fraction of the time."""
+
 TREE_REFINE_WIDTH = 8
 """Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
 
@@ -74,7 +79,8 @@ class BuddyTreeSearch:
 
         Tries the deadlines ``floor x TREE_DEADLINES`` (``floor``: the step bound's compute
         part), keeps the lowest exact span, then moves samples off its critical path while that
-        lowers the span (:meth:`_tree_refine`) and balances it (:meth:`_tree_balance`). ``many``
+        lowers the span (:meth:`_tree_refine`, on worlds of at most ``TREE_REFINE_MAX_WORLD`` ranks) and
+        balances it (:meth:`_tree_balance`). ``many``
         (a step of many samples per rank, :meth:`~lightning_dcp.planning.policies.dcp.DCPPolicy._tree_first`):
         the deadlines ``TREE_FIRST_DEADLINES`` and balancing without the refinement before it.
         """
@@ -101,7 +107,7 @@ class BuddyTreeSearch:
             if best[0] <= floor * (1 + TREE_SLACK):
                 break
         if self.refine_rounds:
-            if many:  # balancing alone does as well, for a fraction of the time
+            if many or self.world_size > TREE_REFINE_MAX_WORLD:  # balancing alone does as well, for less time
                 got, where, packs, own = best[:4]
             else:
                 got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
@@ -150,7 +156,8 @@ class BuddyTreeSearch:
                 for i in idx:
                     where[i] = v
         packs, own = self._tree_realize(ltree, where, L, E)
-        got, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, self._tree_var)
+        if self.world_size <= TREE_REFINE_MAX_WORLD:
+            _, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, self._tree_var)
         return self._tree_balance(ltree, where, packs, own, L, E)
 
     def _tree_levels(self, best: tuple):
