@@ -128,6 +128,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         self.fallback = bool(self.options.get("fallback", True))
         self.tree = bool(self.options.get("tree", True))
         self._tree: BuddyTree | None = None
+        self._group_trees: dict[frozenset, BuddyTree] = {}
         self._parts: list[Policy] | None = None
         self._bounder: StepBounder | None = None
         self.candidates: dict[int, list[Layout]] = {}

@@ -10,6 +10,7 @@ plan's, itself a two-level tree -- by moving and swapping samples off the critic
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Sequence
 
@@ -45,6 +46,13 @@ TREE_REFINE_MAX_WORLD = 128
 worlds of at most this many ranks; above, balancing alone was as good on ``benchmarks/simulate_scaling.py``'s
 256- and 1024-GPU cells, for a fraction of the time."""
 
+TREE_REFINE_SAMPLES_PER_RANK = 2
+"""... and on any world with at most this many samples per rank (one sample per rank: a move needs a swap; on
+``benchmarks/planner_speed.py``'s 1024-GPU rows refinement still won up to 0.9% of the step there)."""
+
+GROUP_TREES = 8
+"""Trees with a layout plan's groups as nodes kept per policy (:meth:`BuddyTreeSearch._group_tree`)."""
+
 TREE_REFINE_WIDTH = 8
 """Tree refinement looks at the largest this-many samples of a node (moves and swaps)."""
 
@@ -60,6 +68,7 @@ class BuddyTreeSearch:
     _tree: BuddyTree | None = None
     _tree_var: list[list[float]] = []
     _tree_const: list[list[float]] = []
+    _group_trees: dict[frozenset, BuddyTree]
 
     def _tree_schedule(self, L: np.ndarray, E: np.ndarray, floor: float, span: float, blocks: list):
         """A buddy-tree schedule of the step (:mod:`~lightning_dcp.planning.policies.tree`) if it beats ``span``.
@@ -79,8 +88,7 @@ class BuddyTreeSearch:
 
         Tries the deadlines ``floor x TREE_DEADLINES`` (``floor``: the step bound's compute
         part), keeps the lowest exact span, then moves samples off its critical path while that
-        lowers the span (:meth:`_tree_refine`, on worlds of at most ``TREE_REFINE_MAX_WORLD`` ranks) and
-        balances it (:meth:`_tree_balance`). ``many``
+        lowers the span (:meth:`_tree_refine`, where :meth:`_refines`) and balances it (:meth:`_tree_balance`). ``many``
         (a step of many samples per rank, :meth:`~lightning_dcp.planning.policies.dcp.DCPPolicy._tree_first`):
         the deadlines ``TREE_FIRST_DEADLINES`` and balancing without the refinement before it.
         """
@@ -107,12 +115,18 @@ class BuddyTreeSearch:
             if best[0] <= floor * (1 + TREE_SLACK):
                 break
         if self.refine_rounds:
-            if many or self.world_size > TREE_REFINE_MAX_WORLD:  # balancing alone does as well, for less time
+            if many or not self._refines(len(L)):  # balancing alone does as well, for less time
                 got, where, packs, own = best[:4]
             else:
                 got, where, packs, own = self._tree_refine(tree, best[1], best[2], best[3], L, E, var)
             best = self._tree_balance(tree, where, packs, own, L, E)
         return best
+
+    def _refines(self, samples: int) -> bool:
+        """Whether tree schedules of ``samples`` samples are refined (:meth:`_tree_refine`) before balancing: on
+        worlds of at most ``TREE_REFINE_MAX_WORLD`` ranks, or with at most ``TREE_REFINE_SAMPLES_PER_RANK``
+        samples per rank (where a move needs a swap, which balancing does not make)."""
+        return self.world_size <= TREE_REFINE_MAX_WORLD or samples <= TREE_REFINE_SAMPLES_PER_RANK * self.world_size
 
     def _tree_balance(self, tree: BuddyTree, where: list[int], packs: dict, own: list[float], L: np.ndarray,
                       E: np.ndarray) -> tuple:
@@ -146,8 +160,7 @@ class BuddyTreeSearch:
             return None
         tree, Ll = self._tree, self._Ll
         groups = {(ranks[0], len(ranks)) for blk in blocks for ranks, _, _ in blk}
-        ltree = tree if all(tree.has_group(a, n) for a, n in groups) else \
-            BuddyTree(self.view.topology, self.classes, chain=tree.chain, groups=groups)
+        ltree = tree if all(tree.has_group(a, n) for a, n in groups) else self._group_tree(groups)
         node = {(ltree.offset[v], ltree.size[v]): v for v in range(len(ltree.size))}
         where = [-1] * len(Ll)
         for blk in blocks:
@@ -156,9 +169,20 @@ class BuddyTreeSearch:
                 for i in idx:
                     where[i] = v
         packs, own = self._tree_realize(ltree, where, L, E)
-        if self.world_size <= TREE_REFINE_MAX_WORLD:
+        if self._refines(len(L)):
             _, where, packs, own = self._tree_refine(ltree, where, packs, own, L, E, self._tree_var)
         return self._tree_balance(ltree, where, packs, own, L, E)
+
+    def _group_tree(self, groups: set[tuple[int, int]]) -> BuddyTree:
+        """The search's tree with ``groups`` as nodes (the last few kept: steps often repeat a layout)."""
+        key = frozenset(groups)
+        got = self._group_trees.get(key)
+        if got is None:
+            got = BuddyTree(self.view.topology, self.classes, chain=self._tree.chain, groups=groups)
+            if len(self._group_trees) >= GROUP_TREES:
+                self._group_trees.pop(next(iter(self._group_trees)))
+            self._group_trees[key] = got
+        return got
 
     def _tree_levels(self, best: tuple):
         """A tree schedule ``(span, where, packs, own, tree)`` as ``(item lists per level, largest SP first; span;
@@ -253,7 +277,7 @@ class BuddyTreeSearch:
         cut = span * (1 - 1e-12)
         crit = [v for v in members if thr[v] >= cut]
         # per SP size, its least-loaded nodes off the critical paths (destinations)
-        light = {p: sorted((u for u in nodes if thr[u] < cut), key=lambda u: (thr[u], u))[:3 + len(crit)]
+        light = {p: heapq.nsmallest(3 + len(crit), (u for u in nodes if thr[u] < cut), key=lambda u: (thr[u], u))
                  for p, nodes in tree.level.items() if p in kof}
         cands = []
         for s_ in crit:

@@ -44,6 +44,9 @@ from lightning_dcp.planning.policies.objective import makespan
 from lightning_dcp.planning.topology import Topology
 
 
+VECTOR_LEAVES = 64
+"""Trees of more leaves than this sum their root-to-leaf paths with numpy (:meth:`BuddyTree.paths`)."""
+
 HEAP_LEVEL = 64
 """A tree level with more nodes than this finds its least-loaded node with a heap in :meth:`BuddyTree.assign`."""
 
@@ -128,6 +131,7 @@ class BuddyTree:
         self._fixed = sorted({(int(a), int(n)) for a, n in groups}, key=lambda g: (g[0], -g[1]))
         self._fixed_starts = [a for a, _ in self._fixed]
         self._groups: set[tuple[int, int]] | None = None
+        self._cols: list[np.ndarray] | None = None
         self._cover(0, self.topology.world_size, -1, self.topology.world_size + 1)
         if index:
             self._index()
@@ -228,6 +232,8 @@ class BuddyTree:
 
     def paths(self, own: Sequence[float]) -> list[float]:
         """Every root-to-leaf sum of ``own`` (seconds per node): each rank's busy time."""
+        if len(self.leaves) > VECTOR_LEAVES:
+            return self._path_array(own).tolist()
         out = []
         for v in self.leaves:
             s = own[v]
@@ -236,13 +242,31 @@ class BuddyTree:
             out.append(s)
         return out
 
+    def _path_array(self, own: Sequence[float]) -> np.ndarray:
+        """:meth:`paths` as an array, summed in the same order (leaf, then its ancestors upwards): the same values."""
+        if self._cols is None:  # column j: every leaf's j-th node upwards (padding: the extra zero at the end)
+            n = len(self.offset)
+            chains = [[v] + self.ancestors[v] for v in self.leaves]
+            depth = max(len(c) for c in chains)
+            self._cols = [np.array([c[j] if j < len(c) else n for c in chains], dtype=np.int64) for j in range(depth)]
+        o = np.append(np.asarray(own, dtype=np.float64), 0.0)
+        out = o[self._cols[0]]
+        for col in self._cols[1:]:
+            out += o[col]
+        return out
+
     def span(self, own: Sequence[float]) -> float:
         """Largest root-to-leaf sum of ``own`` (seconds per node): the compute span."""
+        if len(self.leaves) > VECTOR_LEAVES:
+            return float(self._path_array(own).max())
         return makespan(self.paths(own))
 
     def spread(self, own: Sequence[float]) -> float:
         """Sum of squared root-to-leaf sums: lower when the paths are shorter or more even (a tie-breaker
         for equal spans)."""
+        if len(self.leaves) > VECTOR_LEAVES:
+            p = self._path_array(own)
+            return float(np.dot(p, p))
         tot = 0.0
         for v in self.leaves:
             s = own[v]

@@ -134,7 +134,7 @@ class _Balancer:
         """``(estimated longest path of the pair after it, sample, destination)`` of the moves off ``s`` whose
         estimate is under ``t_s``, best first."""
         tree, members, packs, thr, lens = self.tree, self.state.members, self.state.packs, self.thr, self.lens
-        anc, inf = tree.ancestors, math.inf
+        inf = math.inf
         ks = self.kof[tree.size[s]]
         rs, cs, bs = self.var[ks], self.const[ks], self.mb[ks]
         mem = sorted(members[s], key=lambda i: (-rs[i], i))
@@ -143,7 +143,11 @@ class _Balancer:
         # each sample's source estimate: its own time off, and a micro-batch fewer when the tokens left allow it
         after = [(i, lens[i], t_s - rs[i] - (cs[i] if nmb_s > 1 and tok_s - lens[i] <= (nmb_s - 1) * bs else 0.0))
                  for i in mine]
-        skip = (lambda u: u == s or s in anc[u] or u in anc[s])
+        lo_s, hi_s, off, size = tree.offset[s], tree.offset[s] + tree.size[s], tree.offset, tree.size
+
+        def skip(u: int) -> bool:  # related to s: one's ranks hold the other's
+            return off[u] < hi_s and lo_s < off[u] + size[u]
+
         cands = []
         for p, heap in self.light.items():
             if p > 2 * tree.size[s]:  # a larger group runs a sample at more GPU-seconds: rarely a move that helps
