@@ -137,6 +137,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         self._Wl: list[float] = []
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
+        self._nested: dict[tuple, tuple] = {}  # nested plans of a group's fills (per step)
         self._E = None
         self._ET: list | None = None
         if self.dataset_lengths:
@@ -177,6 +178,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         self._Ll = L.tolist()
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
+        self._nested = {}
         self._E = E
         self._ET = E.T.tolist()  # per-sample rows for the nested dispatches (lpt_dispatch reads row[k], k <= kmax)
         fast = self.view._time_fast
@@ -200,7 +202,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
                             blocks, span, sizes = got
                             extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
         finally:
-            self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
+            self._Erows, self._E, self._packs, self._ET, self._nested = {}, None, {}, None, {}
         Ll, ring = self._Ll, self.view.ring_of
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
                       for ranks, idx, rec in blk] for blk in blocks]

@@ -67,7 +67,7 @@ class LayoutScheduler:
     Uses the policy's ``classes`` (SP sizes), ``maxlens`` (longest sample per class),
     ``candidates`` (the dataset's layouts per largest SP size), ``view``, ``budget`` (token
     budget per class), ``trials``, ``dispatch_chunk``, ``refine_rounds``, its per-step caches
-    (``_Ll``, ``_Wl``, ``_E``, ``_ET``, ``_Erows``, ``_packs``) and ``_alone_times``.
+    (``_Ll``, ``_Wl``, ``_E``, ``_ET``, ``_Erows``, ``_packs``, ``_nested``) and ``_alone_times``.
     """
 
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
@@ -291,9 +291,15 @@ class LayoutScheduler:
         if fill:
             # a group of most of the world (its long samples want most ranks): what follows its own items is most
             # of the step, planned as the top level is (both modes, refined)
-            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=self._full(P))
-            items.extend(interleave_items(sub))
-            t += span
+            key = (tuple(idl[j] for j in fill), P, ranks[0]) if self.trials == 1 and self._E is E else None
+            got = self._nested.get(key) if key is not None else None
+            if got is None:  # the same fills on the same ranks plan the same way (refinement moves own samples too)
+                sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=self._full(P))
+                got = (interleave_items(sub), span)
+                if key is not None:
+                    self._nested[key] = got
+            items.extend(got[0])
+            t += got[1]
         return items, t
 
     def _pack(self, idx: list[int], sp: int, L: np.ndarray, E: np.ndarray) -> list[tuple[list[int], int, float]]:
