@@ -370,8 +370,8 @@ class BuddyTree:
             lq = val[q]
             for j in range(lo, hi):
                 lq[j] += t
-        for a in anc[v]:  # longest path below each ancestor (once one is unchanged, so are those above it)
-            k = kids[a]
+        for a in anc[v]:  # longest path below each ancestor (once one is unchanged, so are those above it) and the
+            k = kids[a]  # path value through it, which moves with it (the own times above it are unchanged)
             if len(k) == 2:
                 d0, d1 = down[k[0]], down[k[1]]
                 d = own[a] + (d0 if d0 > d1 else d1)
@@ -379,8 +379,5 @@ class BuddyTree:
                 d = own[a] + max([down[c] for c in k])
             if d == down[a]:
                 break
+            val[size[a]][pos[a]] += d - down[a]
             down[a] = d
-        up = 0.0
-        for a in reversed(anc[v]):  # then the path value through it
-            val[size[a]][pos[a]] = up + down[a]
-            up += own[a]
