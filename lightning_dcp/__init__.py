@@ -36,6 +36,7 @@ _EXPORTS = {
     "DCPProfiler": "lightning_dcp.profiling",
     "DCPStrategy": "lightning_dcp.runtime.strategy",
     "DefaultCostModel": "lightning_dcp.planning.default_cost",
+    "EMA": "lightning_dcp.callbacks.ema",
     "ProfiledCostModel": "lightning_dcp.planning.profiled",
     "RecomputeLayers": "lightning_dcp.sp.recompute",
     "SPContext": "lightning_dcp.sp.context",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_dcp.sp.tokens import weighted_loss
     from lightning_dcp.step_loss import StepLossLogging
     from lightning_dcp.planning.default_cost import DefaultCostModel
+    from lightning_dcp.callbacks.ema import EMA
     from lightning_dcp.planning.profiled import ProfiledCostModel
     from lightning_dcp.runtime.strategy import DCPStrategy
     from lightning_dcp.sp.ulysses import seq_all_to_all, ulysses_attention

@@ -18,6 +18,8 @@ COMMANDS = {
     "train": "lightning_dcp.commands.train",
     "encode": "lightning_dcp.commands.encode",
     "budget": "lightning_dcp.commands.budget",
+    "export": "lightning_dcp.commands.export",
+    "train-video": "lightning_dcp.commands.train_video",
 }
 
 

@@ -152,10 +152,13 @@ def test_first_principles_bound_equals_step_bounder(model, world, memory, fracti
 @CHECK
 @given(model=st.sampled_from(["transformer-1d", "transformer-2d"]), world=st.sampled_from([4, 8, 16]),
        memory=st.sampled_from([0.6, 1.0]), fractions=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=24),
-       scale=st.sampled_from([0.05, 0.3, 1.0]), policy=st.sampled_from(sorted(POLICIES)))
+       scale=st.sampled_from([0.05, 0.3, 1.0]),
+       policy=st.sampled_from(sorted(p for p in POLICIES if p not in ("megatron-hcp", "hydraulis"))))
 def test_no_plan_beats_the_tight_bounds(model, world, memory, fractions, scale, policy):
     """The tighter diagnostics (moldable, per-rank constant, stacking) stay lower bounds: no policy's simulated
-    step beats them (bucket's steps each checked on their own samples)."""
+    step beats them (bucket's steps each checked on their own samples). As in :func:`test_no_plan_beats_the_bound`,
+    megatron-hcp's pure rings (ring degree = its CP size, not the planner's ring degrees the bounds take) and
+    hydraulis' TP/PP items are priced outside the bounds' model, so they are left out."""
     bc = _bound_check()
     cm = _analytic(model, world, memory)
     cap = Planner(world, cm).longest_fitting()

@@ -43,9 +43,9 @@ from lightning_dcp.diffusers import (  # noqa: E402
     per_sample_embeds,
     unpatchify,
 )
-from lightning_dcp.diffusers.cogvideox import cogvideox_rotary  # noqa: E402
+from lightning_dcp.diffusers.families.cogvideox import cogvideox_rotary  # noqa: E402
 from lightning_dcp.diffusers.family import FAMILIES, family_of  # noqa: E402
-from lightning_dcp.diffusers.hunyuan import GUIDANCE, POOLED  # noqa: E402
+from lightning_dcp.diffusers.families.hunyuan import GUIDANCE, POOLED  # noqa: E402
 from lightning_dcp.diffusers.joint import JOINT_TEXT, unpack_joint_output  # noqa: E402
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, SPContext, sp_context  # noqa: E402
 from lightning_dcp.sp.packing import pack_samples  # noqa: E402

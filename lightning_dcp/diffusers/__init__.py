@@ -21,8 +21,15 @@ videos under DCP.
 * :func:`encode_videos` (``lightning-dcp encode``) encodes your own video files and captions with the
   model's VAE and text encoder into resumable shards; :class:`EncodedVideoDataset` trains on them
   (``pip install "lightning-dcp[encode]"`` for PyAV).
+* Fine-tuning as teams do it: a LoRA adapter (``VideoDiffusionModule(model, lora=16)``,
+  :mod:`~lightning_dcp.diffusers.lora`), the EMA (:class:`lightning_dcp.EMA`), validation videos
+  (:class:`~lightning_dcp.diffusers.validation.ValidationVideos`, :func:`write_mp4`), export to a diffusers
+  folder (:mod:`~lightning_dcp.diffusers.export`), and all of it from a config (``lightning-dcp train-video``,
+  :mod:`~lightning_dcp.diffusers.recipe`).
 
-Which class runs how is one :class:`~lightning_dcp.diffusers.family.VideoFamily` per model in :data:`FAMILIES`.
+Which class runs how is one :class:`~lightning_dcp.diffusers.family.VideoFamily` per model in :data:`FAMILIES`;
+each family's adapter, attention processor and packed forward is its module in
+:mod:`lightning_dcp.diffusers.families` (``wan``, ``ltx``, ``cogvideox``, ``hunyuan``).
 
 Needs ``diffusers>=0.35`` (``pip install "lightning-dcp[diffusers]"``); importing this package
 without it raises an ImportError saying so. ``import lightning_dcp`` never imports it.
@@ -39,19 +46,24 @@ except ImportError as _err:  # pragma: no cover - exercised only without diffuse
     ) from _err
 
 from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
-from lightning_dcp.diffusers.cogvideox import cogvideox_sample
+from lightning_dcp.diffusers.families.cogvideox import cogvideox_sample
 from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
 from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
 from lightning_dcp.diffusers.encoded import EncodedVideoDataset
-from lightning_dcp.diffusers.hunyuan import hunyuan_sample
+from lightning_dcp.diffusers.families.hunyuan import hunyuan_sample
 from lightning_dcp.diffusers.joint import JOINT_TEXT, unpack_joint_output
 from lightning_dcp.diffusers.video_io import VideoDecodeError
-from lightning_dcp.diffusers.attention import DCPWanAttnProcessor, PackedSelfAttention, PackedText
+from lightning_dcp.diffusers.attention import PackedSelfAttention, PackedText
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
 from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
 from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
-from lightning_dcp.diffusers.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
+from lightning_dcp.diffusers.families.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
+from lightning_dcp.diffusers.families.wan import DCPWanAttnProcessor
 from lightning_dcp.diffusers.module import VideoDiffusionModule
+from lightning_dcp.diffusers.mp4 import write_mp4
+from lightning_dcp.diffusers.lora import add_lora, lora_config, lora_state_dict, save_lora
+from lightning_dcp.diffusers.validation import ValidationVideos
+from lightning_dcp.diffusers.export import ExportResult, export_checkpoint
 from lightning_dcp.diffusers.samples import (
     CONDITION,
     GRID,
@@ -82,5 +94,6 @@ __all__ = [
     "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",
     "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed",
     "unpack_output", "unpatchify",
-    "video_sample",
+    "video_sample", "write_mp4",
+    "ExportResult", "ValidationVideos", "add_lora", "export_checkpoint", "lora_config", "lora_state_dict", "save_lora",
 ]

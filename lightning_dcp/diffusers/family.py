@@ -7,7 +7,7 @@ patched, sampled and trained: :func:`~lightning_dcp.diffusers.adapt`,
 (:func:`family_of`) and do the rest the same way for every family. Wan and LTX-Video attend to
 their text by cross-attention; CogVideoX and HunyuanVideo are joint-attention DiTs, whose text
 tokens are rows of the attention sequence (:mod:`lightning_dcp.diffusers.joint`). A new family
-is one entry here and its own module.
+is one entry here and its own module in :mod:`lightning_dcp.diffusers.families`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_dcp.diffusers import cogvideox, hunyuan
-from lightning_dcp.diffusers.adapt import adapt_wan, is_wan_adapted
-from lightning_dcp.diffusers.forward import wan_packed_forward
-from lightning_dcp.diffusers.ltx import adapt_ltx, is_ltx_adapted, ltx_patch_size, ltx_video_sample
-from lightning_dcp.diffusers.ltx_forward import ltx_packed_forward
+from lightning_dcp.diffusers.families import cogvideox, hunyuan, ltx, wan
 from lightning_dcp.diffusers.samples import video_sample
 
 __all__ = ["FAMILIES", "OUTPUT_LAYOUTS", "SUPPORTED_MODELS", "VideoFamily", "family_of", "find_family"]
@@ -56,6 +52,10 @@ class VideoFamily:
         joint: whether text tokens are rows of the attention sequence (joint attention): a sample's length
             then counts its text rows, which carry no loss, and outputs are unpacked with
             :func:`~lightning_dcp.diffusers.unpack_joint_output`.
+        pipeline: the diffusers pipeline class that runs the model for text-to-video (``"WanPipeline"``): its
+            ``save_lora_weights`` / ``load_lora_weights`` read and write the family's LoRA files, and
+            validation videos are generated with it.
+        lora_targets: the modules a LoRA adapter targets by default (:func:`~lightning_dcp.diffusers.lora.lora_config`).
     """
 
     class_name: str
@@ -69,16 +69,13 @@ class VideoFamily:
     blocks: Callable[[nn.Module], Sequence[nn.Module]]
     sample: Callable[..., dict]
     joint: bool = False
+    pipeline: str = ""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __post_init__(self) -> None:
         if self.output_layout not in OUTPUT_LAYOUTS:
             raise ValueError(f"VideoFamily {self.class_name}: output_layout must be one of {OUTPUT_LAYOUTS}, got "
                              f"{self.output_layout!r}")
-
-
-def _wan_patch(config: Any) -> tuple[int, int, int]:
-    pt, ph, pw = (int(v) for v in config.patch_size)
-    return pt, ph, pw
 
 
 def _config_int(key: str) -> Callable[[Any], int]:
@@ -88,27 +85,27 @@ def _config_int(key: str) -> Callable[[Any], int]:
 #: The supported families, keyed by diffusers class name.
 FAMILIES: dict[str, VideoFamily] = {
     "WanTransformer3DModel": VideoFamily(
-        class_name="WanTransformer3DModel", label="Wan 2.1 / 2.2", patch_size=_wan_patch,
-        text_dim=_config_int("text_dim"), adapt=adapt_wan, is_adapted=is_wan_adapted,
-        packed_forward=wan_packed_forward, output_layout="output", blocks=lambda model: model.blocks,
-        sample=video_sample),
+        class_name="WanTransformer3DModel", label="Wan 2.1 / 2.2", patch_size=wan.wan_patch_size,
+        text_dim=_config_int("text_dim"), adapt=wan.adapt_wan, is_adapted=wan.is_wan_adapted,
+        packed_forward=wan.wan_packed_forward, output_layout="output", blocks=lambda model: model.blocks,
+        sample=video_sample, pipeline="WanPipeline"),
     "LTXVideoTransformer3DModel": VideoFamily(
-        class_name="LTXVideoTransformer3DModel", label="LTX-Video", patch_size=ltx_patch_size,
-        text_dim=_config_int("caption_channels"), adapt=adapt_ltx, is_adapted=is_ltx_adapted,
-        packed_forward=ltx_packed_forward, output_layout="input", blocks=lambda model: model.transformer_blocks,
-        sample=ltx_video_sample),
+        class_name="LTXVideoTransformer3DModel", label="LTX-Video", patch_size=ltx.ltx_patch_size,
+        text_dim=_config_int("caption_channels"), adapt=ltx.adapt_ltx, is_adapted=ltx.is_ltx_adapted,
+        packed_forward=ltx.ltx_packed_forward, output_layout="input", blocks=lambda model: model.transformer_blocks,
+        sample=ltx.ltx_video_sample, pipeline="LTXPipeline"),
     "CogVideoXTransformer3DModel": VideoFamily(
         class_name="CogVideoXTransformer3DModel", label="CogVideoX 1.0 / 1.5", patch_size=cogvideox.cogvideox_patch_size,
         text_dim=_config_int("text_embed_dim"), adapt=cogvideox.adapt_cogvideox,
         is_adapted=cogvideox.is_cogvideox_adapted, packed_forward=cogvideox.cogvideox_packed_forward,
         output_layout="input", blocks=lambda model: model.transformer_blocks, sample=cogvideox.cogvideox_sample,
-        joint=True),
+        joint=True, pipeline="CogVideoXPipeline"),
     "HunyuanVideoTransformer3DModel": VideoFamily(
         class_name="HunyuanVideoTransformer3DModel", label="HunyuanVideo", patch_size=hunyuan.hunyuan_patch_size,
         text_dim=_config_int("text_embed_dim"), adapt=hunyuan.adapt_hunyuan, is_adapted=hunyuan.is_hunyuan_adapted,
         packed_forward=hunyuan.hunyuan_packed_forward, output_layout="input",
         blocks=lambda model: [*model.transformer_blocks, *model.single_transformer_blocks],
-        sample=hunyuan.hunyuan_sample, joint=True),
+        sample=hunyuan.hunyuan_sample, joint=True, pipeline="HunyuanVideoPipeline"),
 }
 
 #: Model classes :func:`~lightning_dcp.diffusers.adapt` supports.

@@ -273,14 +273,3 @@ def swap_block_class(block: nn.Module, packed_cls: type) -> None:
         if not isinstance(block, packed_cls.__mro__[1]):
             raise TypeError(f"expected a {packed_cls.__mro__[1].__name__}, got {type(block).__name__}")
         block.__class__ = packed_cls
-
-
-class JointRepeatedLayers:
-    """``dcp_repeated_layers()`` of a model with several block lists (HunyuanVideo: dual- then single-stream):
-    their blocks in call order. Holds the lists (not a closure), so the model pickles and deep-copies."""
-
-    def __init__(self, *lists: nn.ModuleList) -> None:
-        self.lists = lists
-
-    def __call__(self) -> list[nn.Module]:
-        return [block for blocks in self.lists for block in blocks]

@@ -24,13 +24,18 @@ from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
 from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES
+from lightning_dcp.diffusers.lora import add_lora, has_lora, trainable_state
+from lightning_dcp.diffusers.record import RECORD_KEY, ModelRecord
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, TOKEN_WEIGHT, active_context
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS, add_token_weights, weighted_loss
 from lightning_dcp.diffusers.summary import video_support_message
 from lightning_dcp.step_loss import StepLossLogging
 
-__all__ = ["VideoDiffusionModule"]
+__all__ = ["TRAINABLE_ONLY", "VideoDiffusionModule"]
+
+#: Checkpoint key: the ``state_dict`` holds only the parameters that train (a LoRA run's adapter weights).
+TRAINABLE_ONLY = "lightning_dcp_trainable_only"
 
 
 class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
@@ -69,6 +74,12 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         timestep_range: ``(lo, hi)`` fractions of ``num_train_timesteps`` to draw timesteps from, e.g.
             ``(boundary_ratio, 1.0)`` to train Wan 2.2 A14B's high-noise expert (see
             :class:`~lightning_dcp.diffusers.flow.FlowMatching`).
+        lora: train a LoRA adapter instead of the whole model: peft's ``LoraConfig``, or an int (its rank, with the
+            family's target modules, :func:`~lightning_dcp.diffusers.lora.lora_config`). The adapter is added with
+            ``model.add_adapter`` (:func:`~lightning_dcp.diffusers.lora.add_lora`); the base stays frozen, the
+            default optimizer holds only the adapter weights and checkpoints keep only them (the frozen base is
+            restored from the model the module was built with). A model that carries an adapter already trains
+            it the same way.
     """
 
     #: Tells DCPStrategy that this module takes packed, SP-sharded micro-batches.
@@ -88,11 +99,13 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
                  betas: tuple[float, float] = (0.9, 0.999), seed: int = 0, shift: float = 5.0,
                  num_train_timesteps: int = 1000, weighting_scheme: str = "none", logit_mean: float = 0.0,
                  logit_std: float = 1.0, mode_scale: float = 1.29, loss_reduction: str | None = None,
-                 timestep_range: tuple[float, float] = (0.0, 1.0)) -> None:
+                 timestep_range: tuple[float, float] = (0.0, 1.0), lora: Any = None) -> None:
         super().__init__()
         if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS} or None, got {loss_reduction!r}")
         self.model = model if is_adapted(model) else adapt(model)
+        if lora is not None:
+            add_lora(self.model, lora)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.loss_reduction = loss_reduction
         family = family_of(model)
@@ -100,6 +113,11 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
                                  num_train_timesteps=num_train_timesteps, weighting_scheme=weighting_scheme,
                                  logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
                                  timestep_range=timestep_range, target_layout=family.output_layout)
+
+    @property
+    def trains_adapter(self) -> bool:
+        """Whether the model carries a LoRA adapter: only its weights train and are checkpointed."""
+        return has_lora(self.model)
 
     @property
     def dcp_num_heads(self) -> int:
@@ -177,3 +195,17 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         """AdamW over all trainable parameters with ``lr``, ``weight_decay`` and ``betas``."""
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The transformer's class, config and adapter config (:class:`~lightning_dcp.diffusers.record.ModelRecord`,
+        what export rebuilds it from); with a LoRA adapter, only the trained (adapter) weights."""
+        checkpoint[RECORD_KEY] = ModelRecord.of(self.model).to_dict()
+        if self.trains_adapter:
+            checkpoint["state_dict"] = trainable_state(self, checkpoint["state_dict"])
+            checkpoint[TRAINABLE_ONLY] = True
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of the adapter weights only: the frozen base comes from the module as built."""
+        if checkpoint.get(TRAINABLE_ONLY) and isinstance(checkpoint.get("state_dict"), dict):
+            for key, value in self.state_dict().items():
+                checkpoint["state_dict"].setdefault(key, value)

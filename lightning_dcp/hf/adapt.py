@@ -7,7 +7,8 @@ from typing import Any
 from torch import nn
 
 from lightning_dcp.hf.attention import ATTN_IMPLEMENTATION, register_attention
-from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers, install_layer_recompute
+from lightning_dcp.sp.contract import install_contract
+from lightning_dcp.sp.recompute import LayerRecompute, install_layer_recompute
 
 __all__ = ["TESTED_MODEL_TYPES", "adapt", "find_decoder_layers", "is_adapted", "is_tested_family"]
 
@@ -119,14 +120,8 @@ def adapt(model: nn.Module, *, recompute_override: int | None = None) -> nn.Modu
         raise ValueError(f"lightning_dcp.hf.adapt: {type(model).__name__}.set_attn_implementation({ATTN_IMPLEMENTATION!r}) "
                          f"left it at {model.config._attn_implementation!r}; the model cannot switch attention "
                          "functions dynamically.")
-    switch = getattr(model, "dcp_recompute", None)
-    if isinstance(switch, LayerRecompute) and len(switch) == len(layers):
-        switch.recompute_override = recompute_override
-    else:
-        switch = install_layer_recompute(layers, recompute_override=recompute_override)
-    model.dcp_recompute = switch
-    model.dcp_num_heads = int(model.config.num_attention_heads)
-    model.dcp_repeated_layers = RepeatedLayers(layers)
+    install_contract(model, layers, num_heads=model.config.num_attention_heads, recompute_override=recompute_override,
+                     make_switch=lambda override: install_layer_recompute(layers, recompute_override=override))
     return model
 
 

@@ -273,7 +273,8 @@ def measure_constant_run(module: nn.Module, stack: LayerStack, batch: Any, step_
         with torch.enable_grad(), ctx:
             with autocast():
                 loss = step_fn(module, batch)
-        loss.backward()
+        if loss.requires_grad:  # else nothing outside the layers trains (a LoRA adapter on them only): no backward
+            loss.backward()
 
     try:
         with stack.bypassed():

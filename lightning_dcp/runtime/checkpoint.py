@@ -9,6 +9,12 @@ the full weights or the full optimizer state. States are taken and set with
 the optimizer's), so their keys are parameter names and a checkpoint loads on another world size.
 Every function here is collective: all ranks call it together.
 
+A callback whose state holds DTensors (:class:`~lightning_dcp.callbacks.EMA` under sharded weights) has those
+entries saved with the shards too (as ``"callback_<n>"``); ``meta.pt`` keeps the rest of its state and
+the name (:data:`SHARDED_STATE`), and the callback reads its shards back with :func:`load_callback_state`. A
+checkpoint may hold only the parameters that train (a LoRA run's adapter): the frozen ones keep the values the
+module was built with.
+
 Saving is atomic: the states go to a sibling directory ``.<name>.partial`` and ``meta.pt`` is written
 last, after every rank's shards; only then does rank 0 move the finished directory to ``path`` (an
 earlier checkpoint there is moved aside first and deleted after). A process killed during a save
@@ -25,12 +31,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["METADATA_FILENAME", "IncompleteCheckpointError", "is_sharded_checkpoint", "partial_path", "load_sharded", "model_state", "optimizer_state",
-           "save_sharded"]
+__all__ = ["METADATA_FILENAME", "SHARDED_STATE", "IncompleteCheckpointError", "is_sharded_checkpoint", "partial_path",
+           "load_callback_state", "load_sharded", "model_state", "optimizer_state", "save_sharded"]
 
 #: The file of a sharded checkpoint directory holding everything but the model and optimizer states
 #: (the name Lightning's ``ModelParallelStrategy`` uses, so either strategy recognises the other's).
 METADATA_FILENAME = "meta.pt"
+#: In ``meta.pt``, a callback state's key naming where its DTensor entries are in the shards.
+SHARDED_STATE = "lightning_dcp_sharded_state"
+#: Set by :func:`load_sharded` beside :data:`SHARDED_STATE`: the directory the state was loaded from.
+SHARDED_FROM = "lightning_dcp_sharded_from"
 
 
 class IncompleteCheckpointError(ValueError):
@@ -87,6 +97,12 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, *, rank: int, barrier: 
     barrier()
     states = {"state_dict": checkpoint.pop("state_dict")}
     states.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    callbacks = checkpoint.get("callbacks") or {}
+    for n, (key, state) in enumerate(list(callbacks.items())):
+        if isinstance(state, dict) and _holds_dtensor(state):  # its shards go with the others, the rest to meta.pt
+            name = f"callback_{n}"
+            states[name] = {k: v for k, v in state.items() if _holds_dtensor(v)}
+            callbacks[key] = {**{k: v for k, v in state.items() if not _holds_dtensor(v)}, SHARDED_STATE: name}
     save(states, checkpoint_id=partial)
     barrier()  # every rank's shards are on disk before meta.pt marks the directory complete
     if rank == 0:
@@ -119,15 +135,53 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], *, strict
         raise ValueError(f"{str(path)!r} is {kind}; DCPStrategy(sharding='zero2' | 'fsdp') resumes from the sharded "
                          f"checkpoint directories it writes (with {METADATA_FILENAME} inside). Resume it with the "
                          "sharding it was saved with")
-    states: dict[str, Any] = {"state_dict": model_state(module)}
+    states: dict[str, Any] = {"state_dict": _saved_part(path, module, model_state(module), strict)}
     load(states, checkpoint_id=path)
-    set_model_state_dict(module, states["state_dict"], options=StateDictOptions(strict=strict))
+    partial = len(states["state_dict"]) < len(module.state_dict())
+    set_model_state_dict(module, states["state_dict"], options=StateDictOptions(strict=strict and not partial))
     for i, opt in enumerate(optimizers):
         key = f"optimizer_{i}"
         opt_states = {key: optimizer_state(module, opt)}
         load(opt_states, checkpoint_id=path)
         set_optimizer_state_dict(module, getattr(opt, "_optimizer", opt), optim_state_dict=opt_states[key])
-    return torch.load(path / METADATA_FILENAME, weights_only=False)
+    meta = torch.load(path / METADATA_FILENAME, weights_only=False)
+    for state in (meta.get("callbacks") or {}).values():
+        if isinstance(state, dict) and SHARDED_STATE in state:
+            state[SHARDED_FROM] = str(path)
+    return meta
+
+
+def load_callback_state(state: dict[str, Any], targets: dict[str, Any]) -> None:
+    """Read the DTensor entries of a callback's state that :func:`save_sharded` put with the shards into ``targets``
+    (the same entries, allocated as this rank's shards), in place. Collective: every rank calls it."""
+    from torch.distributed.checkpoint import load
+
+    load({state[SHARDED_STATE]: targets}, checkpoint_id=state[SHARDED_FROM])
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return hasattr(value, "device_mesh") and hasattr(value, "placements")
+
+
+def _saved_part(path: Path, module: nn.Module, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """The entries of the module's ``state`` the checkpoint holds. A checkpoint may leave out what does not train
+    (a LoRA run's frozen base); a trained parameter it lacks is an error (with ``strict``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = "state_dict."
+    saved = {k[len(prefix):] for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata if
+             k.startswith(prefix)}
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    lacking = sorted(k for k in state if k not in saved and k in trained)
+    if lacking and strict:
+        raise ValueError(f"{str(path)!r} lacks {len(lacking)} trained weights of {type(module).__name__} "
+                         f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): it was written by a run "
+                         "training other parameters (another LoRA setting?); resume with the same model and adapter")
+    return {k: v for k, v in state.items() if k in saved}
 
 
 def _check_complete(path: Path) -> None:

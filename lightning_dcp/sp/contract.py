@@ -38,6 +38,10 @@ the module's ``dcp_ring_layout`` (on the module or a submodule): ``"contiguous"`
 shards as Ulysses, which any forward that assumes contiguous shards keeps working with), ``"zigzag"``
 (balanced causal work; the shipped causal language models set it) or ``None`` (no ring attention).
 
+:func:`install_contract` is the other side: the one place a model adapter
+(:func:`lightning_dcp.hf.adapt`, :func:`lightning_dcp.diffusers.adapt`) writes the ``dcp_*`` attributes
+:func:`read_model` reads.
+
 :func:`local_batch` is the one path from a packed micro-batch to what one SP rank trains on (the
 module's prepare hook, token weights and loss units, the shard), used by the step executor and the
 profiler alike.
@@ -51,11 +55,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from torch import nn
 
 from lightning_dcp.sp.context import RING_LAYOUTS, SEGMENT_IDS
-from lightning_dcp.sp.recompute import LayerRecompute, RecomputeLayers
+from lightning_dcp.sp.recompute import LayerRecompute, RecomputeLayers, RepeatedLayers
 from lightning_dcp.sp.tokens import add_token_weights, local_loss_tokens, shard_batch
 
-__all__ = ["LAYERS_ATTR", "REPEATED_LAYERS_METHOD", "RING_LAYOUT_ATTR", "SUPPORT_LEVELS", "AmbiguousLayersError", "LocalBatch",
-           "ModelContract", "local_batch", "read_model", "ring_refusal"]
+__all__ = ["LAYERS_ATTR", "REPEATED_LAYERS_METHOD", "RING_LAYOUT_ATTR", "SUPPORT_LEVELS", "AmbiguousLayersError",
+           "LocalBatch", "ModelContract", "install_contract", "local_batch", "read_model", "ring_refusal"]
 
 SUPPORT_LEVELS = ("safe", "packed", "sp")
 """What a module supports under DCP, each level a superset of the one before (:mod:`lightning_dcp.runtime.support`)."""
@@ -174,6 +178,39 @@ def read_model(module: nn.Module, layers_attr: str | None = None, support: str |
         support_message=_hook(module, "dcp_support_message"),
         ring_layout=_ring_layout(module, level, shard_hook is not None),
     )
+
+
+def install_contract(model: nn.Module, *stacks: nn.ModuleList, num_heads: int, per_sample_cost: bool | None = None,
+                     recompute_override: int | None = None,
+                     make_switch: Callable[[int | None], LayerRecompute] | None = None) -> LayerRecompute:
+    """Write on ``model`` (in place) the attributes :func:`read_model` reads, for a model whose own forward loops
+    over ``stacks`` (one or more ``ModuleList`` s of its repeated layers, in call order):
+
+    * ``dcp_recompute``: the :class:`~lightning_dcp.sp.recompute.LayerRecompute` switch of those layers, made by
+      ``make_switch(recompute_override)`` (default a plain ``LayerRecompute``). One already there for as many
+      layers is kept and only its ``recompute_override`` updated, so adapting twice is a no-op;
+    * ``dcp_num_heads`` (SP sizes must divide it);
+    * ``dcp_repeated_layers``: a :class:`~lightning_dcp.sp.recompute.RepeatedLayers` over ``stacks``;
+    * ``dcp_cost_per_sample`` when given (every sample costs a term whatever its length, e.g. its text's
+      cross-attention projections).
+
+    Returns:
+        The switch now on the model.
+    """
+    count = sum(len(stack) for stack in stacks)
+    switch = getattr(model, "dcp_recompute", None)
+    if isinstance(switch, LayerRecompute) and len(switch) == count:
+        switch.recompute_override = recompute_override
+    elif make_switch is not None:
+        switch = make_switch(recompute_override)
+    else:
+        switch = LayerRecompute(count, recompute_override=recompute_override)
+    model.dcp_recompute = switch
+    model.dcp_num_heads = int(num_heads)
+    model.dcp_repeated_layers = RepeatedLayers(*stacks)
+    if per_sample_cost is not None:
+        model.dcp_cost_per_sample = bool(per_sample_cost)
+    return switch
 
 
 def _ring_layout(module: nn.Module, level: str, own_sharding: bool) -> str | None:

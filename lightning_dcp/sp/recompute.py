@@ -165,16 +165,20 @@ class _LayerCheckpointFunction:
 class RepeatedLayers:
     """A model's ``dcp_repeated_layers()`` for layers it loops over itself: the layers in call order.
 
-    An object holding the ``ModuleList`` rather than a bound method or closure, so the model still
-    pickles (spawned processes) and deep-copies. Used by :func:`lightning_dcp.hf.adapt` and
-    :func:`lightning_dcp.diffusers.adapt`; the profiler and the strategy find the layers through it.
+    Takes one or more ``ModuleList`` s (HunyuanVideo: its dual-stream, then its single-stream blocks)
+    and lists their layers in that order. An object holding the lists rather than a bound method or
+    closure, so the model still pickles (spawned processes) and deep-copies. Installed by
+    :func:`~lightning_dcp.sp.contract.install_contract` (:func:`lightning_dcp.hf.adapt`,
+    :func:`lightning_dcp.diffusers.adapt`); the profiler and the strategy find the layers through it.
     """
 
-    def __init__(self, layers: nn.ModuleList) -> None:
-        self.layers = layers
+    def __init__(self, *lists: nn.ModuleList) -> None:
+        if not lists:
+            raise ValueError("RepeatedLayers needs at least one ModuleList of layers")
+        self.lists = lists
 
     def __call__(self) -> list[nn.Module]:
-        return list(self.layers)
+        return [layer for layers in self.lists for layer in layers]
 
 
 def install_layer_recompute(layers: Sequence[nn.Module], *, flag_attr: str = "gradient_checkpointing",

@@ -1,12 +1,12 @@
 """LTX-Video (diffusers' ``LTXVideoTransformer3DModel``) under DCP: :func:`adapt_ltx`, its attention
-processor and :func:`ltx_video_sample`.
+processor, :func:`ltx_video_sample` and :func:`ltx_packed_forward`.
 
 LTX's blocks call ``attn1(norm_x, None, image_rotary_emb=rotary)`` (self-attention, rotary over the
 whole ``heads x head_dim`` width after an RMS norm across heads) and
 ``attn2(x, encoder_hidden_states=text, attention_mask=text_mask)`` (cross-attention to the projected
-T5 text, whose padding the mask hides). As for Wan (:mod:`~lightning_dcp.diffusers.attention`), the
-packed forward (:func:`~lightning_dcp.diffusers.ltx_forward.ltx_packed_forward`) runs the model's own
-blocks and passes what packing needs through those arguments:
+T5 text, whose padding the mask hides). As for Wan (:mod:`~lightning_dcp.diffusers.families.wan`), the
+packed forward (:func:`ltx_packed_forward`) runs the model's own blocks and passes what packing needs
+through those arguments:
 
 * self-attention gets a :class:`~lightning_dcp.diffusers.attention.PackedSelfAttention` as
   ``image_rotary_emb`` (cos/sin ``[1, local_tokens, heads*head_dim]`` of this shard's tokens, the
@@ -19,23 +19,47 @@ blocks and passes what packing needs through those arguments:
   attention mask hides), so no mask is needed: diffusers' ``-10000`` bias gives those tokens weight 0.
 
 Any other call (diffusers' own forward, a pipeline at inference) goes to the processor the module had.
+
+**The packed forward.** Diffusers' ``LTXVideoTransformer3DModel.forward`` takes one ``[B, tokens, C]``
+tensor of videos of one shape (one rotary grid, one text mask per batch). :func:`ltx_packed_forward` runs the same model --
+``proj_in``, ``time_embed``, ``caption_projection``, its blocks, ``norm_out`` and ``proj_out`` -- on a
+packed micro-batch of videos of any sizes (or this rank's SP shard of it):
+
+* tokens are LTX's own patchified latents (``C x pt x p x p`` per token, the pipeline's ``_pack_latents``
+  order, which :func:`~lightning_dcp.diffusers.patchify` makes), projected per token by ``proj_in``;
+* rotary angles per token: each token's patch-grid position times its sample's
+  ``rope_interpolation_scale`` (:data:`ROPE_SCALE`), through the model's own ``rope`` module (its ``video_coords`` input), so samples of different shapes and frame
+  rates pack together;
+* a timestep per token (``time_embed`` on ``[tokens]``, the per-token ``temb`` the blocks accept, as
+  LTX's condition pipeline uses it);
+* self-attention within each sample over the SP group, cross-attention of each sample's tokens to
+  its own unpadded text (:class:`DCPLTXAttnProcessor`);
+* the first ``active_context().recompute`` blocks checkpointed (``model.dcp_recompute``);
+* the output in the input layout (``C x pt x p x p`` per token, the pipeline's ``_unpack_latents``).
+
+Batch keys are those of :mod:`lightning_dcp.diffusers.forward` plus the optional per-sample
+:data:`ROPE_SCALE` (missing or None: unscaled positions).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from lightning_dcp.diffusers.attention import PackedSelfAttention, PackedText, packed_cross_attention
-from lightning_dcp.diffusers.samples import video_sample
-from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN
-from lightning_dcp.sp.recompute import LayerRecompute, RepeatedLayers
+from lightning_dcp.diffusers.forward import (HIDDEN_STATES, TIMESTEP, PackedInputs, check_packed_inputs, concat_tokens,
+                                             local_segments)
+from lightning_dcp.diffusers.samples import GRID, TEXT, VIDEO_POS, per_sample_embeds, sample_labels, video_sample
+from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
+from lightning_dcp.sp.contract import install_contract
+from lightning_dcp.sp.recompute import LayerRecompute
 from lightning_dcp.sp.ulysses import ulysses_attention
 
 __all__ = ["LTX_PIPELINE_ROPE_SCALE", "ROPE_SCALE", "DCPLTXAttnProcessor", "adapt_ltx", "is_ltx_adapted",
-           "ltx_patch_size", "ltx_video_sample"]
+           "ltx_packed_forward", "ltx_patch_size", "ltx_rotary", "ltx_video_sample"]
 
 #: Per-sample key: the sample's ``rope_interpolation_scale`` (3 floats: frames, rows, columns), or None
 #: for the model forward's default (unscaled patch-grid positions).
@@ -74,7 +98,7 @@ def _cross_attention(attn: Any, x: torch.Tensor, packed: PackedText) -> torch.Te
 
 class DCPLTXAttnProcessor:
     """Attention processor for diffusers' ``LTXAttention``: packed and sequence-parallel in
-    :func:`~lightning_dcp.diffusers.ltx_forward.ltx_packed_forward`, the original processor elsewhere.
+    :func:`ltx_packed_forward`, the original processor elsewhere.
 
     Args:
         fallback: the processor the module had before (used for every unpacked call).
@@ -117,7 +141,7 @@ def _check_ltx(model: nn.Module) -> None:
 def adapt_ltx(model: nn.Module, *, recompute_override: int | None = None) -> nn.Module:
     """Prepare a diffusers ``LTXVideoTransformer3DModel`` (LTX-Video) for DCP, in place.
 
-    As :func:`~lightning_dcp.diffusers.adapt.adapt_wan` does for Wan: every ``LTXAttention`` gets a
+    As :func:`~lightning_dcp.diffusers.families.wan.adapt_wan` does for Wan: every ``LTXAttention`` gets a
     :class:`DCPLTXAttnProcessor` (packed only inside the packed forward), ``model.dcp_recompute``
     checkpoints the first ``active_context().recompute`` blocks of ``transformer_blocks``,
     ``model.dcp_num_heads``, ``model.dcp_repeated_layers()`` and ``model.dcp_cost_per_sample = True``
@@ -131,16 +155,8 @@ def adapt_ltx(model: nn.Module, *, recompute_override: int | None = None) -> nn.
     for _, attn in _attentions(model):
         if not isinstance(attn.processor, DCPLTXAttnProcessor):
             attn.set_processor(DCPLTXAttnProcessor(attn.processor))
-    blocks = model.transformer_blocks
-    switch = getattr(model, "dcp_recompute", None)
-    if isinstance(switch, LayerRecompute) and len(switch) == len(blocks):
-        switch.recompute_override = recompute_override
-    else:
-        switch = LayerRecompute(len(blocks), recompute_override=recompute_override)
-    model.dcp_recompute = switch
-    model.dcp_num_heads = int(model.config.num_attention_heads)
-    model.dcp_cost_per_sample = True
-    model.dcp_repeated_layers = RepeatedLayers(blocks)
+    install_contract(model, model.transformer_blocks, num_heads=model.config.num_attention_heads, per_sample_cost=True,
+                     recompute_override=recompute_override)
     return model
 
 
@@ -199,3 +215,86 @@ def ltx_video_sample(latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
     out = video_sample(latents, text, patch_size, text_len=None, index=index)
     out[ROPE_SCALE] = scale
     return out
+
+
+# ---------------------------------------------------------------------------------------------- packed forward
+
+def _inputs(model: nn.Module) -> PackedInputs:
+    config = model.config
+    return PackedInputs(
+        family="LTX", width=int(config.in_channels),
+        takes=f"[tokens, in_channels] = [tokens, {config.in_channels}] (LTX's tokens are its patchified latents)",
+        builder="lightning_dcp.diffusers.ltx_video_sample",
+        builder_hint=" for this model's patch size (ltx_patch_size(model.config))",
+        text_dim=(int(config.caption_channels), "caption_channels"),
+        no_image="(LTX-Video) has no image cross-attention; drop them")
+
+
+def _rope_coords(model: nn.Module, batch: Mapping[str, Any], local: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``[3, tokens]`` coordinates for the rope's ``video_coords`` input, so that ``coords / base`` is what diffusers'
+    forward computes from ``(num_frames, height, width, rope_interpolation_scale)`` for each token's sample."""
+    rope = model.rope
+    pos = batch[VIDEO_POS].to(torch.float32)
+    base = torch.tensor([rope.base_num_frames, rope.base_height, rope.base_width], dtype=torch.float32)
+    patch = (rope.patch_size_t, rope.patch_size, rope.patch_size)
+    coords = pos * base  # unscaled: (g * base) / base == g exactly (integer g)
+    scales = batch.get(ROPE_SCALE)
+    for j, a, b in local:
+        scale = None if scales is None else scales[j]
+        if scale is not None:  # diffusers: grid * scale * patch / base, in fp32
+            coords[a:b] = torch.stack([pos[a:b, axis] * scale[axis] * patch[axis] for axis in range(3)], dim=-1)
+    return coords.T.unsqueeze(0)
+
+
+def ltx_rotary(model: nn.Module, batch: Mapping[str, Any], local: list[tuple[int, int, int]],
+               like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[1, tokens, heads*head_dim]`` of this shard's tokens, from the model's own ``rope``."""
+    coords = _rope_coords(model, batch, local).to(like.device)
+    return model.rope(like, video_coords=coords)
+
+
+def ltx_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Velocity prediction ``[local_tokens, out_channels]`` of an adapted ``LTXVideoTransformer3DModel``.
+
+    Args:
+        model: prepared by :func:`~lightning_dcp.diffusers.adapt`.
+        batch: a packed micro-batch (see the module docstring), whole or this SP rank's shard.
+
+    Returns:
+        This shard's tokens' predictions in the input layout; the shard's padding tokens get finite
+        values that nothing else depends on.
+
+    Raises:
+        ValueError: a malformed batch (wrong feature count, a sample without text, ...), naming the sample.
+    """
+    if not is_ltx_adapted(model):
+        raise ValueError(f"packed_forward needs a model prepared by lightning_dcp.diffusers.adapt; {type(model).__name__} "
+                         "is not (call adapt(model) once, before training)")
+    x = batch[HIDDEN_STATES]
+    ctx = active_context()
+    grids = [tuple(int(v) for v in g) for g in batch[GRID]]
+    labels = sample_labels(batch)
+    check_packed_inputs(_inputs(model), batch, x, grids, labels, ctx.size)
+    local = local_segments([math.prod(g) for g in grids], x.shape[0], ctx.size, ctx.rank)
+
+    dtype = model.proj_in.weight.dtype  # inputs are cast to the model's dtype, as diffusers' pipelines do
+    texts = [per_sample_embeds(t).to(dtype) for t in batch[TEXT]]
+    text, bounds = concat_tokens([texts[j] for j, _, _ in local], texts[0])
+    segments = tuple((a, b, bounds[i], bounds[i + 1], 0, 0) for i, (_, a, b) in enumerate(local))
+
+    hidden = model.proj_in(x.to(dtype)).unsqueeze(0)
+    temb, embedded = model.time_embed(batch[TIMESTEP].reshape(-1), batch_size=1, hidden_dtype=hidden.dtype)
+    temb, embedded = temb.view(1, -1, temb.size(-1)), embedded.view(1, -1, embedded.size(-1))  # per token
+    text = model.caption_projection(text).view(1, -1, hidden.size(-1))
+    cos, sin = ltx_rotary(model, batch, local, hidden)
+    self_info = PackedSelfAttention(cos, sin, batch[CU_SEQLENS].to(hidden.device), int(batch[MAX_SEQLEN]))
+    text_info = PackedText(text, None, segments)
+    switch = model.dcp_recompute
+    for i, block in enumerate(model.transformer_blocks):
+        hidden = switch.call(i, block, hidden, text_info, temb, self_info)
+
+    # output norm and projection, as diffusers' forward does for a per-token embedded timestep
+    shift_scale = model.scale_shift_table[None, None] + embedded[:, :, None]
+    shift, scale = shift_scale[:, :, 0], shift_scale[:, :, 1]
+    hidden = model.norm_out(hidden) * (1 + scale) + shift
+    return model.proj_out(hidden)[0]

@@ -30,7 +30,6 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 from torch import nn
 
 from lightning_dcp.diffusers.joint import (
-    JointRepeatedLayers,
     JointRows,
     check_row_width,
     by_role,
@@ -46,8 +45,10 @@ from lightning_dcp.diffusers.joint import (
     text_rows_input,
     video_rows,
 )
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 from lightning_dcp.diffusers.samples import GRID, VIDEO_POS, _where, per_sample_embeds, sample_labels
 from lightning_dcp.sp.context import SEGMENT_IDS
+from lightning_dcp.sp.contract import install_contract
 from lightning_dcp.sp.recompute import LayerRecompute
 
 __all__ = ["GUIDANCE", "POOLED", "PackedHunyuanVideoBlock", "PackedHunyuanVideoSingleBlock", "adapt_hunyuan",
@@ -177,16 +178,10 @@ def adapt_hunyuan(model: nn.Module, *, recompute_override: int | None = None) ->
         swap_block_class(block, PackedHunyuanVideoBlock)
     for block in model.single_transformer_blocks:
         swap_block_class(block, PackedHunyuanVideoSingleBlock)
-    count = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    switch = getattr(model, "dcp_recompute", None)
-    if isinstance(switch, LayerRecompute) and len(switch) == count:
-        switch.recompute_override = recompute_override
-    else:
-        switch = LayerRecompute(count, recompute_override=recompute_override)
-    model.dcp_recompute = switch
-    model.dcp_num_heads = int(model.config.num_attention_heads)
-    model.dcp_cost_per_sample = True  # each sample's whole text goes through the token refiner
-    model.dcp_repeated_layers = JointRepeatedLayers(model.transformer_blocks, model.single_transformer_blocks)
+    # per_sample_cost: each sample's whole text goes through the token refiner
+    install_contract(model, model.transformer_blocks, model.single_transformer_blocks,
+                     num_heads=model.config.num_attention_heads, per_sample_cost=True,
+                     recompute_override=recompute_override)
     return model
 
 
@@ -235,8 +230,6 @@ def _conditioning(model: nn.Module, batch: Mapping[str, Any], t: torch.Tensor, l
 def hunyuan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """Velocity prediction ``[local rows, C*pt*ph*pw]`` (channel-major) of an adapted HunyuanVideo; text and
     padding rows get zeros. Batch keys as for CogVideoX, plus :data:`POOLED` (and :data:`GUIDANCE`) per sample."""
-    from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
-
     x = batch[HIDDEN_STATES]
     labels = sample_labels(batch)
     config = model.config

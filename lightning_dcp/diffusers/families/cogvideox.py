@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXBlock
 from torch import nn
 
-from lightning_dcp.diffusers.attention import _projections
+from lightning_dcp.diffusers.attention import qkv_projections
 from lightning_dcp.diffusers.joint import (
-    JointRepeatedLayers,
     JointRows,
     check_row_width,
     check_texts,
@@ -41,7 +40,9 @@ from lightning_dcp.diffusers.joint import (
     text_rows_input,
     video_rows,
 )
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
 from lightning_dcp.diffusers.samples import GRID, sample_labels
+from lightning_dcp.sp.contract import install_contract
 from lightning_dcp.sp.recompute import LayerRecompute
 
 __all__ = ["PackedCogVideoXBlock", "adapt_cogvideox", "cogvideox_packed_forward", "cogvideox_patch_size",
@@ -104,7 +105,7 @@ def _modulated(norm: nn.Module, x: torch.Tensor, rows: JointRows) -> tuple[torch
 
 
 def _attention(attn: Any, x: torch.Tensor, rows: JointRows) -> torch.Tensor:
-    query, key, value = _projections(attn, x, x)
+    query, key, value = qkv_projections(attn, x, x)
     query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
     if attn.norm_q is not None:
         query = attn.norm_q(query)
@@ -158,15 +159,9 @@ def adapt_cogvideox(model: nn.Module, *, recompute_override: int | None = None) 
     _check(model)
     for block in model.transformer_blocks:
         swap_block_class(block, PackedCogVideoXBlock)
-    switch = getattr(model, "dcp_recompute", None)
-    if isinstance(switch, LayerRecompute) and len(switch) == len(model.transformer_blocks):
-        switch.recompute_override = recompute_override
-    else:
-        switch = LayerRecompute(len(model.transformer_blocks), recompute_override=recompute_override)
-    model.dcp_recompute = switch
-    model.dcp_num_heads = int(model.config.num_attention_heads)
-    model.dcp_cost_per_sample = False  # text rows are tokens of the sequence (lengths count them)
-    model.dcp_repeated_layers = JointRepeatedLayers(model.transformer_blocks)
+    # per_sample_cost False: text rows are tokens of the sequence (lengths count them)
+    install_contract(model, model.transformer_blocks, num_heads=model.config.num_attention_heads, per_sample_cost=False,
+                     recompute_override=recompute_override)
     return model
 
 
@@ -195,8 +190,6 @@ def _embed(model: nn.Module, batch: Mapping[str, Any], roles: Mapping[str, torch
 def cogvideox_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """Velocity prediction ``[local rows, C*pt*ph*pw]`` (channel-major) of an adapted CogVideoX; text and padding
     rows get zeros. Batch keys as for :func:`~lightning_dcp.diffusers.dispatch.packed_forward`, over joint rows."""
-    from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
-
     x = batch[HIDDEN_STATES]
     grids = [tuple(int(v) for v in g) for g in batch[GRID]]
     labels = sample_labels(batch)
