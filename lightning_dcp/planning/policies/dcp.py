@@ -28,11 +28,20 @@
    then its two halves go on independently, to any depth -- by a deadline greedy (each
    sample on the cheapest SP size that still ends by a deadline just above the bound, a few
    deadlines tried), and refines it and the layout plan (itself such a tree, two levels
-   deep) by moving and swapping samples off the critical path with exact times. The fastest
-   of the three plans wins (the layout plan on ties). This is what balances steps of few,
-   long samples (video, long documents at 0.5-1M tokens on 32 GPUs): a long sample's SP
+   deep) by moving and swapping samples off the critical path with exact times, then
+   balances both (:mod:`~lightning_dcp.planning.policies.tree_balance`: moves that shorten
+   the longest paths, each checked exactly, costing time per move rather than per tree). The
+   fastest of the three plans wins (the layout plan on ties). This is what balances steps of
+   few, long samples (video, long documents at 0.5-1M tokens on 32 GPUs): a long sample's SP
    group, once done, splits into smaller groups for the short samples instead of running
    them at its own size or idling.
+
+*Planning at scale.* A step of more than 8 samples per rank and 8,192 samples (the default
+batches at 256-1024 GPUs: up to ~40,000 samples) plans the buddy tree first -- one deadline,
+balancing without the per-round refinement -- and runs the layout scheduler (steps 2-5, whose
+candidate dispatches over every sample were most of the planning time there) only when the
+tree is more than 1.5% above the bound (:meth:`DCPPolicy._tree_first`). Every limit is counted
+in samples and packs, never in seconds, so every rank plans the same step.
 
 ``dcp-inter`` / ``dcp-intra`` follow the DCP paper: Algorithm 1 per length bucket, balance by
 accumulation counts (:mod:`~lightning_dcp.planning.policies.algorithm_one`, re-exported here).

@@ -5,7 +5,9 @@ blocks that split over the step: a block runs its own micro-batches on all its r
 two halves go on independently, to any depth. :class:`BuddyTreeSearch` places every sample on a
 node by a deadline greedy (the cheapest SP size that still ends by a deadline just above the
 step bound), packs each node's samples exactly, and refines the placement -- and the layout
-plan's, itself a two-level tree -- by moving and swapping samples off the critical path.
+plan's, itself a two-level tree -- by moving and swapping samples off the critical path (on
+small worlds, or about a sample per rank: a pass over the tree per round), then balances it
+(:mod:`~lightning_dcp.planning.policies.tree_balance`: per move, not per tree).
 """
 
 from __future__ import annotations
