@@ -8,7 +8,9 @@ model (:class:`~lightning_dcp.planning.analytic.AnalyticCostModel`) and simulate
 (:func:`~lightning_dcp.planning.simulator.simulate`), through the same
 :func:`lightning_dcp.commands.simulate.compare` that ``lightning-dcp simulate`` and
 ``benchmarks/simulate_targets.py`` use. Reported: tokens/s, speedup over ``bucket`` (same
-samples), imbalance ratio, fraction of the ideal bound.
+samples), imbalance ratio, fraction of the ideal bound and of the step bound, and dcp's planning
+time per step beside its simulated step (a step lasts at least the next step's planning: the
+simulator charges what a step does not hide, as ``lightning-dcp simulate`` does).
 
 Measured profiles: every ``benchmarks/profiles/*.json`` (a v1 profile, e.g. written by
 ``lightning-dcp profile`` on a GPU) whose model shape (layers, hidden, heads) matches one of the
@@ -102,7 +104,8 @@ def run_grid(models: Sequence[str], worlds: Sequence[int], dists: Sequence[str],
                                      "samples": len(run), "tokens_per_step": gbt, "policy": r["policy"],
                                      "steps": r["steps"], "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
                                      "imbalance": r["imbalance"], "fraction_of_ideal": r["fraction_of_ideal"],
-                                     "planner_ms_per_step": r["planner_ms_per_step"]})
+                                     "fraction_of_bound": r["fraction_of_bound"],
+                                     "planner_ms_per_step": r["planner_ms_per_step"], "step_s": r["step_s"]})
                     by = {r["policy"]: r for r in res}
                     d = by.get("dcp")
                     print(f"  {model} {world:5d} {name:9s} {cm_name}: " + "  ".join(
@@ -120,11 +123,13 @@ def markdown(rows: Sequence[dict], policies: Sequence[str]) -> str:
     for model in dict.fromkeys(k[0] for k in groups):
         for cm in dict.fromkeys(k[1] for k in groups if k[0] == model):
             lines += [f"### {model}, {cm}", "",
-                      "Speedup over bucket (tokens/s ratio, same samples); dcp's tokens/s, imbalance and "
-                      "fraction of the ideal bound; imbalance of bucket.", "",
+                      "Speedup over bucket (tokens/s ratio, same samples); dcp's tokens/s, imbalance, "
+                      "fraction of the ideal bound and of the step bound (planning charged where a step does not "
+                      "hide it), planning time per step and simulated step (without planning); imbalance of "
+                      "bucket.", "",
                       "| GPUs | dataset | tokens/step | " + " | ".join(policies) + " | dcp tokens/s | dcp imbalance | "
-                      "dcp % ideal | bucket imbalance |",
-                      "|---:|---|---:|" + "---:|" * len(policies) + "---:|---:|---:|---:|"]
+                      "dcp % ideal | dcp % step bound | dcp planning ms/step | dcp step s | bucket imbalance |",
+                      "|---:|---|---:|" + "---:|" * len(policies) + "---:|---:|---:|---:|---:|---:|---:|"]
             for key, by in groups.items():
                 if key[0] != model or key[1] != cm:
                     continue
@@ -133,7 +138,8 @@ def markdown(rows: Sequence[dict], policies: Sequence[str]) -> str:
                 cells = [f"{by[p]['speedup']:.2f}x" if p in by else "-" for p in policies]
                 lines.append(f"| {key[2]} | {key[3]} | {any_r['tokens_per_step']:,} | " + " | ".join(cells) + " | "
                              + (f"{d['tokens_per_s']:,.0f} | {100 * d['imbalance']:.1f}% | {100 * d['fraction_of_ideal']:.1f}% | "
-                                if d else "- | - | - | ")
+                                f"{100 * d['fraction_of_bound']:.1f}% | {d['planner_ms_per_step']:,.0f} | {d['step_s']:.2f} | "
+                                if d else "- | - | - | - | - | - | ")
                              + (f"{100 * b['imbalance']:.1f}% |" if b else "- |"))
             lines.append("")
     return "\n".join(lines)

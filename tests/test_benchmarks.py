@@ -182,3 +182,11 @@ def test_run_two_processes_one_step(tmp_path):
     for r in res["rows"]:
         assert r["steps"] == 1 and r["samples"] == 8 and len(r["busy_s"]) == 2
     assert (out / "t" / "run.md").exists() and (out / "t" / "timeline.png").exists()
+
+
+def test_planner_speed_rows_have_the_step_beside_the_planning_time():
+    from benchmarks import planner_speed
+
+    assert {w for w, _ in planner_speed.SETTINGS} == {32, 256, 1024}
+    r = planner_speed.measure(8, 8 * 65536, "balanced", "transformer-1d", 1, "dcp")
+    assert r["samples"] > 0 and r["cpu_median_ms"] >= 0.0 and r["step_s"] > 0.0 and 0.0 < r["bound"] <= 1.0 + 1e-9

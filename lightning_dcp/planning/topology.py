@@ -95,9 +95,12 @@ class Topology:
         g = self.node_size
         out: list[int] = []
         if self.domain_size is None:  # closed forms: consecutive groups, per node when a group fits in one
-            pieces = [(lo, hi)] if not g or size > g else \
-                [(max(lo, k * g), min(hi, (k + 1) * g)) for k in range(lo // g, -(-hi // g))]
-            for a, b in pieces:
+            if not g or size > g:
+                x = -(-lo // al) * al
+                n = min((hi - x) // size, limit) if hi > x else 0
+                return list(range(x, x + n * size, size))
+            for k in range(lo // g, -(-hi // g)):  # node by node, until ``limit`` groups
+                a, b = max(lo, k * g), min(hi, (k + 1) * g)
                 x = -(-a // al) * al
                 n = min((b - x) // size, limit - len(out)) if b > x else 0
                 out.extend(range(x, x + n * size, size))
@@ -142,9 +145,11 @@ class Topology:
             return None if got is None else list(got)
         free = [[int(start), end]]
         groups: list[tuple[int, ...]] | None = []
-        for p in sorted(layout, reverse=True):
-            got = self.take(free, int(p), 1)
-            if not got:
+        sizes = sorted(layout, reverse=True)
+        for p in dict.fromkeys(sizes):  # first fit of n groups of one size at once = one by one
+            n = sizes.count(p)
+            got = self.take(free, int(p), n)
+            if len(got) < n:
                 groups = None
                 break
             groups.extend(got)  # type: ignore[union-attr]

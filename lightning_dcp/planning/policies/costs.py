@@ -264,13 +264,14 @@ class CostView:
         kw = ring_kwargs(self.ring_of(sp))
         return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute, **kw) - self.cm.item_time([1, 1], sp, recompute, **kw))
 
-    def split_costs(self, lengths: np.ndarray, sp: int) -> tuple[np.ndarray, np.ndarray]:
+    def split_costs(self, lengths: np.ndarray, sp: int, work: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch, and the
         per-micro-batch constant it pays when it opens one.
 
         The recompute is the one a micro-batch of ``max(l, pack_target(sp))`` tokens needs (of
         ``l`` tokens alone if that does not fit), as in :meth:`estimator`; ``own = t([l]) -
         const`` at that recompute. ``inf`` own time where the sample does not fit ``sp`` ranks.
+        ``work``: the samples' :attr:`work` when the caller has it (the same values, not computed again).
         """
         L = np.asarray(lengths, dtype=np.int64)
         P = np.maximum(L, self.pack_target(sp))
@@ -286,8 +287,11 @@ class CostView:
         consts = {int(x): self.constant(sp, int(x)) for x in np.unique(r[ok]).tolist()}
         const[ok] = [consts[x] for x in r[ok].tolist()]
         if self._time_fast is not None:
-            work = np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64)
-            t = self.time_many(L[ok], work, np.ones(int(ok.sum())), sp, r[ok])
+            if work is None:
+                w = np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64)
+            else:
+                w = np.asarray(work, dtype=np.float64)[ok]
+            t = self.time_many(L[ok], w, np.ones(int(ok.sum())), sp, r[ok])
         else:
             t = np.array([self.time([int(n)], sp, int(x)) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
         own[ok] = np.maximum(t - const[ok], 0.0)

@@ -28,11 +28,20 @@
    then its two halves go on independently, to any depth -- by a deadline greedy (each
    sample on the cheapest SP size that still ends by a deadline just above the bound, a few
    deadlines tried), and refines it and the layout plan (itself such a tree, two levels
-   deep) by moving and swapping samples off the critical path with exact times. The fastest
-   of the three plans wins (the layout plan on ties). This is what balances steps of few,
-   long samples (video, long documents at 0.5-1M tokens on 32 GPUs): a long sample's SP
+   deep) by moving and swapping samples off the critical path with exact times, then
+   balances both (:mod:`~lightning_dcp.planning.policies.tree_balance`: moves that shorten
+   the longest paths, each checked exactly, costing time per move rather than per tree). The
+   fastest of the three plans wins (the layout plan on ties). This is what balances steps of
+   few, long samples (video, long documents at 0.5-1M tokens on 32 GPUs): a long sample's SP
    group, once done, splits into smaller groups for the short samples instead of running
    them at its own size or idling.
+
+*Planning at scale.* A step of more than 8 samples per rank and 8,192 samples (the default
+batches at 256-1024 GPUs: up to ~40,000 samples) plans the buddy tree first -- one deadline,
+balancing without the per-round refinement -- and runs the layout scheduler (steps 2-5, whose
+candidate dispatches over every sample were most of the planning time there) only when the
+tree is more than 1.5% above the bound (:meth:`DCPPolicy._tree_first`). Every limit is counted
+in samples and packs, never in seconds, so every rank plans the same step.
 
 ``dcp-inter`` / ``dcp-intra`` follow the DCP paper: Algorithm 1 per length bucket, balance by
 accumulation counts (:mod:`~lightning_dcp.planning.policies.algorithm_one`, re-exported here).
@@ -64,7 +73,7 @@ from lightning_dcp.planning.policies.tree import BuddyTree
 __all__ = [
     "DCPPolicy", "AlgorithmOnePolicy", "DCPInterPolicy", "DCPIntraPolicy", "fill_costs", "FALLBACK_MAX_SAMPLES_PER_RANK",
     "FALLBACK_MAX_WORLD",
-    "TREE_MAX_SAMPLES_PER_RANK", "TREE_SLACK", "TREE_DEADLINES", "TREE_REFINE_WIDTH",
+    "TREE_MAX_SAMPLES_PER_RANK", "TREE_FIRST_SAMPLES_PER_RANK", "TREE_FIRST_MIN_SAMPLES", "LAYOUT_SKIP", "TREE_SLACK", "TREE_DEADLINES", "TREE_REFINE_WIDTH",
 ]
 
 
@@ -77,6 +86,20 @@ times dcp's own planning (on ``benchmarks/planner_speed.py``'s 1024-GPU grid the
 
 TREE_MAX_SAMPLES_PER_RANK = 64
 """dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`) for batches of at most this many samples per rank."""
+
+TREE_FIRST_SAMPLES_PER_RANK = 8
+"""Batches of more samples per rank than this (and at most ``TREE_MAX_SAMPLES_PER_RANK``) plan the buddy tree
+first (:meth:`DCPPolicy._tree_first`): with many samples per rank it is the faster plan on
+``benchmarks/simulate_scaling.py``'s grid, and the layout scheduler's candidate dispatches over every sample are
+most of the planning time."""
+
+TREE_FIRST_MIN_SAMPLES = 8192
+"""... and of more samples than this (below, the layout scheduler is cheap: a few tens of ms)."""
+
+LAYOUT_SKIP = 0.015
+"""... and keep it without running the layout scheduler when its span is within this fraction of the step
+bound's compute part (a layout plan was never more than 1% above that bound on the grid's 256- and 1024-GPU
+cells where the tree was within 1.5%, and never won there)."""
 
 
 class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
@@ -114,6 +137,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         self.fallback = bool(self.options.get("fallback", True))
         self.tree = bool(self.options.get("tree", True))
         self._tree: BuddyTree | None = None
+        self._group_trees: dict[frozenset, BuddyTree] = {}
         self._parts: list[Policy] | None = None
         self._bounder: StepBounder | None = None
         self.candidates: dict[int, list[Layout]] = {}
@@ -122,6 +146,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         self._Wl: list[float] = []
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
+        self._nested: dict[tuple, tuple] = {}  # nested plans of a group's fills (per step)
         self._E = None
         self._ET: list | None = None
         if self.dataset_lengths:
@@ -162,6 +187,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         self._Ll = L.tolist()
         self._Erows: dict[int, list[float]] = {}
         self._packs: dict[tuple, list] = {}
+        self._nested = {}
         self._E = E
         self._ET = E.T.tolist()  # per-sample rows for the nested dispatches (lpt_dispatch reads row[k], k <= kmax)
         fast = self.view._time_fast
@@ -170,17 +196,22 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             w = self.view.work
             self._Wl = [wc[n] if n in wc else wc.setdefault(n, float(w(n))) for n in self._Ll]
         try:
-            blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
-            extra = {"layout": list(layout), "estimated_time": span}
-            if self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size:
-                floor = self._bound_span(lengths)
-                if span > floor * (1 + TREE_SLACK):
-                    got = self._tree_schedule(L, E, floor, span, blocks)
-                    if got is not None:
-                        blocks, span, sizes = got
-                        extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
+            tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
+            if tree and len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES):
+                blocks, extra = self._tree_first(ids, L, E, G, lengths, rng)
+            else:
+                blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng,
+                                                      top=True)
+                extra = {"layout": list(layout), "estimated_time": span}
+                if tree:
+                    floor = self._bound_span(lengths)
+                    if span > floor * (1 + TREE_SLACK):
+                        got = self._tree_schedule(L, E, floor, span, blocks)
+                        if got is not None:
+                            blocks, span, sizes = got
+                            extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
         finally:
-            self._Erows, self._E, self._packs, self._ET = {}, None, {}, None
+            self._Erows, self._E, self._packs, self._ET, self._nested = {}, None, {}, None, {}
         Ll, ring = self._Ll, self.view.ring_of
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
                       for ranks, idx, rec in blk] for blk in blocks]
@@ -191,6 +222,26 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         if self.fallback:
             plan = self._best_of_parts(samples, lengths, step, plan)
         return [plan]
+
+    def _tree_first(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, lengths: Sequence[int],
+                    rng: np.random.Generator) -> tuple[list, dict]:
+        """A step of many samples per rank: the buddy-tree search first (:meth:`_tree_search`), the layout
+        scheduler only when the tree's span is over ``1 + LAYOUT_SKIP`` times the bound's compute part.
+
+        Then the fastest of the tree, the layout plan refined as a tree and the layout plan wins (the layout
+        plan on ties), as in :meth:`plan_batch`'s other order. Returns ``(blocks, extra)``.
+        """
+        floor = self._bound_span(lengths)
+        best = self._tree_search(L, E, floor, many=True)
+        if best[0] > floor * (1 + LAYOUT_SKIP):
+            blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+            got = self._tree_of_layout(blocks, L, E)
+            if got is not None and improves(got[0], best[0]):
+                best = got
+            if not improves(best[0], span):
+                return blocks, {"layout": list(layout), "estimated_time": span}
+        blocks, span, sizes = self._tree_levels(best)
+        return blocks, {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
 
     def _bound_span(self, lengths: Sequence[int]) -> float:
         """The step bound's compute part, ``max(work / W, heaviest)`` (seconds, no all-reduce)."""

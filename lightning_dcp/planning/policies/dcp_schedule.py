@@ -67,7 +67,7 @@ class LayoutScheduler:
     Uses the policy's ``classes`` (SP sizes), ``maxlens`` (longest sample per class),
     ``candidates`` (the dataset's layouts per largest SP size), ``view``, ``budget`` (token
     budget per class), ``trials``, ``dispatch_chunk``, ``refine_rounds``, its per-step caches
-    (``_Ll``, ``_Wl``, ``_E``, ``_ET``, ``_Erows``, ``_packs``) and ``_alone_times``.
+    (``_Ll``, ``_Wl``, ``_E``, ``_ET``, ``_Erows``, ``_packs``, ``_nested``) and ``_alone_times``.
     """
 
     # -- one block of ranks (the world, or a group's ranks after its own items) -------------
@@ -84,6 +84,8 @@ class LayoutScheduler:
         long sample gets the large group it needs and the group's ranks are not left idle or
         spent on short samples at a large, communication-heavy SP size afterwards.
         """
+        if not top and not full and len(ids) == 1 and self.view.speeds is None:
+            return self._schedule_one(int(ids[0]), L, E, size, offset, kmax)
         classes = self.classes[: kmax + 1]
         Es, Gs = E[: kmax + 1][:, ids], G[: kmax + 1][:, ids]
         n = len(ids)
@@ -144,6 +146,24 @@ class LayoutScheduler:
             plans = self._refine(plans, groups, members, ctx, self.refine_rounds if top else NESTED_REFINE_ROUNDS)
             span = makespan(t for _, t in plans)
         return [items for items, _ in plans], span, layout
+
+    def _schedule_one(self, i: int, L: np.ndarray, E: np.ndarray, size: int, offset: int, kmax: int):
+        """:meth:`_schedule` of a block with one sample (most nested blocks of a step of about a sample per rank):
+        the SP size up to ``classes[kmax]`` (one every group of ``size`` ranks holds) that runs it fastest, exact
+        time; ties to the smaller size. The sample alone wastes the rest of the block whatever the layout."""
+        best = None
+        for k in range(kmax + 1):
+            c = self.classes[k]
+            if not math.isfinite(E[k, i]) or not self.view.contains(size, c):
+                continue
+            (idx, rec, t), = self._pack([i], c, L, E)
+            if best is None or improves(t, best[0]):
+                best = (t, c, idx, rec)
+        assert best is not None, "a nested sample fits no SP size of its block"
+        t, c, idx, rec = best
+        ranks = place((c,), self.view.topology, offset, size)
+        assert ranks is not None
+        return [[(ranks[0], idx, rec)]], t, (c,)
 
     def _preferred(self, ids: np.ndarray, L: np.ndarray, Es: np.ndarray, Gs: np.ndarray, size: int,
                    classes: Sequence[int]) -> tuple[np.ndarray, float, int]:
@@ -271,9 +291,15 @@ class LayoutScheduler:
         if fill:
             # a group of most of the world (its long samples want most ranks): what follows its own items is most
             # of the step, planned as the top level is (both modes, refined)
-            sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=self._full(P))
-            items.extend(interleave_items(sub))
-            t += span
+            key = (tuple(idl[j] for j in fill), P, ranks[0]) if self.trials == 1 and self._E is E else None
+            got = self._nested.get(key) if key is not None else None
+            if got is None:  # the same fills on the same ranks plan the same way (refinement moves own samples too)
+                sub, span, _ = self._schedule(ids[fill], L, E, G, P, ranks[0], k - 1, rng, full=self._full(P))
+                got = (interleave_items(sub), span)
+                if key is not None:
+                    self._nested[key] = got
+            items.extend(got[0])
+            t += got[1]
         return items, t
 
     def _pack(self, idx: list[int], sp: int, L: np.ndarray, E: np.ndarray) -> list[tuple[list[int], int, float]]:

@@ -38,9 +38,14 @@ import heapq
 import math
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from lightning_dcp.planning.policies.objective import makespan
 from lightning_dcp.planning.topology import Topology
 
+
+VECTOR_LEAVES = 64
+"""Trees of more leaves than this sum their root-to-leaf paths with numpy (:meth:`BuddyTree.paths`)."""
 
 HEAP_LEVEL = 64
 """A tree level with more nodes than this finds its least-loaded node with a heap in :meth:`BuddyTree.assign`."""
@@ -87,6 +92,21 @@ def best_chain(classes: Sequence[int], topology: Topology) -> tuple[int, ...]:
     return best  # type: ignore[return-value]
 
 
+def _by_gpu_seconds(var: Sequence[Sequence[float]], sizes: Sequence[int], rows: Sequence[int]) -> list[list[int]]:
+    """Per unit: the rows ``rows`` (SP sizes ``sizes``) where it fits, by GPU-seconds (size x own time) ascending,
+    ties by row."""
+    if not rows:
+        return [[] for _ in range(len(var[0]) if var else 0)]
+    V = np.asarray([var[k] for k in rows], dtype=np.float64)
+    G = V * np.asarray(sizes, dtype=np.float64)[:, None]
+    order = np.argsort(G, axis=0, kind="stable")
+    fits = np.isfinite(np.take_along_axis(G, order, axis=0))
+    ids = np.asarray(rows, dtype=np.int64)[order]
+    if fits.all():
+        return ids.T.tolist()
+    return [r[:c] for r, c in zip(ids.T.tolist(), fits.sum(axis=0).tolist())]
+
+
 class BuddyTree:
     """A split tree of the world (see the module docstring), with its usable SP sizes.
 
@@ -110,6 +130,8 @@ class BuddyTree:
         self.kids: list[list[int]] = []
         self._fixed = sorted({(int(a), int(n)) for a, n in groups}, key=lambda g: (g[0], -g[1]))
         self._fixed_starts = [a for a, _ in self._fixed]
+        self._groups: set[tuple[int, int]] | None = None
+        self._cols: list[np.ndarray] | None = None
         self._cover(0, self.topology.world_size, -1, self.topology.world_size + 1)
         if index:
             self._index()
@@ -200,7 +222,9 @@ class BuddyTree:
 
     def has_group(self, start: int, size: int) -> bool:
         """Whether ranks ``[start, start + size)`` are a node."""
-        return any(self.offset[v] == start for v in self.level.get(size, ()))
+        if self._groups is None:
+            self._groups = set(zip(self.offset, self.size))
+        return (start, size) in self._groups
 
     def ranks(self, v: int) -> tuple[int, ...]:
         """Global ranks of node ``v``."""
@@ -208,6 +232,8 @@ class BuddyTree:
 
     def paths(self, own: Sequence[float]) -> list[float]:
         """Every root-to-leaf sum of ``own`` (seconds per node): each rank's busy time."""
+        if len(self.leaves) > VECTOR_LEAVES:
+            return self._path_array(own).tolist()
         out = []
         for v in self.leaves:
             s = own[v]
@@ -216,13 +242,31 @@ class BuddyTree:
             out.append(s)
         return out
 
+    def _path_array(self, own: Sequence[float]) -> np.ndarray:
+        """:meth:`paths` as an array, summed in the same order (leaf, then its ancestors upwards): the same values."""
+        if self._cols is None:  # column j: every leaf's j-th node upwards (padding: the extra zero at the end)
+            n = len(self.offset)
+            chains = [[v] + self.ancestors[v] for v in self.leaves]
+            depth = max(len(c) for c in chains)
+            self._cols = [np.array([c[j] if j < len(c) else n for c in chains], dtype=np.int64) for j in range(depth)]
+        o = np.append(np.asarray(own, dtype=np.float64), 0.0)
+        out = o[self._cols[0]]
+        for col in self._cols[1:]:
+            out += o[col]
+        return out
+
     def span(self, own: Sequence[float]) -> float:
         """Largest root-to-leaf sum of ``own`` (seconds per node): the compute span."""
+        if len(self.leaves) > VECTOR_LEAVES:
+            return float(self._path_array(own).max())
         return makespan(self.paths(own))
 
     def spread(self, own: Sequence[float]) -> float:
         """Sum of squared root-to-leaf sums: lower when the paths are shorter or more even (a tie-breaker
         for equal spans)."""
+        if len(self.leaves) > VECTOR_LEAVES:
+            p = self._path_array(own)
+            return float(np.dot(p, p))
         tot = 0.0
         for v in self.leaves:
             s = own[v]
@@ -266,22 +310,23 @@ class BuddyTree:
         room = [0] * n  # tokens left in the node's open micro-batch
         val = {p: [0.0] * len(nodes) for p, nodes in self.level.items()}
         where = [-1] * len(lengths)
-        inf = math.inf
         # levels of many nodes find their least-loaded node with a heap (values only grow: a stale entry is
         # refreshed when it surfaces); the same node as min() then index(), ties to the lowest offset
         heaps = {p: [(0.0, j) for j in range(len(nodes))] for p, nodes in self.level.items()
                  if len(nodes) > HEAP_LEVEL and not best_fit}
-        opts = [(k, p, val[p], self.level[p], heaps.get(p)) for k, p in enumerate(self.classes) if p in self.level]
+        opts = {k: (p, val[p], self.level[p], heaps.get(p), var[k], const[k])
+                for k, p in enumerate(self.classes) if p in self.level}
+        prefs = _by_gpu_seconds(var, [self.classes[k] for k in opts], list(opts))
         heapreplace = heapq.heapreplace
         for i in order:
             ln = lengths[i]
             best = None
-            for k, p, lv, nodes, hp in opts:
-                t = var[k][i]
-                if t == inf:
-                    continue
-                if best is not None and best[0][0] == 0 and p * t > best[0][1]:
-                    continue  # more GPU-seconds than a size that already ends by the deadline: cannot win
+            bg = math.inf  # GPU-seconds of the best size that ends by the deadline so far
+            for k in prefs[i]:  # sizes by GPU-seconds, ascending: past the best one that ends in time, none wins
+                p, lv, nodes, hp, vk, ck = opts[k]
+                t = vk[i]
+                if p * t > bg:
+                    break
                 if hp is not None:
                     m, j = hp[0]
                     while m != lv[j]:
@@ -297,11 +342,13 @@ class BuddyTree:
                                 m = x
                     v = nodes[lv.index(m)]
                 if room[v] < ln:
-                    t += const[k][i]
+                    t += ck[i]
                 fin = m + t
-                key = (0, p * t, fin) if fin <= deadline else (1, fin, p * t)
+                key = (0, p * t, fin, k) if fin <= deadline else (1, fin, p * t, k)
                 if best is None or key < best[0]:
                     best = (key, k, v, t)
+                    if fin <= deadline:
+                        bg = p * t
             assert best is not None, "a unit fits no SP size of the tree"
             _, k, v, t = best
             where[i] = v
@@ -323,14 +370,14 @@ class BuddyTree:
             lq = val[q]
             for j in range(lo, hi):
                 lq[j] += t
-        for a in anc[v]:  # longest path below each ancestor
-            k = kids[a]
+        for a in anc[v]:  # longest path below each ancestor (once one is unchanged, so are those above it) and the
+            k = kids[a]  # path value through it, which moves with it (the own times above it are unchanged)
             if len(k) == 2:
                 d0, d1 = down[k[0]], down[k[1]]
-                down[a] = own[a] + (d0 if d0 > d1 else d1)
+                d = own[a] + (d0 if d0 > d1 else d1)
             else:
-                down[a] = own[a] + max([down[c] for c in k])
-        up = 0.0
-        for a in reversed(anc[v]):  # then the path value through it
-            val[size[a]][pos[a]] = up + down[a]
-            up += own[a]
+                d = own[a] + max([down[c] for c in k])
+            if d == down[a]:
+                break
+            val[size[a]][pos[a]] += d - down[a]
+            down[a] = d
