@@ -326,7 +326,10 @@ class Planner:
         if cm.rounds.lockstep:  # the round planner's one entry point (lightning_dcp.planning.rounds)
             from lightning_dcp.planning.item_pricing import item_cost_of
 
-            steps = [cm.rounds.plan_step(s, self.world_size, lambda it: item_cost_of(cm, it).total) for s in steps]
+            view = self.view
+            packer = view if self.policy.packs_rounds else None
+            steps = [cm.rounds.plan_step(s, self.world_size, lambda it: item_cost_of(cm, it).total / view.speed(it.ranks),
+                                         packer) for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:

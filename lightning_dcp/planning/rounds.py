@@ -29,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from lightning_dcp.planning.lockstep_plan import plan_lockstep
 from lightning_dcp.planning.plan import PlanError, StepPlan, WorkItem
-from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, RoundPlan
+from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, LanePacker, RoundPlan
 
 __all__ = ["FREE_RUNNING", "FreeRunning", "Lockstep", "RoundPlan", "ShardGroupRounds", "align_rounds",
            "check_shard_groups", "lockstep_rounds", "round_span", "shard_groups"]
@@ -164,8 +165,13 @@ class Lockstep(RoundPlan):
     def __repr__(self) -> str:
         return f"Lockstep(shard_group_size={self.shard_group_size})"
 
-    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime) -> StepPlan:
-        return align_rounds(step, world_size, self.shard_group_size, item_time)
+    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime,
+                  packer: LanePacker | None = None) -> StepPlan:
+        """The rounds planned shard group by shard group (:func:`~lightning_dcp.planning.lockstep_plan.plan_lockstep`):
+        items paired by cost where the queues of their ranks meet, each lane re-packed against the others'
+        rounds when a ``packer`` is given."""
+        check_shard_groups(step, world_size, self.shard_group_size)
+        return plan_lockstep(step, world_size, self.shard_group_size, item_time, packer)
 
     def rank_rounds(self, step: StepPlan, world_size: int, rank: int) -> list[int | None]:
         """Every rank of a group gets a list of the group's round count. A group without any item still runs

@@ -117,6 +117,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
     """
 
     name = "dcp"
+    packs_rounds = True
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -130,6 +131,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         # profiled model's capacities are not monotone in the SP size
         self.maxlens = np.maximum.accumulate(np.array([view.max_len(p) for p in self.classes], dtype=np.int64))
         self.est = [view.estimator(p) for p in self.classes]
+        self._round_cap = self._round_height() if view.cm.rounds.lockstep else None
         self.budget = [view.pack_target(p) for p in self.classes]
         self.trials = int(self.options.get("trials", 1))
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
@@ -153,8 +155,27 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             self.candidates = self._propose(self.dataset_lengths)
 
     # -- once per run ---------------------------------------------------------------------
+    def _round_height(self) -> float | None:
+        """Under lockstep rounds: the tallest a round's items should be, what a micro-batch of the smallest SP
+        size holds at its token capacity with every layer recomputed (samples of 2,048 and 8,192 tokens, the
+        taller). The other ranks of a shard group cannot fill a taller round: a sample that alone takes longer
+        on an SP size goes to a larger one that holds it within this height (:meth:`_costs`)."""
+        view = self.view
+        for p in self.classes:
+            cap = view.max_len(p)
+            if cap > 0:
+                return max(view.time_uniform(min(cap, ell), cap / min(cap, ell), p, view.num_layers)
+                           for ell in (2048, 8192))
+        return None
+
+
     def _costs(self, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         E = np.vstack([est(L) for est in self.est])  # classes x samples (inf: does not fit)
+        cap = self._round_cap
+        if cap is not None and E.size:  # lockstep rounds: no item taller than a round where a taller SP size holds it
+            over = E > cap
+            held = (np.isfinite(E) & ~over).any(axis=0)
+            E = np.where(over & held[None, :], np.inf, E)
         return E, E * self.class_arr[:, None]
 
     def _propose(self, lengths: Sequence[int]) -> dict[int, list[Layout]]:
