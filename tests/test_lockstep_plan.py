@@ -1,4 +1,4 @@
-"""The round planner of a shard group (:mod:`lightning_dcp.planning.lockstep_plan`, ``Lockstep.plan_step``):
+"""The round planner of a shard group (:mod:`lightning_dcp.planning.lockstep`, ``Lockstep.plan_step``):
 every sample once, the rounds the runtime and the simulator find in the plan's order are the planned ones, the
 planned span is the simulated one, memory holds, and pairing never loses to sorting each rank's queue."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.item_pricing import item_cost_of
-from lightning_dcp.planning.lockstep_plan import plan_group, plan_lockstep
+from lightning_dcp.planning.lockstep import plan_group, plan_lockstep
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import StepPlan, WorkItem, check_deadlock_free, validate_step
 from lightning_dcp.planning.planner import Planner

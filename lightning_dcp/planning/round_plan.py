@@ -38,6 +38,9 @@ class LanePacker(Protocol):
     def min_recompute(self, tokens: int, sp: int) -> int | None:
         """The fewest recomputed layers that fit ``tokens`` on ``sp`` ranks (None: none)."""
 
+    def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None) -> float:
+        """The time of a micro-batch of ``lengths`` on ``sp`` ranks (ring degree ``ring``), at the cost model's pace."""
+
     def estimator(self, sp: int) -> Callable[[Any], Any]:
         """Per-sample estimated time on ``sp`` ranks, vectorized over an array of lengths."""
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lightning_dcp.planning.lockstep_plan import plan_lockstep
+from lightning_dcp.planning.lockstep import plan_lockstep
 from lightning_dcp.planning.plan import PlanError, StepPlan, WorkItem
 from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, LanePacker, RoundPlan
 
@@ -167,7 +167,7 @@ class Lockstep(RoundPlan):
 
     def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime,
                   packer: LanePacker | None = None) -> StepPlan:
-        """The rounds planned shard group by shard group (:func:`~lightning_dcp.planning.lockstep_plan.plan_lockstep`):
+        """The rounds planned shard group by shard group (:func:`~lightning_dcp.planning.lockstep.plan_lockstep`):
         items paired by cost where the queues of their ranks meet, each lane re-packed against the others'
         rounds when a ``packer`` is given."""
         check_shard_groups(step, world_size, self.shard_group_size)
