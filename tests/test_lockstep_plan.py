@@ -149,7 +149,7 @@ def test_a_policy_that_keeps_its_packing_gets_its_own_items_in_rounds():
     cm = _MODELS[("wan-14b", 16, 4)]
     lengths = [random.Random(i).choice([2000, 8000, 30000, 60000]) for i in range(40)]
     planner = Planner(16, cm, "dcp-intra", dataset_lengths=lengths)
-    assert planner.policy.packs_rounds is False and Planner(16, cm, "dcp").policy.packs_rounds is True
+    assert planner.policy.plans_rounds is False and Planner(16, cm, "dcp").policy.plans_rounds is True
     samples = list(range(20))
     own = planner.policy.plan_batch(samples, lengths[:20])[0]
     planned = planner.plan_batch(samples, lengths[:20]).steps[0]

@@ -54,11 +54,13 @@ search (step 6).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from lightning_dcp.planning.bound import StepBounder
+from lightning_dcp.planning.item_pricing import item_cost_of
 from lightning_dcp.planning.layouts import Layout, propose_layouts
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.algorithm_one import AlgorithmOnePolicy, DCPInterPolicy, DCPIntraPolicy
@@ -117,7 +119,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
     """
 
     name = "dcp"
-    packs_rounds = True
+    plans_rounds = True
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -131,7 +133,8 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         # profiled model's capacities are not monotone in the SP size
         self.maxlens = np.maximum.accumulate(np.array([view.max_len(p) for p in self.classes], dtype=np.int64))
         self.est = [view.estimator(p) for p in self.classes]
-        self._round_cap = self._round_height() if view.cm.rounds.lockstep else None
+        self._lockstep = bool(view.cm.rounds.lockstep)
+        self._round_cap = self._round_height() if self._lockstep else None
         self.budget = [view.pack_target(p) for p in self.classes]
         self.trials = int(self.options.get("trials", 1))
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
@@ -220,29 +223,53 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
             if tree and len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES):
                 blocks, extra = self._tree_first(ids, L, E, G, lengths, rng)
+                plan = self._in_rounds(self._as_plan(samples, blocks, extra))
             else:
-                blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng,
-                                                      top=True)
-                extra = {"layout": list(layout), "estimated_time": span}
-                if tree:
-                    floor = self._bound_span(lengths)
-                    if span > floor * (1 + TREE_SLACK):
-                        got = self._tree_schedule(L, E, floor, span, blocks)
-                        if got is not None:
-                            blocks, span, sizes = got
-                            extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
+                plan = self._layout_or_tree(samples, ids, L, E, G, lengths, rng, tree)
         finally:
             self._Erows, self._E, self._packs, self._ET, self._nested = {}, None, {}, None, {}
-        Ll, ring = self._Ll, self.view.ring_of
-        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
-                      for ranks, idx, rec in blk] for blk in blocks]
-        if extra.get("schedule") == "buddy-tree":  # levels, largest SP first: ancestors' items before their halves'
-            plan = StepPlan(tuple(it for level in per_group for it in level), extra)
-        else:
-            plan = StepPlan(tuple(interleave_items(per_group)), extra)
         if self.fallback:
             plan = self._best_of_parts(samples, lengths, step, plan)
         return [plan]
+
+    def _layout_or_tree(self, samples: Sequence[int], ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray,
+                        lengths: Sequence[int], rng: np.random.Generator, tree: bool) -> StepPlan:
+        """The layout plan (steps 1-5), or the buddy tree (step 6) when the layout plan is more than
+        ``TREE_SLACK`` above the step bound and the tree is faster. Under lockstep rounds both are compared in their
+        planned rounds (:meth:`_in_rounds`), and the tree is searched whatever its free-running span."""
+        blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+        plan = self._in_rounds(self._as_plan(samples, blocks, {"layout": list(layout), "estimated_time": span}))
+        if tree:
+            floor = self._bound_span(lengths)
+            if plan.extra["estimated_time"] > floor * (1 + TREE_SLACK):
+                got = self._tree_schedule(L, E, floor, math.inf if self._lockstep else span, blocks)
+                if got is not None:
+                    blocks, span, sizes = got
+                    cand = self._in_rounds(self._as_plan(samples, blocks, {"layout": sizes, "estimated_time": span,
+                                                                           "schedule": "buddy-tree"}))
+                    if not self._lockstep or improves(cand.extra["estimated_time"], plan.extra["estimated_time"]):
+                        plan = cand
+        return plan
+
+    def _as_plan(self, samples: Sequence[int], blocks: list, extra: dict) -> StepPlan:
+        """The step plan of ``blocks`` (per group its ``(ranks, sample indices, recompute)`` items): a buddy tree's
+        levels largest SP first (ancestors' items before their halves'), a layout's groups interleaved."""
+        Ll, ring = self._Ll, self.view.ring_of
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
+                      for ranks, idx, rec in blk] for blk in blocks]
+        if extra.get("schedule") == "buddy-tree":
+            return StepPlan(tuple(it for level in per_group for it in level), extra)
+        return StepPlan(tuple(interleave_items(per_group)), extra)
+
+    def _in_rounds(self, plan: StepPlan) -> StepPlan:
+        """Under lockstep rounds (``sharding="hsdp"``): ``plan`` in its planned rounds, each SP group's samples
+        re-packed for them (:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with this policy's cost
+        view; ``extra["estimated_time"]`` becomes the rounds' span). ``plan`` itself otherwise."""
+        if not self._lockstep:
+            return plan
+        cm, view = self.view.cm, self.view
+        return cm.rounds.plan_step(plan, self.world_size, lambda it: item_cost_of(cm, it).total / view.speed(it.ranks),
+                                   view)
 
     def _tree_first(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, lengths: Sequence[int],
                     rng: np.random.Generator) -> tuple[list, dict]:
@@ -284,14 +311,15 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         """
         if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size or self.world_size > FALLBACK_MAX_WORLD:
             return plan
-        best, best_span = plan, step_span(plan, self.view)
+        span_of = (lambda p: p.extra["estimated_time"]) if self._lockstep else (lambda p: step_span(p, self.view))
+        best, best_span = plan, span_of(plan)
         if best_span <= self._bound_span(lengths) * 1.01:
             return plan
         if self._parts is None:
             self._parts = [cls(self.world_size, self.view, seed=self.seed) for cls in (DCPIntraPolicy, DCPInterPolicy)]
         for part in self._parts:
-            cand = part.plan_batch(samples, lengths, step)[0]
-            span = step_span(cand, self.view)
+            cand = self._in_rounds(part.plan_batch(samples, lengths, step)[0])
+            span = span_of(cand)
             if improves(span, best_span):
                 extra = dict(cand.extra, estimated_time=span, chosen=part.name)
                 best, best_span = StepPlan(cand.items, extra), span
