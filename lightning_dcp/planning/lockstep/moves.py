@@ -15,20 +15,22 @@ Each counts its tries (never seconds), so every rank plans the same rounds. Pure
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
 
 from lightning_dcp.planning.lockstep.groups import GroupRounds, lanes_of
-from lightning_dcp.planning.lockstep.packing import Pricer, common_height, lane_samples, sweep
+from lightning_dcp.planning.lockstep.packing import Pricer, common_height, free_rounds, lane_samples, place, sweep
 from lightning_dcp.planning.plan import WorkItem
 
-__all__ = ["DISSOLVES", "DISSOLVE_WIDTH", "MOVES_MAX_SAMPLES_PER_RANK", "PROMOTIONS", "PROMOTION_SWEEPS", "dissolve",
+__all__ = ["DISSOLVES", "DISSOLVES_MANY", "DISSOLVE_WIDTH", "FILL", "MOVES_MAX_SAMPLES_PER_RANK", "PROMOTIONS", "PROMOTION_SWEEPS", "dissolve",
            "promote"]
 
 MOVES_MAX_SAMPLES_PER_RANK = 4
-"""A shard group tries moves when it has at most this many samples per rank (with more, re-packing has the
-freedom the moves give, and the moves re-plan the whole group each: too slow)."""
+"""A shard group tries promotions, and :data:`DISSOLVES` rounds to empty, when it has at most this many samples per
+rank; with more, re-packing has the freedom promotions give, and it tries :data:`DISSOLVES_MANY` rounds (each move
+re-packs the whole group)."""
 
 PROMOTIONS = 6
 """Promotions tried per shard group (:func:`promote`)."""
@@ -39,8 +41,15 @@ PROMOTION_SWEEPS = 2
 DISSOLVES = 6
 """Rounds a shard group tries to empty into its other rounds (:func:`dissolve`)."""
 
+DISSOLVES_MANY = 2
+"""Rounds a shard group of many samples per rank tries to empty."""
+
 DISSOLVE_WIDTH = 3
 """... among its this-many lowest rounds at a time."""
+
+FILL = 0.97
+"""A lane keeps at most this share of the tokens its free rounds hold when a round is emptied (:func:`_emptied`):
+the rest of its shortest samples go to lanes with room."""
 
 Move = list[tuple[int, int, tuple[int, ...]]]
 """``(lane, item, new ranks)`` per one-sample item moved."""
@@ -130,14 +139,14 @@ def _moved(g: GroupRounds, move: Move, pricer: Pricer) -> GroupRounds | None:
     return cand
 
 
-def dissolve(g: GroupRounds, pricer: Pricer) -> GroupRounds:
+def dissolve(g: GroupRounds, pricer: Pricer, limit: int = DISSOLVES) -> GroupRounds:
     """Empty the group's lowest rounds into its other rounds while that shortens its span (:func:`_emptied`).
-    At most :data:`DISSOLVES` tries, among the :data:`DISSOLVE_WIDTH` lowest rounds at a time."""
+    At most ``limit`` tries, among the :data:`DISSOLVE_WIDTH` lowest rounds at a time."""
     tries = 0
-    while tries < DISSOLVES and len(g.rounds) > 1:
+    while tries < limit and len(g.rounds) > 1:
         order = sorted(range(len(g.rounds)), key=lambda j: (g.height(g.rounds[j]), j))
         better = None
-        for j in order[: min(DISSOLVE_WIDTH, DISSOLVES - tries)]:
+        for j in order[: min(DISSOLVE_WIDTH, limit - tries)]:
             tries += 1
             cand = _emptied(g, j, pricer)
             if cand is not None and cand.span < g.span * (1 - 1e-9):
@@ -150,47 +159,67 @@ def dissolve(g: GroupRounds, pricer: Pricer) -> GroupRounds:
 
 
 def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
-    """``g`` without round ``j``: each of its samples (longest first) joins the item of its SP size in another
-    round that it fits best under that round's height, else the one that raises its round least (estimated
-    times); the changed items priced, the rounds paired and re-packed again. None if a sample finds no room."""
-    slots = [[x, k, list(g.items[x][k].samples), list(g.items[x][k].lengths), g.times[x][k], r]
-             for r, rnd in enumerate(g.rounds) if r != j for x, k in rnd]
-    height = {r: g.height(rnd) for r, rnd in enumerate(g.rounds) if r != j}
-    orphans = sorted(((s, n, len(g.lanes[x])) for x, k in g.rounds[j]
-                      for s, n in zip(g.items[x][k].samples, g.items[x][k].lengths)), key=lambda o: (-o[1], o[0]))
+    """``g`` without round ``j``. Its samples join a pool, with the shortest samples of every lane of their SP
+    size whose tokens pass :data:`FILL` of what its free rounds hold; the pool's samples (longest first) go to the
+    lane of their size with the most time to spare in its free rounds (their heights, less its samples') that has
+    the token room. Every lane that lost or got samples is re-packed into its free rounds, then the group is
+    re-packed. None if a sample finds no room."""
+    cand = g.copy()
+    gone = cand.rounds.pop(j)
+    pool = [(s, n, len(g.lanes[x])) for x, k in gone for s, n in zip(g.items[x][k].samples, g.items[x][k].lengths)]
+    sizes = {len(g.lanes[x]) for x, _ in gone}
     packer = pricer.packer
-    est = {p: packer.estimator(p) for p in {o[2] for o in orphans}}
-    changed: set[int] = set()
-    for s, n, p in orphans:
-        e = float(est[p](np.asarray([n], dtype=np.int64))[0])
-        cap = packer.capacities(p)[-1]
-        best, key = -1, None
-        for i, (x, _, _, lengths, t, r) in enumerate(slots):
-            if len(g.lanes[x]) != p or sum(lengths) + n > cap:
-                continue
-            rise = t + e - height[r]
-            k = (0, -rise) if rise <= 0 else (1, rise)  # fits under: the fullest; else the least rise
-            if key is None or k < key:
-                best, key = i, k
-        if best < 0:
-            return None
-        slot = slots[best]
-        slot[2].append(s)
-        slot[3].append(n)
-        slot[4] += e
-        height[slot[5]] = max(height[slot[5]], slot[4])
-        changed.add(best)
-    times: dict[WorkItem, float] = {}
-    for i, (x, k, samples, lengths, _, _) in enumerate(slots):
-        if i not in changed:
-            times[g.items[x][k]] = g.times[x][k]
+    est = {p: packer.estimator(p) for p in sizes}
+    held: dict[int, list[tuple[int, int]]] = {}
+    room: dict[int, list[float]] = {}
+    for x in range(len(cand.lanes)):
+        p = len(cand.lanes[x])
+        if p not in sizes:
             continue
-        order = sorted(range(len(samples)), key=lambda q: (-lengths[q], samples[q]))
-        got = pricer.item(g.lanes[x], [samples[q] for q in order], [lengths[q] for q in order], g.items[x][k].ring)
-        if got is None:
+        free = free_rounds(cand, x)
+        mine = sorted(((s, n) for k, it in enumerate(cand.items[x]) if (x, k) not in gone
+                       for s, n in zip(it.samples, it.lengths)), key=lambda q: (q[1], q[0]))
+        limit = FILL * len(free) * packer.capacities(p)[-1]
+        tokens = sum(n for _, n in mine)
+        while mine and tokens > limit:  # the shortest samples leave a lane too full for its free rounds
+            pool.append((*mine.pop(0), p))
+            tokens -= pool[-1][1]
+        if len(mine) < sum(len(it.samples) for k, it in enumerate(cand.items[x]) if (x, k) not in gone):
+            held[x] = mine
+        work = math.fsum(est[p](np.asarray([n for _, n in mine], dtype=np.int64)).tolist()) if mine else 0.0
+        room[x] = [math.fsum(cand.height(cand.rounds[r]) for r in free) - work, limit - tokens, mine]
+    for s, n, p in sorted(pool, key=lambda q: (-q[1], q[0])):
+        fits = [x for x in room if len(cand.lanes[x]) == p and room[x][1] >= n]
+        if not fits:
             return None
-        times[got[0]] = got[1]
-    cand = lanes_of(list(times), pricer.item_time, times)
-    if cand is not None:
-        sweep(cand, lane_samples(cand, packer), pricer)
+        x = max(fits, key=lambda y: (room[y][0], -y))
+        room[x][0] -= float(est[p](np.asarray([n], dtype=np.int64))[0])
+        room[x][1] -= n
+        held.setdefault(x, list(room[x][2])).append((s, n))
+    _drop(cand, set(gone) | {(x, k) for x in held for k in range(len(cand.items[x]))}, keep_empty=True)
+    for x, pairs in held.items():  # a lane's samples ride on an item in no round until it is re-packed
+        if pairs:
+            cand.items[x] = [WorkItem(cand.lanes[x], tuple(s for s, _ in pairs), tuple(n for _, n in pairs), 0,
+                                      packer.ring_of(len(cand.lanes[x])))]
+            cand.times[x] = [0.0]
+    data = lane_samples(cand, packer)
+    for x in sorted(held):
+        if held[x] and (data[x] is None or not place(cand, x, data[x], pricer, force=True)):
+            return None
+    cand.rounds = [r for r in cand.rounds if r]
+    sweep(cand, data, pricer)
     return cand
+
+
+def _drop(g: GroupRounds, pairs: set[tuple[int, int]], keep_empty: bool = False) -> None:
+    """Remove the items ``pairs`` from their lanes (the rounds' indices follow; a round left empty stays with
+    ``keep_empty``)."""
+    remap: dict[tuple[int, int], tuple[int, int]] = {}
+    for x in range(len(g.lanes)):
+        keep = [k for k in range(len(g.items[x])) if (x, k) not in pairs]
+        remap.update({(x, k): (x, i) for i, k in enumerate(keep)})
+        g.items[x] = [g.items[x][k] for k in keep]
+        g.times[x] = [g.times[x][k] for k in keep]
+    g.rounds = [[remap[p] for p in rnd if p in remap] for rnd in g.rounds]
+    if not keep_empty:
+        g.rounds = [r for r in g.rounds if r]

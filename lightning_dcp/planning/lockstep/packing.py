@@ -22,7 +22,8 @@ from lightning_dcp.planning.lockstep.groups import GroupRounds, ItemTime, merge
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.round_plan import LanePacker
 
-__all__ = ["LaneSamples", "Pricer", "ROUND_COUNTS", "SWEEPS", "common_height", "lane_samples", "repack", "sweep"]
+__all__ = ["LaneSamples", "Pricer", "ROUND_COUNTS", "SWEEPS", "common_height", "free_rounds", "lane_samples", "place",
+           "repack", "sweep"]
 
 SWEEPS = 4
 """Sweeps of lane-by-lane re-packing per shard group (each re-packs every lane once, then pairs the rounds again)."""
@@ -212,37 +213,48 @@ def targets(lane: LaneSamples, others: Sequence[float], rigid: Sequence[float]) 
 
 
 def sweep(g: GroupRounds, data: list[LaneSamples | None], pricer: Pricer) -> bool:
-    """Re-pack each lane in turn against the rounds of the others (:func:`targets`), keeping a re-packing that
-    does not lengthen the group's span (the rounds fixed); whether any lane changed. Pairs the rounds again."""
-    sets = [frozenset(r) for r in g.lanes]
+    """Re-pack each lane in turn against the rounds of the others (:func:`place`), keeping a re-packing that does
+    not lengthen the group's span; whether any lane changed. Pairs the rounds again."""
     moved = False
     for lane, d in enumerate(data):
-        if d is None:
-            continue
-        mine = sets[lane]
-        free, others, rigid, span_out = [], [], [], 0.0
-        for j, rnd in enumerate(g.rounds):
-            rest = [(x, k) for x, k in rnd if x != lane]
-            if any(sets[x] & mine for x, _ in rest):
-                span_out += g.height(rnd)
-                continue
-            free.append(j)
-            others.append(max((g.times[x][k] for x, k in rest), default=0.0))
-            rigid.append(max((g.times[x][k] for x, k in rest if len(g.items[x][k].samples) == 1), default=0.0))
-        goal, place = targets(d, others, rigid)
-        bins = _pack(d, goal, place)
-        got = None if bins is None else repack(d, bins, pricer)
-        if got is None:
-            continue
-        span = span_out + math.fsum(max(o, x[1] if x is not None else 0.0) for o, x in zip(others, got))
-        new = [x for x in got if x is not None]
-        if span > g.span * (1 + 1e-12) or [it for it, _ in new] == g.items[lane]:
-            continue
-        g.items[lane], g.times[lane] = [it for it, _ in new], [t for _, t in new]
-        slot = iter(range(len(new)))
-        for j, x in zip(free, got):
-            g.rounds[j] = [(y, k) for y, k in g.rounds[j] if y != lane] + ([(lane, next(slot))] if x is not None else [])
-        g.rounds = [r for r in g.rounds if r]
-        moved = True
+        if d is not None and place(g, lane, d, pricer):
+            moved = True
     g.rounds = merge(g)
     return moved
+
+
+def free_rounds(g: GroupRounds, lane: int) -> list[int]:
+    """The rounds ``lane`` may run an item in: no item of another lane on its ranks."""
+    mine = frozenset(g.lanes[lane])
+    return [j for j, rnd in enumerate(g.rounds) if not any(x != lane and mine & frozenset(g.lanes[x]) for x, _ in rnd)]
+
+
+def place(g: GroupRounds, lane: int, d: LaneSamples, pricer: Pricer, force: bool = False) -> bool:
+    """Re-pack ``lane``'s samples ``d`` into its free rounds against the other lanes' items there (:func:`targets`)
+    and keep it if the group's span does not grow (``force``: whenever every sample finds room, keeping the empty
+    rounds for the lanes placed next); whether it changed. The rounds stay where they are."""
+    free = free_rounds(g, lane)
+    keep = set(free)
+    span_out = math.fsum(g.height(rnd) for j, rnd in enumerate(g.rounds) if j not in keep)
+    others, rigid = [], []
+    for j in free:
+        rest = [(x, k) for x, k in g.rounds[j] if x != lane]
+        others.append(max((g.times[x][k] for x, k in rest), default=0.0))
+        rigid.append(max((g.times[x][k] for x, k in rest if len(g.items[x][k].samples) == 1), default=0.0))
+    goal, where = targets(d, others, rigid)
+    bins = _pack(d, goal, where)
+    got = None if bins is None else repack(d, bins, pricer)
+    if got is None:
+        return False
+    new = [x for x in got if x is not None]
+    if not force:
+        span = span_out + math.fsum(max(o, x[1] if x is not None else 0.0) for o, x in zip(others, got))
+        if span > g.span * (1 + 1e-12) or [it for it, _ in new] == g.items[lane]:
+            return False
+    g.items[lane], g.times[lane] = [it for it, _ in new], [t for _, t in new]
+    slot = iter(range(len(new)))
+    for j, x in zip(free, got):
+        g.rounds[j] = [(y, k) for y, k in g.rounds[j] if y != lane] + ([(lane, next(slot))] if x is not None else [])
+    if not force:
+        g.rounds = [r for r in g.rounds if r]
+    return True

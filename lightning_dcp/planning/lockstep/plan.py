@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_dcp.planning.lockstep.groups import GroupRounds, ItemTime, first_fit, lanes_of, merge
-from lightning_dcp.planning.lockstep.moves import MOVES_MAX_SAMPLES_PER_RANK, dissolve, promote
+from lightning_dcp.planning.lockstep.moves import DISSOLVES_MANY, MOVES_MAX_SAMPLES_PER_RANK, dissolve, promote
 from lightning_dcp.planning.lockstep.packing import SWEEPS, Pricer, common_height, lane_samples, sweep
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.round_plan import LanePacker
@@ -66,6 +66,8 @@ def plan_group(items: Sequence[WorkItem], item_time: ItemTime, packer: LanePacke
     ranks = len({r for lane in best.lanes for r in lane})
     if best.samples <= MOVES_MAX_SAMPLES_PER_RANK * ranks:
         best = dissolve(promote(best, pricer), pricer)
+    else:  # many samples per rank: re-packing has the freedom promotions give; each move re-packs the whole group
+        best = dissolve(best, pricer, DISSOLVES_MANY)
     return _priced(best, item_time)
 
 
