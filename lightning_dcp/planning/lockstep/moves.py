@@ -161,40 +161,42 @@ def dissolve(g: GroupRounds, pricer: Pricer, limit: int = DISSOLVES) -> GroupRou
 def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
     """``g`` without round ``j``. Its samples join a pool, with the shortest samples of every lane of their SP
     size whose tokens pass :data:`FILL` of what its free rounds hold; the pool's samples (longest first) go to the
-    lane of their size with the most time to spare in its free rounds (their heights, less its samples') that has
-    the token room. Every lane that lost or got samples is re-packed into its free rounds, then the group is
-    re-packed. None if a sample finds no room."""
+    lane of their SP size (a larger one where none has the token room) with the most time left to spare in its free
+    rounds (their heights, less its samples'). Every lane that lost or got samples is re-packed into its free rounds,
+    then the group is re-packed. None if a sample finds no room."""
     cand = g.copy()
     gone = cand.rounds.pop(j)
     pool = [(s, n, len(g.lanes[x])) for x, k in gone for s, n in zip(g.items[x][k].samples, g.items[x][k].lengths)]
     sizes = {len(g.lanes[x]) for x, _ in gone}
     packer = pricer.packer
-    est = {p: packer.estimator(p) for p in sizes}
+    est = {p: packer.estimator(p) for p in {len(r) for r in cand.lanes}}
     held: dict[int, list[tuple[int, int]]] = {}
-    room: dict[int, list[float]] = {}
+    room: dict[int, list] = {}
     for x in range(len(cand.lanes)):
         p = len(cand.lanes[x])
-        if p not in sizes:
+        if p < min(sizes):
             continue
         free = free_rounds(cand, x)
         mine = sorted(((s, n) for k, it in enumerate(cand.items[x]) if (x, k) not in gone
                        for s, n in zip(it.samples, it.lengths)), key=lambda q: (q[1], q[0]))
+        count = len(mine)
         limit = FILL * len(free) * packer.capacities(p)[-1]
         tokens = sum(n for _, n in mine)
-        while mine and tokens > limit:  # the shortest samples leave a lane too full for its free rounds
+        while p in sizes and mine and tokens > limit:  # the shortest samples leave a lane too full for its rounds
             pool.append((*mine.pop(0), p))
             tokens -= pool[-1][1]
-        if len(mine) < sum(len(it.samples) for k, it in enumerate(cand.items[x]) if (x, k) not in gone):
+        if len(mine) < count:
             held[x] = mine
         work = math.fsum(est[p](np.asarray([n for _, n in mine], dtype=np.int64)).tolist()) if mine else 0.0
         room[x] = [math.fsum(cand.height(cand.rounds[r]) for r in free) - work, limit - tokens, mine]
     for s, n, p in sorted(pool, key=lambda q: (-q[1], q[0])):
-        fits = [x for x in room if len(cand.lanes[x]) == p and room[x][1] >= n]
+        fits = [x for x in room if len(cand.lanes[x]) == p and room[x][1] >= n] or \
+            [x for x in room if len(cand.lanes[x]) > p and room[x][1] >= n]
         if not fits:
             return None
-        x = max(fits, key=lambda y: (room[y][0], -y))
-        room[x][0] -= float(est[p](np.asarray([n], dtype=np.int64))[0])
-        room[x][1] -= n
+        left = {x: room[x][0] - float(est[len(cand.lanes[x])](np.asarray([n], dtype=np.int64))[0]) for x in fits}
+        x = max(fits, key=lambda y: (left[y], -len(cand.lanes[y]), -y))
+        room[x][0], room[x][1] = left[x], room[x][1] - n
         held.setdefault(x, list(room[x][2])).append((s, n))
     _drop(cand, set(gone) | {(x, k) for x in held for k in range(len(cand.items[x]))}, keep_empty=True)
     for x, pairs in held.items():  # a lane's samples ride on an item in no round until it is re-packed
@@ -203,7 +205,7 @@ def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
                                       packer.ring_of(len(cand.lanes[x])))]
             cand.times[x] = [0.0]
     data = lane_samples(cand, packer)
-    for x in sorted(held):
+    for x in sorted(held, key=lambda y: (len(cand.lanes[y]), y)):  # the smaller lanes first: the larger hold them
         if held[x] and (data[x] is None or not place(cand, x, data[x], pricer, force=True)):
             return None
     cand.rounds = [r for r in cand.rounds if r]
