@@ -14,6 +14,7 @@ from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.item_pricing import item_cost_of
 from lightning_dcp.planning.lockstep import plan_group, plan_lockstep
+from lightning_dcp.planning.lockstep.packing import level
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import StepPlan, WorkItem, check_deadlock_free, validate_step
 from lightning_dcp.planning.planner import Planner
@@ -156,3 +157,42 @@ def test_a_policy_that_keeps_its_packing_gets_its_own_items_in_rounds():
     assert sorted(planned.items, key=lambda it: it.samples) == sorted(own.items, key=lambda it: it.samples)
     time = lambda it: item_cost_of(cm, it).total  # noqa: E731
     assert _span(planned, 16, 4, time) <= _span(align_rounds(own, 16, 4, time), 16, 4, time) * (1 + 1e-9)
+
+
+def test_a_lane_fills_the_round_another_lanes_long_sample_holds_up():
+    """Two SP-16 lanes, each with one long sample and short ones: the lane whose long sample is shorter packs short
+    samples beside it up to the other's, and the group lasts as long as its busiest lane."""
+    cm = _MODELS[("llama-70b", 32, 32)]
+    view = CostView(cm, 32, world_size=32)
+    rng = random.Random(0)
+
+    def item(ranks, lengths, start):
+        return WorkItem(ranks, tuple(range(start, start + len(lengths))), tuple(lengths),
+                        view.min_recompute(sum(lengths), len(ranks)), view.ring_of(len(ranks)))
+
+    short = lambda n: [rng.randint(1500, 2500) for _ in range(n)]  # noqa: E731
+    a, b = tuple(range(16)), tuple(range(16, 32))
+    items = [item(a, [235713], 0), item(a, short(100), 100), item(a, short(100), 300),
+             item(b, [200000], 1000), item(b, short(110), 1100), item(b, short(110), 1300)]
+    time = lambda it: item_cost_of(cm, it).total  # noqa: E731
+    aligned = plan_group(items, time)
+    planned = plan_group(items, time, view)
+    assert planned.span < aligned.span - 1.0
+    tall = planned.rounds[0]
+    beside = next(planned.items[x][k] for x, k in tall if planned.lanes[x] == b)
+    assert 200000 in beside.lengths and len(beside.samples) > 1
+    assert planned.span == pytest.approx(max(sum(t) for t in planned.times), rel=1e-9)
+    assert sorted(s for it in planned.all_items() for s in it.samples) == sorted(s for it in items for s in it.samples)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 50), st.floats(0, 50)), min_size=1, max_size=8), st.floats(0, 400))
+def test_level_spreads_a_total_within_each_rounds_bounds(bounds, total):
+    lo = [min(a, b) for a, b in bounds]
+    hi = [max(a, b) for a, b in bounds]
+    got = level(lo, hi, total)
+    assert all(a - 1e-9 <= x <= b + 1e-9 for x, a, b in zip(got, lo, hi))
+    if sum(lo) <= total <= sum(hi):
+        assert sum(got) == pytest.approx(total, abs=1e-6)
+        raised = [x for x, a, b in zip(got, lo, hi) if a < x < b]
+        assert max(raised, default=0) - min(raised, default=0) <= 1e-6  # one level for every round it moves
