@@ -174,12 +174,30 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
 
     def _costs(self, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         E = np.vstack([est(L) for est in self.est])  # classes x samples (inf: does not fit)
-        cap = self._round_cap
-        if cap is not None and E.size:  # lockstep rounds: no item taller than a round where a taller SP size holds it
-            over = E > cap
-            held = (np.isfinite(E) & ~over).any(axis=0)
-            E = np.where(over & held[None, :], np.inf, E)
+        if self._round_cap is not None and E.size:
+            E = self._lockstep_sizes(E)
         return E, E * self.class_arr[:, None]
+
+    def _lockstep_sizes(self, E: np.ndarray) -> np.ndarray:
+        """Under lockstep rounds: ``E`` without the SP sizes on which a sample would hold its shard group's round
+        up. A sample that alone takes longer than a round (:meth:`_round_height`) on a size keeps only the sizes
+        that hold it within the round where there are any; where there are none, only the size with the fewest
+        lockstep GPU-seconds: ``p t + (K - p)(t - height)``, its own plus the group's other ranks' wait."""
+        cap, k = self._round_cap, float(self.view.cm.rounds.domain or self.world_size)
+        fits = np.isfinite(E)
+        over = E > cap
+        held = (fits & ~over).any(axis=0)
+        E = np.where(over & held[None, :], np.inf, E)
+        loose = ~held & fits.any(axis=0)
+        if loose.any():
+            p = self.class_arr[:, None]
+            sub = E[:, loose]
+            cost = np.where(np.isfinite(sub), sub * p + np.maximum(k - p, 0.0) * np.maximum(sub - cap, 0.0), np.inf)
+            keep = np.argmin(cost, axis=0)
+            mask = np.full(sub.shape, np.inf)
+            mask[keep, np.arange(sub.shape[1])] = 0.0
+            E[:, loose] = sub + mask
+        return E
 
     def _propose(self, lengths: Sequence[int]) -> dict[int, list[Layout]]:
         L = np.asarray(lengths, dtype=np.int64)
