@@ -331,7 +331,7 @@ class Planner:
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:
         """Cost models without a token-only memory fast path: re-check every item exactly."""
-        from lightning_dcp.planning.item_pricing import ring_memory
+        from lightning_dcp.planning.ring_support import ring_memory
 
         cm = self.cost_model
         items = []
