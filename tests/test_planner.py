@@ -348,3 +348,18 @@ def test_planning_imports_run_one_way():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_a_sample_too_long_is_named_as_the_dataset_names_it():
+    """``Planner(sample_name=...)`` (the train dataset's ``sample_name``) names the sample in the error; a name function
+    that fails, or none, leaves the index alone."""
+    from lightning_dcp.planning.default_cost import DefaultCostModel
+    from lightning_dcp.planning.sample_names import name_samples
+
+    cm = DefaultCostModel(0, 1, 40)
+    with pytest.raises(PlanningError, match=r"^sample 1 \(clips/cat\.mp4\) has length 50 tokens"):
+        Planner(1, cm, dataset_lengths=[5, 50], sample_name=lambda i: ["clips/dog.mp4", "clips/cat.mp4"][i])
+    for namer in (None, lambda i: 1 / 0, lambda i: ""):
+        with pytest.raises(PlanningError, match=r"^sample 1 has length 50 tokens"):
+            Planner(1, cm, dataset_lengths=[5, 50], sample_name=namer)
+    assert name_samples([3, 4], lambda i: f"v{i}.mp4") == "[3 (v3.mp4), 4 (v4.mp4)]" and name_samples([3]) == "[3]"
