@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils.data import Dataset

@@ -64,9 +64,11 @@ class HandPlanner:
         return [StepPlan(tuple(items))]
 
 
-def _fit_and_check(tmp_path, world: int, spec: ModelSpec, layouts, steps: int, layout: str | None = "zigzag"):
-    strategy = DCPStrategy(planner=HandPlanner(layouts), global_batch_size=8, start_method="spawn", seed=1,
-                           log_metrics=False)
+def _fit_and_check(tmp_path, world: int, spec: ModelSpec, layouts, steps: int, layout: str | None = "zigzag",
+                   **strategy_kwargs):
+    planned = {"planner": HandPlanner(layouts)} if layouts is not None else {}
+    strategy = DCPStrategy(**planned, global_batch_size=8, start_method="spawn", seed=1, log_metrics=False,
+                           **strategy_kwargs)
     trainer = make_trainer(world, strategy, [Dump(str(tmp_path), weights_at=(steps,))], max_steps=steps)
     trainer.fit(SpecLM(spec, layout))
     plans = torch.load(os.path.join(tmp_path, "log_rank0.pt"))["plans"]
@@ -107,6 +109,18 @@ def test_sp6_on_six_processes_with_ring_past_the_heads_is_exact(tmp_path):
     assert _counts(plans, 6) == [[4, 4, 4, 4, 4, 3]]
     assert [(len(it["ranks"]), it.get("ring", 1)) for it in plans[0]["items"]] == [
         (6, 1), (3, 1), (2, 1), (1, 1), (4, 2), (2, 1), (5, 5)]
+
+
+def test_the_planners_own_sp3_plans_train_exactly_on_three_processes(tmp_path):
+    """No hand-made plan: the dcp planner, given a 6-head cost model whose budget holds the longest samples only at
+    SP 3, plans SP 3 groups (a head divisor, not a power of two) itself, and the fit equals single-process
+    training."""
+    from _fakes import FakeCostModel
+
+    cost_model = FakeCostModel(num_layers=SPEC6.num_layers, num_heads=6, memory_limit=20.05)
+    assert not cost_model.fits([40], 2, SPEC6.num_layers) and cost_model.fits([40], 3, SPEC6.num_layers)
+    plans = _fit_and_check(tmp_path, 3, SPEC6, None, steps=2, cost_model=cost_model, profile=False)
+    assert any(len(it["ranks"]) == 3 for p in plans for it in p["items"])
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -186,3 +186,63 @@ def test_the_epoch_remainder_is_said_and_settable(drop_last, monkeypatch):
                         "a smaller last step"]
     else:
         assert [len(b) for b in batches] == [4, 4, 2] and sampler.left_out(0) == 0 and said == []
+
+
+def test_runtime_and_planner_errors_name_the_clip(encoded):
+    """EncodedVideoDataset.sample_name gives each sample's clip; what the runtime builds from the train dataset names
+    it: the planner the strategy builds (a sample too long for the memory limit), out-of-memory stops and re-plans,
+    item descriptions, the loader's sample checks -- through a Subset too; a dataset without names keeps the index."""
+    from lightning_dcp.planning.default_cost import DefaultCostModel
+    from lightning_dcp.planning.errors import PlanningError
+    from lightning_dcp.planning.plan import StepPlan, WorkItem
+    from lightning_dcp.runtime.model import SPCap
+    from lightning_dcp.runtime.oom import OOMRecovery, StepOutOfMemoryError
+    from lightning_dcp.runtime.planner_factory import PlannerFactory
+    from lightning_dcp.runtime.sampler import DCPBatchSampler
+    from lightning_dcp.runtime.settings import DCPSettings
+    from lightning_dcp.runtime.step import Step
+    from lightning_dcp.runtime.train_loader import build_loader, sample_namer
+
+    ds = EncodedVideoDataset(encoded)
+    assert [ds.sample_name(i) for i in range(3)] == ["a.mkv", "b.mkv", "c.mkv"]
+    names = sample_namer(ds)
+    assert sample_namer(torch.utils.data.Subset(ds, [2, 1]))(1) == "b.mkv" and sample_namer([1, 2]) is None
+    i = max(range(3), key=lambda j: ds.lengths[j])
+    clip, n = ds.sample_name(i), ds.lengths[i]
+    factory = PlannerFactory(DCPSettings(), 1, SPCap(1), None, "sp", sample_name=names)
+    with pytest.raises(PlanningError, match=rf"^sample {i} \({clip}\) has length {n} tokens, but the longest"):
+        factory.planner(DefaultCostModel(0, 4, n - 1), ds.lengths)
+    step = Step.build(StepPlan((WorkItem((0,), (i,), (n,), 0),)), epoch=0, index=3, rank=0, world_size=1)
+    assert step.items[0].describe(names) == f"item 0 (samples [{i} ({clip})], lengths [{n}], SP 1, recompute 0)"
+    assert step.items[0].describe() == f"item 0 (samples [{i}], lengths [{n}], SP 1, recompute 0)"
+    oom = OOMRecovery(factory, max_replans=0, write_checkpoint=False)
+    with pytest.raises(StepOutOfMemoryError, match=rf"at SP 1 \(item 0 \(samples \[{i} \({clip}\)\]"):
+        oom.replan_failed(step, [0], 0, DefaultCostModel(2, 4, n), lambda *a: None, sample_name=names)
+    stop = oom.sp_stop_message(step, step.items[0], rank=0, timeout_s=None, cost_model=None, trainer=None,
+                               checkpoint_io=None, sample_name=names)
+    assert f"item 0 (samples [{i} ({clip})]" in stop
+    sampler = DCPBatchSampler(ds.lengths, planner=None, global_batch_size=1, plan_ahead=False)
+    loader = build_loader(torch.utils.data.DataLoader(ds), sampler, "sp")
+    wrong = Step.build(StepPlan((WorkItem((0,), (i,), (n + 1,), 0),)), epoch=0, index=0, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=rf"^sample {i} \({clip}\) has {n} tokens but its length is given as {n + 1}"):
+        loader.dataset[wrong]
+
+
+def test_a_fit_names_the_clip_that_is_too_long_for_the_memory_limit(encoded):
+    """DCPStrategy on an encoded folder whose longest clip fits no setting: the error at fit start names the clip."""
+    import lightning.pytorch as pl
+
+    from lightning_dcp import DCPStrategy
+    from lightning_dcp.planning.default_cost import DefaultCostModel
+    from lightning_dcp.planning.errors import PlanningError
+
+    ds = EncodedVideoDataset(encoded, text_len=16)
+    i = max(range(3), key=lambda j: ds.lengths[j])
+    module = VideoDiffusionModule(tiny_transformer("tiny-wan"))
+    strategy = DCPStrategy(cost_model=DefaultCostModel(0, 4, ds.lengths[i] - 1), profile=False,
+                           global_batch_size=3, log_metrics=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=VideoDiffusionModule.collate)
+    with pytest.raises(PlanningError, match=rf"sample {i} \({ds.sample_name(i)}\) has length {ds.lengths[i]} tokens"):
+        trainer.fit(module, loader)

@@ -214,3 +214,22 @@ def test_tiny_wan_runs_offline_and_an_unreadable_hub_id_is_one_clear_error(tmp_p
                      "--no-progress"]) == 2
     assert "its tiny model is tiny-wan" in capsys.readouterr().err
     assert json.loads((out / "meta.json").read_text())["settings"].get("on_error") is None
+
+
+def test_the_pre_flight_fails_on_a_corrupt_clip_before_diffusers_is_imported(bad_folder, tmp_path):
+    """``lightning-dcp encode`` in a fresh process: the pre-flight lists the corrupt clip and stops before anything
+    imports diffusers (``lightning_dcp.diffusers`` imports its names on first use; diffusers takes seconds to import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    argv = ["encode", "--videos", str(bad_folder), "--model", "tiny-wan", "--out", str(tmp_path / "out"), "--no-progress"]
+    code = (f"import sys\nfrom lightning_dcp.cli import main\nrc = main({argv!r})\n"
+            "print('exit', rc, 'diffusers imported', 'diffusers' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert "exit 2 diffusers imported False" in done.stdout, done.stdout + done.stderr
+    assert "broken.mp4: cannot decode the video" in done.stderr and "3 of 5 videos cannot be encoded" in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -303,3 +303,63 @@ def test_dcp_lone_short_sample_runs_where_it_is_fastest():
     got = Planner(8, cm, "dcp", fallback=False).plan_batch([0], [11]).steps[0].items
     best = min(cm.sp_sizes(8), key=lambda p: cm.item_time([11], p, cm.min_recompute([11], p)))
     assert [it.sp_size for it in got] == [best]
+
+
+def _planning_imports() -> dict[str, set[str]]:
+    """Module -> the planning modules it imports (anywhere in the file, lazy imports too; not ``TYPE_CHECKING`` ones,
+    nor the package's face ``lightning_dcp.planning``)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "lightning_dcp" / "planning"
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(("lightning_dcp", "planning", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for n in ast.walk(node)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d.startswith("lightning_dcp.planning.") and d != name}
+    return graph
+
+
+def test_planning_imports_run_one_way():
+    """No import circle inside lightning_dcp/planning (plan.py's memory check used to import item_pricing, which
+    imports plan.py's types): every module's imports, lazy ones included, form a graph without a cycle."""
+    graph = _planning_imports()
+    assert "lightning_dcp.planning.plan" in graph and graph["lightning_dcp.planning.item_pricing"]
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                raise AssertionError(f"import circle: {' -> '.join(path[path.index(dep):] + [dep])}")
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_a_sample_too_long_is_named_as_the_dataset_names_it():
+    """``Planner(sample_name=...)`` (the train dataset's ``sample_name``) names the sample in the error; a name function
+    that fails, or none, leaves the index alone."""
+    from lightning_dcp.planning.default_cost import DefaultCostModel
+    from lightning_dcp.planning.sample_names import name_samples
+
+    cm = DefaultCostModel(0, 1, 40)
+    with pytest.raises(PlanningError, match=r"^sample 1 \(clips/cat\.mp4\) has length 50 tokens"):
+        Planner(1, cm, dataset_lengths=[5, 50], sample_name=lambda i: ["clips/dog.mp4", "clips/cat.mp4"][i])
+    for namer in (None, lambda i: 1 / 0, lambda i: ""):
+        with pytest.raises(PlanningError, match=r"^sample 1 has length 50 tokens"):
+            Planner(1, cm, dataset_lengths=[5, 50], sample_name=namer)
+    assert name_samples([3, 4], lambda i: f"v{i}.mp4") == "[3 (v3.mp4), 4 (v4.mp4)]" and name_samples([3]) == "[3]"

@@ -32,68 +32,89 @@ each family's adapter, attention processor and packed forward is its module in
 :mod:`lightning_dcp.diffusers.families` (``wan``, ``ltx``, ``cogvideox``, ``hunyuan``).
 
 Needs ``diffusers>=0.35`` (``pip install "lightning-dcp[diffusers]"``); importing this package
-without it raises an ImportError saying so. ``import lightning_dcp`` never imports it.
+without it raises an ImportError saying so. ``import lightning_dcp`` never imports it, and this package imports
+each name above only when it is first used (``from lightning_dcp.diffusers import VideoDiffusionModule`` imports
+diffusers' model code then): ``lightning-dcp encode`` probes every clip before diffusers is imported.
 """
 
 from __future__ import annotations
 
-try:
-    import diffusers as _diffusers  # noqa: F401
-except ImportError as _err:  # pragma: no cover - exercised only without diffusers
+import importlib
+from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
+
+if find_spec("diffusers") is None:  # found without importing it (importing diffusers takes seconds)
     raise ImportError(
         "lightning_dcp.diffusers needs Hugging Face diffusers>=0.35, which is not installed; install it with "
         '`pip install "lightning-dcp[diffusers]"` (or `pip install "diffusers>=0.35"`).'
-    ) from _err
+    )
 
-from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
-from lightning_dcp.diffusers.families.cogvideox import cogvideox_sample
-from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
-from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
-from lightning_dcp.diffusers.encoded import EncodedVideoDataset
-from lightning_dcp.diffusers.families.hunyuan import hunyuan_sample
-from lightning_dcp.diffusers.joint import JOINT_TEXT, unpack_joint_output
-from lightning_dcp.diffusers.video_io import VideoDecodeError
-from lightning_dcp.diffusers.attention import PackedSelfAttention, PackedText
-from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
-from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
-from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
-from lightning_dcp.diffusers.families.ltx import LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor, ltx_video_sample
-from lightning_dcp.diffusers.families.wan import DCPWanAttnProcessor
-from lightning_dcp.diffusers.module import VideoDiffusionModule
-from lightning_dcp.diffusers.mp4 import write_mp4
-from lightning_dcp.diffusers.lora import add_lora, lora_config, lora_state_dict, save_lora
-from lightning_dcp.diffusers.validation import ValidationVideos
-from lightning_dcp.diffusers.export import ExportResult, export_checkpoint
-from lightning_dcp.diffusers.samples import (
-    CONDITION,
-    GRID,
-    IMAGE,
-    LATENTS,
-    SAMPLE_INDEX,
-    TEXT,
-    VIDEO_POS,
-    check_latent_shape,
-    collate_video,
-    grid_positions,
-    input_to_output_layout,
-    patchify,
-    per_sample_embeds,
-    unpack_output,
-    unpatchify,
-    video_sample,
-)
+#: Each public name -> the submodule that defines it (imported on first use, :func:`__getattr__`).
+_WHERE = {
+    **dict.fromkeys(("ModelInputs", "VideoShape", "check_video_shapes"), "checks"),
+    **dict.fromkeys(("adapt", "is_adapted", "packed_forward"), "dispatch"),
+    **dict.fromkeys(("EncodeResult", "EncodeSettings", "encode_videos"), "encode"),
+    "EncodedVideoDataset": "encoded",
+    "cogvideox_sample": "families.cogvideox",
+    "hunyuan_sample": "families.hunyuan",
+    **dict.fromkeys(("LTX_PIPELINE_ROPE_SCALE", "ROPE_SCALE", "DCPLTXAttnProcessor", "ltx_video_sample"),
+                    "families.ltx"),
+    "DCPWanAttnProcessor": "families.wan",
+    **dict.fromkeys(("JOINT_TEXT", "unpack_joint_output"), "joint"),
+    "VideoDecodeError": "video_io",
+    **dict.fromkeys(("PackedSelfAttention", "PackedText"), "attention"),
+    **dict.fromkeys(("LOSS_SCALE", "TARGET", "WEIGHTING_SCHEMES", "FlowMatching", "sample_seed"), "flow"),
+    **dict.fromkeys(("FAMILIES", "SUPPORTED_MODELS", "VideoFamily", "family_of"), "family"),
+    **dict.fromkeys(("HIDDEN_STATES", "TIMESTEP"), "forward"),
+    "VideoDiffusionModule": "module",
+    "write_mp4": "mp4",
+    **dict.fromkeys(("add_lora", "lora_config", "lora_state_dict", "save_lora"), "lora"),
+    "ValidationVideos": "validation",
+    **dict.fromkeys(("ExportResult", "export_checkpoint"), "export"),
+    **dict.fromkeys(("CONDITION", "GRID", "IMAGE", "LATENTS", "SAMPLE_INDEX", "TEXT", "VIDEO_POS", "check_latent_shape",
+                     "collate_video", "grid_positions", "input_to_output_layout", "patchify", "per_sample_embeds",
+                     "unpack_output", "unpatchify", "video_sample"), "samples"),
+}
 
-__all__ = [
-    "FAMILIES", "LTX_PIPELINE_ROPE_SCALE", "ROPE_SCALE", "DCPLTXAttnProcessor", "VideoFamily", "family_of",
-    "ltx_video_sample",
-    "JOINT_TEXT", "cogvideox_sample", "hunyuan_sample", "unpack_joint_output",
-    "EncodeResult", "EncodeSettings", "EncodedVideoDataset", "ModelInputs", "VideoDecodeError", "VideoShape",
-    "check_video_shapes", "encode_videos",
-    "CONDITION", "GRID", "HIDDEN_STATES", "IMAGE", "LATENTS", "LOSS_SCALE", "SAMPLE_INDEX", "SUPPORTED_MODELS", "TARGET",
-    "TEXT", "TIMESTEP", "VIDEO_POS", "WEIGHTING_SCHEMES", "DCPWanAttnProcessor", "FlowMatching", "PackedSelfAttention",
-    "PackedText", "VideoDiffusionModule", "adapt", "check_latent_shape", "collate_video", "grid_positions",
-    "input_to_output_layout", "is_adapted", "packed_forward", "patchify", "per_sample_embeds", "sample_seed",
-    "unpack_output", "unpatchify",
-    "video_sample", "write_mp4",
-    "ExportResult", "ValidationVideos", "add_lora", "export_checkpoint", "lora_config", "lora_state_dict", "save_lora",
-]
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """``lightning_dcp.diffusers.NAME``: imported from its submodule on first use, then kept here."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs read
+    from lightning_dcp.diffusers.attention import PackedSelfAttention, PackedText
+    from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
+    from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
+    from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
+    from lightning_dcp.diffusers.encoded import EncodedVideoDataset
+    from lightning_dcp.diffusers.export import ExportResult, export_checkpoint
+    from lightning_dcp.diffusers.families.cogvideox import cogvideox_sample
+    from lightning_dcp.diffusers.families.hunyuan import hunyuan_sample
+    from lightning_dcp.diffusers.families.ltx import (LTX_PIPELINE_ROPE_SCALE, ROPE_SCALE, DCPLTXAttnProcessor,
+                                                      ltx_video_sample)
+    from lightning_dcp.diffusers.families.wan import DCPWanAttnProcessor
+    from lightning_dcp.diffusers.family import FAMILIES, SUPPORTED_MODELS, VideoFamily, family_of
+    from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, WEIGHTING_SCHEMES, FlowMatching, sample_seed
+    from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
+    from lightning_dcp.diffusers.joint import JOINT_TEXT, unpack_joint_output
+    from lightning_dcp.diffusers.lora import add_lora, lora_config, lora_state_dict, save_lora
+    from lightning_dcp.diffusers.module import VideoDiffusionModule
+    from lightning_dcp.diffusers.mp4 import write_mp4
+    from lightning_dcp.diffusers.samples import (CONDITION, GRID, IMAGE, LATENTS, SAMPLE_INDEX, TEXT, VIDEO_POS,
+                                                 check_latent_shape, collate_video, grid_positions,
+                                                 input_to_output_layout, patchify, per_sample_embeds, unpack_output,
+                                                 unpatchify, video_sample)
+    from lightning_dcp.diffusers.validation import ValidationVideos
+    from lightning_dcp.diffusers.video_io import VideoDecodeError

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedSelfAttention", "PackedText", "packed_cross_attention", "qkv_projections"]
+__all__ = ["PackedAttnProcessor", "PackedSelfAttention", "PackedText", "packed_cross_attention", "qkv_projections"]
 
 
 class PackedSelfAttention(NamedTuple):
@@ -52,6 +52,49 @@ class PackedText(NamedTuple):
     text: torch.Tensor  #: ``[1, text_tokens, dim]``: the local samples' projected text, concatenated
     image: torch.Tensor | None  #: ``[1, image_tokens, dim]`` (Wan 2.1 I2V) or None
     segments: tuple[tuple[int, int, int, int, int, int], ...]
+
+
+class PackedAttnProcessor:
+    """Base of the families' attention processors: packed and sequence-parallel inside the family's packed
+    forward (which hands a :class:`PackedSelfAttention` as the rotary embedding, or :class:`PackedText` as the
+    encoder states), the module's original processor everywhere else.
+
+    A family subclasses it with the ``__call__`` signature diffusers passes its processors (diffusers filters the
+    keyword arguments by that signature), calls :meth:`dispatch`, and implements :meth:`self_attention` and
+    :meth:`cross_attention`.
+
+    Args:
+        fallback: the processor the module had before (used for every unpacked call).
+    """
+
+    family = ""
+    """The family's name, in errors."""
+
+    def __init__(self, fallback: Any) -> None:
+        self.fallback = fallback
+
+    def dispatch(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any, attention_mask: Any,
+                 rotary: Any, **kwargs: Any) -> torch.Tensor:
+        """The packed path for packed inputs (checked), else the fallback with the arguments as given."""
+        packed = isinstance(rotary, PackedSelfAttention) or isinstance(encoder_hidden_states, PackedText)
+        if not packed:
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, rotary, **kwargs)
+        if attention_mask is not None or kwargs:
+            raise ValueError(f"lightning_dcp's packed {self.family} attention takes no attention_mask or extra arguments "
+                             f"(got mask={attention_mask is not None}, kwargs={sorted(kwargs)}): packed samples carry "
+                             "their text unpadded and are described by cu_seqlens and PackedText.segments")
+        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
+            raise ValueError(f"packed {self.family} attention expects hidden states [1, local_tokens, dim], got "
+                             f"{tuple(hidden_states.shape)}")
+        if isinstance(encoder_hidden_states, PackedText):
+            return self.cross_attention(attn, hidden_states, encoder_hidden_states)
+        return self.self_attention(attn, hidden_states, rotary)
+
+    def self_attention(self, attn: Any, x: torch.Tensor, packed: PackedSelfAttention) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cross_attention(self, attn: Any, x: torch.Tensor, packed: PackedText) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def qkv_projections(attn: Any, x: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -101,6 +101,11 @@ class EncodedVideoDataset(Dataset):
         """Each sample's clip, with its window and crop when a clip gave several samples (what errors name)."""
         return [r.label for r in self.records]
 
+    def sample_name(self, index: int) -> str:
+        """Sample ``index``'s clip (:attr:`labels`): what the strategy's errors call it, e.g. a sample too long for the
+        memory limit or an out-of-memory stop: ``sample 17 (clips/cat.mp4)``."""
+        return self.records[index].label
+
     @property
     def captions(self) -> list[str]:
         return [r.caption for r in self.records]

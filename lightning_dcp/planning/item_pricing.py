@@ -28,50 +28,21 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-import inspect
-import math
 from typing import Any, Mapping, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of
+from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.parallel_costs import Pipeline, pipeline_time, pipelines_of, scheme_cost, scheme_memory
 from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.ring_support import ring_memory, supports_ring
 
 __all__ = ["supports_ring", "ring_cost", "ring_memory", "ring_cost_fallback", "item_cost_of", "item_memory_of",
            "item_key", "step_span"]
-
-_RING_OK: dict[type, bool] = {}
-
-
-def supports_ring(cost_model: CostModel) -> bool:
-    """Whether ``cost_model.item_cost`` takes ``ring=`` (the agreed ring interface) and the model prices rings
-    (``prices_ring``, where it says; a model that takes the keyword but prices no ring gets the fallback)."""
-    cls = type(cost_model)
-    ok = _RING_OK.get(cls)
-    if ok is None:
-        try:
-            params = inspect.signature(cost_model.item_cost).parameters
-        except (TypeError, ValueError):
-            params = {}
-        ok = "ring" in params
-        _RING_OK[cls] = ok
-    return ok and prices_ring_of(cost_model)
-
 
 def ring_cost(cost_model: CostModel, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> ItemCost:
     """Cost of a ring item: the cost model's own ring pricing when it has one, else :func:`ring_cost_fallback`."""
     if supports_ring(cost_model):
         return cost_model.item_cost(lengths, sp, recompute, ring=ring)  # type: ignore[call-arg]
     return ring_cost_fallback(cost_model, lengths, sp, recompute, ring)
-
-
-def ring_memory(cost_model: CostModel, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> float:
-    """Peak bytes per rank of a ring item: the cost model's when it takes ``ring=``, else the memory of the
-    rank's ``1/sp`` share of the tokens on one device (its key/value ring buffers neglected)."""
-    if ring > 1 and supports_ring(cost_model) and "ring" in inspect.signature(cost_model.item_memory).parameters:
-        return cost_model.item_memory(lengths, sp, recompute, ring=ring)  # type: ignore[call-arg]
-    share = max(1, math.ceil(sum(lengths) / sp))
-    fast = getattr(cost_model, "item_memory_tokens", None)
-    return fast(share, 1, recompute) if callable(fast) else cost_model.item_memory([share], 1, recompute)
 
 
 def _constants(cost_model: CostModel, recompute: int) -> ItemCost:

@@ -221,8 +221,8 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
         if cost_model is not None:
             if item.ring == 1:
                 need = cost_model.item_memory(item.lengths, item.sp_size, item.recompute)
-            else:  # the cost model's ring pricing, or item_pricing's estimate for one without it
-                from lightning_dcp.planning.item_pricing import ring_memory
+            else:  # the cost model's ring pricing, or ring_support's estimate for one without it
+                from lightning_dcp.planning.ring_support import ring_memory
 
                 need = ring_memory(cost_model, item.lengths, item.sp_size, item.recompute, item.ring)
             if need > cost_model.memory_limit:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
@@ -204,6 +205,8 @@ class Planner:
             else none; all 1.0 plans exactly as without speeds. The other policies ignore them.
         ring: offer ring sizes (ring attention past the head count, Ulysses x ring across nodes) when
             the cost model prices them (default True; False: Ulysses sizes only).
+        sample_name: names a dataset index in errors, e.g. a sample too long for any setting (the train dataset's
+            ``sample_name``: ``sample 17 (clips/cat.mp4)``; ``None``: the index alone).
         **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
             ``target=`` for bucket, ``g_max=`` for dcp-inter.
 
@@ -215,7 +218,7 @@ class Planner:
     def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
                  dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None,
                  sp_cap_reason: str | None = None, rank_speeds: Sequence[float] | None = None, ring: bool = True,
-                 **policy_options: Any):
+                 sample_name: SampleNamer | None = None, **policy_options: Any):
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if policy not in POLICIES:
@@ -227,6 +230,8 @@ class Planner:
         self.max_sp = self.world_size
         self.max_sp_size = None
         self.sp_cap_reason = sp_cap_reason
+        self.sample_name = sample_name
+        """Names a dataset index in errors (``Dataset.sample_name``, :mod:`~lightning_dcp.planning.sample_names`)."""
         if max_sp_size is not None:
             if isinstance(max_sp_size, bool) or not isinstance(max_sp_size, numbers.Integral) or max_sp_size <= 0:
                 raise PlanningError(f"max_sp_size must be a positive integer (ranks), got {max_sp_size!r}")
@@ -297,7 +302,7 @@ class Planner:
         for s, n in zip(samples, lengths):
             if n > limit:
                 raise PlanningError(
-                    f"sample {s} has length {n} tokens, but the longest that fits any setting on world size "
+                    f"{name_sample(s, self.sample_name)} has length {n} tokens, but the longest that fits any setting on world size "
                     f"{self.world_size} (SP sizes {self.view.sp_sizes}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
                     f"layer recomputed, memory budget {describe_limit(self.cost_model)}) is {limit} tokens: drop or split "
                     f"the sample, or use {self._more()}"
@@ -334,7 +339,7 @@ class Planner:
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:
         """Cost models without a token-only memory fast path: re-check every item exactly."""
-        from lightning_dcp.planning.item_pricing import ring_memory
+        from lightning_dcp.planning.ring_support import ring_memory
 
         cm = self.cost_model
         items = []

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dcp.planning.sample_names import name_samples
 from lightning_dcp.runtime.agreement import STEP_CAUSE, check_column, plan_fingerprint
 from lightning_dcp.runtime.calibration import slow_rank_clock
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
@@ -166,7 +167,8 @@ class StepExecutor:
                                  "only); fix the plan")
             problem = item_refusal(len(ranks), item.ring, runtime.num_heads, layout)
             if problem:
-                raise ValueError(f"{step.where()}: item {idx} (samples {list(item.samples)}, ranks {ranks}): {problem}")
+                raise ValueError(f"{step.where()}: item {idx} (samples {name_samples(item.samples, runtime.sample_name)}, "
+                                 f"ranks {ranks}): {problem}")
 
     def _ring_layout(self) -> str | None:
         """The module's ring token layout (``None``: no ring attention)."""
@@ -211,7 +213,7 @@ class StepExecutor:
             if not gathered.failed_items:
                 break
             prepared = self.oom.replan_failed(prepared.step, gathered.failed_items, attempt, self.cost_model,
-                                              self._replan)
+                                              self._replan, sample_name=self.runtime.sample_name)
         prediction = None
         if self.calibration is not None:
             planned = max(gathered.column("planned_upto"))
@@ -293,7 +295,7 @@ class StepExecutor:
             what, group = "a dummy round (no item on this rank)", f"the shard group of rank {rank} ({k} ranks)"
         else:
             it = mb.item
-            what = it.describe()
+            what = it.describe(self.runtime.sample_name)
             group = f"SP group {list(it.ranks)}" if it.sp_size > 1 else f"rank {rank}"
             if rnd.lockstep:
                 group += f" and its shard group ({k} ranks)"
@@ -313,7 +315,7 @@ class StepExecutor:
         return self.oom.sp_stop_message(step, mb.item if mb is not None else None, rank=runtime.rank, timeout_s=timeout, cost_model=self.cost_model,
                                         trainer=runtime.trainer, checkpoint_io=runtime.checkpoint_io,
                                         no_checkpoint_reason=runtime.shards.unsaveable_reason,
-                                        lockstep=rnd.lockstep)
+                                        lockstep=rnd.lockstep, sample_name=runtime.sample_name)
 
     def _run_item(self, mb: MicroBatch, batch_idx: int) -> Tensor:
         runtime = self.runtime

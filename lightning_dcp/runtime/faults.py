@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_dcp.planning.sample_names import SampleNamer, name_samples
+
 __all__ = ["CollectiveError", "collective_error", "describe_item", "is_collective_failure"]
 
 _MARKERS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
@@ -44,10 +46,11 @@ def collective_error(err: BaseException, *, epoch: int, step: int, what: str, gr
         "the last saved step")
 
 
-def describe_item(item: Any, index: int | None = None) -> str:
+def describe_item(item: Any, index: int | None = None, sample_name: SampleNamer | None = None) -> str:
     """``item 3 (samples [4, 9], lengths [120, 33], SP 2, recompute 1)`` for a plan's
     :class:`~lightning_dcp.planning.plan.WorkItem` at ``index`` or a
-    :class:`~lightning_dcp.runtime.step.RankItem` (which knows its index)."""
+    :class:`~lightning_dcp.runtime.step.RankItem` (which knows its index); with the dataset's ``sample_name``,
+    ``samples [4 (clips/a.mp4), 9 (clips/b.mp4)]``."""
     index = getattr(item, "index", index)
-    return (f"item {'?' if index is None else index} (samples {list(item.samples)}, lengths {list(item.lengths)}, "
-            f"SP {len(item.ranks)}, recompute {item.recompute})")
+    return (f"item {'?' if index is None else index} (samples {name_samples(item.samples, sample_name)}, lengths "
+            f"{list(item.lengths)}, SP {len(item.ranks)}, recompute {item.recompute})")

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.step import LoadedStep, RankItem, Step
 from lightning_dcp.sp.packing import pack_samples, sample_length
@@ -32,10 +33,12 @@ class StepDataset(Dataset):
     """
 
     def __init__(self, dataset: Any, pad_values: Mapping[str, Any] | None = None,
-                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None, sample_name: SampleNamer | None = None) -> None:
         self.dataset = dataset
         self.pad_values = pad_values
         self.collate_fn = collate_fn
+        self.sample_name = sample_name
+        """Names a dataset index in errors (the dataset's ``sample_name``; ``None``: the index alone)."""
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -50,14 +53,14 @@ class StepDataset(Dataset):
             return self.collate_fn(samples)
         for i, s, n in zip(item.samples, samples, item.lengths):
             if not isinstance(s, Mapping):
-                raise TypeError(f"sample {i} is a {type(s).__name__}, but packing needs dict samples (tensors "
-                                "with the token dimension first); return a dict from __getitem__, or let the "
+                raise TypeError(f"{name_sample(i, self.sample_name)} is a {type(s).__name__}, but packing needs dict "
+                                "samples (tensors with the token dimension first); return a dict from __getitem__, or let the "
                                 "strategy run the module in safe mode (DCPStrategy(support='safe')), which "
                                 "batches samples with your DataLoader's collate_fn")
             got = sample_length(s)
             if got != n:
-                raise ValueError(f"sample {i} has {got} tokens but its length is given as {n}; the dataset's "
-                                 "`lengths` must match what __getitem__ returns")
+                raise ValueError(f"{name_sample(i, self.sample_name)} has {got} tokens but its length is given as {n}; "
+                                 "the dataset's `lengths` must match what __getitem__ returns")
         return pack_samples(samples, pad_to_multiple=pad_multiple(item.sp_size, item.ring), pad_values=self.pad_values,
                             sample_indices=list(item.samples))
 
@@ -78,14 +81,14 @@ class DCPDataLoader(DataLoader):
 
     def __init__(self, dataset: Any, batch_sampler: DCPBatchSampler, *, pad_values: Mapping[str, Any] | None = None,
                  collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0, pin_memory: bool = False,
-                 **kwargs: Any) -> None:
+                 sample_name: SampleNamer | None = None, **kwargs: Any) -> None:
         self.dcp_sampler = batch_sampler
         self.source_dataset = dataset
         if num_workers == 0:
             kwargs.pop("prefetch_factor", None)
             kwargs.pop("persistent_workers", None)
-        super().__init__(StepDataset(dataset, pad_values, collate_fn), batch_sampler=batch_sampler, collate_fn=collate_step,
-                         num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        super().__init__(StepDataset(dataset, pad_values, collate_fn, sample_name), batch_sampler=batch_sampler,
+                         collate_fn=collate_step, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         return self.dcp_sampler.state_dict()

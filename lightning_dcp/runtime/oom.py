@@ -38,6 +38,7 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.lowered import LoweredMemory, lowered_limit
 from lightning_dcp.planning.padded import PaddedCostModel
 from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.sample_names import SampleNamer
 from lightning_dcp.runtime.faults import describe_item
 from lightning_dcp.planning.units import format_bytes
 
@@ -159,12 +160,13 @@ class OOMRecovery:
                                        "split or drop the longest samples") from err
 
     def replan_failed(self, step: "Step", failed_items: list[int], attempt: int, cost_model: CostModel,
-                      replan: Replan) -> "PreparedStep":
+                      replan: Replan, sample_name: SampleNamer | None = None) -> "PreparedStep":
         """Every rank saw these plan items run out of memory at SP 1: re-plan the step's samples with the
-        memory limit just below the failed items' estimate; the next attempt's prepared step."""
+        memory limit just below the failed items' estimate; the next attempt's prepared step (``sample_name``:
+        the dataset's, naming the failed items' samples)."""
         epoch, index, plan = step.epoch, step.index, step.plan
         failed = [plan.items[i] for i in failed_items]
-        what = "; ".join(describe_item(it, i) for i, it in zip(failed_items, failed))
+        what = "; ".join(describe_item(it, i, sample_name) for i, it in zip(failed_items, failed))
         self.replans += 1
         if attempt >= self.max_replans:
             raise StepOutOfMemoryError(
@@ -200,12 +202,14 @@ class OOMRecovery:
     # -- SP > 1: stop with a checkpoint ----------------------------------------------------------
     def sp_stop_message(self, step: "Step", it: "RankItem | None", *, rank: int, timeout_s: float | None,
                         cost_model: CostModel | None, trainer: Any, checkpoint_io: Any,
-                        no_checkpoint_reason: str | None = None, lockstep: bool = False) -> str:
+                        no_checkpoint_reason: str | None = None, lockstep: bool = False,
+                        sample_name: SampleNamer | None = None) -> str:
         """Out of memory in an SP > 1 item or a lockstep round (``it``: ``None`` in a dummy round): write the
         state before the step (unless ``no_checkpoint_reason`` or ``oom_checkpoint=False`` says not to) and
-        return the error message. The caller has already dropped the step's partial gradients."""
+        return the error message (``sample_name``: the dataset's, naming the item's samples). The caller has
+        already dropped the step's partial gradients."""
         _free_cuda_cache()
-        what = it.describe() if it is not None else "a dummy round (the shard group's collectives, no item)"
+        what = it.describe(sample_name) if it is not None else "a dummy round (the shard group's collectives, no item)"
         args = (step.where(), what, rank, timeout_s)
         if not self.write_checkpoint:
             return sp_oom_message(*args, no_checkpoint="DCPStrategy(oom_checkpoint=False)", lockstep=lockstep)
@@ -220,7 +224,7 @@ class OOMRecovery:
         if self.planners.settings.planner is None:
             limit = lowered_limit(self.lowered if self.lowered is not None else cost_model, [it.work_item.to_dict()])
         path = os.path.join(trainer.default_root_dir, "dcp_oom", f"epoch={step.epoch}-step={step.index}-rank={rank}.ckpt")
-        entry = {"epoch": step.epoch, "step": step.index, "memory_limit": limit, "item": it.describe(),
+        entry = {"epoch": step.epoch, "step": step.index, "memory_limit": limit, "item": what,
                  "attempts": attempts}
         try:
             self._save(trainer, checkpoint_io, path, entry)

@@ -23,6 +23,7 @@ from lightning_dcp.planning.default_cost import DefaultCostModel
 from lightning_dcp.planning.padded import PaddedCostModel, PaddedPlanner
 from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.planning.prices import CollectivePrices
+from lightning_dcp.planning.sample_names import SampleNamer
 from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.settings import DCPSettings
 from lightning_dcp.runtime.sharding.states import ModelStates, plan_cost_model
@@ -42,10 +43,12 @@ class PlannerFactory:
         states: the model states per rank under the runtime's sharding mode (``None``: the cost model's own).
         prices: the collectives' prices for the modes with collectives in the loop (``None``: the cost
             model's own, from its hardware or profile).
+        sample_name: names a dataset index in the planners' errors (the train dataset's ``sample_name``).
     """
 
     def __init__(self, settings: DCPSettings, world_size: int, sp_cap: SPCap, num_heads: int | None,
-                 support: str, states: ModelStates | None = None, prices: CollectivePrices | None = None) -> None:
+                 support: str, states: ModelStates | None = None, prices: CollectivePrices | None = None,
+                 sample_name: SampleNamer | None = None) -> None:
         self.settings = settings
         self.world_size = world_size
         self.sp_cap = sp_cap
@@ -53,6 +56,7 @@ class PlannerFactory:
         self.support = support
         self.states = states
         self.prices = prices
+        self.sample_name = sample_name
         self._warned_default = False
 
     def cost_model(self, given: CostModel | None, lengths: list[int], num_layers: int,
@@ -84,6 +88,7 @@ class PlannerFactory:
         if self.sp_cap.reason is not None and opts["max_sp_size"] == self.sp_cap.size:
             opts.setdefault("sp_cap_reason", self.sp_cap.reason)
         opts.setdefault("ring", self.sp_cap.ring)  # ring items only for a module that runs ring attention
+        opts.setdefault("sample_name", self.sample_name)
         planner = Planner(self.world_size, cost_model, policy=self.settings.policy, seed=self.settings.seed,
                           dataset_lengths=lengths, **opts)
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner

@@ -78,6 +78,8 @@ class RankRuntime:
         checkpoint_io: writes an out-of-memory checkpoint (``None``: none is written).
         contract: the module's :class:`~lightning_dcp.sp.contract.ModelContract` (the strategy's
             ``model_contract``; ``None``: read from ``module`` when a step is prepared).
+        sample_name: names a dataset index in errors (the train dataset's ``sample_name``, e.g. its clip file;
+            :mod:`~lightning_dcp.planning.sample_names`).
     """
 
     module: Any
@@ -95,6 +97,7 @@ class RankRuntime:
     train_step_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     checkpoint_io: Any = None
     contract: ModelContract | None = None
+    sample_name: Callable[[int], str] | None = None
 
     @property
     def trainer(self) -> Any:

@@ -21,6 +21,7 @@ import torch
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
+from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.units import describe_limit
 from lightning_dcp.runtime.calibration import STEP_KEY_STRIDE, step_key
 from lightning_dcp.runtime.lengths import check_lengths
@@ -68,6 +69,7 @@ class DCPBatchSampler:
         cost_model: when given, samples longer than the largest setting holds
             (``cost_model.max_length(max_sp_size)``) are refused before their step, by name.
         max_sp_size: the largest SP size the runtime offers (for that check).
+        sample_name: names a dataset index in errors (the dataset's ``sample_name``, e.g. its clip file).
 
     Each yielded item is ``[step]`` (a one-element list, as a DataLoader batch sampler yields lists
     of dataset keys): ``step`` is a :class:`~lightning_dcp.runtime.step.Step` -- the whole step plan,
@@ -78,7 +80,7 @@ class DCPBatchSampler:
     def __init__(self, lengths: Sequence[int], *, planner: Any, global_batch_size: int | None = None,
                  global_batch_tokens: int | None = None, num_replicas: int = 1, rank: int = 0, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, plan_ahead: bool = True, cost_model: Any = None,
-                 max_sp_size: int | None = None) -> None:
+                 max_sp_size: int | None = None, sample_name: SampleNamer | None = None) -> None:
         if (global_batch_size is None) == (global_batch_tokens is None):
             raise ValueError("give exactly one of global_batch_size (samples per step) and global_batch_tokens "
                              f"(tokens per step); got {global_batch_size=} and {global_batch_tokens=}")
@@ -102,6 +104,7 @@ class DCPBatchSampler:
         self.plan_ahead = plan_ahead
         self.cost_model = cost_model
         self.max_sp_size = max_sp_size
+        self.sample_name = sample_name
         self.epoch = 0
         self._start_step = 0  # first step of the next iteration of self.epoch (mid-epoch resume)
         self._consumed: tuple[int, int] = (0, 0)  # (epoch, steps of that epoch the strategy ran)
@@ -187,7 +190,7 @@ class DCPBatchSampler:
         for idx in batch:
             if self.lengths[idx] > self._max_len:
                 raise PlanningError(
-                    f"sample {idx} has {self.lengths[idx]} tokens, but the largest setting (SP size {self._max_sp}, all "
+                    f"{name_sample(idx, self.sample_name)} has {self.lengths[idx]} tokens, but the largest setting (SP size {self._max_sp}, all "
                     f"{getattr(self.cost_model, 'num_layers', '?')} layers recomputed) holds at most {self._max_len} "
                     f"tokens within the memory budget of {describe_limit(self.cost_model)}; "
                     "drop or split that sample (filter the dataset by length), or run on more ranks / larger devices"

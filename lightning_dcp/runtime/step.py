@@ -102,11 +102,12 @@ class RankItem:
         return SPContext(group=group, size=self.sp_size, rank=self.sp_rank, recompute=self.recompute,
                          item=self.work_item, ring=grid)
 
-    def describe(self) -> str:
-        """``item 3 (samples [4, 9], lengths [120, 33], SP 2, recompute 1)`` (for errors)."""
+    def describe(self, sample_name: Callable[[int], str] | None = None) -> str:
+        """``item 3 (samples [4, 9], lengths [120, 33], SP 2, recompute 1)`` (for errors; the dataset's
+        ``sample_name`` adds each sample's name)."""
         from lightning_dcp.runtime.faults import describe_item
 
-        return describe_item(self)
+        return describe_item(self, sample_name=sample_name)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ from lightning_dcp.runtime.sharding.launcher import ShardedSpawnLauncher
 from lightning_dcp.runtime.step import LoadedStep
 from lightning_dcp.runtime.support import support_message
 from lightning_dcp.runtime.train_loader import (build_loader, build_sampler, check_not_empty, global_batch,
-                                                map_style_dataset, train_lengths)
+                                                map_style_dataset, sample_namer, train_lengths)
 from lightning_dcp.sp.groups import SPGroups
 from lightning_dcp.runtime.watchdog import ShutdownWatchdog, rank_watchdog
 from lightning_dcp.sp.contract import ModelContract, read_model
@@ -368,12 +368,12 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             return dataloader
         if isinstance(dataloader, DCPDataLoader):
             return dataloader
-        lengths = self.train_lengths(map_style_dataset(dataloader))
-        per_rank = dataloader.batch_size or 1
+        dataset = map_style_dataset(dataloader)
+        lengths, names, per_rank = self.train_lengths(dataset), sample_namer(dataset), dataloader.batch_size or 1
         gbs, gbt = global_batch(self.settings, per_rank, self.world_size)
         planners = PlannerFactory(self.settings, self.world_size, self.sp_cap, self.num_heads, self.support,
                                   states=self.model_states(),
-                                  prices=RunSharding.prices(self.root_device, self.num_processes))
+                                  prices=RunSharding.prices(self.root_device, self.num_processes), sample_name=names)
         if self.settings.planner is None:
             self._cost_model = planners.cost_model(self._cost_model, lengths, self._model_contract.num_layers, per_rank)
         planner = planners.planner(self._cost_model, lengths)
@@ -390,12 +390,12 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         self.oom = OOMRecovery(planners, max_replans=self.settings.max_oom_replans,
                                write_checkpoint=self.settings.oom_checkpoint, resume_entry=resume,
                                replans=self.oom_replans)
-        self.executor = StepExecutor(self._rank_runtime(), self.batch_sampler, loader.dataset, self._cost_model,
+        self.executor = StepExecutor(self._rank_runtime(names), self.batch_sampler, loader.dataset, self._cost_model,
                                      self.oom, bounder=planners.bounder(self._cost_model), calibration=self.calibration)
         return loader
 
-    def _rank_runtime(self) -> RankRuntime:
-        """What the executor needs from this rank (it never holds the strategy)."""
+    def _rank_runtime(self, sample_name: Any = None) -> RankRuntime:
+        """What the executor needs from this rank (it never holds the strategy); ``sample_name``: the dataset's."""
         return RankRuntime(
             module=self.lightning_module, settings=self.settings, support=self.support, device=self.root_device,
             backward=PrecisionBackward(self.precision_plugin, self.lightning_module,
@@ -404,7 +404,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             shards=self.shards, to_device=BatchTransfer(self.lightning_module, self.root_device),
             convert_input=self.precision_plugin.convert_input,
             train_step_context=self.precision_plugin.train_step_context, checkpoint_io=self.checkpoint_io,
-            contract=self._model_contract)
+            contract=self._model_contract, sample_name=sample_name)
 
     def train_lengths(self, dataset: Any) -> list[int]:
         """Every train sample's length, without loading samples (safe mode: equal lengths when none are given)."""

@@ -1,4 +1,4 @@
-"""Building the train loader of a fit: the dataset check, the sample lengths, the global batch, the
+"""Building the train loader of a fit: the dataset check, the sample lengths and names, the global batch, the
 :class:`~lightning_dcp.runtime.sampler.DCPBatchSampler` and the
 :class:`~lightning_dcp.runtime.loader.DCPDataLoader` around the user's DataLoader.
 
@@ -20,7 +20,8 @@ from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.settings import DCPSettings
 from lightning_dcp.runtime.support import uniform_lengths
 
-__all__ = ["build_loader", "build_sampler", "check_not_empty", "global_batch", "map_style_dataset", "train_lengths"]
+__all__ = ["DatasetNames", "build_loader", "build_sampler", "check_not_empty", "global_batch", "map_style_dataset",
+           "sample_namer", "train_lengths"]
 
 
 def map_style_dataset(dataloader: DataLoader) -> Any:
@@ -30,6 +31,29 @@ def map_style_dataset(dataloader: DataLoader) -> Any:
         raise ValueError(f"DCPStrategy needs a map-style train dataset (random access by index); got "
                          f"{type(dataset).__name__}")
     return dataset
+
+
+class DatasetNames:
+    """The dataset's ``sample_name(index)`` as a picklable function of the index it is given, through ``Subset``s
+    (:mod:`~lightning_dcp.planning.sample_names`: what errors call a sample)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self, index: int) -> str:
+        dataset = self.dataset
+        while isinstance(dataset, torch.utils.data.Subset):
+            dataset, index = dataset.dataset, dataset.indices[index]
+        return dataset.sample_name(index)
+
+
+def sample_namer(dataset: Any) -> DatasetNames | None:
+    """A function naming ``dataset``'s samples in errors when it (or the dataset under its ``Subset``s) has a
+    ``sample_name(index)`` method (:class:`~lightning_dcp.diffusers.EncodedVideoDataset`: the clip file); else None."""
+    inner = dataset
+    while isinstance(inner, torch.utils.data.Subset):
+        inner = inner.dataset
+    return DatasetNames(dataset) if callable(getattr(inner, "sample_name", None)) else None
 
 
 def train_lengths(dataset: Any, settings: DCPSettings, support: str | None) -> list[int]:
@@ -81,7 +105,7 @@ def check_not_empty(sampler: DCPBatchSampler, num_samples: int, global_batch_siz
 
 def build_loader(dataloader: DataLoader, sampler: DCPBatchSampler, support: str | None) -> DCPDataLoader:
     """The DCP train loader over ``dataloader``'s dataset, keeping its worker settings (and, in safe
-    mode, its ``collate_fn``)."""
+    mode, its ``collate_fn``); a sample that does not load is named as the dataset names it (:func:`sample_namer`)."""
     kwargs: dict[str, Any] = {}
     if dataloader.num_workers > 0:
         kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
@@ -91,6 +115,7 @@ def build_loader(dataloader: DataLoader, sampler: DCPBatchSampler, support: str 
         from torch.utils.data import default_collate
 
         collate_fn = dataloader.collate_fn or default_collate
-    return DCPDataLoader(dataloader.dataset, sampler, collate_fn=collate_fn, num_workers=dataloader.num_workers,
+    return DCPDataLoader(dataloader.dataset, sampler, collate_fn=collate_fn, sample_name=sample_namer(dataloader.dataset),
+                         num_workers=dataloader.num_workers,
                          pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
                          worker_init_fn=dataloader.worker_init_fn, **kwargs)

@@ -49,7 +49,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_dcp.diffusers.attention import PackedSelfAttention, PackedText, packed_cross_attention
+from lightning_dcp.diffusers.attention import PackedAttnProcessor, PackedSelfAttention, PackedText, packed_cross_attention
 from lightning_dcp.diffusers.forward import (HIDDEN_STATES, TIMESTEP, PackedInputs, check_packed_inputs, concat_tokens,
                                              local_segments)
 from lightning_dcp.diffusers.samples import GRID, TEXT, VIDEO_POS, per_sample_embeds, sample_labels, video_sample
@@ -96,31 +96,17 @@ def _cross_attention(attn: Any, x: torch.Tensor, packed: PackedText) -> torch.Te
     return attn.to_out[1](attn.to_out[0](out))
 
 
-class DCPLTXAttnProcessor:
+class DCPLTXAttnProcessor(PackedAttnProcessor):
     """Attention processor for diffusers' ``LTXAttention``: packed and sequence-parallel in
-    :func:`ltx_packed_forward`, the original processor elsewhere.
+    :func:`ltx_packed_forward`, the original processor elsewhere (:class:`PackedAttnProcessor`)."""
 
-    Args:
-        fallback: the processor the module had before (used for every unpacked call).
-    """
-
-    def __init__(self, fallback: Any) -> None:
-        self.fallback = fallback
+    family = "LTX"
+    self_attention = staticmethod(_self_attention)
+    cross_attention = staticmethod(_cross_attention)
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> torch.Tensor:
-        packed = isinstance(image_rotary_emb, PackedSelfAttention) or isinstance(encoder_hidden_states, PackedText)
-        if not packed:
-            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        if attention_mask is not None:
-            raise ValueError("lightning_dcp's packed LTX attention takes no attention_mask: packed samples carry their "
-                             "text unpadded (ltx_video_sample) and are described by cu_seqlens and PackedText.segments")
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-            raise ValueError(f"packed LTX attention expects hidden states [1, local_tokens, dim], got "
-                             f"{tuple(hidden_states.shape)}")
-        if isinstance(encoder_hidden_states, PackedText):
-            return _cross_attention(attn, hidden_states, encoder_hidden_states)
-        return _self_attention(attn, hidden_states, image_rotary_emb)
+        return self.dispatch(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
 def _attentions(model: nn.Module) -> list[tuple[int, Any]]:

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dcp.diffusers.attention import PackedSelfAttention, PackedText, packed_cross_attention, qkv_projections
+from lightning_dcp.diffusers.attention import (PackedAttnProcessor, PackedSelfAttention, PackedText, packed_cross_attention,
+                                               qkv_projections)
 from lightning_dcp.diffusers.forward import (HIDDEN_STATES, TIMESTEP, PackedInputs, check_packed_inputs, concat_tokens,
                                              local_segments)
 from lightning_dcp.diffusers.samples import GRID, IMAGE, TEXT, VIDEO_POS, per_sample_embeds, sample_labels
@@ -129,32 +130,17 @@ def _cross_attention(attn: Any, x: torch.Tensor, packed: PackedText) -> torch.Te
     return _out(attn, out)
 
 
-class DCPWanAttnProcessor:
+class DCPWanAttnProcessor(PackedAttnProcessor):
     """Attention processor for diffusers' ``WanAttention``: packed and sequence-parallel in
-    :func:`wan_packed_forward`, the original processor elsewhere.
+    :func:`wan_packed_forward`, the original processor elsewhere (:class:`PackedAttnProcessor`)."""
 
-    Args:
-        fallback: the processor the module had before (used for every unpacked call).
-    """
-
-    def __init__(self, fallback: Any) -> None:
-        self.fallback = fallback
+    family = "Wan"
+    self_attention = staticmethod(_self_attention)
+    cross_attention = staticmethod(_cross_attention)
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: Any = None, **kwargs: Any) -> torch.Tensor:
-        packed = isinstance(rotary_emb, PackedSelfAttention) or isinstance(encoder_hidden_states, PackedText)
-        if not packed:
-            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        if attention_mask is not None or kwargs:
-            raise ValueError(f"lightning_dcp's packed Wan attention takes no attention_mask or extra arguments "
-                             f"(got mask={attention_mask is not None}, kwargs={sorted(kwargs)}): packed samples are "
-                             "described by cu_seqlens and PackedText.segments")
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-            raise ValueError(f"packed Wan attention expects hidden states [1, local_tokens, dim], got "
-                             f"{tuple(hidden_states.shape)}")
-        if isinstance(encoder_hidden_states, PackedText):
-            return _cross_attention(attn, hidden_states, encoder_hidden_states)
-        return _self_attention(attn, hidden_states, rotary_emb)
+        return self.dispatch(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- adapt

@@ -42,7 +42,7 @@ from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.flexsp_milp import Bucket, Solution, bucketize, chunk_sorted, solve
-from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts, default_tune_tokens, tuning_batches
+from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
 
 BUCKETS = 16
 """FlexSP's starting bucket count per micro-batch."""
@@ -110,9 +110,7 @@ class FlexSPPolicy(Policy):
             raise ValueError(f"flexsp: no recompute setting holds the longest sequence ({max(self.dataset_lengths)} tokens)")
         if len(cands) == 1:
             return cands[0]
-        tokens = int(self.options.get("tune_tokens") or default_tune_tokens(self.world_size, self.dataset_lengths))
-        tuner = Tuner(self.view.cm, self.world_size, tuning_batches(self.dataset_lengths, tokens, seed=self.seed),
-                      self.view.cm.step_overhead(self.world_size))
+        tuner = Tuner.for_policy(self)
         full, self.time_limit = self.time_limit, min(self.time_limit, TUNE_TIME_LIMIT_S)
         try:
             return tuner.best(cands, lambda r: (lambda s, ls: self.plan_with(r, s, ls)))

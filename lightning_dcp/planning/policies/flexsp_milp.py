@@ -28,7 +28,6 @@ Pure Python + numpy + scipy.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence

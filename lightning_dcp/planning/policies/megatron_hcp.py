@@ -45,7 +45,7 @@ from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts, default_tune_tokens, tuning_batches
+from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
 
 DELTA = 0.05
 """``next_hdp_group``'s balance slack."""
@@ -173,9 +173,7 @@ class MegatronHCPPolicy(Policy):
                              f"({max(self.dataset_lengths)} tokens) on {self.max_cp} ranks")
         if len(cands) == 1:
             return cands[0]
-        tokens = int(self.options.get("tune_tokens") or default_tune_tokens(self.world_size, self.dataset_lengths))
-        tuner = Tuner(self.view.cm, self.world_size, tuning_batches(self.dataset_lengths, tokens, seed=self.seed),
-                      self.view.cm.step_overhead(self.world_size))
+        tuner = Tuner.for_policy(self)
         return tuner.best(cands, lambda c: (lambda s, ls: self.plan_with(c, s, ls)))
 
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:

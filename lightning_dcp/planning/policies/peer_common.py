@@ -144,6 +144,15 @@ class Tuner:
         self.trials: list[tuple[Any, float]] = []
         """``(setting, seconds per token)`` of every candidate tried, in order (inf: it could not plan)."""
 
+    @classmethod
+    def for_policy(cls, policy: Any) -> "Tuner":
+        """The tuner of a peer policy: its cost model and world, tuning batches of its ``tune_tokens`` option (default
+        :func:`default_tune_tokens`) drawn from its dataset with its seed, its cost model's step overhead."""
+        tokens = int(policy.options.get("tune_tokens") or default_tune_tokens(policy.world_size, policy.dataset_lengths))
+        cm = policy.view.cm
+        return cls(cm, policy.world_size, tuning_batches(policy.dataset_lengths, tokens, seed=policy.seed),
+                   cm.step_overhead(policy.world_size))
+
     def time(self, plan_batch: Callable[[list[int], list[int]], list[StepPlan]]) -> float:
         """Seconds per token of ``plan_batch`` (samples, lengths -> steps) on the tuning batches."""
         total, tokens = 0.0, 0

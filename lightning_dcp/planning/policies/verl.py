@@ -43,8 +43,7 @@ from typing import Any, Sequence
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.peer_common import (Tuner, aligned_starts, default_tune_tokens, karmarkar_karp,
-                                                         tuning_batches)
+from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts, karmarkar_karp
 
 WORKLOAD_LINEAR = 24576
 """verl's ``calculate_workload``: ``24576 * s + s**2``."""
@@ -105,9 +104,7 @@ class VerlPolicy(Policy):
             raise ValueError(f"verl: no SP size and checkpointing setting holds the longest sequence ({longest} tokens)")
         if len(cands) == 1:
             return cands[0]
-        tokens = int(self.options.get("tune_tokens") or default_tune_tokens(self.world_size, self.dataset_lengths))
-        tuner = Tuner(self.view.cm, self.world_size, tuning_batches(self.dataset_lengths, tokens, seed=self.seed),
-                      self.view.cm.step_overhead(self.world_size))
+        tuner = Tuner.for_policy(self)
         return tuner.best(cands, lambda c: (lambda s, ls: self.plan_with(c, s, ls)))
 
     # -- planning ------------------------------------------------------------------------

@@ -15,6 +15,9 @@ where it has none, a dummy round that runs only the collectives
 (:class:`~lightning_dcp.runtime.sharding.dummy.CollectivesOnlyRound`). Per round
 (:meth:`HsdpShards.begin_round`):
 
+- every rank of a shard group reduce-scatters a gradient for every trainable parameter of a unit, zeros for the
+  ones its input left unused (:mod:`~lightning_dcp.runtime.sharding.unused`: a Wan block's cross-attention on an
+  SP rank holding only padding), so the ranks' reduce-scatters have one size;
 - the reduce-scatter sums into the sharded gradients (``set_gradient_divide_factor(1.0)`` and
   ``set_force_sum_reduction_for_comms(True)``: a plain SUM, which gloo has; NCCL's PREMUL_SUM is not
   used), accumulated over the rounds by FSDP;
@@ -43,6 +46,7 @@ from lightning_dcp.planning.sharding.base import ShardingMode
 from lightning_dcp.runtime.sharding.dummy import CollectivesOnlyRound
 from lightning_dcp.runtime.sharding.protocol import Round
 from lightning_dcp.runtime.sharding.units import FsdpUnits
+from lightning_dcp.runtime.sharding.unused import reduce_scatter_unused_params
 
 __all__ = ["FORWARD_METHODS", "HsdpGrads", "HsdpShards"]
 
@@ -130,6 +134,7 @@ class HsdpShards(FsdpUnits):
             unit.set_requires_gradient_sync(True, recurse=False)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+            reduce_scatter_unused_params(unit)
         self.dummy = CollectivesOnlyRound(module, layers, self.units, self.coresident, device)
 
     # ------------------------------------------------------------------ a step
