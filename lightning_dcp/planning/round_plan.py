@@ -3,7 +3,8 @@ inside the micro-batch loop).
 
 The base of every round plan, apart from :mod:`lightning_dcp.planning.rounds` (the lockstep rounds of a shard
 group, :class:`~lightning_dcp.planning.rounds.Lockstep`) so that the cost-model interface
-(:attr:`~lightning_dcp.planning.cost_model.CostModel.rounds`) needs nothing of the plan's modules. ``step`` is a
+(:attr:`~lightning_dcp.planning.cost_model.CostModel.rounds`) needs nothing of the plan's modules; and
+:class:`LanePacker`, what a round planner needs to re-pack an SP group's samples for its rounds. ``step`` is a
 :class:`~lightning_dcp.planning.plan.StepPlan` throughout. Pure Python.
 """
 

@@ -15,13 +15,17 @@ and a cost model's ``rounds``): the planner, the simulator and the runtime read 
   per step), so accumulation varies freely there. A round lasts as long as its slowest item (a dummy
   computes nothing) plus the round's per-layer collectives.
 
-**Round planning has one entry point**: :meth:`RoundPlan.plan_step` -- the planner calls it on every
-step a policy returns (:class:`~lightning_dcp.planning.planner.Planner`). Today :class:`Lockstep`
-does it by :func:`align_rounds` (each rank's items sorted by cost, so round ``i`` pairs every rank's
-``i``-th costliest item; no item changes rank, so the gradients are unchanged). A better round
-planner replaces :meth:`Lockstep.plan_step` and nothing else. :func:`lockstep_rounds` is the
-deterministic assignment of a plan's items to rounds that the runtime executes
-(:meth:`RoundPlan.rank_rounds`): every rank computes it from the same plan. Pure Python.
+**Round planning has one entry point**: :meth:`RoundPlan.plan_step`. :class:`Lockstep` plans the rounds
+with :mod:`lightning_dcp.planning.lockstep`: items paired by cost where their ranks' queues meet and,
+given a :class:`~lightning_dcp.planning.round_plan.LanePacker` (the dcp policy plans its rounds itself,
+with its cost view), each SP group's samples re-packed for the rounds and moved between SP groups of
+the shard group. The planner calls it on the steps of every other policy, which keep their own
+micro-batches (:class:`~lightning_dcp.planning.planner.Planner`). Samples stay in their shard group:
+the gradients are unchanged. :func:`align_rounds` is the former alignment after dispatch (each rank's
+items sorted by cost), kept as the yardstick the tests hold the round planner to.
+:func:`lockstep_rounds` is the deterministic assignment of a plan's items to rounds that the runtime
+executes (:meth:`RoundPlan.rank_rounds`): every rank computes it from the same plan, and the round
+planner lists items so that it finds the planned rounds. Pure Python.
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ def lockstep_rounds(step: StepPlan, world_size: int, shard_group_size: int) -> l
 
 def align_rounds(step: StepPlan, world_size: int, shard_group_size: int,
                  item_time: Callable[[WorkItem], float]) -> StepPlan:
-    """``step`` with each shard group's items reordered so that lockstep rounds pair items of similar cost.
+    """``step`` with each shard group's items reordered so that lockstep rounds pair items of similar cost (the
+    alignment after dispatch that :mod:`lightning_dcp.planning.lockstep` replaced; its yardstick in the tests).
 
     Inside a group, SP items (SP > 1) come first, largest SP and then costliest first, so each one
     starts a round on all its ranks together; then each rank's SP-1 items follow, costliest first.

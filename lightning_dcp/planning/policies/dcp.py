@@ -43,6 +43,15 @@ candidate dispatches over every sample were most of the planning time there) onl
 tree is more than 1.5% above the bound (:meth:`DCPPolicy._tree_first`). Every limit is counted
 in samples and packs, never in seconds, so every rank plans the same step.
 
+*Lockstep rounds* (``sharding="hsdp"``: the cost model's ``rounds`` are lockstep). The ranks of a shard
+group run their micro-batches in rounds that last as long as their slowest item, so dcp plans for them:
+no item is taller than a round where an SP size holds it within one (:meth:`DCPPolicy._round_height`: a
+micro-batch of the smallest SP size at its token capacity; :meth:`DCPPolicy._lockstep_sizes`), each
+candidate plan (the layout plan, the buddy tree, the parts) gets its rounds planned
+(:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with the policy's cost view, which
+re-packs each SP group's samples for the rounds: :mod:`lightning_dcp.planning.lockstep`), and the
+candidates are compared by the rounds' span.
+
 ``dcp-inter`` / ``dcp-intra`` follow the DCP paper: Algorithm 1 per length bucket, balance by
 accumulation counts (:mod:`~lightning_dcp.planning.policies.algorithm_one`, re-exported here).
 
