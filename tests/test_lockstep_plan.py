@@ -196,3 +196,14 @@ def test_level_spreads_a_total_within_each_rounds_bounds(bounds, total):
         assert sum(got) == pytest.approx(total, abs=1e-6)
         raised = [x for x, a, b in zip(got, lo, hi) if a < x < b]
         assert max(raised, default=0) - min(raised, default=0) <= 1e-6  # one level for every round it moves
+
+
+@pytest.mark.parametrize("key", [("wan-14b", 16, 8), ("llama-70b", 32, 32)])
+def test_with_uneven_rank_speeds_the_planned_span_is_the_simulated_one(key):
+    cm, world = _MODELS[key], key[1]
+    rng = random.Random(1)
+    speeds = [rng.choice([1.0, 1.0, 0.8]) for _ in range(world)]
+    lengths = [rng.choice([rng.randint(1, 4000), rng.randint(1, 80000)]) for _ in range(40)]
+    plan = Planner(world, cm, "dcp", seed=1, rank_speeds=speeds).plan(lengths, global_batch_size=40)
+    sim = simulate(plan, cm, rank_speeds=speeds)
+    assert [st.extra["estimated_time"] for st in plan.steps] == pytest.approx(sim.compute_spans, rel=1e-9)
