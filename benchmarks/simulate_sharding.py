@@ -88,7 +88,7 @@ def table(rows: list[dict], policies: list[str]) -> str:
     head = (["sharding", "states/rank GiB (in the loop)", "between steps GiB", "freed vs none GiB", "room for activations GiB"]
             + [f"max len SP {p} (r=0 / all)" for p in sps]
             + [f"{p} tokens/s" for p in policies] + [f"{p} % of step bound" for p in policies]
-            + ["dcp mean SP (token-weighted)", "dcp layers recomputed"])
+            + ["dcp imbalance", "dcp planner ms/step", "dcp mean SP (token-weighted)", "dcp layers recomputed"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         cells = [r["mode"], f"{r['states'] / GiB:.1f}", f"{r['rest'] / GiB:.1f}", f"{r['freed'] / GiB:.1f}",
@@ -100,9 +100,11 @@ def table(rows: list[dict], policies: list[str]) -> str:
             cells += [f"{r['policies'][p]['tokens_per_s']:,.0f}" for p in policies]
             cells += [f"{100 * r['policies'][p]['fraction_of_bound']:.1f}%" for p in policies]
             sp, rec = r["use"].get("dcp", (math.nan, math.nan))
-            cells += [f"{sp:.2f}", f"{100 * rec:.0f}%"]
+            dcp = r["policies"].get("dcp", {})
+            cells += [f"{100 * dcp.get('imbalance', math.nan):.1f}%", f"{dcp.get('planner_ms_per_step', math.nan):,.0f}",
+                      f"{sp:.2f}", f"{100 * rec:.0f}%"]
         else:
-            cells += ["does not fit"] * (2 * len(policies) + 2)
+            cells += ["does not fit"] * (2 * len(policies) + 4)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -142,8 +144,10 @@ def main() -> None:
         "`zero1` W+G+O/N, `zero2` and `fsdp` W+W/N+G+O/N; between steps `zero2` W+W/N+G/N+O/N, `fsdp` (W+G+O)/N "
         "(`lightning_dcp.planning.sharding`); `hsdp K=k` "
         "(W+G+O)/K plus two layers' weights and gradients and the root's in flight, its per-layer all-gathers and "
-        "reduce-scatters priced per lockstep round of each shard group (`lightning_dcp.planning.sharding.hsdp_cost`); "
-        "`offload` keeps the shards on the host. The other modes add no time per micro-batch.\n\n" + text)
+        "reduce-scatters priced per lockstep round of each shard group (`lightning_dcp.planning.sharding.hsdp_cost`), "
+        "the rounds planned by `lightning_dcp.planning.lockstep` (dcp re-packs its micro-batches for them; bucket "
+        "keeps its own); `offload` keeps the shards on the host. The other modes add no time per micro-batch. "
+        "Planner milliseconds per step on a machine shared with other jobs.\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -328,10 +328,13 @@ class Planner:
         if not self.view.exact_memory:
             steps = [self._verify_memory(s) for s in steps]
         cm = self.cost_model
-        if cm.rounds.lockstep:  # the round planner's one entry point (lightning_dcp.planning.rounds)
+        if cm.rounds.lockstep and not (self.policy.plans_rounds and self.view.exact_memory):
+            # the round planner's one entry point (lightning_dcp.planning.rounds): the policy's items as they are
             from lightning_dcp.planning.item_pricing import item_cost_of
 
-            steps = [cm.rounds.plan_step(s, self.world_size, lambda it: item_cost_of(cm, it).total) for s in steps]
+            view = self.view
+            steps = [cm.rounds.plan_step(s, self.world_size, lambda it: item_cost_of(cm, it).total / view.speed(it.ranks))
+                     for s in steps]
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:

@@ -15,13 +15,17 @@ and a cost model's ``rounds``): the planner, the simulator and the runtime read 
   per step), so accumulation varies freely there. A round lasts as long as its slowest item (a dummy
   computes nothing) plus the round's per-layer collectives.
 
-**Round planning has one entry point**: :meth:`RoundPlan.plan_step` -- the planner calls it on every
-step a policy returns (:class:`~lightning_dcp.planning.planner.Planner`). Today :class:`Lockstep`
-does it by :func:`align_rounds` (each rank's items sorted by cost, so round ``i`` pairs every rank's
-``i``-th costliest item; no item changes rank, so the gradients are unchanged). A better round
-planner replaces :meth:`Lockstep.plan_step` and nothing else. :func:`lockstep_rounds` is the
-deterministic assignment of a plan's items to rounds that the runtime executes
-(:meth:`RoundPlan.rank_rounds`): every rank computes it from the same plan. Pure Python.
+**Round planning has one entry point**: :meth:`RoundPlan.plan_step`. :class:`Lockstep` plans the rounds
+with :mod:`lightning_dcp.planning.lockstep`: items paired by cost where their ranks' queues meet and,
+given a :class:`~lightning_dcp.planning.round_plan.LanePacker` (the dcp policy plans its rounds itself,
+with its cost view), each SP group's samples re-packed for the rounds and moved between SP groups of
+the shard group. The planner calls it on the steps of every other policy, which keep their own
+micro-batches (:class:`~lightning_dcp.planning.planner.Planner`). Samples stay in their shard group:
+the gradients are unchanged. :func:`align_rounds` is the former alignment after dispatch (each rank's
+items sorted by cost), kept as the yardstick the tests hold the round planner to.
+:func:`lockstep_rounds` is the deterministic assignment of a plan's items to rounds that the runtime
+executes (:meth:`RoundPlan.rank_rounds`): every rank computes it from the same plan, and the round
+planner lists items so that it finds the planned rounds. Pure Python.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from lightning_dcp.planning.lockstep import plan_lockstep
 from lightning_dcp.planning.plan import PlanError, StepPlan, WorkItem
-from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, RoundPlan
+from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, LanePacker, RoundPlan
 
 __all__ = ["FREE_RUNNING", "FreeRunning", "Lockstep", "RoundPlan", "ShardGroupRounds", "align_rounds",
            "check_shard_groups", "lockstep_rounds", "round_span", "shard_groups"]
@@ -115,7 +120,8 @@ def lockstep_rounds(step: StepPlan, world_size: int, shard_group_size: int) -> l
 
 def align_rounds(step: StepPlan, world_size: int, shard_group_size: int,
                  item_time: Callable[[WorkItem], float]) -> StepPlan:
-    """``step`` with each shard group's items reordered so that lockstep rounds pair items of similar cost.
+    """``step`` with each shard group's items reordered so that lockstep rounds pair items of similar cost (the
+    alignment after dispatch that :mod:`lightning_dcp.planning.lockstep` replaced; its yardstick in the tests).
 
     Inside a group, SP items (SP > 1) come first, largest SP and then costliest first, so each one
     starts a round on all its ranks together; then each rank's SP-1 items follow, costliest first.
@@ -164,8 +170,13 @@ class Lockstep(RoundPlan):
     def __repr__(self) -> str:
         return f"Lockstep(shard_group_size={self.shard_group_size})"
 
-    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime) -> StepPlan:
-        return align_rounds(step, world_size, self.shard_group_size, item_time)
+    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime,
+                  packer: LanePacker | None = None) -> StepPlan:
+        """The rounds planned shard group by shard group (:func:`~lightning_dcp.planning.lockstep.plan_lockstep`):
+        items paired by cost where the queues of their ranks meet, each lane re-packed against the others'
+        rounds when a ``packer`` is given."""
+        check_shard_groups(step, world_size, self.shard_group_size)
+        return plan_lockstep(step, world_size, self.shard_group_size, item_time, packer)
 
     def rank_rounds(self, step: StepPlan, world_size: int, rank: int) -> list[int | None]:
         """Every rank of a group gets a list of the group's round count. A group without any item still runs

@@ -25,6 +25,11 @@ class Policy(abc.ABC):
 
     name: str = ""
     one_step_per_batch: bool = True
+    plans_rounds: bool = False
+    """Whether the policy plans its steps' lockstep rounds itself under a mode with them (``sharding="hsdp"``:
+    :meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with its cost view, re-packing its micro-batches
+    for the rounds, as dcp does). Otherwise the planner plans the rounds of the policy's items as they are: a
+    baseline keeps its own packing."""
     runtime_refusal: str | None = None
     """Why DCPStrategy cannot train with this policy (plan and simulate only), or ``None``: ``hydraulis`` plans
     TP/PP pipelines, ``flexsp``'s MILP stops at a time limit (ranks could get different plans)."""

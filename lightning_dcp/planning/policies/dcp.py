@@ -43,6 +43,15 @@ candidate dispatches over every sample were most of the planning time there) onl
 tree is more than 1.5% above the bound (:meth:`DCPPolicy._tree_first`). Every limit is counted
 in samples and packs, never in seconds, so every rank plans the same step.
 
+*Lockstep rounds* (``sharding="hsdp"``: the cost model's ``rounds`` are lockstep). The ranks of a shard
+group run their micro-batches in rounds that last as long as their slowest item, so dcp plans for them:
+no item is taller than a round where an SP size holds it within one (:meth:`DCPPolicy._round_height`: a
+micro-batch of the smallest SP size at its token capacity; :meth:`DCPPolicy._lockstep_sizes`), each
+candidate plan (the layout plan, the buddy tree, the parts) gets its rounds planned
+(:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with the policy's cost view, which
+re-packs each SP group's samples for the rounds: :mod:`lightning_dcp.planning.lockstep`), and the
+candidates are compared by the rounds' span.
+
 ``dcp-inter`` / ``dcp-intra`` follow the DCP paper: Algorithm 1 per length bucket, balance by
 accumulation counts (:mod:`~lightning_dcp.planning.policies.algorithm_one`, re-exported here).
 
@@ -54,11 +63,13 @@ search (step 6).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from lightning_dcp.planning.bound import StepBounder
+from lightning_dcp.planning.item_pricing import item_cost_of
 from lightning_dcp.planning.layouts import Layout, propose_layouts
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.algorithm_one import AlgorithmOnePolicy, DCPInterPolicy, DCPIntraPolicy
@@ -117,6 +128,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
     """
 
     name = "dcp"
+    plans_rounds = True
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -130,6 +142,8 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         # profiled model's capacities are not monotone in the SP size
         self.maxlens = np.maximum.accumulate(np.array([view.max_len(p) for p in self.classes], dtype=np.int64))
         self.est = [view.estimator(p) for p in self.classes]
+        self._lockstep = bool(view.cm.rounds.lockstep)
+        self._round_cap = self._round_height() if self._lockstep else None
         self.budget = [view.pack_target(p) for p in self.classes]
         self.trials = int(self.options.get("trials", 1))
         self.refine_rounds = int(self.options.get("refine_rounds", 64))
@@ -153,9 +167,46 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             self.candidates = self._propose(self.dataset_lengths)
 
     # -- once per run ---------------------------------------------------------------------
+    def _round_height(self) -> float | None:
+        """Under lockstep rounds: the tallest a round's items should be, what a micro-batch of the smallest SP
+        size holds at its token capacity with every layer recomputed (samples of 2,048 and 8,192 tokens, the
+        taller). The other ranks of a shard group cannot fill a taller round: a sample that alone takes longer
+        on an SP size goes to a larger one that holds it within this height (:meth:`_costs`)."""
+        view = self.view
+        for p in self.classes:
+            cap = view.max_len(p)
+            if cap > 0:
+                return max(view.time_uniform(min(cap, ell), cap / min(cap, ell), p, view.num_layers)
+                           for ell in (2048, 8192))
+        return None
+
+
     def _costs(self, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         E = np.vstack([est(L) for est in self.est])  # classes x samples (inf: does not fit)
+        if self._round_cap is not None and E.size:
+            E = self._lockstep_sizes(E)
         return E, E * self.class_arr[:, None]
+
+    def _lockstep_sizes(self, E: np.ndarray) -> np.ndarray:
+        """Under lockstep rounds: ``E`` without the SP sizes on which a sample would hold its shard group's round
+        up. A sample that alone takes longer than a round (:meth:`_round_height`) on a size keeps only the sizes
+        that hold it within the round where there are any; where there are none, only the size with the fewest
+        lockstep GPU-seconds: ``p t + (K - p)(t - height)``, its own plus the group's other ranks' wait."""
+        cap, k = self._round_cap, float(self.view.cm.rounds.domain or self.world_size)
+        fits = np.isfinite(E)
+        over = E > cap
+        held = (fits & ~over).any(axis=0)
+        E = np.where(over & held[None, :], np.inf, E)
+        loose = ~held & fits.any(axis=0)
+        if loose.any():
+            p = self.class_arr[:, None]
+            sub = E[:, loose]
+            cost = np.where(np.isfinite(sub), sub * p + np.maximum(k - p, 0.0) * np.maximum(sub - cap, 0.0), np.inf)
+            keep = np.argmin(cost, axis=0)
+            mask = np.full(sub.shape, np.inf)
+            mask[keep, np.arange(sub.shape[1])] = 0.0
+            E[:, loose] = sub + mask
+        return E
 
     def _propose(self, lengths: Sequence[int]) -> dict[int, list[Layout]]:
         L = np.asarray(lengths, dtype=np.int64)
@@ -199,29 +250,53 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
             if tree and len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES):
                 blocks, extra = self._tree_first(ids, L, E, G, lengths, rng)
+                plan = self._in_rounds(self._as_plan(samples, blocks, extra))
             else:
-                blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng,
-                                                      top=True)
-                extra = {"layout": list(layout), "estimated_time": span}
-                if tree:
-                    floor = self._bound_span(lengths)
-                    if span > floor * (1 + TREE_SLACK):
-                        got = self._tree_schedule(L, E, floor, span, blocks)
-                        if got is not None:
-                            blocks, span, sizes = got
-                            extra = {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
+                plan = self._layout_or_tree(samples, ids, L, E, G, lengths, rng, tree)
         finally:
             self._Erows, self._E, self._packs, self._ET, self._nested = {}, None, {}, None, {}
-        Ll, ring = self._Ll, self.view.ring_of
-        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
-                      for ranks, idx, rec in blk] for blk in blocks]
-        if extra.get("schedule") == "buddy-tree":  # levels, largest SP first: ancestors' items before their halves'
-            plan = StepPlan(tuple(it for level in per_group for it in level), extra)
-        else:
-            plan = StepPlan(tuple(interleave_items(per_group)), extra)
         if self.fallback:
             plan = self._best_of_parts(samples, lengths, step, plan)
         return [plan]
+
+    def _layout_or_tree(self, samples: Sequence[int], ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray,
+                        lengths: Sequence[int], rng: np.random.Generator, tree: bool) -> StepPlan:
+        """The layout plan (steps 1-5), or the buddy tree (step 6) when the layout plan is more than
+        ``TREE_SLACK`` above the step bound and the tree is faster. Under lockstep rounds both are compared in their
+        planned rounds (:meth:`_in_rounds`), and the tree is searched whatever its free-running span."""
+        blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
+        plan = self._in_rounds(self._as_plan(samples, blocks, {"layout": list(layout), "estimated_time": span}))
+        if tree:
+            floor = self._bound_span(lengths)
+            if plan.extra["estimated_time"] > floor * (1 + TREE_SLACK):
+                got = self._tree_schedule(L, E, floor, math.inf if self._lockstep else span, blocks)
+                if got is not None:
+                    blocks, span, sizes = got
+                    cand = self._in_rounds(self._as_plan(samples, blocks, {"layout": sizes, "estimated_time": span,
+                                                                           "schedule": "buddy-tree"}))
+                    if not self._lockstep or improves(cand.extra["estimated_time"], plan.extra["estimated_time"]):
+                        plan = cand
+        return plan
+
+    def _as_plan(self, samples: Sequence[int], blocks: list, extra: dict) -> StepPlan:
+        """The step plan of ``blocks`` (per group its ``(ranks, sample indices, recompute)`` items): a buddy tree's
+        levels largest SP first (ancestors' items before their halves'), a layout's groups interleaved."""
+        Ll, ring = self._Ll, self.view.ring_of
+        per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
+                      for ranks, idx, rec in blk] for blk in blocks]
+        if extra.get("schedule") == "buddy-tree":
+            return StepPlan(tuple(it for level in per_group for it in level), extra)
+        return StepPlan(tuple(interleave_items(per_group)), extra)
+
+    def _in_rounds(self, plan: StepPlan) -> StepPlan:
+        """Under lockstep rounds (``sharding="hsdp"``): ``plan`` in its planned rounds, each SP group's samples
+        re-packed for them (:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with this policy's cost
+        view; ``extra["estimated_time"]`` becomes the rounds' span). ``plan`` itself otherwise."""
+        if not self._lockstep:
+            return plan
+        cm, view = self.view.cm, self.view
+        return cm.rounds.plan_step(plan, self.world_size, lambda it: item_cost_of(cm, it).total / view.speed(it.ranks),
+                                   view)
 
     def _tree_first(self, ids: np.ndarray, L: np.ndarray, E: np.ndarray, G: np.ndarray, lengths: Sequence[int],
                     rng: np.random.Generator) -> tuple[list, dict]:
@@ -263,14 +338,15 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         """
         if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size or self.world_size > FALLBACK_MAX_WORLD:
             return plan
-        best, best_span = plan, step_span(plan, self.view)
+        span_of = (lambda p: p.extra["estimated_time"]) if self._lockstep else (lambda p: step_span(p, self.view))
+        best, best_span = plan, span_of(plan)
         if best_span <= self._bound_span(lengths) * 1.01:
             return plan
         if self._parts is None:
             self._parts = [cls(self.world_size, self.view, seed=self.seed) for cls in (DCPIntraPolicy, DCPInterPolicy)]
         for part in self._parts:
-            cand = part.plan_batch(samples, lengths, step)[0]
-            span = step_span(cand, self.view)
+            cand = self._in_rounds(part.plan_batch(samples, lengths, step)[0])
+            span = span_of(cand)
             if improves(span, best_span):
                 extra = dict(cand.extra, estimated_time=span, chosen=part.name)
                 best, best_span = StepPlan(cand.items, extra), span

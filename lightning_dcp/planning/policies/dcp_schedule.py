@@ -91,6 +91,8 @@ class LayoutScheduler:
         n = len(ids)
         cols = np.arange(n)
         minidx = np.searchsorted(self.maxlens[: kmax + 1], L[ids], side="left")
+        if self._round_cap is not None and n:  # lockstep rounds: a sample's first SP size is the first it may use
+            minidx = np.maximum(minidx, np.argmax(np.isfinite(Es), axis=0))
         if not top:
             barred = [k for k, c in enumerate(classes) if not self.view.contains(size, c)]
             if barred:  # a group of `size` ranks cannot always hold these: plan without them

@@ -1,0 +1,227 @@
+"""Moves between a shard group's lanes, where a step has few samples per rank (videos; long documents).
+
+Re-packing (:mod:`~lightning_dcp.planning.lockstep.packing`) keeps every sample in its lane; with few
+samples per rank a lane holds one or two, and its rounds are set by them. Two moves, each priced
+exactly and kept only if it shortens the group's span:
+
+- :func:`promote`: a long sample that holds a round up alone goes to a larger SP group -- the next
+  larger legal block of ranks holding its lane that cuts no other lane -- where it runs shorter;
+- :func:`dissolve`: a low round is emptied into the group's other rounds: each of its samples joins
+  an item of its SP size where it fits under that round's height, else where it raises it least
+  (the per-round collectives and the short items' floors are paid once instead of in every round).
+
+Each counts its tries (never seconds), so every rank plans the same rounds. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from lightning_dcp.planning.lockstep.groups import GroupRounds, lanes_of
+from lightning_dcp.planning.lockstep.packing import Pricer, common_height, free_rounds, lane_samples, place, sweep
+from lightning_dcp.planning.plan import WorkItem
+
+__all__ = ["DISSOLVES", "DISSOLVES_MANY", "DISSOLVE_WIDTH", "FILL", "MOVES_MAX_SAMPLES_PER_RANK", "PROMOTIONS", "PROMOTION_SWEEPS", "dissolve",
+           "promote"]
+
+MOVES_MAX_SAMPLES_PER_RANK = 4
+"""A shard group tries promotions, and :data:`DISSOLVES` rounds to empty, when it has at most this many samples per
+rank; with more, re-packing has the freedom promotions give, and it tries :data:`DISSOLVES_MANY` rounds (each move
+re-packs the whole group)."""
+
+PROMOTIONS = 6
+"""Promotions tried per shard group (:func:`promote`)."""
+
+PROMOTION_SWEEPS = 2
+"""Re-packing sweeps after each promotion tried."""
+
+DISSOLVES = 6
+"""Rounds a shard group tries to empty into its other rounds (:func:`dissolve`)."""
+
+DISSOLVES_MANY = 2
+"""Rounds a shard group of many samples per rank tries to empty."""
+
+DISSOLVE_WIDTH = 3
+"""... among its this-many lowest rounds at a time."""
+
+FILL = 0.97
+"""A lane keeps at most this share of the tokens its free rounds hold when a round is emptied (:func:`_emptied`):
+the rest of its shortest samples go to lanes with room."""
+
+Move = list[tuple[int, int, tuple[int, ...]]]
+"""``(lane, item, new ranks)`` per one-sample item moved."""
+
+
+def promote(g: GroupRounds, pricer: Pricer) -> GroupRounds:
+    """Move long samples that hold a round up onto larger SP groups while that shortens the group's span.
+
+    Tallest round first: the tallest item of the round, when it is one sample on fewer ranks than the group, and
+    every one-sample item of the round taller than its tallest packed item, each to its next larger block
+    (:func:`_block`); the group is then paired and re-packed again. At most :data:`PROMOTIONS` tries."""
+    tries = 0
+    tried: set[tuple] = set()
+    while tries < PROMOTIONS:
+        moves = _promotions(g, pricer, tried)
+        if not moves:
+            break
+        best = None
+        for move in moves[: PROMOTIONS - tries]:
+            tries += 1
+            cand = _moved(g, move, pricer)
+            if cand is not None and cand.span < (best or g).span * (1 - 1e-9):
+                best = cand
+        if best is not None:
+            g = best
+    return g
+
+
+def _promotions(g: GroupRounds, pricer: Pricer, tried: set[tuple]) -> list[Move]:
+    """Candidate moves from the tallest round that has one (see :func:`promote`)."""
+    group = sorted({r for lane in g.lanes for r in lane})
+    for rnd in g.rounds:
+        singles = [(g.times[x][k], x, k) for x, k in rnd if len(g.items[x][k].samples) == 1]
+        if not singles:
+            continue
+        packed = max((g.times[x][k] for x, k in rnd if len(g.items[x][k].samples) > 1), default=0.0)
+        out = []
+        for chosen in [[max(singles)]] + ([sorted(s for s in singles if s[0] > packed)] if packed > 0 else []):
+            move = [(x, k, block) for _, x, k in chosen
+                    for block in [_block(g, x, pricer, group)] if block is not None]
+            key = tuple((g.items[x][k].samples, b) for x, k, b in move)
+            if move and key not in tried:
+                tried.add(key)
+                out.append(move)
+        if out:
+            return out
+    return []
+
+
+def _block(g: GroupRounds, lane: int, pricer: Pricer, group: Sequence[int]) -> tuple[int, ...] | None:
+    """The smallest legal block of consecutive ranks of the group (first by start) larger than ``lane`` that
+    holds it and cuts no other lane; None if none."""
+    ranks = g.lanes[lane]
+    lo, hi = min(ranks), max(ranks)
+    first, last = group[0], group[-1]
+    sets = [frozenset(r) for r in g.lanes]
+    for p in pricer.packer.sp_sizes:
+        if p <= len(ranks) or p > last - first + 1:
+            continue
+        for start in range(max(first, hi + 1 - p), min(lo, last + 1 - p) + 1):
+            block = frozenset(range(start, start + p))
+            if pricer.packer.topology.legal(start, p) and all(s <= block or block <= s or not s & block for s in sets):
+                return tuple(range(start, start + p))
+    return None
+
+
+def _moved(g: GroupRounds, move: Move, pricer: Pricer) -> GroupRounds | None:
+    """``g`` with the one-sample items of ``move`` on their new ranks, paired and re-packed again; None if one
+    does not fit there."""
+    gone = {(x, k) for x, k, _ in move}
+    times = {it: t for x in range(len(g.lanes)) for k, (it, t) in enumerate(zip(g.items[x], g.times[x]))
+             if (x, k) not in gone}
+    for x, k, block in move:
+        old = g.items[x][k]
+        got = pricer.item(block, old.samples, old.lengths, pricer.packer.ring_of(len(block)))
+        if got is None:
+            return None
+        times[got[0]] = got[1]
+    cand = lanes_of(list(times), pricer.item_time, times)
+    if cand is None:
+        return None
+    data = lane_samples(cand, pricer.packer)
+    cand = common_height(cand, data, pricer)
+    for _ in range(PROMOTION_SWEEPS):
+        if not sweep(cand, data, pricer):
+            break
+    return cand
+
+
+def dissolve(g: GroupRounds, pricer: Pricer, limit: int = DISSOLVES) -> GroupRounds:
+    """Empty the group's lowest rounds into its other rounds while that shortens its span (:func:`_emptied`).
+    At most ``limit`` tries, among the :data:`DISSOLVE_WIDTH` lowest rounds at a time."""
+    tries = 0
+    while tries < limit and len(g.rounds) > 1:
+        order = sorted(range(len(g.rounds)), key=lambda j: (g.height(g.rounds[j]), j))
+        better = None
+        for j in order[: min(DISSOLVE_WIDTH, limit - tries)]:
+            tries += 1
+            cand = _emptied(g, j, pricer)
+            if cand is not None and cand.span < g.span * (1 - 1e-9):
+                better = cand
+                break
+        if better is None:
+            break
+        g = better
+    return g
+
+
+def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
+    """``g`` without round ``j``. Its samples join a pool, with the shortest samples of every lane of their SP
+    size whose tokens pass :data:`FILL` of what its free rounds hold; the pool's samples (longest first) go to the
+    lane of their SP size (a larger one where none has the token room) with the most time left to spare in its free
+    rounds (their heights, less its samples'). Every lane that lost or got samples is re-packed into its free rounds,
+    then the group is re-packed. None if a sample finds no room."""
+    cand = g.copy()
+    gone = cand.rounds.pop(j)
+    pool = [(s, n, len(g.lanes[x])) for x, k in gone for s, n in zip(g.items[x][k].samples, g.items[x][k].lengths)]
+    sizes = {len(g.lanes[x]) for x, _ in gone}
+    packer = pricer.packer
+    est = {p: packer.estimator(p) for p in {len(r) for r in cand.lanes}}
+    held: dict[int, list[tuple[int, int]]] = {}
+    room: dict[int, list] = {}
+    for x in range(len(cand.lanes)):
+        p = len(cand.lanes[x])
+        if p < min(sizes):
+            continue
+        free = free_rounds(cand, x)
+        mine = sorted(((s, n) for k, it in enumerate(cand.items[x]) if (x, k) not in gone
+                       for s, n in zip(it.samples, it.lengths)), key=lambda q: (q[1], q[0]))
+        count = len(mine)
+        limit = FILL * len(free) * packer.capacities(p)[-1]
+        tokens = sum(n for _, n in mine)
+        while p in sizes and mine and tokens > limit:  # the shortest samples leave a lane too full for its rounds
+            pool.append((*mine.pop(0), p))
+            tokens -= pool[-1][1]
+        if len(mine) < count:
+            held[x] = mine
+        work = math.fsum(est[p](np.asarray([n for _, n in mine], dtype=np.int64)).tolist()) if mine else 0.0
+        room[x] = [math.fsum(cand.height(cand.rounds[r]) for r in free) - work, limit - tokens, mine]
+    for s, n, p in sorted(pool, key=lambda q: (-q[1], q[0])):
+        fits = [x for x in room if len(cand.lanes[x]) == p and room[x][1] >= n] or \
+            [x for x in room if len(cand.lanes[x]) > p and room[x][1] >= n]
+        if not fits:
+            return None
+        left = {x: room[x][0] - float(est[len(cand.lanes[x])](np.asarray([n], dtype=np.int64))[0]) for x in fits}
+        x = max(fits, key=lambda y: (left[y], -len(cand.lanes[y]), -y))
+        room[x][0], room[x][1] = left[x], room[x][1] - n
+        held.setdefault(x, list(room[x][2])).append((s, n))
+    _drop(cand, set(gone) | {(x, k) for x in held for k in range(len(cand.items[x]))}, keep_empty=True)
+    for x, pairs in held.items():  # a lane's samples ride on an item in no round until it is re-packed
+        if pairs:
+            cand.items[x] = [WorkItem(cand.lanes[x], tuple(s for s, _ in pairs), tuple(n for _, n in pairs), 0,
+                                      packer.ring_of(len(cand.lanes[x])))]
+            cand.times[x] = [0.0]
+    data = lane_samples(cand, packer)
+    for x in sorted(held, key=lambda y: (len(cand.lanes[y]), y)):  # the smaller lanes first: the larger hold them
+        if held[x] and (data[x] is None or not place(cand, x, data[x], pricer, force=True)):
+            return None
+    cand.rounds = [r for r in cand.rounds if r]
+    sweep(cand, data, pricer)
+    return cand
+
+
+def _drop(g: GroupRounds, pairs: set[tuple[int, int]], keep_empty: bool = False) -> None:
+    """Remove the items ``pairs`` from their lanes (the rounds' indices follow; a round left empty stays with
+    ``keep_empty``)."""
+    remap: dict[tuple[int, int], tuple[int, int]] = {}
+    for x in range(len(g.lanes)):
+        keep = [k for k in range(len(g.items[x])) if (x, k) not in pairs]
+        remap.update({(x, k): (x, i) for i, k in enumerate(keep)})
+        g.items[x] = [g.items[x][k] for k in keep]
+        g.times[x] = [g.times[x][k] for k in keep]
+    g.rounds = [[remap[p] for p in rnd if p in remap] for rnd in g.rounds]
+    if not keep_empty:
+        g.rounds = [r for r in g.rounds if r]
