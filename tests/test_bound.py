@@ -164,7 +164,11 @@ def test_no_plan_beats_the_tight_bounds(model, world, memory, fractions, scale, 
     cap = Planner(world, cm).longest_fitting()
     lengths = [max(1, int(cap * scale * f)) for f in fractions]
     fp = bc.FirstPrinciplesBounder(cm, world)
-    plan = Planner(world, cm, policy).plan(lengths, global_batch_tokens=sum(lengths))
+    try:
+        plan = Planner(world, cm, policy).plan(lengths, global_batch_tokens=sum(lengths))
+    except PlanningError as err:  # a peer without ring attention cannot hold what dcp's rings hold
+        assert policy in ("verl", "flexsp"), err
+        return
     sim = simulate(plan, cm, timeline=False)
     for step, span in zip(plan.steps, sim.compute_spans):
         c = fp.check([n for it in step.items for n in it.lengths])

@@ -38,6 +38,7 @@ import math
 import time
 from typing import Any, Sequence
 
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
@@ -107,7 +108,7 @@ class FlexSPPolicy(Policy):
             return None
         cands = self.candidates(max(self.dataset_lengths))
         if not cands:
-            raise ValueError(f"flexsp: no recompute setting holds the longest sequence ({max(self.dataset_lengths)} tokens)")
+            raise PlanningError(f"flexsp: no recompute setting holds the longest sequence ({max(self.dataset_lengths)} tokens)")
         if len(cands) == 1:
             return cands[0]
         tuner = Tuner.for_policy(self)
@@ -146,7 +147,7 @@ class FlexSPPolicy(Policy):
             if len(sols) == len(chunks):
                 break
             if mb >= len(lengths):
-                raise ValueError(f"flexsp: no micro-batching of {len(lengths)} sequences fits {N} ranks")
+                raise PlanningError(f"flexsp: no micro-batching of {len(lengths)} sequences fits {N} ranks")
             mb += 1
         items: list[WorkItem] = []
         for c, sol in sols:

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.parallel_costs import Pipeline, Scheme, pipelines_extra
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
@@ -72,7 +73,7 @@ class HydraulisPolicy(Policy):
             p *= 2
         self.table = SchemeTable(view.cm, sizes, view.work)
         if not self.table.schemes:
-            raise ValueError("hydraulis: no <TP, PP> scheme holds even one token here")
+            raise PlanningError("hydraulis: no <TP, PP> scheme holds even one token here")
         self.trials = int(self.options.get("trials", TRIALS))
         self.util_len = {s: self._util_len(s) for s in self.table.schemes}
         self.strategies: list[Strategy] = []
@@ -128,7 +129,7 @@ class HydraulisPolicy(Policy):
         """A homogeneous strategy of the cheapest scheme that holds ``longest`` (no proposal, or none holds it)."""
         ok = [s for s in self.table.schemes if self.table.max_len(s) >= longest]
         if not ok:
-            raise ValueError(f"hydraulis: no <TP, PP> scheme holds a sequence of {longest} tokens")
+            raise PlanningError(f"hydraulis: no <TP, PP> scheme holds a sequence of {longest} tokens")
         s = min(ok, key=lambda x: (float(self.table.seq_time(x, np.array([longest]))[0]) * x.size, x.size))
         return ((s, self.world_size // s.size),)
 

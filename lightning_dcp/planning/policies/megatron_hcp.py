@@ -41,6 +41,7 @@ import math
 from collections import deque
 from typing import Any, Sequence
 
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
@@ -169,7 +170,7 @@ class MegatronHCPPolicy(Policy):
             return None
         cands = self.candidates(max(self.dataset_lengths))
         if not cands:
-            raise ValueError(f"megatron-hcp: no recompute setting holds the longest sequence "
+            raise PlanningError(f"megatron-hcp: no recompute setting holds the longest sequence "
                              f"({max(self.dataset_lengths)} tokens) on {self.max_cp} ranks")
         if len(cands) == 1:
             return cands[0]
@@ -181,7 +182,7 @@ class MegatronHCPPolicy(Policy):
         if setting is None or gpus_needed(max(lengths), setting[0]) > self.max_cp:
             cands = self.candidates(max(lengths))
             if not cands:
-                raise ValueError(f"megatron-hcp: no setting holds a sequence of {max(lengths)} tokens")
+                raise PlanningError(f"megatron-hcp: no setting holds a sequence of {max(lengths)} tokens")
             setting = cands[0]
         return self.plan_with(setting, samples, lengths)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
 from lightning_dcp.planning.policies.costs import CostView
@@ -113,7 +114,10 @@ class VerlPolicy(Policy):
         if setting is None or self.view.capacities(setting[0])[self.view.num_layers] < max(lengths):
             cands = self.candidates(max(lengths))
             if not cands:
-                raise ValueError(f"verl: no SP size holds a sequence of {max(lengths)} tokens")
+                longest = max(self.view.capacities(sp)[self.view.num_layers] for sp in self.view.ulysses_sizes)
+                raise PlanningError(f"verl: no Ulysses SP size holds a sequence of {max(lengths)} tokens (verl's static "
+                                    f"SP sizes {list(self.view.ulysses_sizes)} hold {longest} at most, every layer "
+                                    "checkpointed); ring attention or a larger memory budget would be needed")
             setting = cands[0]  # the smallest SP size that holds this batch's longest sequence
         return self.plan_with(setting, samples, lengths)
 
