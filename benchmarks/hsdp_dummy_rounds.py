@@ -52,6 +52,9 @@ def _run(rank: int, port: int, variant: str, tokens: int, rounds: int, out: str)
     from lightning_dcp.sp.packing import pack_samples
 
     torch.set_num_threads(1)
+    from lightning_dcp.runtime.exit import import_group_defaults
+
+    import_group_defaults()  # before the group exists: see lightning_dcp/runtime/exit.py
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 
     class LM(pl.LightningModule):

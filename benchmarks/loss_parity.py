@@ -420,6 +420,9 @@ def _worker(rank: int, port: int, jobs: Sequence[tuple[str, str, str]], cfg: Map
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD_SIZE))
+    from lightning_dcp.runtime.exit import import_group_defaults
+
+    import_group_defaults()  # before the group exists: see lightning_dcp/runtime/exit.py
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=600))
     try:

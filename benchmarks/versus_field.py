@@ -52,19 +52,21 @@ LARGE = 256
 """World sizes from this one on run ``--steps-large`` global batches (planning the peers there is slow)."""
 
 
-def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0) -> list[dict]:
-    """Every policy on one (world, dataset) cell: the rows of :func:`compare` with the cell's keys added."""
+def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0, multiple: float = 1.0) -> list[dict]:
+    """Every policy on one (world, dataset) cell: the rows of :func:`compare` with the cell's keys added. The global
+    batch is ``multiple`` times the default size (a larger batch gives static-SP planners more samples to balance)."""
     cm = AnalyticCostModel(get_model(model), get_hardware("h100"), world)
     dist = get_distribution(dist_name)
     dataset = dist.sample(DATASET_SIZE, seed)
-    gbt = default_global_batch_tokens(world, dataset, cm)
+    gbt = int(multiple * default_global_batch_tokens(world, dataset, cm))
     pool = dist.sample(int(steps * gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, seed + 1)
     run = draw_run(pool, steps * gbt)
     rows = compare(world, cm, dataset, run, list(POLICIES), global_batch_tokens=gbt, seed=seed)
     base = next(r for r in rows if r["policy"] == "dcp")["tokens_per_s"]
     out = []
     for r in rows:
-        out.append({"gpus": world, "dataset": dist_name, "steps": steps, "samples": len(run), "policy": r["policy"],
+        out.append({"gpus": world, "dataset": dist_name, "steps": steps, "batch_tokens": gbt, "samples": len(run),
+                    "policy": r["policy"],
                     "vs_dcp": r["tokens_per_s"] / base, "tokens_per_s": r["tokens_per_s"],
                     "bound": r["fraction_of_bound"], "imbalance": r["imbalance"], "step_s": r["step_s"],
                     "planning_s": r["planner_ms_per_step"] / 1e3, "wait": r["planning_wait_s"] / r["total_time_s"],
@@ -72,14 +74,15 @@ def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0) 
     return out
 
 
-def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
+def markdown(rows: Sequence[dict], command: str, elapsed: float, multiple: float = 1.0) -> str:
     lines = ["# Versus the field", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
              f"- machine: {platform.platform()}, {os.cpu_count()} CPUs shared with other jobs (simulation only; "
              f"{elapsed:.0f} s); planning times are Python on this machine, noisy",
              f"- command: `{command}`",
              "- model: transformer-1d, H100 analytic cost model; every policy plans the same samples",
-             "- cells: `steps` global batches of the default size (`default_global_batch_tokens`)",
+             f"- cells: `steps` global batches of {multiple:g} x the default size (`default_global_batch_tokens`; "
+             "tokens per batch in the tables)",
              "- planning charged: a step lasts max(its simulated time, the next step's planning time)",
              f"- one cell on one Gantt chart: `{GANTT}`", ""]
     for world in dict.fromkeys(r["gpus"] for r in rows):
@@ -87,10 +90,10 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
         steps = sorted({r["steps"] for r in cell})
         lines += [f"## {world} GPUs ({', '.join(map(str, steps))} global batch{'es' if steps != [1] else ''} per cell)", "",
                   "tokens/s relative to dcp / % of the step bound / imbalance %:", "",
-                  "| dataset | " + " | ".join(POLICIES) + " |", "|---|" + "---:|" * len(POLICIES)]
+                  "| dataset | batch tokens | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
         for ds in dict.fromkeys(r["dataset"] for r in cell):
             by = {r["policy"]: r for r in cell if r["dataset"] == ds}
-            lines.append(f"| {ds} | " + " | ".join(
+            lines.append(f"| {ds} | {by['dcp']['batch_tokens']:,} | " + " | ".join(
                 f"{by[p]['vs_dcp']:.2f}x / {100 * by[p]['bound']:.0f}% / {100 * by[p]['imbalance']:.1f}"
                 for p in POLICIES) + " |")
         lines += ["", "mean simulated step s / planning s per step (waiting on the planner, % of the run):", "",
@@ -111,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="global batches per cell below 256 GPUs")
     ap.add_argument("--steps-large", type=int, default=1, help="global batches per cell at 256 GPUs and more")
     ap.add_argument("--model", default="transformer-1d")
+    ap.add_argument("--batch-multiple", type=float, default=1.0,
+                    help="global batch = this many times the default size (default 1)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "versus_field.md")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -119,13 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for ds in args.dists.split(","):
             t = time.perf_counter()
             steps = args.steps_large if world >= LARGE else args.steps
-            cell = run_cell(world, ds, steps, args.model)
+            cell = run_cell(world, ds, steps, args.model, multiple=args.batch_multiple)
             rows += cell
             print(f"{world:5d} {ds:9s} " + "  ".join(f"{r['policy']} {r['vs_dcp']:.2f}x" for r in cell)
                   + f"  [{time.perf_counter() - t:.0f} s]", flush=True)
     command = "python benchmarks/versus_field.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, command.strip(), time.perf_counter() - t0))
+    args.out.write_text(markdown(rows, command.strip(), time.perf_counter() - t0, args.batch_multiple))
     with open(args.out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -52,6 +52,9 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args:
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
+    from lightning_dcp.runtime.exit import import_group_defaults
+
+    import_group_defaults()  # so that no function's default argument keeps the group alive past destruction
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -62,7 +65,8 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args:
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have destroyed it (tests/test_exit.py)
+            dist.destroy_process_group()
         # Free the process groups' C++ objects (their gloo worker threads) while the interpreter is alive:
         # left to the finalizer's last collection, a worker thread that still drops a finished collective's
         # tensors needs the GIL during finalization and aborts the process (SIGABRT, "terminate called

@@ -137,7 +137,11 @@ def _init_distributed(device: str) -> tuple[int, int]:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from lightning_dcp.runtime.exit import destroy_at_exit, import_group_defaults
+
+        import_group_defaults()  # no default argument may hold the group past its destruction
         dist.init_process_group(backend)
+        destroy_at_exit()
     return dist.get_rank(), dist.get_world_size()
 
 

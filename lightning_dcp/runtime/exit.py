@@ -15,6 +15,14 @@ the GIL during finalization and ending in ``std::terminate``. So the handler als
 while the interpreter is fully alive: the groups that nothing reaches any more are freed then (their
 destructor releases the GIL while it joins the worker threads).
 
+What kept a destroyed default group alive until finalization (found 2026-11-27, a 3-process profiler
+test aborting about 1 run in 50, core dump as above): default arguments. ``torch.distributed.nn.functional``
+(``group=group.WORLD``), ``torch.distributed.fsdp.sharded_grad_scaler``, ``torch.distributed.optim`` and
+``deepspeed.comm.torch`` evaluate ``group.WORLD`` when imported; imported after ``init_process_group`` they
+bind the live default group, 12 references no ``destroy_process_group()`` or collection can drop. Imported
+before it, they bind ``None``. :func:`import_group_defaults` does that, and the strategy calls it before
+Lightning initialises the group (the test harness and ``lightning-dcp profile`` too).
+
 Lightning registers the default group's destruction at exit for NCCL only; the strategy registers it
 for every backend (:func:`destroy_at_exit`) and destroys its own SP groups at teardown
 (:meth:`~lightning_dcp.sp.groups.SPGroups.destroy`).
@@ -24,10 +32,15 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 
 import torch.distributed as dist
 
-__all__ = ["destroy_at_exit"]
+__all__ = ["destroy_at_exit", "import_group_defaults"]
+
+GROUP_DEFAULT_MODULES = ("torch.distributed.nn", "torch.distributed.fsdp.sharded_grad_scaler",
+                         "torch.distributed.optim", "deepspeed.comm.torch")
+"""Modules whose functions take ``group.WORLD`` as a default argument, evaluated at import."""
 
 _registered = False
 
@@ -45,3 +58,20 @@ def destroy_at_exit() -> None:
     if not _registered:
         atexit.register(_destroy_default_group)
         _registered = True
+
+
+def import_group_defaults() -> list[str]:
+    """Import :data:`GROUP_DEFAULT_MODULES` while no default group exists, so that their default arguments bind
+    ``None`` and not a group that would then outlive ``destroy_process_group()``. Call it before
+    ``init_process_group``; after it (or with a module that is not installed) it does nothing. Returns the
+    modules it imported (those already imported are left as they are)."""
+    if not dist.is_available() or dist.is_initialized():
+        return []
+    done = []
+    for name in GROUP_DEFAULT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # deepspeed is optional on some machines (the GPU image has none)
+            continue
+        done.append(name)
+    return done

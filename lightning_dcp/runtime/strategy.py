@@ -53,7 +53,7 @@ from lightning_dcp.planning.sharding.registry import DEFAULT_MODE
 from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement
 from lightning_dcp.runtime.guards import MicroLoopGuards
 from lightning_dcp.runtime.executor import StepExecutor
-from lightning_dcp.runtime.exit import destroy_at_exit
+from lightning_dcp.runtime.exit import destroy_at_exit, import_group_defaults
 from lightning_dcp.runtime.fit_setup import maybe_add_profiler, resolve_model_setup
 from lightning_dcp.runtime.loader import DCPDataLoader
 from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_step_metrics
@@ -285,6 +285,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
     # ------------------------------------------------------------------ environment and setup
     @override
     def setup_environment(self) -> None:
+        import_group_defaults()  # before Lightning creates the default group (see runtime/exit.py)
         super().setup_environment()
         module = self.lightning_module
         contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
