@@ -146,3 +146,57 @@ def test_a_step_of_about_one_sample_per_rank_is_valid():
     samples = list(range(len(lengths)))
     plan = Planner(64, cm, "dcp").plan_batch(samples, lengths)
     validate_plan(plan, lengths, cm, samples=samples)
+
+
+@SETTINGS
+@given(per_rank=st.integers(65, 90), seed=st.integers(0, 50))
+def test_more_than_64_samples_per_rank_still_plan_the_tree_first(per_rank, seed):
+    """The tree-first path has no per-rank cap (step 6's cap of 64 is for the refined search): it runs, and its plan
+    is valid and no slower than the layout plan beyond the skip margin."""
+    world = 8
+    cm = FakeCostModel(memory_limit=100.0)
+    rng = np.random.default_rng(seed)
+    cap = Planner(world, cm).longest_fitting()
+    lengths = [int(x) for x in np.concatenate([rng.integers(cap // 8, cap, size=2),
+                                                rng.integers(20, 800, size=per_rank * world)])]
+    samples = list(range(len(lengths)))
+    planner = Planner(world, cm, "dcp", fallback=False)
+    calls = []
+    tree_first = planner.policy._tree_first
+    planner.policy._tree_first = lambda *a: calls.append(1) or tree_first(*a)
+    old = dcp_module.TREE_FIRST_MIN_SAMPLES
+    dcp_module.TREE_FIRST_MIN_SAMPLES = 0
+    try:
+        plan = planner.plan_batch(samples, lengths, step=seed)
+    finally:
+        dcp_module.TREE_FIRST_MIN_SAMPLES = old
+    assert calls == [1]
+    validate_plan(plan, lengths, cm, samples=samples)
+    layout = Planner(world, cm, "dcp", fallback=False, tree=False).plan_batch(samples, lengths, step=seed)
+    view = Planner(world, cm, "dcp").view
+    floor = Planner(world, cm, "dcp").policy._bound_span(lengths)
+    got, base = step_span(plan.steps[0], view), step_span(layout.steps[0], view)
+    assert got <= max(base, floor * (1 + dcp_module.LAYOUT_SKIP)) * (1 + 1e-9)
+
+
+def test_a_four_times_default_batch_at_256_gpus_plans_near_the_bound():
+    """155 samples per rank (``short``, 4x the default batch, 256 GPUs, the analytic H100 model): dcp plans the
+    tree first and its simulated step is within 3% of the step bound (it was 82% with the layout plan alone,
+    whose 64-rank group ran short samples)."""
+    from lightning_dcp.commands.simulate import compare, draw_run
+    from lightning_dcp.planning.analytic import AnalyticCostModel
+    from lightning_dcp.planning.distributions import get_distribution
+    from lightning_dcp.planning.hardware import get_hardware
+    from lightning_dcp.planning.models import get_model
+    from lightning_dcp.planning.planner import default_global_batch_tokens
+
+    world = 256
+    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), world)
+    dist = get_distribution("short")
+    dataset = dist.sample(20000, 0)
+    gbt = 4 * default_global_batch_tokens(world, dataset, cm)
+    run = draw_run(dist.sample(int(gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, 1), gbt)
+    assert len(run) > dcp_module.TREE_MAX_SAMPLES_PER_RANK * world
+    row = compare(world, cm, dataset, run, ["dcp"], global_batch_tokens=gbt, charge_planning=False)[0]
+    assert row["_plan"].steps[0].extra.get("schedule") == "buddy-tree"
+    assert row["fraction_of_bound"] >= 0.97, row["fraction_of_bound"]

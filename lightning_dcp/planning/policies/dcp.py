@@ -40,7 +40,9 @@
 batches at 256-1024 GPUs: up to ~40,000 samples) plans the buddy tree first -- one deadline,
 balancing without the per-round refinement -- and runs the layout scheduler (steps 2-5, whose
 candidate dispatches over every sample were most of the planning time there) only when the
-tree is more than 1.5% above the bound (:meth:`DCPPolicy._tree_first`). Every limit is counted
+tree is more than 1.5% above the bound (:meth:`DCPPolicy._tree_first`), at any number of samples per rank
+(step 6's cap of 64 is for the refined search; a 4x-default batch at 256 GPUs, 155 samples per rank, once got
+the layout plan alone there: 82% of the bound, its largest group running short samples). Every limit is counted
 in samples and packs, never in seconds, so every rank plans the same step.
 
 *Lockstep rounds* (``sharding="hsdp"``: the cost model's ``rounds`` are lockstep). The ranks of a shard
@@ -96,10 +98,11 @@ FALLBACK_MAX_WORLD = 256
 times dcp's own planning (on ``benchmarks/planner_speed.py``'s 1024-GPU grid they never won a step)."""
 
 TREE_MAX_SAMPLES_PER_RANK = 64
-"""dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`) for batches of at most this many samples per rank."""
+"""Below the tree-first sizes, dcp tries buddy-tree schedules (:meth:`DCPPolicy._tree_schedule`, refined per round)
+for batches of at most this many samples per rank."""
 
 TREE_FIRST_SAMPLES_PER_RANK = 8
-"""Batches of more samples per rank than this (and at most ``TREE_MAX_SAMPLES_PER_RANK``) plan the buddy tree
+"""Batches of more samples per rank than this, whatever their number above it, plan the buddy tree
 first (:meth:`DCPPolicy._tree_first`): with many samples per rank it is the faster plan on
 ``benchmarks/simulate_scaling.py``'s grid, and the layout scheduler's candidate dispatches over every sample are
 most of the planning time."""
@@ -247,11 +250,12 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             w = self.view.work
             self._Wl = [wc[n] if n in wc else wc.setdefault(n, float(w(n))) for n in self._Ll]
         try:
-            tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
-            if tree and len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES):
+            many = len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES)
+            if self.tree and many:
                 blocks, extra = self._tree_first(ids, L, E, G, lengths, rng)
                 plan = self._in_rounds(self._as_plan(samples, blocks, extra))
             else:
+                tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
                 plan = self._layout_or_tree(samples, ids, L, E, G, lengths, rng, tree)
         finally:
             self._Erows, self._E, self._packs, self._ET, self._nested = {}, None, {}, None, {}
