@@ -16,7 +16,7 @@ while the interpreter is fully alive: the groups that nothing reaches any more a
 destructor releases the GIL while it joins the worker threads).
 
 What kept a destroyed default group alive until finalization (found 2026-11-27, a 3-process profiler
-test aborting about 1 run in 50, core dump as above): default arguments. ``torch.distributed.nn.functional``
+test that aborted once on CI and once in about 30 repeated runs here; core dump as above): default arguments. ``torch.distributed.nn.functional``
 (``group=group.WORLD``), ``torch.distributed.fsdp.sharded_grad_scaler``, ``torch.distributed.optim`` and
 ``deepspeed.comm.torch`` evaluate ``group.WORLD`` when imported; imported after ``init_process_group`` they
 bind the live default group, 12 references no ``destroy_process_group()`` or collection can drop. Imported
@@ -63,8 +63,8 @@ def destroy_at_exit() -> None:
 def import_group_defaults() -> list[str]:
     """Import :data:`GROUP_DEFAULT_MODULES` while no default group exists, so that their default arguments bind
     ``None`` and not a group that would then outlive ``destroy_process_group()``. Call it before
-    ``init_process_group``; after it (or with a module that is not installed) it does nothing. Returns the
-    modules it imported (those already imported are left as they are)."""
+    ``init_process_group``; after it it does nothing, and a module that is not installed is skipped. Returns the
+    modules now imported (a module imported before is listed and left as it is)."""
     if not dist.is_available() or dist.is_initialized():
         return []
     done = []
