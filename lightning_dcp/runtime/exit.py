@@ -16,12 +16,13 @@ while the interpreter is fully alive: the groups that nothing reaches any more a
 destructor releases the GIL while it joins the worker threads).
 
 What kept a destroyed default group alive until finalization (found 2026-11-27, a 3-process profiler
-test that aborted once on CI and once in about 30 repeated runs here; core dump as above): default arguments. ``torch.distributed.nn.functional``
-(``group=group.WORLD``), ``torch.distributed.fsdp.sharded_grad_scaler``, ``torch.distributed.optim`` and
-``deepspeed.comm.torch`` evaluate ``group.WORLD`` when imported; imported after ``init_process_group`` they
-bind the live default group, 12 references no ``destroy_process_group()`` or collection can drop. Imported
-before it, they bind ``None``. :func:`import_group_defaults` does that, and the strategy calls it before
-Lightning initialises the group (the test harness and ``lightning-dcp profile`` too).
+test that aborted once on CI and once in about 30 repeated runs here; core dump as above): default
+arguments. ``torch.distributed.nn.functional`` (``group=group.WORLD``),
+``torch.distributed.fsdp.sharded_grad_scaler``, ``torch.distributed.optim`` and ``deepspeed.comm.torch``
+evaluate ``group.WORLD`` when imported; imported after ``init_process_group`` they bind the live default
+group, 12 references no ``destroy_process_group()`` or collection can drop. Imported before it, they
+bind ``None``. :func:`import_group_defaults` does that, and the strategy calls it before Lightning
+initialises the group (the test harness and ``lightning-dcp profile`` too).
 
 Lightning registers the default group's destruction at exit for NCCL only; the strategy registers it
 for every backend (:func:`destroy_at_exit`) and destroys its own SP groups at teardown
