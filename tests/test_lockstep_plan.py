@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _round_cases import best_sp1_span, sp1_step
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.item_pricing import item_cost_of
@@ -83,17 +84,10 @@ def test_paired_rounds_are_the_ones_the_runtime_runs_and_never_lose_to_sorting(c
 def test_sp1_items_pair_costliest_with_costliest(world, data):
     """One item per rank and round: the i-th costliest items of every rank share a round (optimal)."""
     costs = {r: data.draw(st.lists(st.integers(1, 1000), max_size=6), label=f"rank {r}") for r in range(world)}
-    items, s = [], 0
-    order = [(r, c) for r in range(world) for c in costs[r]]
-    random.Random(data.draw(st.integers(0, 99))).shuffle(order)
-    for r, c in order:
-        items.append(WorkItem((r,), (s,), (c,), 0))
-        s += 1
+    step = sp1_step(costs, data.draw(st.integers(0, 99)))
     cost = lambda it: float(it.lengths[0])  # noqa: E731
-    out = plan_lockstep(StepPlan(tuple(items)), world, world, cost)
-    best = sum(max((sorted(v, reverse=True)[i] if i < len(v) else 0) for v in costs.values())
-               for i in range(max(map(len, costs.values()), default=0)))
-    assert _span(out, world, world, cost) == best
+    out = plan_lockstep(step, world, world, cost)
+    assert _span(out, world, world, cost) == best_sp1_span(costs)
 
 
 # -------------------------------------------------------------------------------------- planned with dcp

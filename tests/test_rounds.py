@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _round_cases import best_sp1_span, sp1_step
 from lightning_dcp import cli
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
@@ -91,19 +92,12 @@ def test_alignment_moves_no_item_to_another_rank_and_stays_deadlock_free(case):
 def test_alignment_never_lengthens_sp1_rounds(world, data):
     """SP-1 items only: the i-th costliest items of every rank share round i, which no other order beats."""
     costs = {r: data.draw(st.lists(st.integers(1, 1000), max_size=6), label=f"rank {r}") for r in range(world)}
-    items, s = [], 0
-    order = [(r, c) for r in range(world) for c in costs[r]]
-    random.Random(data.draw(st.integers(0, 99))).shuffle(order)
-    for r, c in order:
-        items.append(WorkItem((r,), (s,), (c,), 0))
-        s += 1
-    step = StepPlan(tuple(items))
+    step = sp1_step(costs, data.draw(st.integers(0, 99)))
     cost = lambda it: float(it.lengths[0])  # noqa: E731
     span = lambda st_: sum(round_span(g, [cost(it) for it in st_.items]) for g in lockstep_rounds(st_, world, world))  # noqa: E731
     aligned = align_rounds(step, world, world, cost)
     assert span(aligned) <= span(step)
-    assert span(aligned) == sum(max((sorted(v, reverse=True)[i] if i < len(v) else 0) for v in costs.values())
-                                for i in range(max(map(len, costs.values()), default=0)))
+    assert span(aligned) == best_sp1_span(costs)
 
 
 def test_an_item_across_two_shard_groups_is_refused_by_name():
