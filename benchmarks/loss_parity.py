@@ -318,7 +318,7 @@ class BucketPerGlobalBatch:
         from lightning_dcp.planning.plan import StepPlan
 
         steps = self.planner.plan_batch(samples, lengths, step).steps
-        return [StepPlan(tuple(it for s in steps for it in s.items), dict(steps[0].extra))]
+        return [StepPlan(tuple(it for s in steps for it in s.items), steps[0].notes)]
 
 
 def cost_model(max_tokens: int) -> Any:

@@ -75,7 +75,7 @@ def test_paired_rounds_are_the_ones_the_runtime_runs_and_never_lose_to_sorting(c
         got = lockstep_rounds(StepPlan(tuple(planned.ordered_items())), world, k)[ranks[0] // k]
         assert [len(r) for r in got.rounds] == [len(r) for r in planned.rounds]
         assert planned.span == pytest.approx(round_span(got, [_cost(it) for it in planned.ordered_items()]))
-    assert out.extra["estimated_time"] == pytest.approx(_span(out, world, k))
+    assert out.notes.estimated_time == pytest.approx(_span(out, world, k))
     assert _span(out, world, k) <= _span(align_rounds(step, world, k, _cost), world, k) * (1 + 1e-9)
 
 
@@ -123,9 +123,9 @@ def test_dcp_rounds_hold_every_sample_once_fit_memory_and_price_exactly(key, see
             where = {next(n for n, pos in enumerate(rounds[r]) if pos is not None and
                           step.items_for_rank(r)[pos] is it) for r in it.ranks}
             assert len(where) == 1
-        assert step.extra["estimated_time"] == pytest.approx(span, rel=1e-9)
+        assert step.notes.estimated_time == pytest.approx(span, rel=1e-9)
         ordered = Lockstep(k).plan_step(step, world, lambda it: item_cost_of(cm, it).total)
-        assert ordered.extra["estimated_time"] == pytest.approx(span, rel=1e-9)  # planned again: the same span
+        assert ordered.notes.estimated_time == pytest.approx(span, rel=1e-9)  # planned again: the same span
 
 
 def test_round_planning_is_deterministic_and_beats_aligning_on_a_70b_step():
@@ -200,4 +200,4 @@ def test_with_uneven_rank_speeds_the_planned_span_is_the_simulated_one(key):
     lengths = [rng.choice([rng.randint(1, 4000), rng.randint(1, 80000)]) for _ in range(40)]
     plan = Planner(world, cm, "dcp", seed=1, rank_speeds=speeds).plan(lengths, global_batch_size=40)
     sim = simulate(plan, cm, rank_speeds=speeds)
-    assert [st.extra["estimated_time"] for st in plan.steps] == pytest.approx(sim.compute_spans, rel=1e-9)
+    assert [st.notes.estimated_time for st in plan.steps] == pytest.approx(sim.compute_spans, rel=1e-9)

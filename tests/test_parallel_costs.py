@@ -8,12 +8,13 @@ import pytest
 from _fakes import FakeCostModel
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
-from lightning_dcp.planning.item_pricing import item_cost_of, ring_cost, ring_cost_fallback, step_span, supports_ring
+from lightning_dcp.planning.item_pricing import item_cost_of, ring_cost, ring_cost_fallback, supports_ring
 from lightning_dcp.planning.models import get_model
-from lightning_dcp.planning.parallel_costs import (Pipeline, Scheme, p2p_time, pipeline_time, pipelines_extra, pipelines_of,
+from lightning_dcp.planning.parallel_costs import (Pipeline, Scheme, p2p_time, pipeline_time,
                                                    scheme_capacities, scheme_cost, scheme_memory, schemes_for, tp_comm_time)
-from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
+from lightning_dcp.planning.plan import Plan, StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.simulator import charge_planning, simulate
+from lightning_dcp.planning.step_time import step_time
 
 CM = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32)
 FAKE = FakeCostModel()
@@ -65,10 +66,10 @@ def test_scheme_memory_shards_weights_over_tp_and_pp():
 
 
 def test_pipelines_json_round_trip():
-    pipes = [Pipeline(0, Scheme(4, 2)), Pipeline(8, Scheme(1, 1))]
-    back = pipelines_of({"pipelines": pipelines_extra(pipes)})
-    assert back == {p.ranks: p for p in pipes}
-    assert pipelines_of({}) == {}
+    pipes = (Pipeline(0, Scheme(4, 2)), Pipeline(8, Scheme(1, 1)))
+    step = StepPlan((WorkItem((0,), (0,), (10,), 0),), StepNotes(pipelines=pipes))
+    assert StepPlan.from_dict(step.to_dict()).notes.pipelines == pipes
+    assert StepPlan.from_dict({"items": []}).notes.pipelines == ()
 
 
 def test_ring_fallback_splits_the_work_and_overlaps_p2p():
@@ -105,17 +106,17 @@ def test_ring_interface_is_used_when_the_cost_model_has_it():
 def test_simulator_adds_pipeline_bubbles_and_barriers():
     pipe = Pipeline(0, Scheme(1, 2))
     a, b = WorkItem((0, 1), (0,), (2000,), 0), WorkItem((0, 1), (1,), (500,), 0)
-    step = StepPlan((a, b), {"pipelines": pipelines_extra([pipe])})
+    step = StepPlan((a, b), StepNotes(pipelines=(pipe,)))
     ta, tb = (scheme_cost(FAKE, it.lengths, pipe.scheme, 0).total for it in (a, b))
     res = simulate(Plan("x", 2, (step,)), FAKE)
     assert res.compute_spans[0] == pytest.approx(ta + tb + max(ta, tb))
     assert res.busy[0] == [pytest.approx(ta + tb)] * 2
-    assert step_span(step, FAKE, 2) == pytest.approx(res.compute_spans[0])
+    assert step_time(step, FAKE, 2).span == pytest.approx(res.compute_spans[0])
     # a barrier after the first item makes rank 1 wait for rank 0
     x, y, z = WorkItem((0,), (0,), (4000,), 0), WorkItem((1,), (1,), (100,), 0), WorkItem((1,), (2,), (100,), 0)
     t = [FAKE.item_cost(i.lengths, 1, 0).total for i in (x, y, z)]
     free = simulate(Plan("x", 2, (StepPlan((x, y, z)),)), FAKE).compute_spans[0]
-    held = simulate(Plan("x", 2, (StepPlan((x, y, z), {"barriers": [2]}),)), FAKE).compute_spans[0]
+    held = simulate(Plan("x", 2, (StepPlan((x, y, z), StepNotes(barriers=(2,))),)), FAKE).compute_spans[0]
     assert free == pytest.approx(max(t[0], t[1] + t[2]))
     assert held == pytest.approx(max(t[0], t[1]) + t[2])
 

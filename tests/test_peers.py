@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from _fakes import FakeCostModel
-from lightning_dcp.planning.item_pricing import item_memory_of, step_span
-from lightning_dcp.planning.parallel_costs import Scheme, pipelines_of
+from lightning_dcp.planning.item_pricing import item_memory_of
+from lightning_dcp.planning.parallel_costs import Scheme
 from lightning_dcp.planning.plan import validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.planning.policies.costs import CostView
@@ -18,6 +18,7 @@ from lightning_dcp.planning.policies.flexsp_milp import Bucket, bucketize, chunk
 from lightning_dcp.planning.policies.megatron_hcp import gpus_needed, make_buckets_equal, total_workload
 from lightning_dcp.planning.policies.peer_common import aligned_starts, karmarkar_karp
 from lightning_dcp.planning.policies.verl import order_micro_batches, workload
+from lightning_dcp.planning.step_time import step_time
 
 CM = FakeCostModel()
 PEERS = ["verl", "megatron-hcp", "hydraulis", "flexsp"]
@@ -62,7 +63,7 @@ def test_verl_micro_batch_counts_equal_across_data_parallel_ranks():
     per_replica = {g: [n for it in v for n in it.lengths] for g, v in groups.items()}
     assert {len(v) for v in per_replica.values()} == {4}  # equal_size=True: 16 sequences, 4 each
     need = max(min(len(v), math.ceil(sum(v) / 6000)) for v in per_replica.values())
-    assert set(counts.values()) == {need} == {step.extra["micro_batches"]}  # same_micro_num_in_dp
+    assert set(counts.values()) == {need} == {step.notes.setting["micro_batches"]}  # same_micro_num_in_dp
 
 
 def test_verl_micro_batches_are_kk_balanced_by_workload():
@@ -95,9 +96,9 @@ def test_megatron_one_sample_per_ring_item_at_least_its_cp_size():
         assert len(it.samples) == 1 and it.ring == it.sp_size  # pure ring CP, one sub-sample per micro-batch
         assert it.sp_size >= gpus_needed(it.lengths[0], 1000) and it.sp_size & (it.sp_size - 1) == 0
         assert it.recompute == 2  # Megatron's global recompute setting
-    assert step.extra["barriers"] == sorted(step.extra["barriers"])
+    assert list(step.notes.barriers) == sorted(step.notes.barriers)
     # every round uses all ranks (fill_empty_gpus): between barriers the items' ranks cover the world
-    bounds = [0] + step.extra["barriers"] + [len(step.items)]
+    bounds = [0] + list(step.notes.barriers) + [len(step.items)]
     for a, b in zip(bounds, bounds[1:]):
         assert set().union(*(set(it.ranks) for it in step.items[a:b])) == set(range(8))
 
@@ -164,7 +165,7 @@ def test_flexsp_plan_reforms_groups_per_micro_batch():
     p = pl.plan_batch(range(len(lengths)), lengths)
     validate_plan(p, lengths, CM, samples=range(len(lengths)))
     assert len(pl.policy.solve_log) == 1 and pl.policy.solve_log[0] >= 0
-    assert p.steps[0].extra["micro_batches"] == len(p.steps[0].extra["solutions"])
+    assert p.steps[0].notes.setting["micro_batches"] == len(p.steps[0].notes.setting["solutions"])
 
 
 # ---------------------------------------------------------------- hydraulis
@@ -200,13 +201,14 @@ def test_hydraulis_two_stage_plan_declares_its_pipelines():
     assert pl.policy.strategies and all(sum(s.size * d for s, d in st) <= 16 for st in pl.policy.strategies)
     p = pl.plan_batch(range(len(lengths)), lengths)
     step = p.steps[0]
-    pipes = pipelines_of(step.extra)
+    pipes = {p.ranks: p for p in step.notes.pipelines}
     assert pipes and all(it.ranks in pipes for it in step.items)
     for it in step.items:
         assert item_memory_of(CM, it, pipes[it.ranks]) <= CM.memory_limit
-    assert step.extra["estimate_s"] == pytest.approx(step_span(step, CM, 16), rel=1e-6)
+    assert step.notes.estimated_time == pytest.approx(step_time(step, CM, 16).span, rel=1e-6)
     assert POLICIES["hydraulis"].runtime_refusal and POLICIES["flexsp"].runtime_refusal
-    assert all(POLICIES[name].runtime_refusal is None for name in ("dcp", "verl", "megatron-hcp", "bucket"))
+    assert all(POLICIES[name].runtime_refusal is None for name in ("dcp", "verl", "bucket"))
+    assert "barrier" in POLICIES["megatron-hcp"].runtime_refusal  # its rounds end in world barriers
 
 
 @pytest.mark.parametrize("policy", PEERS)

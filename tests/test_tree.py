@@ -90,8 +90,8 @@ def test_dcp_with_trees_is_valid_and_never_slower_than_without(world, memory, n,
     a, b = step_span(with_tree.steps[0], view), step_span(without.steps[0], view)
     assert a <= b * (1 + 1e-9)
     step = with_tree.steps[0]
-    if step.extra.get("schedule") == "buddy-tree":
-        assert step.extra["estimated_time"] == pytest.approx(a)
+    if step.notes.schedule == "buddy-tree":
+        assert step.notes.estimated_time == pytest.approx(a)
         # every rank's items run from larger to smaller groups, each inside the previous one
         per_rank: dict[int, list[tuple[int, ...]]] = {}
         for item in step.items:
@@ -131,7 +131,7 @@ def test_video_step_on_32_h100s_reaches_the_bound_the_layout_plan_missed():
     bound = step_bound(VIDEO_STEP, cm, 32)
     got = bound / simulate(plan, cm, timeline=False).step_times[0]
     before = bound / simulate(old, cm, timeline=False).step_times[0]
-    assert plan.steps[0].extra.get("schedule") == "buddy-tree"
+    assert plan.steps[0].notes.schedule == "buddy-tree"
     assert before < 0.8 and got > 0.9, (before, got)
     big = next(it for it in plan.steps[0].items if 93600 in it.lengths)
     assert big.sp_size == 16 and any(set(it.ranks) < set(big.ranks) for it in plan.steps[0].items)

@@ -127,7 +127,7 @@ def test_many_sample_steps_plan_the_tree_first_and_stay_valid(world, memory, per
     got, base = step_span(plan.steps[0], view), step_span(layout.steps[0], view)
     floor = Planner(world, cm, "dcp").policy._bound_span(lengths)
     assert got <= max(base, floor * (1 + dcp_module.LAYOUT_SKIP)) * (1 + 1e-9)
-    if plan.steps[0].extra.get("schedule") == "buddy-tree":
+    if plan.steps[0].notes.schedule == "buddy-tree":
         per_rank_groups: dict[int, list[tuple[int, ...]]] = {}
         for item in plan.steps[0].items:
             for r in item.ranks:
@@ -198,5 +198,5 @@ def test_a_four_times_default_batch_at_256_gpus_plans_near_the_bound():
     run = draw_run(dist.sample(int(gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, 1), gbt)
     assert len(run) > dcp_module.TREE_MAX_SAMPLES_PER_RANK * world
     row = compare(world, cm, dataset, run, ["dcp"], global_batch_tokens=gbt, charge_planning=False)[0]
-    assert row["_plan"].steps[0].extra.get("schedule") == "buddy-tree"
+    assert row["_plan"].steps[0].notes.schedule == "buddy-tree"
     assert row["fraction_of_bound"] >= 0.97, row["fraction_of_bound"]

@@ -7,7 +7,7 @@ Three kinds of item (:func:`item_cost_of`):
   Megatron-Core's context parallel runs it): ``cost_model.item_cost(lengths, sp, recompute,
   ring=ring)`` when the cost model takes ``ring=`` (the interface the SP-of-any-size work adds to
   the cost models); otherwise :func:`ring_cost_fallback` prices it here;
-- a micro-batch of a **pipeline** the step declares (``StepPlan.extra["pipelines"]``, the
+- a micro-batch of a **pipeline** the step declares (``StepPlan.notes.pipelines``, the
   ``hydraulis`` policy's ``<TP, PP>`` pipelines): :func:`~lightning_dcp.planning.parallel_costs.scheme_cost`.
 
 FALLBACK (until the cost models take ``ring=``): :func:`ring_cost_fallback` prices ring attention
@@ -28,15 +28,15 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
-from lightning_dcp.planning.parallel_costs import Pipeline, pipeline_time, pipelines_of, scheme_cost, scheme_memory
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.parallel_costs import scheme_cost, scheme_memory
+from lightning_dcp.planning.plan import Pipeline, WorkItem
 from lightning_dcp.planning.ring_support import ring_memory, supports_ring
 
 __all__ = ["supports_ring", "ring_cost", "ring_memory", "ring_cost_fallback", "item_cost_of", "item_memory_of",
-           "item_key", "step_span"]
+           "item_key"]
 
 def ring_cost(cost_model: CostModel, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> ItemCost:
     """Cost of a ring item: the cost model's own ring pricing when it has one, else :func:`ring_cost_fallback`."""
@@ -125,40 +125,3 @@ def item_key(item: WorkItem, pipeline: Pipeline | None = None) -> tuple:
     if item.ring > 1:
         return (item.lengths, item.sp_size, item.recompute, "ring", item.ring)
     return (item.lengths, item.sp_size, item.recompute)
-
-
-def barriers_of(extra: Mapping[str, Any]) -> frozenset[int]:
-    """Item counts after which every rank waits for every other (``extra["barriers"]``; Megatron's
-    hybrid-CP scheduler ends each of its groups with a barrier)."""
-    raw = extra.get("barriers") if extra else None
-    return frozenset(int(b) for b in raw) if raw else frozenset()
-
-
-def step_span(step: StepPlan, cost_model: CostModel, world_size: int, cache: dict | None = None) -> float:
-    """The compute span of ``step`` exactly as the simulator runs it (no step overhead, no rank speeds):
-    items in list order, each when all its ranks are free, pipeline bubbles after a pipeline's last
-    micro-batch, barriers where the step declares them."""
-    cache = {} if cache is None else cache
-    pipes = pipelines_of(step.extra)
-    barriers = barriers_of(step.extra)
-    free = [0.0] * world_size
-    stage: dict[tuple[int, ...], list[float]] = {}
-    for i, item in enumerate(step.items):
-        pipe = pipes.get(item.ranks)
-        key = item_key(item, pipe)
-        t = cache.get(key)
-        if t is None:
-            t = cache[key] = item_cost_of(cost_model, item, pipe).total
-        start = max(free[r] for r in item.ranks)
-        for r in item.ranks:
-            free[r] = start + t
-        if pipe is not None:
-            stage.setdefault(item.ranks, []).append(t)
-        if i + 1 in barriers:
-            top = max(free)
-            free = [top] * world_size
-    for ranks, ts in stage.items():
-        bubble = pipeline_time(ts, pipes[ranks].scheme.pp) - sum(ts)
-        for r in ranks:
-            free[r] += bubble
-    return max(free) if world_size else 0.0

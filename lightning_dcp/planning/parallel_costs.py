@@ -52,41 +52,13 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.plan import Pipeline, Scheme
 
 __all__ = ["Scheme", "Pipeline", "schemes_for", "scheme_cost", "scheme_memory", "scheme_capacities",
-           "pipeline_time", "tp_comm_time", "p2p_time", "pipelines_of", "pipelines_extra"]
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """One pipeline's parallel scheme ``<tp, pp>`` (Hydraulis §5.1)."""
-
-    tp: int
-    pp: int
-
-    @property
-    def size(self) -> int:
-        """Ranks of one pipeline: ``tp * pp``."""
-        return self.tp * self.pp
-
-    def __str__(self) -> str:
-        return f"<TP{self.tp},PP{self.pp}>"
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """A placed pipeline: ``scheme`` on the aligned block of ranks ``start .. start + size - 1``."""
-
-    start: int
-    scheme: Scheme
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.start, self.start + self.scheme.size))
+           "pipeline_time", "tp_comm_time", "p2p_time"]
 
 
 def schemes_for(cost_model: CostModel, size: int) -> list[Scheme]:
@@ -199,26 +171,3 @@ def pipeline_time(stage_times: Iterable[float], pp: int) -> float:
     if not ts:
         return 0.0
     return sum(ts) + (pp - 1) * max(ts)
-
-
-def pipelines_extra(pipelines: Sequence[Pipeline]) -> list[list[int]]:
-    """The JSON form of a step's pipelines, for ``StepPlan.extra["pipelines"]``: ``[start, tp, pp]`` each."""
-    return [[p.start, p.scheme.tp, p.scheme.pp] for p in pipelines]
-
-
-def pipelines_of(extra: Mapping[str, Any]) -> dict[tuple[int, ...], Pipeline]:
-    """The pipelines a step's ``extra`` declares (``extra["pipelines"]``), by their rank tuple; empty when none.
-
-    A plan item whose ranks are one of these runs as a micro-batch of that pipeline (priced by
-    :func:`scheme_cost`); every other item is a sequence-parallel group."""
-    raw = extra.get("pipelines") if extra else None
-    if not raw:
-        return {}
-    out = {}
-    for entry in raw:
-        start, tp, pp = (int(x) for x in entry)
-        if tp < 1 or pp < 1 or math.log2(tp * pp) % 1:
-            raise ValueError(f"pipeline {list(entry)}: tp and pp must be positive and tp * pp a power of two")
-        p = Pipeline(start, Scheme(tp, pp))
-        out[p.ranks] = p
-    return out

@@ -8,6 +8,8 @@ Pure Python: no torch, no torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -86,18 +88,114 @@ class WorkItem:
 
 
 @dataclass(frozen=True)
+class Scheme:
+    """One pipeline's parallel scheme ``<tp, pp>`` (Hydraulis §5.1): ``pp`` stages, each split ``tp`` ways."""
+
+    tp: int
+    pp: int
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"<TP{self.tp},PP{self.pp}>"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A placed pipeline: ``scheme`` on the ranks ``start .. start + scheme.size - 1``."""
+
+    start: int
+    scheme: Scheme
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.start, self.start + self.scheme.size))
+
+
+@dataclass(frozen=True)
+class StepNotes:
+    """What a policy states about a step beside its items; written to JSON as the step's other fields.
+
+    Only :attr:`barriers` and :attr:`pipelines` change how the step runs
+    (:mod:`~lightning_dcp.planning.step_time`); the rest describe it.
+    """
+
+    estimated_time: float | None = None
+    """The policy's own price of the step's compute span (seconds), when it has one."""
+    layout: tuple[int, ...] = ()
+    """SP sizes of the groups that run items."""
+    schedule: str | None = None
+    """``"buddy-tree"`` when SP groups split over the step (largest first)."""
+    chosen: str | None = None
+    """The ablation whose plan dcp kept (its safety net)."""
+    rounds: tuple[int, ...] = ()
+    """Lockstep rounds of every shard group (``sharding="hsdp"``)."""
+    barriers: tuple[int, ...] = ()
+    """Item counts after which every rank waits for every other (Megatron's hybrid-CP groups)."""
+    pipelines: tuple[Pipeline, ...] = ()
+    """``<TP, PP>`` pipelines: an item on a pipeline's ranks is one of its micro-batches (the hydraulis peer)."""
+    setting: Mapping[str, Any] = field(default_factory=dict)
+    """A tuned policy's setting as it reports it (SP size, recompute, token budgets); descriptive only."""
+
+    def replace(self, **changes: Any) -> "StepNotes":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.estimated_time is not None:
+            out["estimated_time"] = self.estimated_time
+        for key in ("layout", "rounds", "barriers"):
+            if getattr(self, key):
+                out[key] = list(getattr(self, key))
+        for key in ("schedule", "chosen"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.pipelines:
+            out["pipelines"] = [[p.start, p.scheme.tp, p.scheme.pp] for p in self.pipelines]
+        if self.setting:
+            out["setting"] = dict(self.setting)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepNotes":
+        pipes = []
+        for entry in data.get("pipelines") or ():
+            start, tp, pp = (int(x) for x in entry)
+            if tp < 1 or pp < 1:
+                raise PlanError(f"pipeline {list(entry)}: tp and pp must be positive")
+            pipes.append(Pipeline(start, Scheme(tp, pp)))
+        est = data.get("estimated_time")
+        return cls(estimated_time=None if est is None else float(est), layout=tuple(int(x) for x in data.get("layout") or ()),
+                   schedule=data.get("schedule"), chosen=data.get("chosen"),
+                   rounds=tuple(int(x) for x in data.get("rounds") or ()),
+                   barriers=tuple(int(x) for x in data.get("barriers") or ()), pipelines=tuple(pipes),
+                   setting=dict(data.get("setting") or {}))
+
+
+NO_NOTES = StepNotes()
+
+
+@dataclass(frozen=True)
 class StepPlan:
-    """One optimizer step: the micro-batches of every rank, in execution order."""
+    """One optimizer step: the micro-batches of every rank, in execution order, and the policy's notes."""
 
     items: tuple[WorkItem, ...]
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    notes: StepNotes = field(default=NO_NOTES, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", tuple(self.items))
+        if not isinstance(self.notes, StepNotes):
+            raise TypeError(f"StepPlan notes must be a StepNotes, got {type(self.notes).__name__}")
 
     def items_for_rank(self, rank: int) -> list[WorkItem]:
         """The items ``rank`` executes, in order."""
         return [item for item in self.items if rank in item.ranks]
+
+    def with_notes(self, **changes: Any) -> "StepPlan":
+        """The same items with some notes changed."""
+        return StepPlan(self.items, self.notes.replace(**changes))
 
     @property
     def samples(self) -> list[int]:
@@ -107,17 +205,20 @@ class StepPlan:
     def tokens(self) -> int:
         return sum(item.tokens for item in self.items)
 
+    def digest(self) -> str:
+        """A hash of the items (ranks, samples, lengths, recompute, ring, in order): two steps with the same digest
+        train the same way, whatever their notes."""
+        text = json.dumps([item.to_dict() for item in self.items], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"items": [item.to_dict() for item in self.items]}
-        out.update({k: v for k, v in self.extra.items() if k != "items"})
-        return out
+        return {"items": [item.to_dict() for item in self.items], **self.notes.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepPlan":
         if "items" not in data or not isinstance(data["items"], list):
             raise PlanError(f"a step needs a list 'items'; got keys {sorted(data)}")
-        extra = {k: v for k, v in data.items() if k != "items"}
-        return cls(tuple(WorkItem.from_dict(i) for i in data["items"]), extra)
+        return cls(tuple(WorkItem.from_dict(i) for i in data["items"]), StepNotes.from_dict(data))
 
 
 @dataclass(frozen=True)

@@ -357,7 +357,7 @@ class Planner:
                     )
                 item = WorkItem(item.ranks, item.samples, item.lengths, r, item.ring)
             items.append(item)
-        return StepPlan(tuple(items), step.extra)
+        return StepPlan(tuple(items), step.notes)
 
     def batches(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
                 global_batch_size: int | None = None) -> list[list[int]]:

@@ -68,6 +68,11 @@ class RoundPlan:
         order), or ``None`` for a dummy round. Free-running: one round per item, no dummy."""
         return list(range(sum(1 for item in step.items if rank in item.ranks)))
 
+    def starts(self, step: Any, world_size: int, item_times: Sequence[float]) -> list[float] | None:
+        """Each item's start (seconds, indexed like ``step.items``) when the rounds decide it; ``None``: each rank
+        runs freely (:mod:`~lightning_dcp.planning.step_time` follows the ranks' queues)."""
+        return None
+
     def span(self, step: Any, world_size: int, item_times: Sequence[float]) -> float | None:
         """The step's compute span when the rounds decide it (``item_times`` indexed like ``step.items``);
         ``None``: each rank runs freely (the simulator's per-rank schedule decides)."""

@@ -135,7 +135,7 @@ def align_rounds(step: StepPlan, world_size: int, shard_group_size: int,
     order = sorted(range(len(step.items)),
                    key=lambda i: (step.items[i].ranks[0] // int(shard_group_size), step.items[i].sp_size == 1,
                                   -step.items[i].sp_size, -costs[i], step.items[i].ranks[0], i))
-    return StepPlan(tuple(step.items[i] for i in order), step.extra)
+    return StepPlan(tuple(step.items[i] for i in order), step.notes)
 
 
 def round_span(rounds: ShardGroupRounds, item_times: Sequence[float],
@@ -191,6 +191,17 @@ class Lockstep(RoundPlan):
             out.append(hit[0] if hit else None)
         if not out and int(world_size) > k and step.items:
             out.append(None)
+        return out
+
+    def starts(self, step: StepPlan, world_size: int, item_times: Sequence[float]) -> list[float]:
+        """Each item starts with its round: a group's round begins when its previous round's slowest item ends."""
+        out = [0.0] * len(step.items)
+        for g in lockstep_rounds(step, world_size, self.shard_group_size):
+            t0 = 0.0
+            for rnd in g.rounds:
+                for i in rnd:
+                    out[i] = t0
+                t0 += max((item_times[i] for i in rnd), default=0.0)
         return out
 
     def span(self, step: StepPlan, world_size: int, item_times: Sequence[float]) -> float | None:

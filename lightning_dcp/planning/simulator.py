@@ -59,10 +59,9 @@ from typing import Any, Sequence
 
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.item_pricing import barriers_of, item_cost_of, item_key
-from lightning_dcp.planning.parallel_costs import pipeline_time, pipelines_of
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
 from lightning_dcp.planning.speeds import check_rank_speeds, group_speed, rank_speeds_of
+from lightning_dcp.planning.step_time import ItemPrices, charge_planning, step_time
 
 
 @dataclass
@@ -123,35 +122,32 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     """
     W = plan.world_size
     speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model), W)
-    overhead = cost_model.step_overhead(W) if plan.steps else 0.0
+    prices = ItemPrices(cost_model)
     step_times, spans, step_imb, busy_all, lines = [], [], [], [], []
     totals = _Totals()
     busy_total = 0.0
     idle_total = 0.0
-    cache: dict[tuple, Any] = {}
+    overhead = 0.0
     for s_idx, step in enumerate(plan.steps):
         if check:
             try:
                 check_deadlock_free(step, W)
             except PlanError as err:
                 raise PlanError(f"step {s_idx}: {err}") from None
-        busy, span, line = _run_step(step, W, cost_model, cache, totals, timeline, speeds)
-        if cost_model.rounds.lockstep:  # lockstep rounds inside each shard group decide the span
-            pipes = pipelines_of(step.extra)
-            times = [cache[item_key(it, pipes.get(it.ranks))].total / group_speed(speeds, it.ranks)
-                     for it in step.items]  # each: its round's time, at its slowest member's pace
-            span = cost_model.rounds.span(step, W, times)
-        idle = sum(span - b for b in busy)
-        idle_total += idle
-        busy_total += sum(busy)
+        st = step_time(step, cost_model, W, prices=prices, speeds=speeds, intervals=timeline)
+        _add_totals(step, prices, speeds, totals)
+        overhead, span = st.overhead, st.span
+        idle_total += st.idle
+        busy_total += sum(st.busy)
         spans.append(span)
-        step_imb.append(idle / (W * span) if span > 0 else 0.0)
-        step_times.append(span + overhead)
-        busy_all.append(busy)
+        step_imb.append(st.idle / (W * span) if span > 0 else 0.0)
+        step_times.append(st.seconds)
+        busy_all.append(list(st.busy))
         if timeline:
+            line = [(r, a, b, i, "item") for r, a, b, i in st.intervals]
             line.extend((r, span, span + overhead, -1, "allreduce") for r in range(W))
             lines.append(line)
-    ideal_compute = _ideal_compute(plan, cost_model, cache)
+    ideal_compute = _ideal_compute(plan, cost_model, {})
     tokens, comm, rec, comp = totals.tokens, totals.comm, totals.rec, totals.comp
     charged = charge_planning(step_times, planning_times)
     total = sum(charged)
@@ -182,19 +178,6 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
     )
 
 
-def charge_planning(step_times: Sequence[float], planning_times: Sequence[float] | None) -> list[float]:
-    """Each step's charged time: ``max(step_times[s], planning_times[s + 1])``, the last step against the
-    mean planning time (see the module docstring); the step times unchanged without planning times."""
-    steps = list(step_times)
-    if not planning_times:
-        return steps
-    plans = [float(x) for x in planning_times]
-    if len(plans) != len(steps):
-        raise ValueError(f"{len(plans)} planning times for {len(steps)} steps; give one per step of the plan")
-    nxt = plans[1:] + [sum(plans) / len(plans)]
-    return [max(t, p) for t, p in zip(steps, nxt)]
-
-
 @dataclass
 class _Totals:
     """Rank-time sums over every item of the run (each item's part times its SP size), in run order."""
@@ -203,55 +186,18 @@ class _Totals:
     comm: float = 0.0
     rec: float = 0.0
     comp: float = 0.0
-    ideal_spent: float = 0.0
 
 
-def _run_step(step: StepPlan, W: int, cost_model: CostModel, cache: dict, totals: _Totals, timeline: bool,
-              speeds: Sequence[float] | None = None) -> tuple[list[float], float, list[tuple[int, float, float, int, str]]]:
-    """Run one step's items in list order: ``(busy seconds per rank, compute span, timeline rows)``.
-
-    Item costs (:func:`~lightning_dcp.planning.item_pricing.item_cost_of`: SP, ring or pipeline
-    micro-batch) are memoized in ``cache``; ``totals`` gathers the rank-time sums; an item runs at
-    its slowest member's speed. A pipeline's ranks idle its 1F1B bubble after its last micro-batch;
-    at a declared barrier every rank waits for the slowest."""
-    free = [0.0] * W
-    busy = [0.0] * W
-    line: list[tuple[int, float, float, int, str]] = []
-    pipes = pipelines_of(step.extra)
-    barriers = barriers_of(step.extra)
-    stage: dict[tuple[int, ...], list[float]] = {}
-    for i, item in enumerate(step.items):
-        pipe = pipes.get(item.ranks)
-        key = item_key(item, pipe)
-        cost = cache.get(key)
-        if cost is None:
-            cost = item_cost_of(cost_model, item, pipe)
-            cache[key] = cost
-        pace = group_speed(speeds, item.ranks)
-        t = cost.total / pace
-        start = max(free[r] for r in item.ranks)
-        end = start + t
-        for r in item.ranks:
-            free[r] = end
-            busy[r] += t
-            if timeline:
-                line.append((r, start, end, i, "item"))
-        if pipe is not None:
-            stage.setdefault(item.ranks, []).append(t)
-        if i + 1 in barriers:
-            free = [max(free)] * W
-        p = item.sp_size
-        totals.comm += cost.comm * p / pace
-        totals.rec += cost.recompute * p / pace
-        totals.comp += (cost.compute + cost.overhead) * p / pace
-        totals.ideal_spent += cost.ideal * p
+def _add_totals(step: StepPlan, prices: ItemPrices, speeds: Sequence[float] | None, totals: _Totals) -> None:
+    """Add the step's items' rank-time parts (at their pace) to ``totals``."""
+    pipes = {p.ranks: p for p in step.notes.pipelines}
+    for item in step.items:
+        cost = prices.cost(item, pipes.get(item.ranks))
+        scale = item.sp_size / group_speed(speeds, item.ranks)
+        totals.comm += cost.comm * scale
+        totals.rec += cost.recompute * scale
+        totals.comp += (cost.compute + cost.overhead) * scale
         totals.tokens += item.tokens
-    for ranks, ts in stage.items():  # 1F1B warm-up + cool-down: (pp - 1) slowest micro-batches, idle
-        bubble = pipeline_time(ts, pipes[ranks].scheme.pp) - sum(ts)
-        for r in ranks:
-            free[r] += bubble
-    span = max(free) if W else 0.0
-    return busy, span, line
 
 
 def _ideal_compute(plan: Plan, cost_model: CostModel, cache: dict) -> float:

@@ -27,8 +27,8 @@ def plan_lockstep(step: StepPlan, world_size: int, shard_group_size: int, item_t
 
     ``item_time``: an item's time (its round's collectives included, at its slowest rank's pace);
     ``packer``: re-pack each lane's samples and move samples between lanes (None, or a packer whose memory is
-    not exact: keep the policy's items, only pair them). ``extra["estimated_time"]`` becomes the slowest
-    group's span and ``extra["rounds"]`` each group's round count.
+    not exact: keep the policy's items, only pair them). ``notes.estimated_time`` becomes the slowest
+    group's span and ``notes.rounds`` each group's round count.
     """
     k = int(shard_group_size)
     by_group: dict[int, list[WorkItem]] = {}
@@ -43,11 +43,11 @@ def plan_lockstep(step: StepPlan, world_size: int, shard_group_size: int, item_t
         for g in sorted(rounds):  # round j of every group (disjoint ranks: any order is deadlock-free)
             if j < len(rounds[g]):
                 out.extend(rounds[g][j])
-    extra = dict(step.extra)
+    notes = step.notes
     if planned:
-        extra["estimated_time"] = max(p.span for p in planned.values())
-        extra["rounds"] = [len(planned[g].rounds) if g in planned else 0 for g in range(int(world_size) // k)]
-    return StepPlan(tuple(out), extra)
+        notes = notes.replace(estimated_time=max(p.span for p in planned.values()),
+                              rounds=tuple(len(planned[g].rounds) if g in planned else 0 for g in range(int(world_size) // k)))
+    return StepPlan(tuple(out), notes)
 
 
 def plan_group(items: Sequence[WorkItem], item_time: ItemTime, packer: LanePacker | None = None) -> GroupRounds:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from lightning_dcp.planning.layouts import Layout, allocate, place
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.dispatch import fill_costs, lpt_dispatch
@@ -294,8 +294,8 @@ class AlgorithmOnePolicy(Policy):
         ring = self.view.ring_of
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in units[j][0]), tuple(lengths[i] for i in units[j][0]), rec,
                                ring(len(ranks))) for ranks, j, rec in blk] for blk in blocks]
-        extra = {"layout": list(layout), "estimated_time": float(span), "accumulation_scale": scale}
-        return [StepPlan(tuple(interleave_items(per_group)), extra)]
+        notes = StepNotes(estimated_time=float(span), layout=tuple(layout), setting={"accumulation_scale": scale})
+        return [StepPlan(tuple(interleave_items(per_group)), notes)]
 
 
 class DCPIntraPolicy(AlgorithmOnePolicy):

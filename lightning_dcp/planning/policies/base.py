@@ -17,7 +17,7 @@ import numpy as np
 
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.objective import makespan
+from lightning_dcp.planning.step_time import run_step
 
 
 class Policy(abc.ABC):
@@ -123,22 +123,9 @@ class FixedSPPolicy(Policy):
 
 
 def step_span(step: StepPlan, view: CostView) -> float:
-    """Compute span of ``step`` exactly as the simulator runs it (no all-reduce): each rank runs its
-    items in list order, an item starts when all its ranks are free and lasts its cost-model time
-    (divided by its slowest member's speed, with the view's rank speeds)."""
-    speeds = view.speeds
-    free: dict[int, float] = {}
-    cache: dict[tuple, float] = {}
-    for item in step.items:
-        key = (item.lengths, item.sp_size, item.recompute, item.ring)
-        t = cache.get(key)
-        if t is None:
-            t = cache[key] = view.time(item.lengths, item.sp_size, item.recompute, item.ring)
-        start = max(free.get(r, 0.0) for r in item.ranks)
-        end = start + (t if speeds is None else t / view.speed(item.ranks))
-        for r in item.ranks:
-            free[r] = end
-    return makespan(free.values())
+    """Compute span of ``step`` (:func:`~lightning_dcp.planning.step_time.run_step`) with the view's item times and
+    rank speeds (no step-end overhead)."""
+    return run_step(step, [view.item_time(it) for it in step.items], view.topology.world_size, view.cm.rounds).span
 
 
 def interleave_items(per_group: list[list[WorkItem]]) -> list[WorkItem]:

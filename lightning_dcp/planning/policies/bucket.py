@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import FixedSPPolicy, log_buckets
 from lightning_dcp.planning.policies.objective import makespan
 
@@ -159,5 +159,5 @@ class BucketPolicy(FixedSPPolicy):
                 WorkItem(groups[g], tuple(samples[i] for i in mb), tuple(lengths[i] for i in mb), rec, self.view.ring_of(sp))
                 for g, mb in enumerate(micro[s:s + len(groups)])
             )
-            steps.append(StepPlan(items, {"sp": sp}))
+            steps.append(StepPlan(items, StepNotes(setting={"sp": sp})))
         return steps

@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel, ring_kwargs, shard_domain
+from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.speeds import group_speed, uniform
 from lightning_dcp.planning.topology import Topology
 
@@ -196,6 +197,10 @@ class CostView:
     def speed(self, ranks: Sequence[int]) -> float:
         """Pace of an item on ``ranks``: its slowest member's speed (1.0 without speeds)."""
         return group_speed(self.speeds, ranks)
+
+    def item_time(self, item: WorkItem) -> float:
+        """Time of a plan item at its slowest member's pace."""
+        return self.time(item.lengths, item.sp_size, item.recompute, item.ring) / self.speed(item.ranks)
 
     def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None) -> float:
         """Time of one packed micro-batch (on ``ring`` x Ulysses; default the ring degree of ``sp``)."""

@@ -73,7 +73,7 @@ import numpy as np
 from lightning_dcp.planning.bound import StepBounder
 from lightning_dcp.planning.item_pricing import item_cost_of
 from lightning_dcp.planning.layouts import Layout, propose_layouts
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.algorithm_one import AlgorithmOnePolicy, DCPInterPolicy, DCPIntraPolicy
 from lightning_dcp.planning.policies.base import Policy, interleave_items, step_span
 from lightning_dcp.planning.policies.costs import CostView
@@ -252,8 +252,8 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         try:
             many = len(L) > max(TREE_FIRST_SAMPLES_PER_RANK * self.world_size, TREE_FIRST_MIN_SAMPLES)
             if self.tree and many:
-                blocks, extra = self._tree_first(ids, L, E, G, lengths, rng)
-                plan = self._in_rounds(self._as_plan(samples, blocks, extra))
+                blocks, notes = self._tree_first(ids, L, E, G, lengths, rng)
+                plan = self._in_rounds(self._as_plan(samples, blocks, notes))
             else:
                 tree = self.tree and len(L) <= TREE_MAX_SAMPLES_PER_RANK * self.world_size
                 plan = self._layout_or_tree(samples, ids, L, E, G, lengths, rng, tree)
@@ -269,33 +269,33 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         ``TREE_SLACK`` above the step bound and the tree is faster. Under lockstep rounds both are compared in their
         planned rounds (:meth:`_in_rounds`), and the tree is searched whatever its free-running span."""
         blocks, span, layout = self._schedule(ids, L, E, G, self.world_size, 0, len(self.classes) - 1, rng, top=True)
-        plan = self._in_rounds(self._as_plan(samples, blocks, {"layout": list(layout), "estimated_time": span}))
+        plan = self._in_rounds(self._as_plan(samples, blocks, StepNotes(estimated_time=span, layout=tuple(layout))))
         if tree:
             floor = self._bound_span(lengths)
-            if plan.extra["estimated_time"] > floor * (1 + TREE_SLACK):
+            if plan.notes.estimated_time > floor * (1 + TREE_SLACK):
                 got = self._tree_schedule(L, E, floor, math.inf if self._lockstep else span, blocks)
                 if got is not None:
                     blocks, span, sizes = got
-                    cand = self._in_rounds(self._as_plan(samples, blocks, {"layout": sizes, "estimated_time": span,
-                                                                           "schedule": "buddy-tree"}))
-                    if not self._lockstep or improves(cand.extra["estimated_time"], plan.extra["estimated_time"]):
+                    cand = self._in_rounds(self._as_plan(samples, blocks, StepNotes(
+                        estimated_time=span, layout=tuple(sizes), schedule="buddy-tree")))
+                    if not self._lockstep or improves(cand.notes.estimated_time, plan.notes.estimated_time):
                         plan = cand
         return plan
 
-    def _as_plan(self, samples: Sequence[int], blocks: list, extra: dict) -> StepPlan:
+    def _as_plan(self, samples: Sequence[int], blocks: list, notes: StepNotes) -> StepPlan:
         """The step plan of ``blocks`` (per group its ``(ranks, sample indices, recompute)`` items): a buddy tree's
         levels largest SP first (ancestors' items before their halves'), a layout's groups interleaved."""
         Ll, ring = self._Ll, self.view.ring_of
         per_group = [[WorkItem(ranks, tuple(samples[i] for i in idx), tuple(Ll[i] for i in idx), rec, ring(len(ranks)))
                       for ranks, idx, rec in blk] for blk in blocks]
-        if extra.get("schedule") == "buddy-tree":
-            return StepPlan(tuple(it for level in per_group for it in level), extra)
-        return StepPlan(tuple(interleave_items(per_group)), extra)
+        if notes.schedule == "buddy-tree":
+            return StepPlan(tuple(it for level in per_group for it in level), notes)
+        return StepPlan(tuple(interleave_items(per_group)), notes)
 
     def _in_rounds(self, plan: StepPlan) -> StepPlan:
         """Under lockstep rounds (``sharding="hsdp"``): ``plan`` in its planned rounds, each SP group's samples
         re-packed for them (:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with this policy's cost
-        view; ``extra["estimated_time"]`` becomes the rounds' span). ``plan`` itself otherwise."""
+        view; ``notes.estimated_time`` becomes the rounds' span). ``plan`` itself otherwise."""
         if not self._lockstep:
             return plan
         cm, view = self.view.cm, self.view
@@ -308,7 +308,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         scheduler only when the tree's span is over ``1 + LAYOUT_SKIP`` times the bound's compute part.
 
         Then the fastest of the tree, the layout plan refined as a tree and the layout plan wins (the layout
-        plan on ties), as in :meth:`plan_batch`'s other order. Returns ``(blocks, extra)``.
+        plan on ties), as in :meth:`plan_batch`'s other order. Returns ``(blocks, notes)``.
         """
         floor = self._bound_span(lengths)
         best = self._tree_search(L, E, floor, many=True)
@@ -318,9 +318,9 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             if got is not None and improves(got[0], best[0]):
                 best = got
             if not improves(best[0], span):
-                return blocks, {"layout": list(layout), "estimated_time": span}
+                return blocks, StepNotes(estimated_time=span, layout=tuple(layout))
         blocks, span, sizes = self._tree_levels(best)
-        return blocks, {"layout": sizes, "estimated_time": span, "schedule": "buddy-tree"}
+        return blocks, StepNotes(estimated_time=span, layout=tuple(sizes), schedule="buddy-tree")
 
     def _bound_span(self, lengths: Sequence[int]) -> float:
         """The step bound's compute part, ``max(work / W, heaviest)`` (seconds, no all-reduce)."""
@@ -342,7 +342,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
         """
         if len(lengths) > FALLBACK_MAX_SAMPLES_PER_RANK * self.world_size or self.world_size > FALLBACK_MAX_WORLD:
             return plan
-        span_of = (lambda p: p.extra["estimated_time"]) if self._lockstep else (lambda p: step_span(p, self.view))
+        span_of = (lambda p: p.notes.estimated_time) if self._lockstep else (lambda p: step_span(p, self.view))
         best, best_span = plan, span_of(plan)
         if best_span <= self._bound_span(lengths) * 1.01:
             return plan
@@ -352,8 +352,7 @@ class DCPPolicy(BuddyTreeSearch, LayoutScheduler, Policy):
             cand = self._in_rounds(part.plan_batch(samples, lengths, step)[0])
             span = span_of(cand)
             if improves(span, best_span):
-                extra = dict(cand.extra, estimated_time=span, chosen=part.name)
-                best, best_span = StepPlan(cand.items, extra), span
+                best, best_span = cand.with_notes(estimated_time=span, chosen=part.name), span
         return best
 
     def _alone_times(self, length: int, classes: Sequence[int]) -> np.ndarray:

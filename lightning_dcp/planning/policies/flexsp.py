@@ -20,7 +20,7 @@ Parallelism* (ASPLOS '25) and its solver (PKU-DAIR Hetu-Galvatron, ``galvatron/f
    round: when a micro-batch's MILP is infeasible, a micro-batch is added and the round is solved
    again. The solve seconds of each step are in :attr:`FlexSPPolicy.solve_log` (the plan stays a
    deterministic function of its input); whether each micro-batch kept the MILP's or the greedy
-   solution is in ``extra["solutions"]``.
+   solution is in ``notes.setting["solutions"]``.
 3. **Activation checkpointing** is one setting for the run (``r`` recomputed layers for every group);
    the memory constraints use the capacity at that setting.
 
@@ -39,7 +39,7 @@ import time
 from typing import Any, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.flexsp_milp import Bucket, Solution, bucketize, chunk_sorted, solve
@@ -163,8 +163,8 @@ class FlexSPPolicy(Policy):
                 items.append(WorkItem(tuple(range(start, start + s)), tuple(samples[i] for i in idx),
                                       tuple(lengths[i] for i in idx), max(r, need if need is not None else r)))
         self.solve_log.append(sum(s.solve_s for _, s in sols))
-        return [StepPlan(tuple(items), {"recompute": r, "micro_batches": len(sols),
-                                        "solutions": [s.source for _, s in sols]})]
+        return [StepPlan(tuple(items), StepNotes(setting={"recompute": r, "micro_batches": len(sols),
+                                                          "solutions": [s.source for _, s in sols]}))]
 
     def solve_micro_batch(self, lengths: Sequence[int], r: int, cluster: int, time_limit: float) -> Solution | None:
         """The micro-batch's groups (indices into ``lengths``): bucketing, then the MILP."""

@@ -29,7 +29,7 @@ Hydraulis runs without activation checkpointing; where a sequence fits no propos
 its micro-batch recomputes the fewest layers that fit (Megatron's ``--recompute-num-layers``), so the
 data can run at all. Pipelines are aligned blocks of ``TP x PP`` ranks, TP inside the block's
 consecutive ranks. The plan lists each pipeline's micro-batches as items on its ranks and declares the
-pipelines in ``StepPlan.extra["pipelines"]`` (the simulator prices them as TP/PP micro-batches and adds
+pipelines in ``StepPlan.notes.pipelines`` (the simulator prices them as TP/PP micro-batches and adds
 each pipeline's bubble). This policy is for planning and simulation only: the runtime executes SP
 groups, not TP/PP pipelines.
 
@@ -45,8 +45,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.parallel_costs import Pipeline, Scheme, pipelines_extra
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.parallel_costs import Pipeline, Scheme
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.hydraulis_proposal import SchemeTable, Strategy, propose
@@ -121,9 +121,9 @@ class HydraulisPolicy(Policy):
                 items.append(WorkItem(pipe.ranks, tuple(samples[i] for i in idx), tuple(lengths[i] for i in idx), r))
             per_pipe.append(items)
         used = [p for p, items in zip(placed, per_pipe) if items]
-        return [StepPlan(tuple(interleave_items(per_pipe)), {
-            "pipelines": pipelines_extra(used), "strategy": " + ".join(f"{d}x{s}" for s, d in st),
-            "estimate_s": round(best[0], 6)})]
+        return [StepPlan(tuple(interleave_items(per_pipe)), StepNotes(
+            estimated_time=best[0], pipelines=tuple(used),
+            setting={"strategy": " + ".join(f"{d}x{s}" for s, d in st)}))]
 
     def _fallback(self, longest: int) -> Strategy:
         """A homogeneous strategy of the cheapest scheme that holds ``longest`` (no proposal, or none holds it)."""

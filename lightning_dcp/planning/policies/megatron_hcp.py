@@ -21,7 +21,8 @@ The rules, as written there:
    ``trim_overload`` then pops the last sample of the busiest set while that lowers the spread, and
    ``fill_empty_gpus`` doubles the CP size of the first smallest set while ranks are left free.
    Leftover samples go to the next round. Every round ends with a barrier of all ranks
-   (``StepPlan.extra["barriers"]``, honoured by the simulator).
+   (``StepPlan.notes.barriers``, honoured by :mod:`~lightning_dcp.planning.step_time`; DCPStrategy does not
+   run world barriers inside a step, so this policy plans and simulates but does not train).
 4. **One sub-sample per micro-batch**: every sample is its own forward/backward on its set's ranks.
 
 Megatron allocates a new set from the lowest free ranks; here a set is placed on an aligned block at
@@ -43,7 +44,7 @@ from typing import Any, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
@@ -133,6 +134,8 @@ class MegatronHCPPolicy(Policy):
     """Megatron-Core hybrid context parallel: power-of-two ring CP per sample, L^2/cp balancing in barrier rounds."""
 
     name = "megatron-hcp"
+    runtime_refusal = ("its rounds end in barriers of every rank, and DCPStrategy runs no world collective inside a "
+                       "step (a barrier there would be one per round); it plans and simulates Megatron-Core's scheduler")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
@@ -290,5 +293,5 @@ class MegatronHCPPolicy(Policy):
                 per_set.append(out)
             items.extend(it for g in per_set for it in g)
             barriers.append(len(items))
-        return [StepPlan(tuple(items), {"max_seqlen_per_dp_cp_rank": per_rank, "recompute": rec,
-                                        "barriers": barriers[:-1]})]
+        return [StepPlan(tuple(items), StepNotes(barriers=tuple(barriers[:-1]),
+                                                 setting={"max_seqlen_per_dp_cp_rank": per_rank, "recompute": rec}))]

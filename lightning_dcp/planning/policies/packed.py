@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import FixedSPPolicy, interleave_items
 from lightning_dcp.planning.policies.packing import pack_ffd
 
@@ -38,4 +38,4 @@ class PackedPolicy(FixedSPPolicy):
             g = j % len(groups)
             per_group[g].append(WorkItem(groups[g], tuple(samples[i] for i in pack), tuple(lengths[i] for i in pack), rec,
                                          self.view.ring_of(sp)))
-        return [StepPlan(tuple(interleave_items(per_group)), {"sp": sp, "pack_tokens": budget})]
+        return [StepPlan(tuple(interleave_items(per_group)), StepNotes(setting={"sp": sp, "pack_tokens": budget}))]

@@ -7,7 +7,7 @@
   the plan contract accept).
 - :func:`tuning_batches` and :class:`Tuner`: the small per-dataset search each peer's users would
   run by hand -- every candidate setting planned on the same few global batches drawn from the
-  dataset, simulated on the cost model (:func:`~lightning_dcp.planning.item_pricing.step_span`),
+  dataset, simulated on the cost model (:func:`~lightning_dcp.planning.step_time.step_time`),
   the fastest kept.
 
 Pure Python + numpy.
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.item_pricing import step_span
+from lightning_dcp.planning.step_time import ItemPrices, step_time
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepPlan
 
@@ -130,7 +130,7 @@ class Tuner:
     """Picks the fastest of a peer's candidate settings on tuning batches.
 
     Args:
-        cost_model: prices the plans (:func:`~lightning_dcp.planning.item_pricing.step_span`).
+        cost_model: prices the plans (:func:`~lightning_dcp.planning.step_time.step_time`).
         world_size: ranks.
         batches: the tuning batches (lists of lengths).
         overhead: the step overhead added to every simulated step.
@@ -141,6 +141,7 @@ class Tuner:
         self.world_size = world_size
         self.batches = [list(b) for b in batches]
         self.overhead = overhead
+        self.prices = ItemPrices(cost_model)
         self.trials: list[tuple[Any, float]] = []
         """``(setting, seconds per token)`` of every candidate tried, in order (inf: it could not plan)."""
 
@@ -156,10 +157,9 @@ class Tuner:
     def time(self, plan_batch: Callable[[list[int], list[int]], list[StepPlan]]) -> float:
         """Seconds per token of ``plan_batch`` (samples, lengths -> steps) on the tuning batches."""
         total, tokens = 0.0, 0
-        cache: dict = {}
         for batch in self.batches:
             for step in plan_batch(list(range(len(batch))), batch):
-                total += step_span(step, self.cm, self.world_size, cache) + self.overhead
+                total += step_time(step, self.cm, self.world_size, prices=self.prices).span + self.overhead
             tokens += sum(batch)
         return total / tokens if tokens else math.inf
 

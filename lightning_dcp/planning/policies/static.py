@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import FixedSPPolicy, interleave_items
 
 
@@ -25,4 +25,4 @@ class StaticPolicy(FixedSPPolicy):
         per_group: list[list[WorkItem]] = [[] for _ in groups]
         for j, (s, n) in enumerate(zip(samples, lengths)):
             per_group[j % len(groups)].append(WorkItem(groups[j % len(groups)], (s,), (n,), rec, self.view.ring_of(sp)))
-        return [StepPlan(tuple(interleave_items(per_group)), {"sp": sp})]
+        return [StepPlan(tuple(interleave_items(per_group)), StepNotes(setting={"sp": sp}))]

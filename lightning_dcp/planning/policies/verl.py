@@ -41,7 +41,7 @@ import math
 from typing import Any, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
 from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts, karmarkar_karp
@@ -147,8 +147,8 @@ class VerlPolicy(Policy):
             sub = karmarkar_karp([work[i] for i in p], k)
             mbs = order_micro_batches([[p[j] for j in s] for s in sub if s], work)
             per_group.append([it for mb in mbs for it in self._items(g, mb, samples, lengths, rec, work)])
-        return [StepPlan(tuple(interleave_items(per_group)),
-                         {"sp": sp, "checkpointing": ckpt, "max_token_len_per_gpu": per_gpu, "micro_batches": num})]
+        return [StepPlan(tuple(interleave_items(per_group)), StepNotes(setting={
+            "sp": sp, "checkpointing": ckpt, "max_token_len_per_gpu": per_gpu, "micro_batches": num}))]
 
     def _items(self, group: tuple[int, ...], mb: list[int], samples: Sequence[int], lengths: Sequence[int], rec: int,
                work: Sequence[float]) -> list[WorkItem]:
