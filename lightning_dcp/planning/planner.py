@@ -359,6 +359,10 @@ class Planner:
             items.append(item)
         return StepPlan(tuple(items), step.notes)
 
+    def prepare(self, batches: Sequence[Sequence[int]]) -> None:
+        """Show the policy the lengths of the run's global batches before any is planned (:meth:`Policy.prepare`)."""
+        self.policy.prepare([[int(n) for n in b] for b in batches])
+
     def batches(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
                 global_batch_size: int | None = None) -> list[list[int]]:
         """Sample indices of each global batch: ``lengths`` cut in order.
@@ -390,6 +394,7 @@ class Planner:
             batches = [list(range(len(lengths)))]
         else:
             batches = self.batches(lengths, global_batch_tokens=global_batch_tokens, global_batch_size=global_batch_size)
+        self.prepare([[lengths[i] for i in idx] for idx in batches])
         steps: list[StepPlan] = []
         for k, idx in enumerate(batches):
             steps.extend(self.plan_batch(idx, [lengths[i] for i in idx], step=k).steps)

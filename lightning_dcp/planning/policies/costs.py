@@ -142,14 +142,25 @@ class CostView:
         return bool(got)
 
     # -- capacity ------------------------------------------------------------------------
-    def capacities(self, sp: int) -> list[int]:
-        """``caps[r]``: most tokens one micro-batch on ``sp`` ranks holds with ``r`` recomputed layers."""
+    def capacities(self, sp: int, ring: int | None = None) -> list[int]:
+        """``caps[r]``: most tokens one micro-batch on ``sp`` ranks holds with ``r`` recomputed layers (at ring degree
+        ``ring``; default the view's ring degree of ``sp``)."""
+        if ring is not None and ring != self.ring_of(sp):
+            key = (sp, int(ring))
+            caps = self._cap.get(key)  # type: ignore[call-overload]
+            if caps is None:
+                caps = self._cap[key] = self._monotone(  # type: ignore[index]
+                    [int(self.cm.max_length(sp, r, **ring_kwargs(int(ring)))) for r in range(self.num_layers + 1)])
+            return caps
         caps = self._cap.get(sp)
         if caps is None:
-            caps = [self._max_tokens(sp, r) for r in range(self.num_layers + 1)]
-            for r in range(1, len(caps)):  # more recompute never holds less
-                caps[r] = max(caps[r], caps[r - 1])
-            self._cap[sp] = caps
+            caps = self._cap[sp] = self._monotone([self._max_tokens(sp, r) for r in range(self.num_layers + 1)])
+        return caps
+
+    @staticmethod
+    def _monotone(caps: list[int]) -> list[int]:
+        for r in range(1, len(caps)):  # more recompute never holds less
+            caps[r] = max(caps[r], caps[r - 1])
         return caps
 
     def _max_tokens(self, sp: int, r: int) -> int:
@@ -172,13 +183,13 @@ class CostView:
                 hi = mid
         return lo
 
-    def max_len(self, sp: int) -> int:
+    def max_len(self, sp: int, ring: int | None = None) -> int:
         """Longest micro-batch (tokens) ``sp`` ranks hold at full recompute."""
-        return self.capacities(sp)[-1]
+        return self.capacities(sp, ring)[-1]
 
-    def min_recompute(self, tokens: int, sp: int) -> int | None:
+    def min_recompute(self, tokens: int, sp: int, ring: int | None = None) -> int | None:
         """Fewest recomputed layers for a micro-batch of ``tokens`` on ``sp`` ranks; None if none fits."""
-        caps = self.capacities(sp)
+        caps = self.capacities(sp, ring)
         if tokens > caps[-1]:
             return None
         return bisect.bisect_left(caps, tokens)
