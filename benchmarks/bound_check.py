@@ -1,7 +1,7 @@
 """An independent check of the step bound, tighter bounds, and where each step's time goes.
 
 ``lightning_dcp.planning.bound.StepBounder`` computes ``max(work / W, heaviest) + all-reduce``
-from :class:`~lightning_dcp.planning.policies.costs.CostView` tables and the cost model's fast
+from :class:`~lightning_dcp.planning.view.CostView` tables and the cost model's fast
 path. :class:`FirstPrinciplesBounder` recomputes it with nothing but the
 :class:`~lightning_dcp.planning.cost_model.CostModel` interface on real lists of lengths:
 
@@ -117,7 +117,7 @@ class FirstPrinciplesBounder:
     """Step bounds of one (cost model, world size), from the CostModel interface alone (see module doc)."""
 
     def __init__(self, cm: CostModel, world_size: int, max_sp: int | None = None):
-        from lightning_dcp.planning.policies.costs import CostView
+        from lightning_dcp.planning.view import CostView
 
         self.cm = cm
         self.W = int(world_size)

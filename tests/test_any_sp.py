@@ -17,7 +17,7 @@ from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner
-from lightning_dcp.planning.policies.objective import improves, makespan
+from lightning_dcp.planning.search.objective import improves, makespan
 from lightning_dcp.planning.simulator import simulate
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,7 +133,7 @@ def test_the_issue_s_models_get_their_non_power_of_two_sizes(model, heads, world
 
 
 def test_wan_14b_on_40_gpus_runs_four_groups_of_ten_side_by_side():
-    from lightning_dcp.planning.layouts import place
+    from lightning_dcp.planning.search.layouts import place
 
     planner = Planner(40, AnalyticCostModel(get_model("wan-14b"), H100, 40))
     groups = place([10, 10, 10, 10], planner.view.topology)

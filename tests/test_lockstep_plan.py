@@ -19,7 +19,7 @@ from lightning_dcp.planning.lockstep.packing import level
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import StepPlan, WorkItem, check_deadlock_free, validate_step
 from lightning_dcp.planning.planner import Planner
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.rounds import Lockstep, align_rounds, lockstep_rounds, round_span, shard_groups
 from lightning_dcp.planning.sharding.hsdp import hsdp_view
 from lightning_dcp.planning.simulator import simulate

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from _fakes import FakeCostModel, SlowPathCostModel
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.layouts import allocate, place, world_blocks
+from lightning_dcp.planning.search.layouts import allocate, place, world_blocks
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, is_aligned_block, validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner, plan
 
@@ -240,7 +240,7 @@ def test_lpt_dispatch_chunked_covers_every_unit_once(costs, layout, chunk, with_
     """Chunked dispatch: every unit in exactly one group, loads = what its units add (floors included)."""
     import numpy as np
 
-    from lightning_dcp.planning.policies.dispatch import lpt_dispatch
+    from lightning_dcp.planning.search.dispatch import lpt_dispatch
 
     classes = sorted(set(layout))
     base = np.array(costs)

@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _fakes import FakeCostModel
-from lightning_dcp.planning.plan import Plan, Pipeline, Scheme, StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import interleave_items
-from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.tree import BuddyTree
+from lightning_dcp.planning.plan import Pipeline, Plan, Scheme, StepNotes, StepPlan, WorkItem, interleave_items
+from lightning_dcp.planning.view import CostView
+from lightning_dcp.planning.search.tree import BuddyTree
 from lightning_dcp.planning.rounds import Lockstep
 from lightning_dcp.planning.simulator import simulate
 from lightning_dcp.planning.step_time import ItemPrices, run_step, step_time

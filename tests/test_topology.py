@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_dcp.planning.layouts import allocate, place
+from lightning_dcp.planning.search.layouts import allocate, place
 from lightning_dcp.planning.plan import is_aligned_block
-from lightning_dcp.planning.policies.tree import BuddyTree, best_chain, chains
+from lightning_dcp.planning.search.tree import BuddyTree, best_chain, chains
 from lightning_dcp.planning.topology import Topology, group_problem, rank_tuples
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _fakes import FakeCostModel
-from lightning_dcp.planning.layouts import world_blocks
+from lightning_dcp.planning.search.layouts import world_blocks
 from lightning_dcp.planning.plan import is_aligned_block, validate_plan
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.policies.base import step_span
-from lightning_dcp.planning.policies.tree import BuddyTree
+from lightning_dcp.planning.search.tree import BuddyTree
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -13,8 +13,8 @@ from lightning_dcp.planning.plan import validate_plan
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.policies import dcp as dcp_module
 from lightning_dcp.planning.policies.base import step_span
-from lightning_dcp.planning.policies.tree import BuddyTree
-from lightning_dcp.planning.policies.tree_balance import TreeState, balance
+from lightning_dcp.planning.search.tree import BuddyTree
+from lightning_dcp.planning.search.balance import TreeState, balance
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BUDGET = 1000
@@ -125,7 +125,7 @@ def test_many_sample_steps_plan_the_tree_first_and_stay_valid(world, memory, per
     layout = Planner(world, cm, "dcp", fallback=False, tree=False).plan_batch(samples, lengths, step=seed)
     view = Planner(world, cm, "dcp").view
     got, base = step_span(plan.steps[0], view), step_span(layout.steps[0], view)
-    floor = Planner(world, cm, "dcp").policy._bound_span(lengths)
+    floor = Planner(world, cm, "dcp").policy.space.bound_span(lengths)
     assert got <= max(base, floor * (1 + dcp_module.LAYOUT_SKIP)) * (1 + 1e-9)
     if plan.steps[0].notes.schedule == "buddy-tree":
         per_rank_groups: dict[int, list[tuple[int, ...]]] = {}
@@ -174,7 +174,7 @@ def test_more_than_64_samples_per_rank_still_plan_the_tree_first(per_rank, seed)
     validate_plan(plan, lengths, cm, samples=samples)
     layout = Planner(world, cm, "dcp", fallback=False, tree=False).plan_batch(samples, lengths, step=seed)
     view = Planner(world, cm, "dcp").view
-    floor = Planner(world, cm, "dcp").policy._bound_span(lengths)
+    floor = Planner(world, cm, "dcp").policy.space.bound_span(lengths)
     got, base = step_span(plan.steps[0], view), step_span(layout.steps[0], view)
     assert got <= max(base, floor * (1 + dcp_module.LAYOUT_SKIP)) * (1 + 1e-9)
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.units import describe_limit
 from lightning_dcp.planning.speeds import uniform
 
@@ -127,7 +127,7 @@ class StepBounder:
             self._gpu_s[n] = v
 
     def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray) -> np.ndarray:
-        if self.view._time_fast is not None:
+        if self.view.fast_time is not None:
             return self.view.time_many(tokens, sq, n, p, r, lower=True)
         # generic cost model (no item_time_sum): whole micro-batches of k = floor(cap / l) equal
         # samples (k <= 4096), scaled to the full count -- within ~1% of the linear form

@@ -12,11 +12,13 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from lightning_dcp.planning.units import describe_limit, format_bytes
 
 PLAN_SCHEMA = "lightning-dcp/plan/v1"
+
+T = TypeVar("T")
 
 
 class PlanError(ValueError):
@@ -276,6 +278,21 @@ class Plan:
         except json.JSONDecodeError as err:
             raise PlanError(f"plan is not valid JSON: {err}") from err
         return cls.from_dict(data)
+
+
+def interleave_items(per_group: list[list[T]]) -> list[T]:
+    """Items of disjoint groups listed round by round (group 0's first, group 1's first, ...).
+
+    Groups are disjoint, so any order is deadlock-free; round-robin keeps each rank's items in
+    its own order and reads naturally as "accumulation step k".
+    """
+    out: list[WorkItem] = []
+    depth = max((len(g) for g in per_group), default=0)
+    for k in range(depth):
+        for g in per_group:
+            if k < len(g):
+                out.append(g[k])
+    return out
 
 
 def is_aligned_block(ranks: Sequence[int]) -> bool:

@@ -37,11 +37,12 @@ from typing import Any, Callable, Sequence
 from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
+from lightning_dcp.planning.sp_cap import cap_limits
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.bucket import BucketPolicy
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
 from lightning_dcp.planning.policies.flexsp import FlexSPPolicy
 from lightning_dcp.planning.policies.hydraulis import HydraulisPolicy
@@ -240,12 +241,14 @@ class Planner:
         self.rank_speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model),
                                              self.world_size)
         """The speeds the planner plans with (None: every rank at the cost model's pace)."""
-        self.view = CostView(cost_model, self.max_sp, self.rank_speeds, world_size=self.world_size, ring=bool(ring))
+        self.ring = bool(ring)
+        self.view = CostView(cost_model, self.max_sp, self.rank_speeds, world_size=self.world_size, ring=self.ring)
         self.max_sp = max(self.view.sp_sizes)
         if self.view.longest_fitting() <= 0:
+            why, more = self._cap()
             raise PlanningError(
                 f"the model does not fit in memory on any SP group of this world (largest group {self.max_sp} ranks"
-                f"{self._cap_note()}, memory budget {describe_limit(cost_model)}): use {self._more()}"
+                f"{why}; memory budget {describe_limit(cost_model)}): use {more}"
             )
         ds = None
         if dataset_lengths is not None:
@@ -282,30 +285,24 @@ class Planner:
         """Longest sample (tokens) any setting on this world size and memory holds."""
         return self.view.longest_fitting()
 
-    def _capped_by_option(self) -> bool:
-        """Whether ``max_sp_size`` (not the world) limits the SP size."""
-        return self.max_sp_size is not None and self.max_sp_size < self.world_size
-
-    def _cap_note(self) -> str:
-        if self.sp_cap_reason:
-            return f", capped by {self.sp_cap_reason}"
-        return f", capped by max_sp_size={self.max_sp_size}" if self._capped_by_option() else ""
-
-    def _more(self) -> str:
-        """What to add when a sample or the model does not fit (no impossible advice)."""
-        if self.sp_cap_reason:
-            return "more memory per device"
-        return f"more ranks / more memory per device{' / a larger max_sp_size' if self._capped_by_option() else ''}"
+    def _cap(self) -> tuple[str, str]:
+        """``(why SP stops at max_sp, what to use)`` for the errors (:func:`~lightning_dcp.planning.sp_cap.cap_limits`)."""
+        limits, fixes = cap_limits(self.view, self.world_size, self.max_sp_size, self.sp_cap_reason, self.ring)
+        more = ["more memory per device"] + fixes
+        if not limits:
+            more.insert(0, "more ranks")
+        return (": " + "; ".join(limits) if limits else ""), " / ".join(more)
 
     def _check_fit(self, samples: Sequence[int], lengths: Sequence[int]) -> None:
         limit = self.view.longest_fitting()
         for s, n in zip(samples, lengths):
             if n > limit:
+                why, more = self._cap()
                 raise PlanningError(
-                    f"{name_sample(s, self.sample_name)} has length {n} tokens, but the longest that fits any setting on world size "
-                    f"{self.world_size} (SP sizes {self.view.sp_sizes}, largest SP group {self.max_sp} ranks{self._cap_note()}, every "
-                    f"layer recomputed, memory budget {describe_limit(self.cost_model)}) is {limit} tokens: drop or split "
-                    f"the sample, or use {self._more()}"
+                    f"{name_sample(s, self.sample_name)} has length {n} tokens, but the longest that fits any setting on "
+                    f"world size {self.world_size} is {limit} tokens (SP sizes {self.view.sp_sizes}, largest SP group "
+                    f"{self.max_sp} ranks{why}; every layer recomputed; memory budget {describe_limit(self.cost_model)}): "
+                    f"drop or split the sample, or use {more}"
                 )
 
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> Plan:

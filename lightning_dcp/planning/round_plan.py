@@ -21,7 +21,7 @@ ItemTime = Callable[[Any], float]
 @runtime_checkable
 class LanePacker(Protocol):
     """What a round planner needs to re-pack the samples of one SP group into micro-batches (the dcp policy's
-    :class:`~lightning_dcp.planning.policies.costs.CostView` is one)."""
+    :class:`~lightning_dcp.planning.view.CostView` is one)."""
 
     exact_memory: bool
     """Whether :meth:`capacities` are exact (else re-packing would need every micro-batch's memory checked)."""

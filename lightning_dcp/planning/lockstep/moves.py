@@ -23,6 +23,7 @@ import numpy as np
 from lightning_dcp.planning.lockstep.groups import GroupRounds, lanes_of
 from lightning_dcp.planning.lockstep.packing import Pricer, common_height, free_rounds, lane_samples, place, sweep
 from lightning_dcp.planning.plan import WorkItem
+from lightning_dcp.planning.search.climb import climb
 
 __all__ = ["DISSOLVES", "DISSOLVES_MANY", "DISSOLVE_WIDTH", "FILL", "MOVES_MAX_SAMPLES_PER_RANK", "PROMOTIONS", "PROMOTION_SWEEPS", "dissolve",
            "promote"]
@@ -60,22 +61,20 @@ def promote(g: GroupRounds, pricer: Pricer) -> GroupRounds:
 
     Tallest round first: the tallest item of the round, when it is one sample on fewer ranks than the group, and
     every one-sample item of the round taller than its tallest packed item, each to its next larger block
-    (:func:`_block`); the group is then paired and re-packed again. At most :data:`PROMOTIONS` tries."""
-    tries = 0
+    (:func:`_block`); the group is then paired and re-packed again. The best of each round's tries is kept; at most
+    :data:`PROMOTIONS` tries."""
     tried: set[tuple] = set()
-    while tries < PROMOTIONS:
-        moves = _promotions(g, pricer, tried)
-        if not moves:
-            break
-        best = None
-        for move in moves[: PROMOTIONS - tries]:
-            tries += 1
-            cand = _moved(g, move, pricer)
-            if cand is not None and cand.span < (best or g).span * (1 - 1e-9):
-                best = cand
-        if best is not None:
-            g = best
-    return g
+    tries = [0]
+
+    def moves(state: GroupRounds) -> list[Move]:
+        return _promotions(state, pricer, tried)[: PROMOTIONS - tries[0]] if tries[0] < PROMOTIONS else []
+
+    def attempt(state: GroupRounds, move: Move):
+        tries[0] += 1
+        cand = _moved(state, move, pricer)
+        return None if cand is None else (cand.span, lambda: cand)
+
+    return climb(g, lambda st: st.span, moves, attempt, better=_shorter, best_of_round=True, keep_going=True)
 
 
 def _promotions(g: GroupRounds, pricer: Pricer, tried: set[tuple]) -> list[Move]:
@@ -142,20 +141,24 @@ def _moved(g: GroupRounds, move: Move, pricer: Pricer) -> GroupRounds | None:
 def dissolve(g: GroupRounds, pricer: Pricer, limit: int = DISSOLVES) -> GroupRounds:
     """Empty the group's lowest rounds into its other rounds while that shortens its span (:func:`_emptied`).
     At most ``limit`` tries, among the :data:`DISSOLVE_WIDTH` lowest rounds at a time."""
-    tries = 0
-    while tries < limit and len(g.rounds) > 1:
-        order = sorted(range(len(g.rounds)), key=lambda j: (g.height(g.rounds[j]), j))
-        better = None
-        for j in order[: min(DISSOLVE_WIDTH, limit - tries)]:
-            tries += 1
-            cand = _emptied(g, j, pricer)
-            if cand is not None and cand.span < g.span * (1 - 1e-9):
-                better = cand
-                break
-        if better is None:
-            break
-        g = better
-    return g
+    tries = [0]
+
+    def moves(state: GroupRounds) -> list[int]:
+        if tries[0] >= limit or len(state.rounds) <= 1:
+            return []
+        order = sorted(range(len(state.rounds)), key=lambda j: (state.height(state.rounds[j]), j))
+        return order[: min(DISSOLVE_WIDTH, limit - tries[0])]
+
+    def attempt(state: GroupRounds, j: int):
+        tries[0] += 1
+        cand = _emptied(state, j, pricer)
+        return None if cand is None else (cand.span, lambda: cand)
+
+    return climb(g, lambda st: st.span, moves, attempt, better=_shorter)
+
+
+def _shorter(new: float, old: float) -> bool:
+    return new < old * (1 - 1e-9)
 
 
 def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:

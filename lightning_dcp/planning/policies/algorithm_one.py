@@ -18,12 +18,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.layouts import Layout, allocate, place
-from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import Policy, interleave_items, log_buckets
-from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.dispatch import fill_costs, lpt_dispatch
-from lightning_dcp.planning.policies.objective import improves, makespan
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem, interleave_items
+from lightning_dcp.planning.policies.base import Policy, log_buckets
+from lightning_dcp.planning.search.blocks import Block, BlockPlan, Blocks, GroupPlan, Preference
+from lightning_dcp.planning.search.layouts import Layout, allocate, place
+from lightning_dcp.planning.search.problem import Placed
+from lightning_dcp.planning.view import CostView
 
 
 class AlgorithmOnePolicy(Policy):
@@ -116,11 +116,8 @@ class AlgorithmOnePolicy(Policy):
                 units.append((cur, p))
         return units
 
-    def _dispatch(self, units, lengths):
-        """``(per-group item lists, estimated span, layout)`` for these micro-batches.
-
-        An item is ``(ranks, unit index, recompute)``.
-        """
+    def _dispatch(self, units: list[tuple[list[int], int]], lengths: Sequence[int]) -> BlockPlan:
+        """The block engine's plan of these micro-batches on the world (an item's ``members`` is one unit index)."""
         classes = list(self.view.sp_sizes)
         n = len(units)
         w = self.view.work
@@ -140,125 +137,13 @@ class AlgorithmOnePolicy(Policy):
             if not ok.any():
                 continue
             recs[k, ok] = r[ok]
-            if self.view._time_fast is not None:
+            if self.view.fast_time is not None:
                 cost[k, ok] = self.view.time_many(tokens[ok], sq[ok], cnt[ok], q, r[ok])
             else:
                 for j in np.nonzero(ok)[0].tolist():
                     cost[k, j] = self.view.time([lengths[i] for i in units[j][0]], q, int(r[j]))
-        ctx = (cost, recs, pref)
-        return self._solve(np.arange(n), self.world_size, 0, len(classes) - 1, ctx)
-
-    def _solve(self, ids: np.ndarray, size: int, offset: int, kmax: int, ctx):
-        """Micro-batches ``ids`` on ranks ``offset .. offset+size-1`` with SP sizes ``<= classes[kmax]``.
-
-        Groups of the chosen SP sizes; when they do not all fit side by side (a micro-batch
-        needs a group as large as the block), a large group runs its own micro-batches first
-        and then, split into smaller groups, the micro-batches that chose smaller SP sizes
-        (groups change size between accumulation steps, as DCP switches the SP size per batch).
-        """
-        cost_all, recs, pref_all = ctx
-        classes = list(self.view.sp_sizes)[: kmax + 1]
-        cs = cost_all[: kmax + 1][:, ids]
-        topo = self.view.topology
-        if size < self.world_size:  # a group's ranks: only the sizes every group of `size` ranks holds
-            barred = [k for k, c in enumerate(classes) if not self.view.contains(size, c)]
-            if barred:
-                cs = cs.copy()
-                cs[barred] = np.inf
-        n = len(ids)
-        cols = np.arange(n)
-        pref = np.minimum(pref_all[ids], kmax)
-        bad = ~np.isfinite(cs[pref, cols])
-        if bad.any():  # its size is not allowed here: the smallest that holds it
-            pref[bad] = np.argmax(np.isfinite(cs[:, bad]), axis=0)
-        parr = np.array(classes, dtype=np.float64)
-        # a micro-batch longer than the mean rank load cannot be balanced by accumulation on its
-        # own SP size (the step would last as long as it): it moves to the smallest SP size on
-        # which it takes at most that long (the fastest one if none)
-        mean_load = float((cs[pref, cols] * parr[pref]).sum()) / size
-        for j in np.nonzero(cs[pref, cols] > mean_load)[0].tolist():
-            ok = np.nonzero(cs[:, j] <= mean_load)[0]
-            pref[j] = max(int(pref[j]), int(ok[0]) if len(ok) else int(np.argmin(cs[:, j])))
-        gp = cs[pref, cols] * parr[pref]
-        wk = np.bincount(pref, weights=gp, minlength=len(classes))
-        present = sorted({classes[k] for k in pref.tolist()})
-        work = {p: float(wk[classes.index(p)]) for p in present}
-        must = max(present)
-        # a micro-batch may run on a larger group than it chose: on all its ranks, or as a fill
-        # (after the group's own micro-batches, on a sub-group of the size it chose), costing
-        # the group its GPU-seconds spread over the ranks but lasting at least its own time
-        C, F, ep = fill_costs(cs, pref, cols, gp, classes, fill_ok=self.view.fill_ok(len(classes)))
-        min_groups = None
-        if self.g_max:
-            counts = np.bincount(pref, minlength=len(classes))
-            min_groups = {p: max(1, math.ceil(int(counts[classes.index(p)]) / int(self.g_max))) for p in present}
-        cands = self._candidate_layouts(cs, classes, present, must, work, min_groups, offset, size)
-        key = cs[pref, cols]
-        flat_ok = place(sorted(present, reverse=True), topo, offset, size) is not None
-        result = None
-        # two modes, each with its best layout by the dispatch estimate: flat (every micro-batch
-        # on all ranks of its group) and with fills; the lower realized span wins
-        for mode_fill in ((False, True) if flat_ok else (True,)):
-            cost, floor = (C, F) if mode_fill else (cs, None)
-            best = None
-            for lay in cands:
-                if not mode_fill and any(p not in present for p in lay):
-                    continue
-                try:
-                    members, _, span = lpt_dispatch(cost, lay, classes, key, floor=floor)
-                except ValueError:
-                    continue
-                if best is None or improves(span, best[2]):
-                    best = (lay, members, span)
-            if best is None:
-                continue
-            got = self._realize(best[0], best[1], ids, cs, F if mode_fill else None, size, offset, ctx)
-            if result is None or improves(got[1], result[1]):
-                result = got
-        assert result is not None
-        return result
-
-    def _candidate_layouts(self, cs: np.ndarray, classes: list[int], present: list[int], must: int,
-                           work: dict[int, float], min_groups: dict[int, int] | None, offset: int,
-                           size: int) -> list[Layout]:
-        """The rounded split of the ranks over the chosen sizes and its neighbours; and the same with the largest
-        size one step up (its group runs the others as fills)."""
-        topo = self.view.topology
-        cands: list[Layout] = []
-        musts = [must] + [q for q in classes if q > must and np.isfinite(cs[classes.index(q)]).any()][:1]
-        for m in musts:
-            sizes = sorted(set(present) | {m})
-            for bias in (0.0, 0.35, -0.35):
-                try:
-                    lay = allocate(work, topo, sizes, m, min_groups=min_groups, bias=bias, start=offset, size=size)
-                except ValueError:
-                    continue
-                lay = tuple(p for p in lay if p in sizes)
-                if lay and lay not in cands and place(lay, topo, offset, size) is not None:
-                    cands.append(lay)
-        if not cands:
-            cands.append((must,) * max(1, topo.count(topo.free_runs(offset, size), must)))
-        return cands
-
-    def _realize(self, layout, members, ids, cs, F, size, offset, ctx):
-        cost_all, recs, pref_all = ctx
-        classes = list(self.view.sp_sizes)
-        groups = place(layout, self.view.topology, offset, size) or []
-        blocks, times = [], []
-        for g, mem in enumerate(members):
-            P = len(groups[g])
-            k = classes.index(P)
-            own = [j for j in mem if F is None or F[k, j] == 0.0]
-            fill = [j for j in mem if F is not None and F[k, j] > 0.0]
-            items = [(groups[g], int(ids[j]), int(recs[k, ids[j]])) for j in own]
-            t = float(sum(cs[k, j] for j in own))
-            if fill:
-                sub, sub_span, _ = self._solve(ids[fill], P, groups[g][0], k - 1, ctx)
-                items.extend(interleave_items(sub))
-                t += sub_span
-            blocks.append(items)
-            times.append(t)
-        return blocks, makespan(times), layout
+        engine = MicroBatchBlocks(self.view, self.world_size, cost, recs, pref, self.g_max)
+        return engine.solve(np.arange(n), self.world_size, 0, len(classes) - 1)
 
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
         buckets = []
@@ -269,7 +154,7 @@ class AlgorithmOnePolicy(Policy):
         scale = 1
         units = self._units(buckets, lengths, scale)
         best = (self._dispatch(units, lengths), units, scale)
-        g = max((len(m) for m in best[0][0]), default=0)
+        g = max((len(m) for m in best[0].groups), default=0)
         if self.g_min > 1 and 0 < g < self.g_min:  # App. C: scale every accumulation count up
             scale = -(-self.g_min // g)
             units = self._units(buckets, lengths, scale)
@@ -286,14 +171,15 @@ class AlgorithmOnePolicy(Policy):
                 continue
             last = len(units)
             got = self._dispatch(units, lengths)
-            if got[1] < best[0][1] * (1 - 1e-3):
+            if got.span < best[0].span * (1 - 1e-3):
                 best, misses = (got, units, scale), 0
             else:
                 misses += 1
         (blocks, span, layout), units, scale = best
         ring = self.view.ring_of
-        per_group = [[WorkItem(ranks, tuple(samples[i] for i in units[j][0]), tuple(lengths[i] for i in units[j][0]), rec,
-                               ring(len(ranks))) for ranks, j, rec in blk] for blk in blocks]
+        per_group = [[WorkItem(it.ranks, tuple(samples[i] for i in units[it.members[0]][0]),
+                               tuple(lengths[i] for i in units[it.members[0]][0]), it.recompute, ring(len(it.ranks)))
+                      for it in blk] for blk in blocks]
         notes = StepNotes(estimated_time=float(span), layout=tuple(layout), setting={"accumulation_scale": scale})
         return [StepPlan(tuple(interleave_items(per_group)), notes)]
 
@@ -310,3 +196,72 @@ class DCPInterPolicy(AlgorithmOnePolicy):
 
     name = "dcp-inter"
     full_recompute = True
+
+
+class MicroBatchBlocks(Blocks):
+    """Algorithm 1's rules for the block engine: units are micro-batches cut per bucket beforehand.
+
+    A unit's preferred size is its bucket's; one longer than the block's mean rank load moves to the smallest size on
+    which it takes at most that long. Candidates: the rounded split of the ranks over the preferred sizes and its
+    neighbours, and the same with the largest size one step up (its group runs the others as fills); ``g_max`` keeps
+    at least ``ceil(M_p / g_max)`` groups of a size with ``M_p`` micro-batches. A flat plan uses only preferred sizes.
+    """
+
+    flat_present_only = True
+    fills_after_own = False
+
+    def __init__(self, view: CostView, world_size: int, cost: np.ndarray, recs: np.ndarray, pref: np.ndarray,
+                 g_max: int | None) -> None:
+        super().__init__(view, world_size, cost)
+        self.recs, self.pref_all, self.g_max = recs, pref, g_max
+
+    def prefer(self, Es: np.ndarray, ids: np.ndarray, size: int, offset: int, classes: list[int], top: bool,
+               barred: bool) -> Preference:
+        cols = np.arange(len(ids))
+        pref = np.minimum(self.pref_all[ids], len(classes) - 1)
+        bad = ~np.isfinite(Es[pref, cols])
+        if bad.any():  # its size is not allowed here: the smallest that holds it
+            pref[bad] = np.argmax(np.isfinite(Es[:, bad]), axis=0)
+        parr = np.array(classes, dtype=np.float64)
+        mean_load = float((Es[pref, cols] * parr[pref]).sum()) / size
+        for j in np.nonzero(Es[pref, cols] > mean_load)[0].tolist():
+            ok = np.nonzero(Es[:, j] <= mean_load)[0]
+            pref[j] = max(int(pref[j]), int(ok[0]) if len(ok) else int(np.argmin(Es[:, j])))
+        top_k = int(pref.max())
+        return Preference(pref, Es[pref, cols] * parr[pref], mean_load, top_k, top_k, -math.inf)
+
+    def modes(self, block: Block, full: bool) -> tuple[bool, ...]:
+        flat = place(sorted(block.present, reverse=True), self.view.topology, block.offset, block.size) is not None
+        return (False, True) if flat else (True,)
+
+    def candidates(self, block: Block, top: bool) -> list[Layout]:
+        classes, pref, Es = block.classes, block.pref, block.Es
+        present = sorted(block.present)
+        wk = np.bincount(pref, weights=block.prefs.gpu_s, minlength=len(classes))
+        work = {p: float(wk[classes.index(p)]) for p in present}
+        must = max(present)
+        min_groups = None
+        if self.g_max:
+            counts = np.bincount(pref, minlength=len(classes))
+            min_groups = {p: max(1, math.ceil(int(counts[classes.index(p)]) / int(self.g_max))) for p in present}
+        topo, offset, size = self.view.topology, block.offset, block.size
+        cands: list[Layout] = []
+        musts = [must] + [q for q in classes if q > must and np.isfinite(Es[classes.index(q)]).any()][:1]
+        for m in musts:
+            sizes = sorted(set(present) | {m})
+            for bias in (0.0, 0.35, -0.35):
+                try:
+                    lay = allocate(work, topo, sizes, m, min_groups=min_groups, bias=bias, start=offset, size=size)
+                except ValueError:
+                    continue
+                lay = tuple(p for p in lay if p in sizes)
+                if lay and lay not in cands and place(lay, topo, offset, size) is not None:
+                    cands.append(lay)
+        if not cands:
+            cands.append((must,) * max(1, topo.count(topo.free_runs(offset, size), must)))
+        return cands
+
+    def own(self, block: Block, units: list[int], ranks: tuple[int, ...], k: int) -> GroupPlan:
+        ids = block.ids
+        items = [Placed(ranks, [int(ids[j])], int(self.recs[k, ids[j]])) for j in units]
+        return GroupPlan(items, float(sum(block.Es[k, j] for j in units)))

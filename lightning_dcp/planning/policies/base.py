@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from lightning_dcp.planning.plan import StepPlan, WorkItem
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.step_time import run_step
 
 
@@ -130,21 +130,6 @@ def step_span(step: StepPlan, view: CostView) -> float:
     """Compute span of ``step`` (:func:`~lightning_dcp.planning.step_time.run_step`) with the view's item times and
     rank speeds (no step-end overhead)."""
     return run_step(step, [view.item_time(it) for it in step.items], view.topology.world_size, view.cm.rounds).span
-
-
-def interleave_items(per_group: list[list[WorkItem]]) -> list[WorkItem]:
-    """Items of disjoint groups listed round by round (group 0's first, group 1's first, ...).
-
-    Groups are disjoint, so any order is deadlock-free; round-robin keeps each rank's items in
-    its own order and reads naturally as "accumulation step k".
-    """
-    out: list[WorkItem] = []
-    depth = max((len(g) for g in per_group), default=0)
-    for k in range(depth):
-        for g in per_group:
-            if k < len(g):
-                out.append(g[k])
-    return out
 
 
 def log_buckets(lengths: Sequence[int], per_octave: int = 2) -> dict[int, list[int]]:

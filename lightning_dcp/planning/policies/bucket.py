@@ -33,7 +33,7 @@ import numpy as np
 
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import FixedSPPolicy, log_buckets
-from lightning_dcp.planning.policies.objective import makespan
+from lightning_dcp.planning.search.objective import makespan
 
 
 class BucketPolicy(FixedSPPolicy):

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.policies.flexsp_milp import Bucket, Solution, bucketize, chunk_sorted, solve
 from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
 

@@ -46,9 +46,9 @@ import numpy as np
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.parallel_costs import Pipeline, Scheme
-from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import Policy, interleave_items
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem, interleave_items
+from lightning_dcp.planning.policies.base import Policy
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.policies.hydraulis_proposal import SchemeTable, Strategy, propose
 from lightning_dcp.planning.policies.peer_common import aligned_starts, default_tune_tokens
 

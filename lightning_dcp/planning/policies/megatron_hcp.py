@@ -43,10 +43,10 @@ from collections import deque
 from typing import Any, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.layouts import world_blocks
+from lightning_dcp.planning.search.layouts import world_blocks
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
 
 DELTA = 0.05

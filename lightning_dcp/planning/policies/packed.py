@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import FixedSPPolicy, interleave_items
-from lightning_dcp.planning.policies.packing import pack_ffd
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem, interleave_items
+from lightning_dcp.planning.policies.base import FixedSPPolicy
+from lightning_dcp.planning.search.packing import pack_ffd
 
 
 class PackedPolicy(FixedSPPolicy):

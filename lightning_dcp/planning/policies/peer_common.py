@@ -23,7 +23,7 @@ import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.step_time import ItemPrices, step_time
-from lightning_dcp.planning.layouts import world_blocks
+from lightning_dcp.planning.search.layouts import world_blocks
 from lightning_dcp.planning.plan import StepPlan
 
 TUNE_TOKENS_PER_GPU = 65536

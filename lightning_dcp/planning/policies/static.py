@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import FixedSPPolicy, interleave_items
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem, interleave_items
+from lightning_dcp.planning.policies.base import FixedSPPolicy
 
 
 class StaticPolicy(FixedSPPolicy):

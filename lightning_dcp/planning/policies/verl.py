@@ -41,9 +41,9 @@ import math
 from typing import Any, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
-from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import Policy, interleave_items
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem, interleave_items
+from lightning_dcp.planning.policies.base import Policy
+from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts, karmarkar_karp
 
 WORKLOAD_LINEAR = 24576

@@ -116,6 +116,12 @@ class CostView:
         return self.max_len(p)
 
     @property
+    def fast_time(self):
+        """The cost model's ``item_time_sum(tokens, work_sum, count, sp, recompute)`` at each size's ring degree, or
+        None when it has no such fast path."""
+        return self._time_fast
+
+    @property
     def ulysses_sizes(self) -> list[int]:
         """The usable SP sizes the planner runs as plain Ulysses groups (ring degree 1), ascending."""
         return [p for p in self.sp_sizes if self.ring.get(p, 1) == 1]

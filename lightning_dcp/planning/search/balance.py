@@ -1,6 +1,6 @@
 """Balancing a buddy-tree schedule by moves that shrink its critical paths, in time per move, not per tree.
 
-A tree schedule (:mod:`~lightning_dcp.planning.policies.tree`) puts every sample on a node; a rank's
+A tree schedule (:mod:`~lightning_dcp.planning.search.tree`) puts every sample on a node; a rank's
 time is the sum of its root-to-leaf path of node times, the step's span the largest such sum. Adding
 ``d`` seconds to a node's own time moves *every* path through it by ``d``, so the longest path
 through a node ``v`` (``thr[v]``, its ancestors' own times plus the longest path down from it) moves
@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lightning_dcp.planning.policies.tree import BuddyTree
+from lightning_dcp.planning.search.climb import climb
+from lightning_dcp.planning.search.tree import BuddyTree
 
 __all__ = ["BALANCE_WIDTH", "BALANCE_TRIES", "TreeState", "balance"]
 
@@ -102,11 +103,17 @@ class _Balancer:
         self.roots = [v for v in range(n) if tree.parent[v] < 0]
 
     def run(self, budget: int) -> int:
+        """Balance until no node on a longest path can shed a sample, or ``budget`` packs are spent; the moves made."""
+        self.budget, self.stuck, self.moves_made = budget, set(), 0
+        self.span = max(self.down[r] for r in self.roots)
+        climb(self, lambda st: None, self._proposals, self._attempt, width=BALANCE_TRIES, keep_going=True,
+              better=lambda new, old: True)
+        return self.moves_made
+
+    def _proposals(self, _state: "_Balancer") -> list[tuple[float, int, int, int, float]]:
+        """The moves off the next node on a longest path that is not stuck (it is stuck unless one is taken)."""
         members, thr, crit = self.state.members, self.thr, self.crit
-        span = max(self.down[r] for r in self.roots)
-        stuck: set[int] = set()
-        moves = 0
-        while crit and budget > 0:
+        while crit and self.budget > 0:
             t_s, s = crit[0]
             t_s = -t_s
             if t_s != thr[s] or s not in members:  # stale: refreshed when it surfaces
@@ -114,21 +121,41 @@ class _Balancer:
                 if s in members:
                     heapq.heappush(crit, (-thr[s], s))
                 continue
-            if t_s < span * (1 - 1e-12):  # every node on a longest path is stuck: the span stays
-                break
+            if t_s < self.span * (1 - 1e-12):  # every node on a longest path is stuck: the span stays
+                return []
             heapq.heappop(crit)
-            if s in stuck:
+            if s in self.stuck:
                 continue
-            tries, move = self._best_move(s, t_s, budget)
-            budget -= 2 * tries
-            if move is None:
-                stuck.add(s)
-                continue
-            self._apply(s, *move)
-            stuck.discard(move[1])
-            moves += 1
-            span = max(self.down[r] for r in self.roots)
-        return moves
+            self.stuck.add(s)
+            cands = self._candidates(s, t_s)
+            if cands:
+                return [(e, i, d, s, t_s) for e, i, d in cands]
+        return []
+
+    def _attempt(self, _state: "_Balancer", move: tuple[float, int, int, int, float]):
+        """The move if its exact packs shorten the paths through the source without lengthening any past them."""
+        _, i, d, s, t_s = move
+        if self.budget <= 0:
+            return None
+        self.budget -= 2
+        members, own, thr = self.state.members, self.state.own, self.thr
+        pt, ot = self.pack(d, members.get(d, []) + [i])
+        if thr[d] + ot - own[d] >= t_s:
+            return None
+        rest = [x for x in members[s] if x != i]
+        ps, os_ = self.pack(s, rest) if rest else ([], 0.0)
+        if t_s + os_ - own[s] >= t_s:
+            return None
+
+        def take() -> "_Balancer":
+            self._apply(s, i, d, ps, os_, pt, ot)
+            self.stuck.discard(s)
+            self.stuck.discard(d)
+            self.moves_made += 1
+            self.span = max(self.down[r] for r in self.roots)
+            return self
+
+        return None, take
 
     def _candidates(self, s: int, t_s: float) -> list[tuple[float, int, int]]:
         """``(estimated longest path of the pair after it, sample, destination)`` of the moves off ``s`` whose
@@ -172,23 +199,6 @@ class _Balancer:
                     break
         cands.sort()
         return cands
-
-    def _best_move(self, s: int, t_s: float, budget: int):
-        """``(exact checks made, (sample, destination, packs and own time of both) or None)`` for node ``s``."""
-        members, own, thr = self.state.members, self.state.own, self.thr
-        tries = 0
-        for _, i, d in self._candidates(s, t_s):
-            if tries >= BALANCE_TRIES or 2 * tries >= budget:
-                break
-            tries += 1
-            pt, ot = self.pack(d, members.get(d, []) + [i])
-            if thr[d] + ot - own[d] >= t_s:
-                continue
-            rest = [x for x in members[s] if x != i]
-            ps, os_ = self.pack(s, rest) if rest else ([], 0.0)
-            if t_s + os_ - own[s] < t_s:
-                return tries, (i, d, ps, os_, pt, ot)
-        return tries, None
 
     def _apply(self, s: int, i: int, t: int, ps: list, os_: float, pt: list, ot: float) -> None:
         """Move sample ``i`` from node ``s`` to node ``t``; update the tables and heaps of every node it moves."""

@@ -18,7 +18,7 @@ import heapq
 import math
 from typing import Sequence
 
-from lightning_dcp.planning.policies.costs import CostView
+from lightning_dcp.planning.view import CostView
 
 
 def pack_time_balanced(lengths: Sequence[int], est: Sequence[float], budget: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.policies.objective import improves, makespan
+from lightning_dcp.planning.search.objective import improves, makespan
 
 
 def lpt_dispatch(cost: np.ndarray, layout: Sequence[int], classes: Sequence[int], order_key: np.ndarray,

@@ -6,7 +6,7 @@ sizes this is the classic *buddy* tree of aligned blocks (each node of ``P`` ran
 of ``P/2`` ranks). A schedule puts every unit (sample) on one node whose size is a usable SP size. A
 node runs its own micro-batches on all its ranks first, then its children go on independently, so
 every rank's items are its root-to-leaf path, node by node. The step's compute span is the largest
-root-to-leaf sum of the nodes' own times (:func:`~lightning_dcp.planning.policies.objective.makespan`)
+root-to-leaf sum of the nodes' own times (:func:`~lightning_dcp.planning.search.objective.makespan`)
 -- exactly what the simulator measures for the plan listed node by node, largest first.
 
 Which nodes: a *chain* of sizes ``c_0 > c_1 > ... > 1`` (each dividing the one before; sizes that
@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.policies.objective import makespan
+from lightning_dcp.planning.search.objective import makespan
 from lightning_dcp.planning.topology import Topology
 
 
