@@ -235,9 +235,9 @@ def test_dcp_inter_recomputes_everything_intra_less():
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.floats(0.01, 10.0), min_size=1, max_size=400), st.sampled_from([(1, 1, 2), (2, 2, 4, 4), (1, 2, 2, 4, 8)]),
-       st.sampled_from([0.0, 0.02, 0.2]), st.booleans())
-def test_lpt_dispatch_chunked_covers_every_unit_once(costs, layout, chunk, with_floor):
-    """Chunked dispatch: every unit in exactly one group, loads = what its units add (floors included)."""
+       st.booleans())
+def test_lpt_dispatch_covers_every_unit_once(costs, layout, with_floor):
+    """Dispatch: every unit in exactly one group, loads = what its units add (floors included)."""
     import numpy as np
 
     from lightning_dcp.planning.search.dispatch import lpt_dispatch
@@ -247,7 +247,7 @@ def test_lpt_dispatch_chunked_covers_every_unit_once(costs, layout, chunk, with_
     cost = np.vstack([base / p for p in classes])
     cost[0, base > 9.0] = np.inf  # the longest do not fit the smallest class
     floor = np.vstack([base / (2 * p) for p in classes]) if with_floor else None
-    members, loads, span = lpt_dispatch(cost, layout, classes, base, floor=floor, chunk=chunk, chunk_cache={})
+    members, loads, span = lpt_dispatch(cost, layout, classes, base, floor=floor)
     got = sorted(i for m in members for i in m)
     assert got == list(range(len(costs)))
     for g, mem in enumerate(members):

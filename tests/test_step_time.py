@@ -91,3 +91,20 @@ def test_lockstep_rounds_and_barriers_and_pipelines():
     tx, ty = ItemPrices(CM).times(piped)
     assert step_time(piped, CM, 2).span == pytest.approx(tx + ty + max(tx, ty))
     assert step_time(piped, CM, 2).seconds == pytest.approx(tx + ty + max(tx, ty) + CM.step_overhead(2))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), world=st.sampled_from([4, 8, 16]), n=st.integers(1, 120),
+       slow=st.booleans(), tree=st.booleans())
+def test_dcp_states_the_span_its_plan_runs(seed, world, n, slow, tree):
+    """The span dcp's search states for the plan it returns (layout plan or buddy tree, at the ranks' speeds) is the
+    step semantics' span of that plan."""
+    from lightning_dcp.planning.planner import Planner
+
+    rng = np.random.default_rng(seed)
+    speeds = [0.5 if slow and r == world - 1 else 1.0 for r in range(world)]
+    planner = Planner(world, CM, "dcp", rank_speeds=speeds, fallback=False, tree=tree)
+    cap = planner.longest_fitting()
+    lengths = [int(x) for x in rng.integers(1, cap + 1, size=n)]
+    step = planner.plan_batch(range(n), lengths, step=seed).steps[0]
+    assert step.notes.estimated_time == pytest.approx(step_time(step, CM, world, speeds=speeds).span, rel=1e-9)

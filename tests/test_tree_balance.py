@@ -1,4 +1,4 @@
-"""Balancing tree schedules (tree_balance.py) and dcp's many-sample path: structure, never a timed assertion."""
+"""The tree refiner (search/refine.py) and dcp's many-sample path: structure, never a timed assertion."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.policies import dcp as dcp_module
 from lightning_dcp.planning.policies.base import step_span
 from lightning_dcp.planning.search.tree import BuddyTree
-from lightning_dcp.planning.search.balance import TreeState, balance
+from lightning_dcp.planning.search.refine import TreeRefiner, TreeSchedule
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BUDGET = 1000
@@ -38,9 +38,14 @@ def _packer(tree: BuddyTree, lengths: list[int], classes: list[int]):
     return pack
 
 
+def _refiner(tree, where, packs, own, pack, var, const, lengths, classes) -> TreeRefiner:
+    return TreeRefiner(TreeSchedule(tree.span(own), list(where), packs, own, tree), pack, var, const, lengths,
+                       [BUDGET] * len(classes), classes)
+
+
 @SETTINGS
-@given(world=st.sampled_from([2, 4, 6, 8, 13, 16]), data=st.data())
-def test_balance_keeps_every_sample_once_exact_times_and_never_a_longer_span(world, data):
+@given(world=st.sampled_from([2, 4, 6, 8, 13, 16]), data=st.data(), exact=st.booleans())
+def test_balance_keeps_every_sample_once_exact_times_and_never_a_longer_span(world, data, exact):
     classes = [p for p in (1, 2, 4, 8) if p <= world]
     tree = BuddyTree(world, classes)
     n = data.draw(st.integers(1, 60))
@@ -56,10 +61,12 @@ def test_balance_keeps_every_sample_once_exact_times_and_never_a_longer_span(wor
     for v, idx in members.items():
         packs[v], own[v] = pack(v, idx)
     before = tree.span(own)
-    state = TreeState(tree, members, packs, own)
     var = [[length / p / 1000 for length in lengths] for p in classes]
     const = [[0.05] * n for _ in classes]
-    moves = balance(state, pack, var, const, lengths, [BUDGET] * len(classes), classes, budget=400)
+    state = _refiner(tree, where, packs, own, pack, var, const, lengths, classes)
+    if exact:  # the exact pass first, as small trees run it
+        state.refine(64)
+    moves = state.balance(400)
     assert sorted(i for idx in state.members.values() for i in idx) == list(range(n))
     assert all(idx for idx in state.members.values())
     for v in range(len(tree.size)):  # each node's time is its samples' packed time, and nothing else holds time
@@ -80,9 +87,9 @@ def test_balance_moves_samples_off_the_longest_path():
     packs = {}
     packs[leaf], own[leaf] = pack(leaf, members[leaf])
     before = tree.span(own)
-    state = TreeState(tree, members, packs, own)
     var = [[x / p / 1000 for x in lengths] for p in (1, 2, 4)]
-    moves = balance(state, pack, var, [[0.05] * 8] * 3, lengths, [BUDGET] * 3, [1, 2, 4], budget=400)
+    state = _refiner(tree, [leaf] * 8, packs, own, pack, var, [[0.05] * 8] * 3, lengths, [1, 2, 4])
+    moves = state.balance(400)
     assert moves > 0 and tree.span(state.own) < before * 0.6
 
 

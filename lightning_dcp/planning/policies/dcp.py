@@ -68,9 +68,7 @@ class DCPPolicy(Policy):
 
     Options: ``trials`` (dispatch trials, default 1: longest first; more add seeded perturbed orders),
     ``max_candidates`` (dataset layouts per largest SP size, default 3), ``refine_rounds`` (default 64),
-    ``dispatch_chunk`` (default 0; e.g. 0.01 dispatches runs of small samples as chunks of about 1% of a group's
-    load: 10-25% less planning at thousands of samples per step, not bit-identical plans), ``fallback`` (default
-    True: the safety net), ``tree`` (default True: buddy trees).
+    ``fallback`` (default True: the safety net), ``tree`` (default True: buddy trees).
     """
 
     name = "dcp"
@@ -78,14 +76,13 @@ class DCPPolicy(Policy):
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return ("trials", "max_candidates", "refine_rounds", "dispatch_chunk", "fallback", "tree")
+        return ("trials", "max_candidates", "refine_rounds", "fallback", "tree")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
         opts = self.options
         self.space = SearchSpace(view, world_size, trials=int(opts.get("trials", 1)),
-                                 refine_rounds=int(opts.get("refine_rounds", 64)),
-                                 dispatch_chunk=float(opts.get("dispatch_chunk", 0.0)))
+                                 refine_rounds=int(opts.get("refine_rounds", 64)))
         self.fallback = bool(opts.get("fallback", True))
         self.tree = bool(opts.get("tree", True))
         self._parts: list[Policy] | None = None

@@ -119,10 +119,10 @@ class Blocks(abc.ABC):
     """A group runs its own units before its fills (dcp), for the dispatch's estimate of its finish."""
 
     def __init__(self, view: CostView, world_size: int, cost: np.ndarray, *, speeds: Sequence[float] | None = None,
-                 trials: int = 1, rng: np.random.Generator | None = None, chunk: float = 0.0) -> None:
+                 trials: int = 1, rng: np.random.Generator | None = None) -> None:
         self.view, self.world_size, self.cost, self.speeds = view, int(world_size), cost, speeds
         self.classes = list(view.sp_sizes)
-        self.trials, self.rng, self.chunk = int(trials), rng, float(chunk)
+        self.trials, self.rng = int(trials), rng
 
     def solve(self, ids: np.ndarray, size: int, offset: int, kmax: int, *, top: bool = False,
               full: bool = False) -> BlockPlan:
@@ -188,7 +188,6 @@ class Blocks(abc.ABC):
         cost, floor = (block.C, block.F) if nested else (Es, None)
         costT, floorT = cost.T.tolist(), None if floor is None else floor.T.tolist()
         best = None
-        chunk_cache: dict = {}
         for lay in cands:
             if not nested and self.flat_present_only and any(p not in block.present for p in lay):
                 continue
@@ -196,9 +195,8 @@ class Blocks(abc.ABC):
                 gs = None if self.speeds is None else [self.view.speed(g) for g in groups]
                 try:
                     members, _, span = lpt_dispatch(
-                        cost, lay, classes, key, self.trials, self.rng, floor=floor, costT=costT,
-                        floorT_all=floorT, chunk=self.chunk, chunk_groups=len(cands[0]),
-                        chunk_cache=chunk_cache, fills_after_own=self.fills_after_own,
+                        cost, lay, classes, key, self.trials, self.rng, floor=floor, costT=costT, floorT=floorT,
+                        fills_after_own=self.fills_after_own,
                         cutoff=best[3] * (1 - 1e-9) if best is not None else math.inf, group_speed=gs)
                 except ValueError:  # a unit fits no group of this layout
                     continue

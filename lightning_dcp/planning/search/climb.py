@@ -1,7 +1,7 @@
 """THE move engine of the searches: hill climbing over proposed moves, each priced exactly before it is taken.
 
 Every local search in planning runs on :func:`climb`: the layout plan's refinement
-(:mod:`~lightning_dcp.planning.search.sample_blocks`), the tree refiner (:mod:`~lightning_dcp.planning.search.balance`)
+(:mod:`~lightning_dcp.planning.search.sample_blocks`), the tree refiner (:mod:`~lightning_dcp.planning.search.refine`)
 and the round planner's moves (:mod:`~lightning_dcp.planning.lockstep.moves`). A search gives its state, the score of
 a state, the moves it proposes (best estimate first) and an exact ``attempt`` of one move. Every limit is counted
 in moves and tries, never in seconds, so every rank plans the same step. Pure Python.

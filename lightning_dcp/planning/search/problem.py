@@ -60,7 +60,6 @@ class SearchSpace:
     world_size: int
     trials: int = 1
     refine_rounds: int = 64
-    dispatch_chunk: float = 0.0
     candidates: dict[int, list[Layout]] = field(default_factory=dict)
     """The dataset's candidate layouts per largest SP size (Hydraulis §7)."""
 

@@ -44,8 +44,7 @@ class SampleBlocks(Blocks):
 
     def __init__(self, space: SearchSpace, problem: StepProblem) -> None:
         view = space.view
-        super().__init__(view, space.world_size, problem.E, speeds=view.speeds, trials=space.trials, rng=problem.rng,
-                         chunk=space.dispatch_chunk)
+        super().__init__(view, space.world_size, problem.E, speeds=view.speeds, trials=space.trials, rng=problem.rng)
         self.space, self.problem = space, problem
 
     def solve(self, ids: np.ndarray, size: int, offset: int, kmax: int, *, top: bool = False,
