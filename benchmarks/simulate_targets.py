@@ -47,7 +47,7 @@ def grid(worlds, dists, steps, policies, seed=0, steps_large=None, tokens_per_gp
             steps = n_steps
             mean = sum(dataset) / len(dataset)
             pool = dist.sample(int(steps * gbt / mean * 1.5) + 100, seed + 1)
-            run = draw_run(pool, steps * gbt)
+            run = draw_run(pool, gbt, steps)
             res = {r["policy"]: r for r in compare(W, cm, dataset, run, policies, global_batch_tokens=gbt, seed=seed)}
             d, b = res["dcp"], res["bucket"]
             row = {"gpus": W, "dist": name, "samples": len(run), "gbt": gbt,
