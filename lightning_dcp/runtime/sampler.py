@@ -178,7 +178,7 @@ class DCPBatchSampler:
             prepare([[self.lengths[i] for i in batch] for batch in self.global_batches(epoch)])
         self._prepared = epoch
 
-    def _check_lengths(self, batch: Sequence[int]) -> None:
+    def _check_fits(self, batch: Sequence[int]) -> None:
         if self.cost_model is None:
             return
         if self._max_len is None:
@@ -196,7 +196,7 @@ class DCPBatchSampler:
                 )
 
     def _plan_batch(self, epoch: int, index: int, batch: list[int], planner: Any = None, seed_offset: int = 0) -> list[StepPlan]:
-        self._check_lengths(batch)
+        self._check_fits(batch)
         lengths = [self.lengths[i] for i in batch]
         planner = self.planner if planner is None else planner
         try:
