@@ -11,7 +11,6 @@ that). Batch ``index`` of ``epoch`` is planned as step :func:`step_key` ``(epoch
 from __future__ import annotations
 
 import numbers
-from collections import Counter
 from typing import Iterable, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
@@ -45,12 +44,9 @@ def cut_batches(lengths: Sequence[int], order: Iterable[int] | None = None, *, g
     check_batch_size(global_batch_tokens, global_batch_size)
     n = len(lengths)
     order = list(range(n)) if order is None else [int(i) for i in order]
-    if order and not 0 <= min(order) <= max(order) < n:
-        raise PlanningError(f"the order of samples names samples {sorted({i for i in order if not 0 <= i < n})[:5]}, "
-                            f"outside the {n} samples of lengths; give a permutation of range({n}) (or part of one)")
-    if len(set(order)) != len(order):
-        raise PlanningError(f"the order of samples repeats samples {sorted(i for i, c in Counter(order).items() if c > 1)[:5]}; "
-                            "each sample goes in at most one global batch: give a permutation (or part of one)")
+    if len(set(order)) != len(order) or (order and not 0 <= min(order) <= max(order) < n):
+        raise PlanningError(f"the order of samples must name each of the {n} samples at most once (a permutation of "
+                            f"range({n}), or part of one); got {order[:8]}{'...' if len(order) > 8 else ''}")
     if global_batch_size is not None:
         out = [order[i:i + global_batch_size] for i in range(0, len(order), global_batch_size)]
         return out[:-1] if out and drop_last and len(out[-1]) < global_batch_size else out

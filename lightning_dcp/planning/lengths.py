@@ -1,12 +1,7 @@
-"""The one check of sample lengths: positive integer token counts, a bad entry refused by index and source.
-
-Every consumer of sample lengths calls :func:`check_lengths` -- the planner, the sampler, the dataset's
-lengths (:func:`~lightning_dcp.runtime.lengths.resolve_lengths`), the commands' lengths files and the
-budget report -- so one bad entry reads the same wherever it is found:
-``MyDataset.lengths[17] is 152.7, not an integer; ...``. Nothing is rounded or skipped silently.
-
-Accepted: ints, integer-valued floats (``152.0``) and scalars with ``.item()`` (numpy scalars, one-element
-torch tensors) holding one. Refused: fractions, NaN, booleans, strings, values below 1. Pure Python.
+"""The one check of sample lengths (the planner, the sampler, the datasets' lengths, the commands, the budget):
+positive integer token counts; a bad entry is refused by index and source (``MyDataset.lengths[17] is 152.7, not an
+integer; ...``), never rounded or skipped. Ints, integer-valued floats and scalars with ``.item()`` (numpy
+scalars, one-element tensors) pass. Pure Python.
 """
 
 from __future__ import annotations
