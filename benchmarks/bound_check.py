@@ -293,21 +293,19 @@ def gap_parts(step, cm: CostModel, fp: FirstPrinciplesBounder) -> dict[str, floa
 
 
 def full_run(dist, seed: int, steps: int, tokens: int, mean: float) -> list[int]:
-    """Sample lengths (drawn with ``seed``) holding at least ``steps`` *full* global batches of ``tokens``.
-
-    ``lightning-dcp simulate`` draws exactly ``steps x tokens`` tokens, so its last batch is
-    usually short (each batch closes once it holds ``tokens`` or more); here the run is drawn
-    longer until ``steps`` batches are full. ``mean``: the distribution's mean length.
+    """Sample lengths (drawn with ``seed``) of ``steps`` *full* global batches of up to ``tokens`` each, cut as
+    training cuts them (:func:`~lightning_dcp.planning.batches.cut_batches`): each closed by a sample that does not
+    fit, where ``lightning-dcp simulate``'s last batch may be its pool's short tail. ``mean``: the distribution's
+    mean length.
     """
-    from lightning_dcp.commands.simulate import draw_run
-    from lightning_dcp.planning.planner import cut_by_tokens
+    from lightning_dcp.planning.batches import cut_batches
 
     extra = 1
     while True:
-        want = (steps + extra) * tokens
-        run = draw_run(dist.sample(int(want / mean * 1.5) + 100, seed), want)
-        if sum(1 for b in cut_by_tokens(run, tokens) if sum(run[i] for i in b) >= tokens) >= steps:
-            return run
+        pool = dist.sample(int((steps + extra) * tokens / mean * 1.5) + 100, seed)
+        batches = cut_batches(pool, global_batch_tokens=tokens)
+        if len(batches) > steps:
+            return [pool[i] for b in batches[:steps] for i in b]
         extra *= 2
 
 

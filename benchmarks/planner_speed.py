@@ -46,7 +46,7 @@ def measure(world: int, gbt: int | None, dist_name: str, model: str, batches: in
     dataset = dist.sample(DATASET_SIZE, seed)
     tokens = gbt or default_global_batch_tokens(world, dataset, cm)
     mean = sum(dataset) / len(dataset)
-    run = draw_run(dist.sample(int(batches * tokens / mean * 1.5) + 100, seed + 1), batches * tokens)
+    run = draw_run(dist.sample(int(batches * tokens / mean * 1.5) + 100, seed + 1), tokens, batches)
     planner = Planner(world, cm, policy, seed=seed, dataset_lengths=dataset)
     idx = planner.batches(run, global_batch_tokens=tokens)[:batches]
     planner.plan_batch(idx[0], [run[i] for i in idx[0]], step=0)  # warm caches, untimed

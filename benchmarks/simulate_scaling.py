@@ -92,7 +92,7 @@ def run_grid(models: Sequence[str], worlds: Sequence[int], dists: Sequence[str],
                     gbt = default_global_batch_tokens(world, dataset, cm)
                     mean = sum(dataset) / len(dataset)
                     pool = dist.sample(int(steps * gbt / mean * 1.5) + 100, seed + 1)
-                    run = draw_run(pool, steps * gbt)
+                    run = draw_run(pool, gbt, steps)
                     t0 = time.perf_counter()
                     try:
                         res = compare(world, cm, dataset, run, list(policies), global_batch_tokens=gbt, seed=seed)

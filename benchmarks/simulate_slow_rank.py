@@ -53,7 +53,7 @@ def run_cell(model: str, world: int, dist_name: str, slow: str, steps: int, hard
     dataset = dist.sample(DATASET_SIZE, seed)
     gbt = default_global_batch_tokens(world, dataset, cm)
     mean = sum(dataset) / len(dataset)
-    run = draw_run(dist.sample(int(steps * gbt / mean * 1.5) + 100, seed + 1), steps * gbt)
+    run = draw_run(dist.sample(int(steps * gbt / mean * 1.5) + 100, seed + 1), gbt, steps)
     blind = {r["policy"]: r for r in compare(world, cm, dataset, run, ["bucket", "dcp"], global_batch_tokens=gbt,
                                               seed=seed, rank_speeds=speeds, speed_aware=False)}
     (aware,) = compare(world, cm, dataset, run, ["dcp"], global_batch_tokens=gbt, seed=seed, rank_speeds=speeds,

@@ -47,7 +47,7 @@ def grid(worlds, dists, steps, policies, seed=0, steps_large=None, tokens_per_gp
             steps = n_steps
             mean = sum(dataset) / len(dataset)
             pool = dist.sample(int(steps * gbt / mean * 1.5) + 100, seed + 1)
-            run = draw_run(pool, steps * gbt)
+            run = draw_run(pool, gbt, steps)
             res = {r["policy"]: r for r in compare(W, cm, dataset, run, policies, global_batch_tokens=gbt, seed=seed)}
             d, b = res["dcp"], res["bucket"]
             row = {"gpus": W, "dist": name, "samples": len(run), "gbt": gbt,
@@ -69,13 +69,8 @@ def planner_time(W, tokens, dist_name="short", batches=5, seed=0):
     dataset = dist.sample(DATASET_SIZE, seed)
     planner = Planner(W, cm, "dcp", seed=seed, dataset_lengths=dataset)
     pool = dist.sample(int(batches * tokens / (sum(dataset) / len(dataset)) * 1.5) + 100, seed + 1)
-    times, start = [], 0
-    for k in range(batches):
-        idx, acc = [], 0
-        while acc < tokens and start < len(pool):
-            idx.append(start)
-            acc += pool[start]
-            start += 1
+    times = []
+    for k, idx in enumerate(planner.batches(pool, global_batch_tokens=tokens)[:batches]):
         t0 = time.perf_counter()
         planner.plan_batch(idx, [pool[i] for i in idx], step=k)
         times.append(1e3 * (time.perf_counter() - t0))

@@ -60,7 +60,7 @@ def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0, 
     dataset = dist.sample(DATASET_SIZE, seed)
     gbt = int(multiple * default_global_batch_tokens(world, dataset, cm))
     pool = dist.sample(int(steps * gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, seed + 1)
-    run = draw_run(pool, steps * gbt)
+    run = draw_run(pool, gbt, steps)
     rows = compare(world, cm, dataset, run, list(POLICIES), global_batch_tokens=gbt, seed=seed)
     base = next(r for r in rows if r["policy"] == "dcp")["tokens_per_s"]
     out = []

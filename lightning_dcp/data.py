@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.sp.packing import DEFAULT_PAD_VALUES, pack_samples, plain_collate, sample_length  # re-exported
 
 __all__ = [
@@ -126,10 +127,7 @@ class SyntheticTokenDataset(Dataset):
             raise ValueError(f"vocab_size must be >= 4, got {vocab_size}")
         if lengths is None:
             lengths = _named_lengths(distribution, num_samples, seed)
-        self.lengths: list[int] = [int(n) for n in lengths]
-        bad = [n for n in self.lengths if n < 1]
-        if bad:
-            raise ValueError(f"every length must be >= 1, got {bad[:5]}")
+        self.lengths: list[int] = check_lengths(lengths, f"{type(self).__name__} lengths", allow_empty=True)
         self.vocab_size = vocab_size
         self.seed = seed
 

@@ -93,6 +93,23 @@ def test_versioned_planner_switches_at_the_agreed_key_only():
     assert [v[0] for v in vp.versions] == [9, 12]
 
 
+def test_versioned_planner_prepares_every_version_with_the_epochs_batches():
+    seen = []
+
+    class Prepared:
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, batches):
+            seen.append((self.name, batches))
+
+    vp = VersionedPlanner(Prepared("base"), lambda f: Prepared(f"v{f.step_overhead_s}"))
+    vp.install(2, CalibrationFactors(step_overhead_s=1.0), now=0)
+    vp.prepare([[3, 4], [5]])
+    vp.install(4, CalibrationFactors(step_overhead_s=2.0), now=3)  # built later: prepared at install
+    assert seen == [("base", [[3, 4], [5]]), ("v1.0", [[3, 4], [5]]), ("v2.0", [[3, 4], [5]])]
+
+
 def test_sampler_reports_every_step_key_it_submitted():
     sampler = DCPBatchSampler(LENGTHS, planner=_factory().planner(FakeCostModel(), LENGTHS), global_batch_size=16,
                               num_replicas=4, rank=0, seed=0)

@@ -31,7 +31,7 @@ def run_plan(tmp_path, lengths_file, *extra):
 def test_plan_writes_valid_plan(tmp_path, capsys):
     lengths = [2048, 4096, 1024, 30000, 150000, 8000] * 10
     code, out = run_plan(tmp_path, write(tmp_path, lengths), "--world-size", "8", "--policy", "dcp",
-                         "--global-batch-tokens", "400000")
+                         "--global-batch-tokens", "400000", "--no-drop-last")
     assert code == 0
     plan = Plan.from_json(out.read_text())
     validate_plan(plan, lengths, samples=range(len(lengths)))
@@ -39,14 +39,37 @@ def test_plan_writes_valid_plan(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_plan_cuts_each_epoch_as_the_sampler_does(tmp_path, capsys):
+    """Default --shuffle --drop-last: each epoch's steps are the sampler's global batches of that epoch (seeded
+    seed + epoch, the last incomplete one left out), in order, planned as its step keys."""
+    from lightning_dcp.runtime.sampler import DCPBatchSampler
+
+    lengths = [2048, 4096, 1024, 30000, 150000, 8000] * 10
+    code, out = run_plan(tmp_path, write(tmp_path, lengths), "--world-size", "8", "--global-batch-tokens", "400000",
+                         "--seed", "3", "--epochs", "2")
+    assert code == 0 and "samples in incomplete last batches dropped" in capsys.readouterr().out
+    plan = Plan.from_json(out.read_text())
+    sampler = DCPBatchSampler(lengths, planner=None, global_batch_tokens=400000, seed=3)
+    expected = [sorted(b) for e in (0, 1) for b in sampler.global_batches(e)]
+    assert [sorted(step.samples) for step in plan.steps] == expected
+    assert plan.extra["epoch_steps"] == [len(sampler.global_batches(0)), len(sampler.global_batches(1))]
+    assert sampler.left_out(0) > 0 and expected[0] != sorted(range(len(expected[0])))  # shuffled, tail dropped
+
+
+def test_plan_with_no_full_global_batch_says_how_to_get_one(tmp_path, capsys):
+    code, out = run_plan(tmp_path, write(tmp_path, [100, 200]), "--world-size", "8", "--global-batch-tokens", "1000")
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "no full global batch of 1000 tokens" in err and "--no-drop-last" in err
+
+
 @pytest.mark.parametrize("content,needle", [
     ("[]", "empty"),
-    ("[1, 0, 3]", "sample 1 has length 0"),
-    ("[5, -2]", "sample 1 has length -2"),
-    ("[1.5]", "positive integers"),
+    ("[1, 0, 3]", "lengths.json[1] is 0; every sample needs >= 1 token"),
+    ("[5, -2]", "lengths.json[1] is -2"),
+    ("[1.5]", "lengths.json[0] is 1.5, not an integer"),
     ('{"a": 1}', "JSON list"),
     ("[1, 2", "not valid JSON"),
-    ("[1, \"x\"]", "sample 1"),
+    ("[1, \"x\"]", "lengths.json[1] is 'x' (str), not an integer"),
 ])
 def test_bad_lengths_file(tmp_path, capsys, content, needle):
     code, out = run_plan(tmp_path, write(tmp_path, content), "--world-size", "8")
@@ -203,7 +226,7 @@ def test_profile_from_another_model_or_a_smaller_world_is_refused(tmp_path, caps
     code, out = run_plan(tmp_path, lengths, "--world-size", "2", "--profile", str(prof), "--model", "transformer-1d")
     err = capsys.readouterr().err
     assert code == 2 and "num_layers 2 (profile) vs" in err and "--model transformer-1d" in err
-    code, out = run_plan(tmp_path, lengths, "--world-size", "8", "--profile", str(prof), "--force")
+    code, out = run_plan(tmp_path, lengths, "--world-size", "8", "--profile", str(prof), "--force", "--no-drop-last")
     assert code == 0 and out.exists() and "warning: profile" in capsys.readouterr().err
-    code, _ = run_plan(tmp_path, lengths, "--world-size", "2", "--profile", str(prof))
+    code, _ = run_plan(tmp_path, lengths, "--world-size", "2", "--profile", str(prof), "--no-drop-last")
     assert code == 0

@@ -29,7 +29,7 @@ import lightning_dcp.cli as cli
 from _docs import ROOT, DocCommand, all_commands, anchors, doc_files, links
 
 RUN = [
-    "lightning-dcp plan --lengths lengths.json --world-size 32 --model transformer-1d --hardware h100 --policy dcp --out plan.json",
+    "lightning-dcp plan --lengths lengths.json --world-size 32 --model transformer-1d --hardware h100 --policy dcp --global-batch-tokens 65536 --out plan.json",
     "lightning-dcp simulate",
     "lightning-dcp simulate --model llama-7b --sharding fsdp",
     "lightning-dcp simulate --rank-speed 0-7:0.7",

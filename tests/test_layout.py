@@ -58,11 +58,13 @@ def test_cli_help_imports_neither_torch_nor_lightning(argv):
 
 
 def test_cli_plan_and_simulate_import_neither_torch_nor_lightning(tmp_path):
+    """``plan --shuffle`` (the default) draws the sampler's own permutation, ``torch.randperm``: torch, never lightning."""
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([2048, 4096, 1024, 30000, 8000] * 4))
-    plan = ["plan", "--lengths", str(lengths), "--out", str(tmp_path / "plan.json"), "--world-size", "4"]
+    plan = ["plan", "--lengths", str(lengths), "--out", str(tmp_path / "plan.json"), "--world-size", "4", "--no-drop-last"]
     simulate = ["simulate", "--lengths", str(lengths), "--world-size", "4", "--num-steps", "1", "--policies", "dcp,static"]
-    assert [m for m in _loaded_after(_cli(plan)) if m in HEAVY] == []
+    assert [m for m in _loaded_after(_cli(plan + ["--no-shuffle"])) if m in HEAVY] == []
+    assert [m for m in _loaded_after(_cli(plan)) if m in HEAVY] == ["torch"]
     assert [m for m in _loaded_after(_cli(simulate)) if m in HEAVY] == []
 
 

@@ -184,7 +184,7 @@ def test_cli_simulates_and_plans_hsdp(tmp_path, capsys):
     lengths.write_text(json.dumps([4000, 30000, 12000, 800] * 6))
     plan_file = tmp_path / "plan.json"
     assert cli.main(["plan", "--lengths", str(lengths), "--out", str(plan_file), "--world-size", "8", "--model",
-                     "wan-14b", "--sharding", "hsdp", "--shard-group-size", "4"]) == 0
+                     "wan-14b", "--sharding", "hsdp", "--shard-group-size", "4", "--no-drop-last"]) == 0
     plan = Plan.from_json(plan_file.read_text())
     for step in plan.steps:
         check_shard_groups(step, 8, 4)

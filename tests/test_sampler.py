@@ -76,6 +76,40 @@ def test_token_budget_batches():
     assert all(sum(lengths[i] for i in b) <= 35 for b in batches) and len(batches) == 6  # 3 per batch, last dropped
 
 
+class _Recording(RandomPlanner):
+    """Records ``prepare`` (with the batches' lengths) and ``plan_batch`` (its step key) in call order."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.calls = []
+
+    def prepare(self, batches):
+        self.calls.append(("prepare", [list(b) for b in batches]))
+
+    def plan_batch(self, samples, lengths, step=0):
+        self.calls.append(("plan", step))
+        return super().plan_batch(samples, lengths, step)
+
+
+@pytest.mark.parametrize("plan_ahead", [False, True])
+def test_the_planner_is_shown_each_epochs_batches_before_its_first_step(plan_ahead):
+    """As ``Planner.plan`` does: ``prepare`` once per epoch with the lengths of its global batches, before any of
+    them is planned (a tuned peer policy tunes on the run's own batches)."""
+    from lightning_dcp.runtime.calibration import step_key
+
+    planner = _Recording(2, seed=5)
+    s = _sampler(planner=planner, plan_ahead=plan_ahead)
+    lengths = s.lengths
+    list(s)
+    s.set_epoch(1)
+    list(s)
+    prepares = [k for k, c in enumerate(planner.calls) if c[0] == "prepare"]
+    assert prepares == [0, len(s) + 1]
+    for k, epoch in zip(prepares, (0, 1)):
+        assert planner.calls[k][1] == [[lengths[i] for i in b] for b in s.global_batches(epoch)]
+        assert planner.calls[k + 1:k + 1 + len(s)] == [("plan", step_key(epoch, i)) for i in range(len(s))]
+
+
 class _MultiStep:
     """A bucket-like planner: each sample its own step on rank 0."""
 

@@ -202,7 +202,7 @@ def test_a_four_times_default_batch_at_256_gpus_plans_near_the_bound():
     dist = get_distribution("short")
     dataset = dist.sample(20000, 0)
     gbt = 4 * default_global_batch_tokens(world, dataset, cm)
-    run = draw_run(dist.sample(int(gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, 1), gbt)
+    run = draw_run(dist.sample(int(gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, 1), gbt, 1)
     assert len(run) > dcp_module.TREE_MAX_SAMPLES_PER_RANK * world
     row = compare(world, cm, dataset, run, ["dcp"], global_batch_tokens=gbt, charge_planning=False)[0]
     assert row["_plan"].steps[0].notes.schedule == "buddy-tree"

@@ -18,7 +18,6 @@ encoded folder (``lightning-dcp encode --out``) or its ``index.jsonl`` too.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from lightning_dcp.cli import CLIError
@@ -83,14 +82,18 @@ def _lengths(text: str | None) -> list[int] | None:
             raise CLIError(f"--lengths {text}: the encode in {folder} has no samples yet")
         return values
     path = Path(text)
+    if path.exists():
+        from lightning_dcp.commands.plan import read_lengths
+
+        return read_lengths(path)
+    from lightning_dcp.planning.lengths import check_lengths
+
     try:
-        values = json.loads(path.read_text()) if path.exists() else [int(v) for v in text.split(",") if v.strip()]
-    except (OSError, ValueError) as err:
-        raise CLIError(f"--lengths takes a JSON file with a list of positive integers, comma-separated integers or an "
-                       f"encoded folder; {text!r}: {err}") from None
-    if not isinstance(values, list) or not values or not all(type(v) is int and v > 0 for v in values):
-        raise CLIError(f"--lengths {text!r} must be a non-empty list of positive integers (tokens per sample)")
-    return values
+        values = [float(v) if "." in v else int(v) for v in (v.strip() for v in text.split(",")) if v]
+        return check_lengths(values, "--lengths")
+    except ValueError as err:
+        raise CLIError(f"--lengths takes a JSON file with a list of positive integers, comma-separated positive "
+                       f"integers or an encoded folder; {text!r}: {err}") from None
 
 
 def _is_reference_model(name: str) -> bool:

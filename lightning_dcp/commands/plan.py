@@ -5,10 +5,13 @@ Example::
     lightning-dcp plan --lengths lengths.json --world-size 32 --model transformer-1d \\
         --hardware h100 --policy dcp --out plan.json
 
-``lengths.json`` is a JSON list of positive integers (sample ``i`` has length ``lengths[i]``);
-the plan (schema ``lightning-dcp/plan/v1``) covers every sample, in as many steps as the policy
-needs; ``--global-batch-tokens`` sets the step size. ``--profile FILE`` plans with a measured
-profile instead of the analytic model. Bad input exits with code 2 and writes nothing.
+``lengths.json`` is a JSON list of positive integers (sample ``i`` has length ``lengths[i]``).
+The plan (schema ``lightning-dcp/plan/v1``) is the one a ``DCPStrategy`` fit on that dataset executes,
+step for step, given the fit's settings: each epoch's order (``--seed``, ``--shuffle``), its global
+batches (``--global-batch-tokens`` or ``--global-batch-size``, ``--drop-last``; cut by the sampler's
+rule, :mod:`~lightning_dcp.planning.batches`), ``--epochs``, the world, ``--policy``, ``--max-sp-size``
+and the cost model (``--profile FILE``: the fit's measured profile; else the analytic model).
+Bad input exits with code 2 and writes nothing.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
     parser.add_argument("--offload", action="store_true",
                         help="hsdp: keep the sharded states on the host (FSDP2's CPU offload), priced as host copies "
                              "per round and a CPU optimizer step")
-    parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="planner seed (default 0); plan: also the data order's, as DCPStrategy(seed=...) (its default 0)")
     parser.add_argument("--force", action="store_true",
                         help="use a --profile made for another model or a smaller world anyway (warns instead of failing)")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
@@ -235,14 +239,12 @@ def read_lengths(path: Path) -> list[int]:
     if not isinstance(data, list):
         raise CLIError(f"lengths file {path} holds a JSON {type(data).__name__}; it must be a JSON list of positive integers, "
                        f"e.g. [2048, 4096]")
-    if not data:
-        raise CLIError(f"lengths file {path} is an empty list; give at least one sample length")
-    for i, n in enumerate(data):
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or (isinstance(n, float) and not n.is_integer()):
-            raise CLIError(f"lengths file {path}: sample {i} has length {n!r}; lengths must be positive integers (tokens)")
-        if n <= 0:
-            raise CLIError(f"lengths file {path}: sample {i} has length {n}; lengths must be positive integers (tokens)")
-    return [int(n) for n in data]
+    from lightning_dcp.planning.lengths import check_lengths
+
+    try:
+        return check_lengths(data, f"lengths file {path}")
+    except ValueError as err:
+        raise CLIError(str(err)) from None
 
 
 def _umask() -> int:
@@ -272,31 +274,73 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lightning_dcp.planning.planner import POLICIES
+
     parser.add_argument("--lengths", type=Path, required=True, help="JSON list of sample lengths (tokens); sample i = index i")
     parser.add_argument("--out", type=Path, required=True, help="where to write the plan JSON")
-    parser.add_argument("--policy", default="dcp", help="dcp (default), dcp-inter, dcp-intra, bucket, packed or static")
+    parser.add_argument("--policy", default="dcp", help=f"one of {', '.join(POLICIES)} (default dcp), as DCPStrategy(policy=...)")
     add_cost_model_arguments(parser)
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="samples per global batch instead of --global-batch-tokens, as DCPStrategy(global_batch_size=...)")
+    parser.add_argument("--max-sp-size", type=int, default=None, help="largest SP size, as DCPStrategy(max_sp_size=...)")
+    parser.add_argument("--epochs", type=int, default=1, help="plan this many epochs, one after the other (default 1)")
+    parser.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                        help="draw each epoch's order as DCPStrategy(shuffle=True) does (torch.randperm seeded seed + epoch; "
+                             "default); --no-shuffle: dataset order")
+    parser.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=True,
+                        help="drop each epoch's incomplete last global batch, as DCPStrategy(drop_last=True) (default); "
+                             "--no-drop-last plans it too")
     parser.add_argument("--indent", type=int, default=None, help="pretty-print the JSON with this indent")
+
+
+def _positive(flag: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise CLIError(f"{flag} must be positive, got {value}")
 
 
 def run(args: argparse.Namespace) -> int:
     from lightning_dcp.planning.errors import PlanningError
-    from lightning_dcp.planning.plan import validate_plan
+    from lightning_dcp.planning.plan import Plan, validate_plan
     from lightning_dcp.planning.planner import Planner
 
     check_policy(args.policy)
-    if args.global_batch_tokens is not None and args.global_batch_tokens <= 0:
-        raise CLIError(f"--global-batch-tokens must be positive, got {args.global_batch_tokens}")
+    gbt, gbs = args.global_batch_tokens, args.global_batch_size
+    if gbt is not None and gbs is not None:
+        raise CLIError("give one of --global-batch-tokens and --global-batch-size, as DCPStrategy takes one")
+    for flag, value in (("--global-batch-tokens", gbt), ("--global-batch-size", gbs), ("--epochs", args.epochs),
+                        ("--max-sp-size", args.max_sp_size)):
+        _positive(flag, value)
     lengths = read_lengths(args.lengths)
     cost_model = build_cost_model(args, lengths)
+    if args.shuffle:
+        from lightning_dcp.runtime.sampler import epoch_order  # torch.randperm: the sampler's own permutation
+    else:
+        epoch_order = None
+    steps, epoch_steps, left_out = [], [], 0
     try:
-        planner = Planner(args.world_size, cost_model, args.policy, seed=args.seed, dataset_lengths=lengths, ring=args.ring)
-        plan = planner.plan(lengths, global_batch_tokens=args.global_batch_tokens)
+        planner = Planner(args.world_size, cost_model, args.policy, seed=args.seed, dataset_lengths=lengths, ring=args.ring,
+                          max_sp_size=args.max_sp_size)
+        for epoch in range(args.epochs):
+            order = None if epoch_order is None else epoch_order(len(lengths), args.seed, epoch)
+            cut = dict(global_batch_tokens=gbt, global_batch_size=gbs, order=order, drop_last=args.drop_last)
+            planned = [i for batch in planner.batches(lengths, **cut) for i in batch]
+            if not planned:
+                size = f"{gbs} samples" if gbs is not None else f"{gbt or 'the default'} tokens"
+                raise CLIError(f"the {len(lengths)} samples ({sum(lengths)} tokens) give no full global batch of {size}: "
+                               f"lower --global-batch-tokens / --global-batch-size, or plan the incomplete batch with "
+                               f"--no-drop-last (DCPStrategy(drop_last=False))")
+            plan = planner.plan(lengths, epoch=epoch, **cut)
+            validate_plan(plan, lengths, cost_model, samples=planned)
+            steps.extend(plan.steps)
+            epoch_steps.append(len(plan.steps))
+            left_out += len(lengths) - len(planned)
     except PlanningError as err:
         raise CLIError(str(err)) from None
-    validate_plan(plan, lengths, cost_model, samples=range(len(lengths)))
+    extra = {"seed": args.seed, "shuffle": args.shuffle, "drop_last": args.drop_last, "epoch_steps": epoch_steps,
+             **({"global_batch_size": gbs} if gbs is not None else {"global_batch_tokens": gbt} if gbt else {})}
+    plan = Plan(args.policy, args.world_size, tuple(steps), extra)
     write_atomic(args.out, plan.to_json(indent=args.indent) + "\n")
-    tokens = sum(lengths)
-    print(f"wrote {args.out}: policy {args.policy}, {len(lengths)} samples, {tokens} tokens, "
-          f"{len(plan.steps)} steps on {args.world_size} GPUs")
+    print(f"wrote {args.out}: policy {args.policy}, {len(lengths)} samples, {sum(lengths)} tokens, {args.epochs} "
+          f"epoch(s), {len(plan.steps)} steps on {args.world_size} GPUs"
+          + (f" ({left_out} samples in incomplete last batches dropped; --no-drop-last plans them)" if left_out else ""))
     return 0

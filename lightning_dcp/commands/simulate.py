@@ -5,8 +5,9 @@ Example (every argument has a default; this is what a bare ``lightning-dcp simul
     lightning-dcp simulate --world-size 32 --dataset long --model transformer-1d --hardware h100
 
 Draws a dataset from the named length distribution (``--dataset``, default ``long``; or a JSON
-list with ``--lengths``), takes ``--num-steps`` global batches of ``--global-batch-tokens`` tokens
-from it (the same samples for every policy), plans them with each policy (every planner is given
+list with ``--lengths``), takes ``--num-steps`` global batches of up to ``--global-batch-tokens`` tokens
+from it, cut as training cuts them (:mod:`~lightning_dcp.planning.batches`; the same samples for every
+policy), plans them with each policy (every planner is given
 the dataset's lengths once, for candidate layouts and bucket tuning) and simulates the plans on
 the cost model. A run that leaves ``--world-size`` or ``--dataset`` out says which defaults it
 used. One row per policy: tokens/s, speedup over bucket, imbalance %, % of the ideal
@@ -116,21 +117,13 @@ class Progress:
             self.line(message)
 
 
-def draw_run(lengths_pool: list[int], target_tokens: int) -> list[int]:
-    """The prefix of ``lengths_pool`` holding ``target_tokens`` tokens (the whole pool if fewer)."""
-    acc = 0
-    for i, n in enumerate(lengths_pool):
-        acc += n
-        if acc >= target_tokens:
-            return lengths_pool[: i + 1]
-    return list(lengths_pool)
+def draw_run(lengths_pool: list[int], global_batch_tokens: int, num_steps: int) -> list[int]:
+    """The lengths of the first ``num_steps`` global batches of ``lengths_pool``, cut in order as training cuts
+    (:func:`~lightning_dcp.planning.batches.cut_batches`); the whole pool if it holds fewer."""
+    from lightning_dcp.planning.batches import cut_batches
 
-
-def cut_batches(lengths: list[int], global_batch_tokens: int) -> list[list[int]]:
-    """``lengths`` cut in order into global batches that close at ``global_batch_tokens`` (as :meth:`Planner.batches`)."""
-    from lightning_dcp.planning.planner import cut_by_tokens
-
-    return [[lengths[i] for i in batch] for batch in cut_by_tokens(lengths, global_batch_tokens)]
+    batches = cut_batches(lengths_pool, global_batch_tokens=global_batch_tokens)[:num_steps]
+    return [lengths_pool[i] for batch in batches for i in batch]
 
 
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
@@ -152,11 +145,12 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     The run's step bound and every simulation share one cached
     :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
     """
+    from lightning_dcp.planning.batches import cut_batches
     from lightning_dcp.planning.bound import step_bound
     from lightning_dcp.planning.planner import POLICIES, Planner
     from lightning_dcp.planning.simulator import simulate
 
-    batches = cut_batches(run_lengths, global_batch_tokens)
+    batches = [[run_lengths[i] for i in b] for b in cut_batches(run_lengths, global_batch_tokens=global_batch_tokens)]
     bound_time = sum(step_bound(b, cost_model, world_size, rank_speeds=rank_speeds) for b in batches)
     plan_speeds = rank_speeds if speed_aware or rank_speeds is None else [1.0] * world_size
     rows = []
@@ -461,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
         gbt = args.global_batch_tokens or default_global_batch_tokens(args.world_size, dataset, cost_model)
         pool = dataset
         source = str(args.lengths)
-    run_lengths = draw_run(pool, args.num_steps * gbt)
+    run_lengths = draw_run(pool, gbt, args.num_steps)
     if getattr(args, "shard_group_size", None) == "auto":
         cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress)
     progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")

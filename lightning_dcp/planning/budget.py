@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.planning.units import describe_limit, format_bytes
 
 __all__ = ["BudgetReport", "SPBudget", "budget_report", "capacity_line"]
@@ -155,9 +156,7 @@ def budget_report(cost_model: CostModel, world_size: int, lengths: Sequence[int]
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanningError(f"world_size must be a positive integer, got {world_size!r}")
-    lens = None if lengths is None else [int(n) for n in lengths]
-    if lens is not None and (not lens or min(lens) < 1):
-        raise PlanningError("lengths must be a non-empty list of positive integers (tokens per sample)")
+    lens = None if lengths is None else check_lengths(lengths)
     measured = set(cost_model.sp_sizes(world_size))
     if 1 not in measured:
         raise PlanningError(f"the cost model has no SP size 1 (it has {sorted(measured)}); a budget report needs SP 1")

@@ -85,6 +85,9 @@ class PaddedPlanner:
     def one_step_per_batch(self) -> bool:
         return bool(getattr(self.planner, "one_step_per_batch", True))
 
+    def prepare(self, batches: Sequence[Sequence[int]]) -> None:
+        self.planner.prepare(batches)
+
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> Plan:
         plan = self.planner.plan_batch(samples, lengths, step=step)
         steps = tuple(StepPlan(tuple(piece for item in st.items for piece in self._split(item))) for st in plan.steps)

@@ -7,10 +7,11 @@ for DCP's candidate layouts and bucket tuning) and plans global batches:
   optimizer step under plain data parallelism) to the steps the policy needs: exactly one for
   ``dcp``, ``dcp-inter``, ``dcp-intra``, ``packed`` and ``static``
   (``one_step_per_batch``); ``bucket`` needs several, as Open-Sora's bucket sampler does.
-- :meth:`Planner.plan` — a whole list of lengths (sample ``i`` has length ``lengths[i]``),
-  cut in order into global batches of ``global_batch_tokens`` tokens (or
-  ``global_batch_size`` samples). ``bucket`` plans the whole list at once (its sampler deals
-  bucket micro-batches over the epoch; cutting it into batches would only add partial ones).
+- :meth:`Planner.plan` — one epoch of a list of lengths (sample ``i`` has length ``lengths[i]``),
+  cut into global batches by training's rule (:mod:`~lightning_dcp.planning.batches`: up to
+  ``global_batch_tokens`` tokens or ``global_batch_size`` samples each, in a given order, optionally
+  dropping an incomplete last one), each planned as the sampler plans it. ``bucket`` plans the epoch's
+  samples at once (its sampler deals bucket micro-batches over the epoch).
 
 Every policy puts every sample in exactly one item, keeps every item within the memory limit,
 lists items in one global order (v1: each rank runs its items in that order, so the order is a
@@ -34,8 +35,10 @@ import math
 import numbers
 from typing import Any, Callable, Sequence
 
+from lightning_dcp.planning.batches import cut_batches, step_key
 from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.sp_cap import cap_limits
 from lightning_dcp.planning.speeds import check_rank_speeds, rank_speeds_of
@@ -75,21 +78,6 @@ DEFAULT_TOKENS_PER_GPU = 65536
 DEFAULT_WORK_MULTIPLE = 1.0
 """Default global batch: each step's mean per-GPU work is at least this many times the best-case
 time of the dataset's longest sample (see :func:`default_global_batch_tokens`)."""
-
-
-def cut_by_tokens(lengths: Sequence[int], tokens: int) -> list[list[int]]:
-    """Indices of ``lengths`` cut in order into global batches, each closed once it holds
-    ``tokens`` tokens or more (the last one may hold fewer)."""
-    out, cur, acc = [], [], 0
-    for i, n in enumerate(lengths):
-        cur.append(i)
-        acc += n
-        if acc >= tokens:
-            out.append(cur)
-            cur, acc = [], 0
-    if cur:
-        out.append(cur)
-    return out
 
 
 def longest_sample_time(world_size: int, cost_model: CostModel, longest: int,
@@ -166,25 +154,6 @@ def _collector_paused():
             gc.enable()
 
 
-def _check_lengths(lengths: Sequence[Any], what: str = "lengths") -> list[int]:
-    try:
-        seq = list(lengths)
-    except TypeError:
-        raise PlanningError(f"{what} must be a list of positive integers, got {type(lengths).__name__}") from None
-    if not seq:
-        raise PlanningError(f"{what} is empty; give at least one sample length")
-    if all(type(n) is int and n > 0 for n in seq):  # the common case, fast
-        return seq
-    out = []
-    for i, n in enumerate(seq):
-        if isinstance(n, bool) or not isinstance(n, numbers.Real) or (isinstance(n, float) and not n.is_integer()):
-            raise PlanningError(f"sample {i} has length {n!r}; lengths must be positive integers (tokens)")
-        if n <= 0:
-            raise PlanningError(f"sample {i} has length {n}; lengths must be positive integers (tokens)")
-        out.append(int(n))
-    return out
-
-
 class Planner:
     """Plans global batches for ``world_size`` ranks with ``cost_model`` under ``policy``.
 
@@ -252,7 +221,7 @@ class Planner:
             )
         ds = None
         if dataset_lengths is not None:
-            ds = _check_lengths(dataset_lengths, "dataset_lengths")
+            ds = check_lengths(dataset_lengths, "dataset_lengths")
             self._check_fit(range(len(ds)), ds)
         self.dataset_lengths = ds
         try:
@@ -312,7 +281,7 @@ class Planner:
         input (mismatched or empty lists, non-positive lengths, duplicate samples, a sample
         too long for any setting).
         """
-        lengths = _check_lengths(lengths)
+        lengths = check_lengths(lengths)
         samples = [int(s) for s in samples]
         if len(samples) != len(lengths):
             raise PlanningError(f"{len(samples)} samples but {len(lengths)} lengths; give one length per sample")
@@ -357,44 +326,39 @@ class Planner:
         return StepPlan(tuple(items), step.notes)
 
     def prepare(self, batches: Sequence[Sequence[int]]) -> None:
-        """Show the policy the lengths of the run's global batches before any is planned (:meth:`Policy.prepare`)."""
+        """Show the policy the lengths of an epoch's global batches before any is planned (:meth:`Policy.prepare`);
+        :meth:`plan` and the sampler call it once per epoch."""
         self.policy.prepare([[int(n) for n in b] for b in batches])
 
     def batches(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
-                global_batch_size: int | None = None) -> list[list[int]]:
-        """Sample indices of each global batch: ``lengths`` cut in order.
-
-        A batch closes once it holds ``global_batch_tokens`` tokens (or ``global_batch_size``
-        samples); default tokens: :func:`default_global_batch_tokens`.
-        """
-        if global_batch_size is not None:
-            if global_batch_size <= 0:
-                raise PlanningError(f"global batch size must be positive, got {global_batch_size}")
-            return [list(range(i, min(i + global_batch_size, len(lengths)))) for i in range(0, len(lengths), global_batch_size)]
-        tokens = global_batch_tokens or default_global_batch_tokens(self.world_size, self.dataset_lengths or lengths,
-                                                                    self.cost_model, max_sp_size=self.max_sp_size)
-        if tokens <= 0:
-            raise PlanningError(f"global batch tokens must be positive, got {tokens}")
-        return cut_by_tokens(lengths, tokens)
+                global_batch_size: int | None = None, order: Sequence[int] | None = None,
+                drop_last: bool = False) -> list[list[int]]:
+        """Sample indices of each global batch: ``order`` (default index order) cut by training's rule
+        (:func:`~lightning_dcp.planning.batches.cut_batches`); default tokens: :func:`default_global_batch_tokens`."""
+        if global_batch_size is None and global_batch_tokens is None:
+            global_batch_tokens = default_global_batch_tokens(self.world_size, self.dataset_lengths or lengths,
+                                                              self.cost_model, max_sp_size=self.max_sp_size)
+        return cut_batches(lengths, order, global_batch_tokens=global_batch_tokens,
+                           global_batch_size=global_batch_size, drop_last=drop_last)
 
     def plan(self, lengths: Sequence[int], *, global_batch_tokens: int | None = None,
-             global_batch_size: int | None = None, progress: Callable[[int, int], None] | None = None) -> Plan:
-        """Plan every sample of ``lengths`` (sample ``i`` has length ``lengths[i]``).
-
-        The list is cut in order into global batches (see :meth:`batches`); batch ``k`` is
-        planned as step ``k`` (seeding). ``bucket`` plans the whole list as one set.
-        ``progress(done, total)``, when given, is called after each planned batch.
+             global_batch_size: int | None = None, order: Sequence[int] | None = None, drop_last: bool = False,
+             epoch: int = 0, progress: Callable[[int, int], None] | None = None) -> Plan:
+        """Plan one epoch of ``lengths`` (sample ``i`` has length ``lengths[i]``) as the sampler does: its global
+        batches (:meth:`batches`) shown to the policy (:meth:`prepare`), batch ``k`` planned as step
+        :func:`~lightning_dcp.planning.batches.step_key` ``(epoch, k)``; ``bucket`` plans the epoch's batches as one
+        set. ``progress(done, total)``, when given, is called after each planned batch.
         """
-        lengths = _check_lengths(lengths)
+        lengths = check_lengths(lengths)
         self._check_fit(range(len(lengths)), lengths)
-        if not self.one_step_per_batch:
-            batches = [list(range(len(lengths)))]
-        else:
-            batches = self.batches(lengths, global_batch_tokens=global_batch_tokens, global_batch_size=global_batch_size)
+        batches = self.batches(lengths, global_batch_tokens=global_batch_tokens, global_batch_size=global_batch_size,
+                               order=order, drop_last=drop_last)
         self.prepare([[lengths[i] for i in idx] for idx in batches])
+        if not self.one_step_per_batch:
+            batches = [[i for idx in batches for i in idx]] if batches else []
         steps: list[StepPlan] = []
         for k, idx in enumerate(batches):
-            steps.extend(self.plan_batch(idx, [lengths[i] for i in idx], step=k).steps)
+            steps.extend(self.plan_batch(idx, [lengths[i] for i in idx], step=step_key(epoch, k)).steps)
             if progress is not None:
                 progress(k + 1, len(batches))
         return Plan(self.policy_name, self.world_size, tuple(steps), {"seed": self.seed})

@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from lightning_dcp.planning.batches import step_key
 from lightning_dcp.planning.calibration import CalibrationConfig, CalibrationFactors, Calibrator, StepPrediction
 from lightning_dcp.planning.measurements import ItemMeasurement, StepTiming, pack_payload, unpack_payload
 from lightning_dcp.planning.plan import StepPlan
@@ -62,14 +63,6 @@ CHECKPOINT_KEY = "dcp_calibration"
 
 SLOW_RANK_ENV = "LIGHTNING_DCP_SLOW_RANK"
 """Test/benchmark hook: ``RANK:FACTOR`` slows one rank down by ``FACTOR`` (see the module docstring)."""
-
-STEP_KEY_STRIDE = 1_000_003
-"""Step keys of consecutive epochs are this far apart (the sampler's ``plan_batch(step=...)``)."""
-
-
-def step_key(epoch: int, index: int) -> int:
-    """The position of step ``index`` of ``epoch`` in the run (what the sampler passes as ``plan_batch(step=)``)."""
-    return int(epoch) * STEP_KEY_STRIDE + int(index)
 
 
 def parse_slow_rank(spec: str | None, world_size: int) -> tuple[int, float] | None:
@@ -142,6 +135,12 @@ class ItemClock:
         return out
 
 
+def _prepare(planner: Any, batches: list[list[int]]) -> None:
+    prepare = getattr(planner, "prepare", None)
+    if callable(prepare):
+        prepare(batches)
+
+
 class VersionedPlanner:
     """A planner whose cost model changes at agreed step keys: ``plan_batch(step=key)`` plans with the
     newest factors installed for a key ``<= key`` (see the module docstring).
@@ -156,6 +155,7 @@ class VersionedPlanner:
         self._build = build
         self._lock = threading.Lock()
         self.versions: list[tuple[int, CalibrationFactors, Any]] = []
+        self._batches: list[list[int]] | None = None  # the epoch's global batches' lengths (prepare)
 
     @property
     def one_step_per_batch(self) -> bool:
@@ -178,16 +178,26 @@ class VersionedPlanner:
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> Any:
         return self.planner_at(step).plan_batch(samples, lengths, step=step)
 
+    def prepare(self, batches: Sequence[Sequence[int]]) -> None:
+        """``prepare`` every version with the epoch's global batches (a version installed later, at install)."""
+        self._batches = [list(b) for b in batches]
+        with self._lock:
+            planners = [self.base, *(planner for _, _, planner in self.versions)]
+        for planner in planners:
+            _prepare(planner, self._batches)
+
     def install(self, start: int, factors: CalibrationFactors, now: int) -> None:
         """Plan step keys ``>= start`` with ``factors``; versions no step from ``now`` on can use are dropped."""
         planner = self._build(factors)
+        if self._batches is not None:
+            _prepare(planner, self._batches)
         with self._lock:
             kept = [v for i, v in enumerate(self.versions)
                     if not any(w[0] <= now for w in self.versions[i + 1:])]
             self.versions = [v for v in kept if v[0] < start] + [(int(start), factors, planner)]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("base", "_build", "_lock", "versions") or name.startswith("__"):
+        if name in ("base", "_build", "_lock", "versions", "_batches") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.base, name)
 

@@ -1,8 +1,10 @@
 """DCPBatchSampler: one dataloader item per optimizer step, holding this rank's work items.
 
-Per epoch the sampler draws a seeded permutation of the dataset (``seed + epoch``, the same on
-every rank), chunks it into global batches (``global_batch_size`` samples, or up to
-``global_batch_tokens`` tokens each), asks the planner for each batch's step plan and yields,
+Per epoch the sampler draws a seeded permutation of the dataset (:func:`epoch_order`: ``seed + epoch``,
+the same on every rank, the permutation of torch's DistributedSampler), cuts it into global batches by
+the rule ``lightning-dcp plan`` uses too (:func:`~lightning_dcp.planning.batches.cut_batches`:
+``global_batch_size`` samples, or up to ``global_batch_tokens`` tokens each), shows the planner the
+epoch's batches (``planner.prepare``), asks it for each batch's step plan and yields,
 for every step, a typed :class:`~lightning_dcp.runtime.step.Step`: the whole step plan and this
 rank's items. Every rank yields the same number of items (one per step, possibly with no work item for
 this rank), so ``len()`` agrees across ranks whatever the accumulation counts.
@@ -19,15 +21,26 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from lightning_dcp.planning.batches import STEP_KEY_STRIDE, check_batch_size, cut_batches, step_key
 from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.units import describe_limit
-from lightning_dcp.runtime.calibration import STEP_KEY_STRIDE, step_key
-from lightning_dcp.runtime.lengths import check_lengths
 from lightning_dcp.runtime.step import Step
 
-__all__ = ["DCPBatchSampler"]
+__all__ = ["DCPBatchSampler", "epoch_order"]
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The order of the dataset's samples in ``epoch``: ``torch.randperm`` seeded ``seed + epoch`` (torch's
+    DistributedSampler's permutation, so the data order matches DDP's), or index order without ``shuffle``.
+    The sampler and ``lightning-dcp plan`` both draw it here."""
+    if not shuffle:
+        return list(range(num_samples))
+    g = torch.Generator()
+    g.manual_seed(int(seed) + int(epoch))
+    return torch.randperm(num_samples, generator=g).tolist()
 
 
 def _as_steps(result: Any) -> list[StepPlan]:
@@ -58,11 +71,12 @@ class DCPBatchSampler:
             ``one_step_per_batch`` flag (e.g. :class:`lightning_dcp.planning.planner.Planner`).
         global_batch_size: samples per global batch (exclusive with ``global_batch_tokens``).
         global_batch_tokens: token budget per global batch: samples are taken in order while
-            the sum stays within it (at least one sample per batch).
+            the sum stays within it (at least one sample per batch;
+            :func:`~lightning_dcp.planning.batches.cut_batches`).
         num_replicas: world size; rank: this rank.
         seed: permutation seed (the epoch is added), the same on every rank.
         shuffle: permute the dataset each epoch (else dataset order).
-        drop_last: drop the last, incomplete global batch.
+        drop_last: drop the last global batch when incomplete (fewer samples or tokens than a full one).
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains
             (planners with ``one_step_per_batch``); other planners plan the whole epoch at the
             first ``len()`` / ``iter()``.
@@ -81,18 +95,10 @@ class DCPBatchSampler:
                  global_batch_tokens: int | None = None, num_replicas: int = 1, rank: int = 0, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, plan_ahead: bool = True, cost_model: Any = None,
                  max_sp_size: int | None = None, sample_name: SampleNamer | None = None) -> None:
-        if (global_batch_size is None) == (global_batch_tokens is None):
-            raise ValueError("give exactly one of global_batch_size (samples per step) and global_batch_tokens "
-                             f"(tokens per step); got {global_batch_size=} and {global_batch_tokens=}")
-        if global_batch_size is not None and global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if global_batch_tokens is not None and global_batch_tokens < 1:
-            raise ValueError(f"global_batch_tokens must be >= 1, got {global_batch_tokens}")
+        check_batch_size(global_batch_tokens, global_batch_size)
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside a world of {num_replicas} ranks")
         self.lengths = check_lengths(lengths, "lengths")
-        if not self.lengths:
-            raise ValueError("DCPBatchSampler got no sample lengths: the dataset is empty")
         self.planner = planner
         self.global_batch_size = global_batch_size
         self.global_batch_tokens = global_batch_tokens
@@ -111,6 +117,7 @@ class DCPBatchSampler:
         self._cache: dict[tuple[int, int], Future] = {}
         self._epoch_steps: dict[int, list[StepPlan]] = {}
         self._batches: dict[int, list[list[int]]] = {}
+        self._prepared: int | None = None  # the epoch the planner was last prepared for
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._max_len: int | None = None
@@ -146,32 +153,9 @@ class DCPBatchSampler:
         """The sample indices of each global batch of ``epoch`` (deterministic in seed and epoch)."""
         if epoch in self._batches:
             return self._batches[epoch]
-        n = len(self.lengths)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        batches: list[list[int]] = []
-        if self.global_batch_size is not None:
-            b = self.global_batch_size
-            for start in range(0, n, b):
-                chunk = order[start:start + b]
-                if len(chunk) < b and self.drop_last:
-                    break
-                batches.append(chunk)
-        else:
-            budget, cur, tokens = self.global_batch_tokens, [], 0
-            for idx in order:
-                n_tok = self.lengths[idx]
-                if cur and tokens + n_tok > budget:
-                    batches.append(cur)
-                    cur, tokens = [], 0
-                cur.append(idx)
-                tokens += n_tok
-            if cur and not self.drop_last:
-                batches.append(cur)
+        order = epoch_order(len(self.lengths), self.seed, epoch, self.shuffle)
+        batches = cut_batches(self.lengths, order, global_batch_tokens=self.global_batch_tokens,
+                              global_batch_size=self.global_batch_size, drop_last=self.drop_last)
         self._batches = {epoch: batches}  # keep one epoch
         return batches
 
@@ -179,7 +163,22 @@ class DCPBatchSampler:
         """Samples of ``epoch`` in no global batch: the last, incomplete one, with ``drop_last`` (else 0)."""
         return len(self.lengths) - sum(len(b) for b in self.global_batches(epoch))
 
-    def _check_lengths(self, batch: Sequence[int]) -> None:
+    def _prepare(self, epoch: int) -> None:
+        """Show the planner ``epoch``'s global batches (``planner.prepare``, when it has one) before it plans any
+        step of that epoch, as :meth:`Planner.plan <lightning_dcp.planning.planner.Planner.plan>` does; no
+        planning thread runs meanwhile (a step of another epoch still planned ahead is waited for and dropped)."""
+        if self._prepared == epoch:
+            return
+        for fut in self._cache.values():
+            if not fut.cancel():
+                fut.exception()
+        self._cache.clear()
+        prepare = getattr(self.planner, "prepare", None)
+        if callable(prepare):
+            prepare([[self.lengths[i] for i in batch] for batch in self.global_batches(epoch)])
+        self._prepared = epoch
+
+    def _check_fits(self, batch: Sequence[int]) -> None:
         if self.cost_model is None:
             return
         if self._max_len is None:
@@ -197,7 +196,7 @@ class DCPBatchSampler:
                 )
 
     def _plan_batch(self, epoch: int, index: int, batch: list[int], planner: Any = None, seed_offset: int = 0) -> list[StepPlan]:
-        self._check_lengths(batch)
+        self._check_fits(batch)
         lengths = [self.lengths[i] for i in batch]
         planner = self.planner if planner is None else planner
         try:
@@ -225,6 +224,7 @@ class DCPBatchSampler:
         every epoch, so ``len()`` stays what Lightning measured in the first epoch.
         """
         if epoch not in self._epoch_steps:
+            self._prepare(epoch)
             self.planned_upto = max(self.planned_upto, step_key(epoch, STEP_KEY_STRIDE - 1))
             samples = [i for batch in self.global_batches(epoch) for i in batch]
             self._epoch_steps = {epoch: self._plan_batch(epoch, 0, samples)}
@@ -243,6 +243,7 @@ class DCPBatchSampler:
         key = (epoch, step)
         fut = self._cache.get(key)
         if fut is None:
+            self._prepare(epoch)
             batch = self.global_batches(epoch)[step]
             self.planned_upto = max(self.planned_upto, step_key(epoch, step))
             if self.plan_ahead:

@@ -55,8 +55,8 @@ class Policy(abc.ABC):
         return np.random.default_rng([self.seed & 0xFFFFFFFF, step & 0xFFFFFFFF, salt, 0x5EED])
 
     def prepare(self, batches: Sequence[Sequence[int]]) -> None:
-        """Called once with the lengths of the run's global batches before any is planned (a tuned policy tunes on
-        them, as its users tune on their own data); the default does nothing."""
+        """Called with the lengths of an epoch's global batches before any of them is planned, once per epoch (a
+        tuned policy tunes on them, as its users tune on their own data); the default does nothing."""
 
     @abc.abstractmethod
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
