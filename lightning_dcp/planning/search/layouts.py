@@ -1,19 +1,11 @@
-"""SP-group layouts: how one step (or one block of ranks) splits into SP groups.
+"""SP-group layouts: how a step (or a block of ranks) splits into SP groups.
 
-A *layout* is a multiset of SP sizes, e.g. ``{8: 1, 2: 4, 1: 16}`` (one group of 8 ranks, four
-of 2, sixteen of 1). :func:`place` turns it into concrete rank tuples: groups are laid out
-largest first, each at the first offset the placement rule allows
-(:mod:`~lightning_dcp.planning.topology`: consecutive ranks, inside one node when no larger than a
-node, ring groups aligned to their Ulysses size). For power-of-two sizes that is every group on an
-aligned power-of-two block, as the rule of earlier versions.
-
-A plain world size (an ``int`` where a :class:`~lightning_dcp.planning.topology.Topology` is
-expected) has no node boundaries. :func:`world_blocks` (the binary digits of a world size) is kept
-for callers that want the aligned power-of-two decomposition.
-
-:func:`allocate` sizes a layout from the work each SP class has to do (Hydraulis §7 with a
-continuous relaxation: ranks proportional to GPU-seconds, rounded to whole groups),
-:func:`propose_layouts` builds the candidate set once from the dataset's lengths.
+A *layout* is the SP sizes of the groups, largest first (e.g. ``(8, 2, 2, 2, 2, 1, ...)``). :func:`place` puts it on
+rank tuples, largest first, each at the first offset the placement rule allows
+(:mod:`~lightning_dcp.planning.topology`; a plain ``int`` world has no node boundaries). :func:`allocate` sizes a
+layout from the work of each SP size (Hydraulis §7, a continuous relaxation rounded to whole groups);
+:func:`propose_layouts` builds the dataset's candidates once; :func:`world_blocks` is the aligned power-of-two
+decomposition of a world.
 """
 
 from __future__ import annotations
@@ -45,10 +37,6 @@ def place(layout: Sequence[int], world: "int | Topology", start: int = 0,
     """Concrete rank tuples of ``layout`` (same order as sorted non-increasing) inside ``[start, start + size)``
     (default: the whole world), or None if it does not fit."""
     return Topology.of(world).place(layout, start, size)
-
-
-def capacity_ok(layout: Sequence[int], world: "int | Topology", start: int = 0, size: int | None = None) -> bool:
-    return place(layout, world, start, size) is not None
 
 
 def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Sequence[int], must: int,
@@ -108,16 +96,6 @@ def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Seque
         remaining_work -= w
     take(smallest, topo.count(free, smallest))
     return tuple(layout)
-
-
-def fit_must(layout: Sequence[int], must: int, world: "int | Topology") -> Layout:
-    """``layout`` changed minimally so that it holds a group of size ``must``."""
-    if any(p >= must for p in layout):
-        return tuple(sorted(layout, reverse=True))
-    groups = sorted(layout)  # merge the smallest groups until a block of ``must`` is free
-    work = {p: 0.0 for p in set(groups)}
-    work[must] = 1.0
-    return allocate(work, world, sorted(set(groups) | {must}), must)
 
 
 def propose_layouts(class_work: Mapping[int, Mapping[int, float]], world: "int | Topology", sp_sizes: Sequence[int],
