@@ -1,37 +1,13 @@
-"""Plans that learn from the run: per-item measurements and the refit of the cost model's time terms.
+"""Plans that learn from the run: the refit of the cost model's time terms from per-item measurements.
 
-The fit-start cost model is off in real steps (6-33% slow on 2 CPU processes) and some ranks are slower than others.
-The refit turns what the run measured into factors the planner uses
-(:class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`): a *time scale* per SP size (measured / predicted,
-at typical speed; ``default_scale`` for sizes not measured yet), a *speed* per rank (relative to the median rank; an
-SP item runs at its slowest member's pace, :mod:`~lightning_dcp.planning.speeds`) and the *step overhead* (a step's
-seconds beyond its slowest rank's predicted items), measured in place of the base model's estimate.
-
-Every rank times each micro-batch and its whole previous step; the rows
-(:mod:`~lightning_dcp.planning.measurements`) ride on the step-end all-gather and every rank calls
-:meth:`Calibrator.observe` with the same rows. The refit sorts them into a canonical order and sums with
-``math.fsum``, so every rank computes the same factors, bit for bit, whatever the rows' order.
-
-The refit (every ``config.every`` observed steps, over those steps' rows):
-
-1. The rows of one ``(step, item)`` are one micro-batch: its duration the largest member's, its ratio ``measured /
-   predicted`` (``predicted``: the *uncalibrated* model's, so factors never compound).
-2. SP-1 items give speeds: per rank the :func:`robust_ratio` of its items; ``scale[1]`` the median over ranks; a
-   rank's speed sample from an item is ``scale[1] / ratio``.
-3. SP items whose members' all-to-all seconds were measured: each member's compute ``c = measured - wait`` gives it
-   a speed sample ``w / c``, ``w`` the members' mean of ``speed x c`` (who computed longest, waited least, is slow).
-4. ``scale[p]`` for ``p > 1``: the robust ratio of measured seconds x the slowest member's speed over predicted; an
-   item without measured waits gives its slowest member by the current speeds (none on ties) ``scale[p] / ratio``.
-5. Step overhead: per step whose every rank reported its timing, ``max(step seconds)`` minus the largest per-rank sum
-   of its items predicted with the new factors (host work, the step-end gather, the gradient reduction, the
-   optimizer, the slowest rank's overrun); their robust mean, smoothed, once ``min_samples`` such steps are in.
-6. A factor with ``min_samples`` samples moves towards its estimate by ``alpha`` (its first refit takes the
-   estimate: the old value was a guess), at most ``max_change`` x per refit, clamped to ``[low, high]``.
-
-"Robust": samples further than ``mad_cut`` x 1.4826 x MAD (at least ``rel_floor`` of the median) from the median are
-dropped (a stall, a checkpoint write). Modes: ``"adaptive"`` (refit), ``"fixed"`` (the given or loaded factors stay;
-measurements are still compared with the predictions), ``"off"`` (every factor 1.0). :meth:`Calibrator.state_dict`
-is JSON-able and goes with the checkpoint. Pure Python: no torch, no numpy.
+The fit-start cost model is off in real steps and some ranks are slower than others. :class:`Calibrator` turns the
+rows every rank measured (:mod:`~lightning_dcp.planning.measurements`, gathered at each step's end, the same on
+every rank) into the factors :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel` applies: a time scale
+per SP size (measured / predicted at typical speed; ``default_scale`` for sizes not measured yet), a speed per rank
+(relative to the median rank; an SP item runs at its slowest member's pace) and the step overhead (a step's seconds
+beyond its slowest rank's predicted items). The refit, steps 1-6, and why every rank computes the same factors bit
+for bit: docs/calibration.md, "How the refit works". Modes: ``"adaptive"`` (refit), ``"fixed"`` (the factors stay;
+measurements are still compared with the predictions), ``"off"`` (every factor 1.0). Pure Python.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import functools
 import math
 import os
 import re
@@ -183,7 +184,6 @@ def _draw(rng: np.random.Generator, weights: dict, n: int) -> list:
 
 
 _TOKEN_RE = re.compile(rb"\w+|[^\w\s]")
-_CODE_CACHE: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 
 
 def count_tokens(source: bytes) -> int:
@@ -191,14 +191,12 @@ def count_tokens(source: bytes) -> int:
     return len(_TOKEN_RE.findall(source))
 
 
+@functools.lru_cache(maxsize=None)
 def stdlib_token_counts(root: str | None = None) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``(paths, counts)`` of the ``.py`` files under ``root`` (default: this interpreter's stdlib), sorted by path;
     ``site-packages``/``dist-packages``/``__pycache__`` skipped, unreadable and empty files left out. Cached per root
     (the first call reads ~2k files, ~1 s)."""
     root = root or sysconfig.get_paths()["stdlib"]
-    cached = _CODE_CACHE.get(root)
-    if cached is not None:
-        return cached
     paths: list[str] = []
     for d, dirs, files in os.walk(root):
         dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__")]
@@ -214,9 +212,7 @@ def stdlib_token_counts(root: str | None = None) -> tuple[tuple[str, ...], tuple
         if c > 0:
             kept_p.append(p)
             kept_c.append(c)
-    result = (tuple(kept_p), tuple(kept_c))
-    _CODE_CACHE[root] = result
-    return result
+    return tuple(kept_p), tuple(kept_c)
 
 
 class CodeDistribution(LengthDistribution):

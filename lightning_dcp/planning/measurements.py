@@ -74,14 +74,8 @@ def pack_rows(measurements: Sequence[ItemMeasurement], rows: int) -> list[float]
     if len(measurements) > rows:
         raise ValueError(f"{len(measurements)} measurements do not fit {rows} rows; pass rows >= the most items any "
                          "rank runs in the step")
-    out: list[float] = []
-    for m in measurements:
-        out.extend(m.to_floats())
-    pad = [0.0] * NUM_FIELDS
-    pad[2] = _UNKNOWN
-    for _ in range(rows - len(measurements)):
-        out.extend(pad)
-    return out
+    pad = [0.0, 0.0, _UNKNOWN] + [0.0] * (NUM_FIELDS - 3)  # rank -1
+    return [x for m in measurements for x in m.to_floats()] + pad * (rows - len(measurements))
 
 
 def unpack_rows(flat: Sequence[float]) -> list[ItemMeasurement]:
@@ -89,12 +83,8 @@ def unpack_rows(flat: Sequence[float]) -> list[ItemMeasurement]:
     vals = list(flat)
     if len(vals) % NUM_FIELDS:
         raise ValueError(f"{len(vals)} floats are not whole rows of {NUM_FIELDS}")
-    out = []
-    for i in range(0, len(vals), NUM_FIELDS):
-        m = ItemMeasurement.from_floats(vals[i:i + NUM_FIELDS])
-        if m is not None:
-            out.append(m)
-    return out
+    rows = (ItemMeasurement.from_floats(vals[i:i + NUM_FIELDS]) for i in range(0, len(vals), NUM_FIELDS))
+    return [m for m in rows if m is not None]
 
 
 @dataclass(frozen=True)

@@ -168,15 +168,12 @@ class StepNotes:
                    setting=dict(data.get("setting") or {}))
 
 
-NO_NOTES = StepNotes()
-
-
 @dataclass(frozen=True)
 class StepPlan:
     """One optimizer step: the micro-batches of every rank, in execution order, and the policy's notes."""
 
     items: tuple[WorkItem, ...]
-    notes: StepNotes = field(default=NO_NOTES, compare=False)
+    notes: StepNotes = field(default=StepNotes(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", tuple(self.items))
@@ -184,11 +181,9 @@ class StepPlan:
             raise TypeError(f"StepPlan notes must be a StepNotes, got {type(self.notes).__name__}")
 
     def items_for_rank(self, rank: int) -> list[WorkItem]:
-        """The items ``rank`` executes, in order."""
         return [item for item in self.items if rank in item.ranks]
 
     def with_notes(self, **changes: Any) -> "StepPlan":
-        """The same items with some notes changed."""
         return StepPlan(self.items, self.notes.replace(**changes))
 
     @property

@@ -1,11 +1,7 @@
-"""How a step's items run: :class:`RoundPlan` (a cost model's and a sharding mode's ``rounds``), the one thing the
-planner, the simulator and the runtime read about it.
-
-:data:`FREE_RUNNING` (``none``, ``zero1``, ``zero2``, ``fsdp``: no collective inside the micro-batch loop but the SP
-groups'): each rank runs its items in plan order, one round per item. The lockstep rounds of a shard group
-(:class:`~lightning_dcp.planning.rounds.Lockstep`) live in :mod:`~lightning_dcp.planning.rounds`, so that the
-cost-model interface needs nothing of the round planner. :class:`LanePacker`: what the round planner needs to re-pack
-an SP group's samples. Pure Python.
+"""How a step's items run: :class:`RoundPlan`, a cost model's and a sharding mode's ``rounds``, which the planner,
+the simulator and the runtime read. :data:`FREE_RUNNING` (every mode without collectives in the micro-batch loop):
+each rank runs its items in plan order, one round per item. The lockstep rounds live in
+:mod:`~lightning_dcp.planning.rounds`, so the cost-model interface needs nothing of the round planner. Pure Python.
 """
 
 from __future__ import annotations

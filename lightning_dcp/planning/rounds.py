@@ -1,16 +1,12 @@
-"""How a step's items run under lockstep rounds (``sharding="hsdp"``); the free-running modes: :mod:`.round_plan`.
+"""Lockstep rounds (``sharding="hsdp"``); the free-running modes' rounds are :mod:`.round_plan`'s.
 
-Under per-layer sharding every layer's weights are all-gathered before its forward and backward, and its gradients
-reduce-scattered after its backward, over the ``K`` ranks of a *shard group*. So every rank of a group runs the same
-number of micro-batches, in lockstep: a rank with no item in a round runs a *dummy* round (the same collectives, no
-compute: :mod:`lightning_dcp.runtime.sharding.dummy`), and an SP item runs in one round on all its ranks. Across shard
-groups nothing is shared inside a step, so accumulation varies freely there. A round lasts as long as its slowest item
-plus the round's per-layer collectives.
-
-:class:`Lockstep` plans the rounds with :mod:`lightning_dcp.planning.lockstep` (:meth:`RoundPlan.plan_step`, the one
-entry point); :func:`lockstep_rounds` is the deterministic assignment of a plan's items to rounds that the runtime
-executes (every rank computes it from the same plan); :func:`align_rounds`, the former alignment after dispatch, is
-the yardstick the tests hold the round planner to. Pure Python.
+Per-layer collectives over a shard group's ranks need every rank of the group to run the same number of
+micro-batches, in lockstep: a rank with no item in a round runs a *dummy* round (the collectives, no compute), an SP
+item runs in one round on all its ranks, and a round lasts as long as its slowest item plus its collectives
+(docs/sharding.md, "Per-layer sharding"). Across shard groups accumulation varies freely. :class:`Lockstep` plans
+the rounds (:mod:`lightning_dcp.planning.lockstep`); :func:`lockstep_rounds` is the assignment of a plan's items to
+rounds that the runtime executes; :func:`align_rounds`, the former alignment after dispatch, is the tests'
+yardstick. Pure Python.
 """
 
 from __future__ import annotations

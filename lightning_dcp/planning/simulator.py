@@ -21,10 +21,9 @@ the step end, ``cost_model.step_overhead(world_size)``. Reported (exact definiti
 - ``ideal_time`` = sum over samples of ``item_cost([l], 1, 0).ideal`` / W: perfect balance, no communication, no
   recomputation, every sample at the model's best rates (``ItemCost.ideal``); ``fraction_of_ideal = ideal_time /
   total_time``. Memory can make it unreachable (samples that only fit with recomputation).
-- ``step_bounds[s]``: :func:`~lightning_dcp.planning.bound.step_bound` of the step's samples (``max(best-rate work /
-  W, heaviest sample's best time) + step_overhead``); ``bound_time`` their sum, ``fraction_of_bound = bound_time /
-  total_time``, ``mean_step_bound_fraction`` the mean of ``step_bounds[s] / charged_step_times[s]``. The bound honours
-  memory and the longest sample, so 100% is reachable in principle: the gap below it is the planner's.
+- ``step_bounds[s]``: :func:`~lightning_dcp.planning.bound.step_bound` of the step's samples (docs/planner.md, "The
+  step bound": the gap below it is the planner's); ``bound_time`` their sum, ``fraction_of_bound = bound_time /
+  total_time``, ``mean_step_bound_fraction`` the mean of ``step_bounds[s] / charged_step_times[s]``.
 - ``timeline[s]``: ``(rank, start, end, item_index, kind)``, ``kind`` ``"item"`` or ``"allreduce"`` (the step end),
   relative to the step start.
 """

@@ -1,12 +1,10 @@
 """Which rank tuples a plan's SP groups may be: the placement rule the planner and the runtime share.
 
-An SP group of ``s`` ranks with ring degree ``r`` (``u = s / r`` ranks per Ulysses subgroup) may be the consecutive
-ranks ``[a, a + s)`` when (1) they lie inside the world (under ``sharding="hsdp"``, inside one shard group:
-``domain_size``); (2) ``s <= gpus_per_node``: inside one node, so its all-to-alls run on the node's fabric (the cost
-models price such a group at intra-node bandwidth); (3) ``r > 1``: ``a`` is a multiple of ``u`` (ring sizes have ``u``
-dividing the node size, :func:`~lightning_dcp.planning.sp_sizes.sp_splits`, so each Ulysses subgroup is inside a
-node). A group larger than a node may start anywhere else. Layouts are placed largest first, first fit; for
-power-of-two sizes on a power-of-two node that is exactly the aligned blocks. Pure Python.
+An SP group of ``s`` ranks, ring degree ``r``, Ulysses size ``u = s / r``, may be the consecutive ranks
+``[a, a + s)`` inside the world (and one shard group, ``domain_size``) when ``s <= gpus_per_node`` puts it inside
+one node (priced at intra-node bandwidth) and ``r > 1`` starts it at a multiple of ``u`` (each Ulysses subgroup then
+inside a node); a group larger than a node may start anywhere else. Layouts are placed largest first, first fit
+(docs/planner.md, "SP sizes"). Pure Python.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """``sharding="hsdp"``: per-layer sharding in the micro-batch loop over shard groups of ``K`` consecutive ranks,
-replicated across the ``N / K`` groups (``K = N``: plain ZeRO-3).
+replicated across the ``N / K`` groups (``K = N``: plain ZeRO-3): ``(W + G + O)/K + B + 2R + 4L`` per rank in the
+loop, ``(W + G + O)/K + B`` between steps; with ``offload`` (the shards on the host) ``B + 2R + 4L`` and ``B``.
 
-``R``, the weights outside the repeated layers (embeddings, head), are gathered for the whole micro-batch with their
-gradients; ``L``, the largest repeated layer's, twice over (the running and the prefetched layer, weights and
-gradients): ``2R + 4L`` in the loop. Each layer's collectives run inside the loop, so a group's ranks run lockstep
-rounds (:class:`~lightning_dcp.planning.rounds.Lockstep`) and SP groups stay inside a shard group. Time:
+``R`` is gathered for the whole micro-batch with its gradients, ``L`` twice over (the running and the prefetched
+layer, weights and gradients). Each layer's collectives run inside the loop, so a group's ranks run lockstep rounds
+(:class:`~lightning_dcp.planning.rounds.Lockstep`) and SP groups stay inside a shard group. Time:
 :class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`. Pure Python.
 """
 

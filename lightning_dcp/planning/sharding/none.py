@@ -9,8 +9,6 @@ __all__ = ["NoSharding"]
 
 
 class NoSharding(ShardingMode):
-    """Full replicas (the default), as plain data-parallel training."""
-
     name = "none"
     runtime = "lightning_dcp.runtime.sharding.replicated:ReplicatedShards"
     summary = "full replicas (default)"

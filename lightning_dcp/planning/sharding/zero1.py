@@ -13,8 +13,6 @@ __all__ = ["Zero1"]
 
 
 class Zero1(ShardingMode):
-    """ZeRO stage 1: optimizer state sharded."""
-
     name = "zero1"
     runtime = "lightning_dcp.runtime.sharding.zero1:Zero1Shards"
     summary = "optimizer state sharded (ZeroRedundancyOptimizer): the most room for activations in the loop"
