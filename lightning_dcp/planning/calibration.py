@@ -67,10 +67,7 @@ class CalibrationFactors:
     """None: the base model's estimate."""
 
     def scale(self, sp: int) -> float:
-        for p, f in self.time_scale:
-            if p == sp:
-                return f
-        return self.default_scale
+        return next((f for p, f in self.time_scale if p == sp), self.default_scale)
 
     def to_dict(self) -> dict:
         return {"time_scale": {str(p): f for p, f in self.time_scale}, "default_scale": self.default_scale,

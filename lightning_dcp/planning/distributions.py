@@ -282,9 +282,7 @@ def compute_share(lengths: Sequence[int], cost: Callable[[int], float] = default
         i = min(max(bisect.bisect_right(edges, n) - 1, 0), nb - 1)
         per[i] += cost(n)
     total = sum(per)
-    if total <= 0:
-        return [0.0] * nb
-    return [p / total for p in per]
+    return [0.0] * nb if total <= 0 else [p / total for p in per]
 
 
 def count_share(lengths: Sequence[int], edges: Sequence[int] | None = None) -> list[float]:

@@ -43,9 +43,7 @@ class Topology:
     def legal(self, start: int, size: int) -> bool:
         """Whether ``[start, start + size)`` may be an SP group of ``size`` ranks."""
         end = start + size
-        if start < 0 or end > self.world_size:
-            return False
-        if start % self.align.get(size, 1):
+        if start < 0 or end > self.world_size or start % self.align.get(size, 1):
             return False
         g = self.node_size
         if g and size <= g and start // g != (end - 1) // g:
