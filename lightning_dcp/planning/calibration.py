@@ -1,65 +1,13 @@
-"""Plans that learn from the run: per-item measurements and the refit of the cost model's time terms.
+"""Plans that learn from the run: the refit of the cost model's time terms from per-item measurements.
 
-The cost model is fixed at fit start; real steps run 6-33% slower than it predicts (measured on
-2 CPU processes), and on clusters some ranks are slower than others (a throttled GPU, a slow node).
-This module turns what the run measured into two kinds of factors the planner uses
-(:class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`):
-
-- a *time scale* per SP size: measured / predicted time of that size's micro-batches on a rank
-  at typical speed (one ``default_scale`` for the SP sizes not measured yet);
-- a *speed* per rank: how fast the rank runs relative to the typical (median) rank; an SP item
-  runs at the pace of its slowest member (:mod:`~lightning_dcp.planning.speeds`);
-- the *step overhead*: the seconds of a step beyond its slowest rank's predicted items (the
-  step-end all-gather, the gradient reduction, the optimizer step, the slowest rank's overrun),
-  measured, in place of the base model's estimate.
-
-The runtime's part: every rank times each micro-batch it executes and its whole previous step
-(from the micro-batch loop's start to the end of its optimizer step); the rows
-(:class:`~lightning_dcp.planning.measurements.ItemMeasurement`,
-:class:`~lightning_dcp.planning.measurements.StepTiming`, fixed-width floats) ride on the step-end
-all-gather; every rank decodes the gathered rows and calls :meth:`Calibrator.observe`. Every rank
-thus sees the same rows and computes the same refit, bit for bit: the refit first sorts the rows
-into a canonical order and sums with ``math.fsum`` (correctly rounded), so it depends only on the
-*set* of gathered rows -- not on which rank computes it nor on the order the rows arrived in.
-
-The refit (:meth:`Calibrator.refit`, every ``config.every`` observed steps, over the rows of those
-steps):
-
-1. Items: the rows of one ``(step, item)`` are one micro-batch; its duration is the largest
-   member's measured seconds and its ratio ``measured / predicted`` (``predicted``: the
-   *uncalibrated* model's time, so factors never compound).
-2. Speeds from SP-1 items: per rank the robust ratio of its items (:func:`robust_ratio`: measured
-   over predicted seconds, summed over the items whose ratio is no outlier, so the scale predicts
-   the total time right); the typical ratio ``scale[1]`` is the median over ranks; a rank's speed
-   sample from an item is ``scale[1] / ratio``.
-3. SP items whose members' all-to-all seconds were measured: each member's compute seconds
-   ``c = measured - wait`` give every member a speed sample ``w / c``, with the item's work ``w``
-   the members' mean of ``current speed x c``: the member that computed longest (and waited least)
-   is the slow one, whatever the SP sizes the plans use.
-4. SP sizes above 1: ``scale[p]`` is the robust ratio of the items' measured seconds x their slowest
-   member's speed over their predicted seconds; in an
-   item without measured waits the speed sample ``scale[p] / ratio`` goes to its slowest member by
-   the current speeds (none when they tie).
-5. Step overhead: per step whose every rank reported its timing, ``max(step seconds)`` over the
-   ranks minus the largest per-rank sum of the step's items predicted with the factors just
-   refitted: what the item model does not predict (host work, the step-end gather, the gradient
-   reduction, the optimizer step, and the step's slowest rank running past its prediction, which
-   noisy ranks make longer than any one rank's mean). The robust mean of those, smoothed
-   (``alpha``); with fewer than ``min_samples`` such steps the timings stay for the next refit.
-6. Each factor with at least ``min_samples`` samples moves towards its estimate by exponential
-   smoothing (``alpha``) -- its first refit takes the estimate (the old value was the fit-start
-   guess, not a measurement) -- at most ``max_change`` x per refit, clamped to ``[low, high]``.
-
-"Robust mean": samples further than ``mad_cut`` x 1.4826 x MAD (at least ``rel_floor`` of the
-median) from the median are dropped, the rest averaged -- one crazy step (a stall, a checkpoint
-write) among the window's steps is dropped, not averaged in.
-
-Modes: ``"adaptive"`` (refit), ``"fixed"`` (the factors given or loaded stay; measurements are
-still compared with the predictions, for the logs), ``"off"`` (every factor 1.0, nothing kept).
-:meth:`Calibrator.state_dict` is JSON-able and goes with the checkpoint; a resumed run continues
-from the same factors and window.
-
-Pure Python: no torch, no numpy.
+The fit-start cost model is off in real steps and some ranks are slower than others. :class:`Calibrator` turns the
+rows every rank measured (:mod:`~lightning_dcp.planning.measurements`, gathered at each step's end, the same on
+every rank) into the factors :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel` applies: a time scale
+per SP size (measured / predicted at typical speed; ``default_scale`` for sizes not measured yet), a speed per rank
+(relative to the median rank; an SP item runs at its slowest member's pace) and the step overhead (a step's seconds
+beyond its slowest rank's predicted items). The refit, steps 1-6, and why every rank computes the same factors bit
+for bit: docs/calibration.md, "How the refit works". Modes: ``"adaptive"`` (refit), ``"fixed"`` (the factors stay;
+measurements are still compared with the predictions), ``"off"`` (every factor 1.0). Pure Python.
 """
 
 from __future__ import annotations
@@ -74,28 +22,24 @@ __all__ = ["CalibrationConfig", "CalibrationFactors", "Calibrator", "MODES", "St
            "robust_ratio"]
 
 MODES = ("adaptive", "fixed", "off")
-"""Calibrator modes: refit every ``every`` steps; keep the given factors; everything 1.0."""
+
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """How the :class:`Calibrator` refits (see the module docstring)."""
+    """How the :class:`Calibrator` refits."""
 
     every: int = 20
-    """Refit after this many observed steps (over their measurements)."""
     alpha: float = 0.5
     """Exponential smoothing: a factor moves this fraction of the way to its new estimate."""
     low: float = 0.25
     """Smallest factor (time scale or speed)."""
     high: float = 4.0
-    """Largest factor."""
     max_change: float = 2.0
     """A factor changes by at most this ratio per refit."""
     min_samples: int = 3
-    """Samples (items) a factor needs to be refitted; fewer leave it unchanged."""
+    """Samples (items) a factor needs to be refitted."""
     mad_cut: float = 3.0
-    """Outlier cut: samples more than this many (normal-scaled) MADs from the median are dropped."""
     rel_floor: float = 0.05
-    """The outlier cut is at least this fraction of the median (noise-free samples keep a margin)."""
 
     def __post_init__(self) -> None:
         if int(self.every) < 1:
@@ -115,19 +59,15 @@ class CalibrationFactors:
     """The refitted factors: what :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel` scales by."""
 
     time_scale: tuple[tuple[int, float], ...] = ()
-    """``(sp, factor)`` pairs, ascending SP: measured / predicted time on that SP size."""
+    """``(sp, factor)`` pairs, ascending SP."""
     default_scale: float = 1.0
-    """Time scale of the SP sizes without a factor of their own."""
     rank_speeds: tuple[float, ...] | None = None
-    """Speed of every rank (None: all 1.0)."""
+    """None: all 1.0."""
     step_overhead_s: float | None = None
-    """Measured seconds of a step beyond its slowest rank's predicted items (None: the base model's estimate)."""
+    """None: the base model's estimate."""
 
     def scale(self, sp: int) -> float:
-        for p, f in self.time_scale:
-            if p == sp:
-                return f
-        return self.default_scale
+        return next((f for p, f in self.time_scale if p == sp), self.default_scale)
 
     def to_dict(self) -> dict:
         return {"time_scale": {str(p): f for p, f in self.time_scale}, "default_scale": self.default_scale,
@@ -144,17 +84,14 @@ class CalibrationFactors:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Predicted vs measured for one step (what the runtime logs): per-rank busy seconds, their maximum."""
+    """Predicted (current factors; ``base_``: uncalibrated) vs measured busy seconds of one step's slowest rank (what
+    the runtime logs); ``overhead_s``: the predicted seconds outside the micro-batch loop."""
 
     step: int
     predicted_s: float
-    """Slowest rank's predicted busy time under the current factors."""
     base_predicted_s: float
-    """The same under the uncalibrated cost model."""
     measured_s: float
-    """Slowest rank's measured busy time."""
     overhead_s: float = 0.0
-    """The step's predicted seconds outside the micro-batch loop (predicted step: ``predicted_s + overhead_s``)."""
 
     @property
     def relative_error(self) -> float:
@@ -168,51 +105,42 @@ def _median(xs: Sequence[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def robust_mean(xs: Sequence[float], mad_cut: float = 3.0, rel_floor: float = 0.05) -> float:
-    """Mean of ``xs`` after dropping the samples further than ``mad_cut`` x 1.4826 x MAD (at least
-    ``rel_floor`` x |median|) from the median. Order-independent (sorted, ``math.fsum``)."""
+def _inliers(xs: Sequence[float], mad_cut: float, rel_floor: float) -> list[bool]:
+    """Per sample: within ``mad_cut`` x 1.4826 x MAD (at least ``rel_floor`` x |median|) of the median."""
     med = _median(xs)
-    mad = _median([abs(x - med) for x in xs])
-    cut = max(mad_cut * 1.4826 * mad, rel_floor * abs(med))
-    kept = sorted(x for x in xs if abs(x - med) <= cut)
+    cut = max(mad_cut * 1.4826 * _median([abs(x - med) for x in xs]), rel_floor * abs(med))
+    return [abs(x - med) <= cut for x in xs]
+
+
+def robust_mean(xs: Sequence[float], mad_cut: float = 3.0, rel_floor: float = 0.05) -> float:
+    """Mean of the :func:`_inliers` of ``xs``; order-independent (``math.fsum``)."""
+    kept = [x for x, ok in zip(xs, _inliers(xs, mad_cut, rel_floor)) if ok]
     return math.fsum(kept) / len(kept)
 
 
 def robust_ratio(num: Sequence[float], den: Sequence[float], mad_cut: float = 3.0, rel_floor: float = 0.05) -> float:
-    """``sum(num) / sum(den)`` over the pairs whose ratio :func:`robust_mean` keeps: the time-weighted
-    scale, so that the predicted total time of the kept items equals the measured one (a plain mean of
-    ratios overweights short items when the base model's shape is off). Order-independent."""
-    ratios = [n / d for n, d in zip(num, den)]
-    med = _median(ratios)
-    mad = _median([abs(x - med) for x in ratios])
-    cut = max(mad_cut * 1.4826 * mad, rel_floor * abs(med))
-    kept = [(n, d) for n, d, x in zip(num, den, ratios) if abs(x - med) <= cut]
+    """``sum(num) / sum(den)`` over the pairs whose ratio is an inlier: the time-weighted scale, so the kept items'
+    predicted total equals the measured one (a mean of ratios overweights short items). Order-independent."""
+    kept = [(n, d) for n, d, ok in zip(num, den, _inliers([n / d for n, d in zip(num, den)], mad_cut, rel_floor)) if ok]
     return math.fsum(n for n, _ in kept) / math.fsum(d for _, d in kept)
 
 
 @dataclass
 class _Item:
-    """One micro-batch of the window: its members' rows, combined."""
+    """One micro-batch of the window, its members' rows combined; ``measured = ratio x predicted``; ``computes``: per
+    member measured minus all-to-all seconds (empty unless every member measured both)."""
 
     sp: int
     ranks: tuple[int, ...]
     ratio: float
     waits: tuple[float, ...]
     predicted: float = 0.0
-    """The uncalibrated prediction (``measured = ratio x predicted``)."""
     computes: tuple[float, ...] = ()
-    """Per member: measured seconds minus all-to-all seconds (empty unless every member measured both)."""
 
 
 class Calibrator:
-    """Refits per-SP-size time scales and per-rank speeds from gathered measurements (module docstring).
-
-    Args:
-        world_size: ranks of the run.
-        config: refit settings.
-        mode: ``"adaptive"``, ``"fixed"`` or ``"off"`` (:data:`MODES`).
-        factors: the starting factors (e.g. a fixed model for reproducibility; default all 1.0).
-    """
+    """Refits per-SP-size time scales, per-rank speeds and the step overhead from gathered measurements (module
+    docstring); ``factors``: the starting ones (default all 1.0)."""
 
     def __init__(self, world_size: int, config: CalibrationConfig | None = None, *, mode: str = "adaptive",
                  factors: CalibrationFactors | None = None) -> None:
@@ -235,15 +163,10 @@ class Calibrator:
     def enabled(self) -> bool:
         return self.mode != "off"
 
-    # -- the run's side ------------------------------------------------------------------
     def observe(self, measurements: Iterable[ItemMeasurement],
                 timings: Iterable[StepTiming] = ()) -> CalibrationFactors | None:
-        """Record one step's gathered measurements (all ranks') and the timings of an earlier step;
-        refit when ``config.every`` steps are in.
-
-        Returns the new factors after a refit, else None. ``"off"`` ignores the measurements;
-        ``"fixed"`` never refits.
-        """
+        """Record one step's gathered measurements (all ranks') and the timings of an earlier step; the new factors
+        when this completes ``config.every`` steps (``"adaptive"`` only), else None."""
         if self.mode == "off":
             return None
         rows = [m for m in measurements if 0 <= m.rank < self.world_size]
@@ -262,22 +185,16 @@ class Calibrator:
 
     def predict(self, measurements: Iterable[ItemMeasurement], step: int = -1,
                 base_overhead_s: float = 0.0) -> StepPrediction:
-        """Predicted (current factors, and uncalibrated) vs measured busy time of the slowest rank; the
-        step overhead: the measured one of the factors, else ``base_overhead_s``."""
-        items, rows = self._items(measurements)
-        base = [0.0] * self.world_size
+        """The step's :class:`StepPrediction`; its overhead the factors' measured one, else ``base_overhead_s``."""
+        _, rows = self._items(measurements)
         meas = [0.0] * self.world_size
         for m in rows:
             meas[m.rank] += m.measured_s
-        for first, ranks, _ in items.values():
-            for r in ranks:
-                base[r] += first.predicted_s
-        pred = self._busy(rows, self.factors)
+        pred, base = self._busy(rows, self.factors), self._busy(rows, CalibrationFactors())
         overhead = self.factors.step_overhead_s
         return StepPrediction(step, max(pred, default=0.0), max(base, default=0.0), max(meas, default=0.0),
                               float(base_overhead_s) if overhead is None else overhead)
 
-    # -- the refit -----------------------------------------------------------------------
     def refit(self) -> CalibrationFactors:
         """New factors from the window's measurements (module docstring); clears the window."""
         items = self._combine(self.window)
@@ -287,25 +204,21 @@ class Calibrator:
         speeds = list(old.rank_speeds) if old.rank_speeds is not None else [1.0] * self.world_size
         est_scale: dict[int, float] = {}
         speed_samples: dict[int, list[float]] = {}
-        # SP-1 items: per-rank typical ratio; the median rank defines speed 1.0
-        per_rank: dict[int, list[float]] = {}
-        for it in items:
-            if it.sp == 1:
-                per_rank.setdefault(it.ranks[0], []).append(it.ratio)
+        per_rank: dict[int, list[float]] = {}  # SP-1 items: per-rank ratios; the median rank defines speed 1.0
         preds: dict[int, list[float]] = {}
         for it in items:
             if it.sp == 1:
+                per_rank.setdefault(it.ranks[0], []).append(it.ratio)
                 preds.setdefault(it.ranks[0], []).append(it.predicted)
         rank_ratio = {r: robust_ratio([x * p for x, p in zip(v, preds[r])], preds[r], cfg.mad_cut, cfg.rel_floor)
                       for r, v in sorted(per_rank.items()) if len(v) >= cfg.min_samples}
+        first: dict[int, float] = {}
         if rank_ratio:
-            s1 = _median(list(rank_ratio.values()))
-            est_scale[1] = s1
+            s1 = est_scale[1] = _median(list(rank_ratio.values()))
             for r, v in sorted(per_rank.items()):
                 speed_samples[r] = [s1 / x for x in v]
-        first = {r: est_scale[1] / x for r, x in rank_ratio.items()} if rank_ratio else {}
-        cur = [first.get(r, speeds[r]) for r in range(self.world_size)]
-        cur = self._timed_speeds(items, cur, speed_samples)
+            first = {r: s1 / x for r, x in rank_ratio.items()}
+        cur = self._timed_speeds(items, [first.get(r, speeds[r]) for r in range(self.world_size)], speed_samples)
         # SP items: scale per size at the slowest member's pace; untimed items: the sample to that member
         by_sp: dict[int, list[_Item]] = {}
         for it in items:
@@ -325,8 +238,7 @@ class Calibrator:
         default = old.default_scale
         if len(adjusted) >= cfg.min_samples:
             estimate = robust_ratio(adjusted, [it.predicted for it in items], cfg.mad_cut, cfg.rel_floor)
-            default = self._move(old.default_scale, estimate,
-                                 first=self.refits == 0)
+            default = self._move(old.default_scale, estimate, first=self.refits == 0)
         scales = dict(old.time_scale)
         for p, e in est_scale.items():
             scales[p] = self._move(scales.get(p, old.default_scale), e, first=p not in scales)
@@ -345,8 +257,7 @@ class Calibrator:
 
     def _timed_speeds(self, items: Sequence[_Item], cur: list[float],
                       speed_samples: dict[int, list[float]]) -> list[float]:
-        """Speed samples from SP items whose members' all-to-all seconds were measured (into
-        ``speed_samples``); the speeds ``cur`` updated by them, for the SP scales."""
+        """Step 3: speed samples from SP items with measured waits (into ``speed_samples``); ``cur`` updated by them."""
         cfg = self.config
         timed: dict[int, list[float]] = {}
         for it in items:
@@ -363,9 +274,8 @@ class Calibrator:
         return out
 
     def _overhead(self, factors: CalibrationFactors) -> float | None:
-        """The step overhead estimate under ``factors`` (module docstring), or None with fewer than
-        ``min_samples`` steps whose every rank's timing and item rows are in; the timings and rows of
-        the steps used are dropped, the others wait for the next refit."""
+        """Step 5 under ``factors``, or None (too few whole steps: they wait for the next refit); the steps used are
+        dropped."""
         by_step: dict[int, list[StepTiming]] = {}
         for t in sorted(self.timings, key=lambda t: t.to_floats()):
             by_step.setdefault(t.step, []).append(t)
@@ -390,8 +300,7 @@ class Calibrator:
         return busy
 
     def _move(self, old: float, estimate: float, first: bool = False) -> float:
-        """``old`` smoothed towards ``estimate`` (``first``: a factor never refitted, whose ``old`` is the
-        fit-start guess, takes the estimate), limited to ``max_change`` x, clamped."""
+        """Step 6: ``old`` smoothed towards ``estimate`` (``first``: taken as is), at most ``max_change`` x, clamped."""
         cfg = self.config
         new = estimate if first else old + cfg.alpha * (estimate - old)
         new = min(max(new, old / cfg.max_change), old * cfg.max_change)
@@ -400,14 +309,13 @@ class Calibrator:
     def _items(self, measurements: Iterable[ItemMeasurement]):
         """``({(step, item): (first row, ranks, rows)}, rows)`` of valid rows, in canonical order."""
         rows = sorted((m for m in measurements if 0 <= m.rank < self.world_size), key=ItemMeasurement.sort_key)
-        items: dict[tuple[int, int], tuple[ItemMeasurement, tuple[int, ...], list[ItemMeasurement]]] = {}
         grouped: dict[tuple[int, int], list[ItemMeasurement]] = {}
         for m in rows:
             grouped.setdefault((m.step, m.item), []).append(m)
+        items = {}
         for key in sorted(grouped):
             ms = sorted(grouped[key], key=lambda m: (m.rank, m.sort_key()))
-            ranks = tuple(sorted({m.rank for m in ms}))
-            items[key] = (ms[0], ranks, ms)
+            items[key] = (ms[0], tuple(sorted({m.rank for m in ms})), ms)
         return items, rows
 
     def _combine(self, measurements: Iterable[ItemMeasurement]) -> list[_Item]:
@@ -415,10 +323,8 @@ class Calibrator:
         items, _ = self._items(measurements)
         out = []
         for first, ranks, ms in items.values():
-            if first.predicted_s <= 0:
-                continue
             measured = max(m.measured_s for m in ms)
-            if measured <= 0:
+            if first.predicted_s <= 0 or measured <= 0:
                 continue
             waits = tuple(min(m.wait_s for m in ms if m.rank == r) for r in ranks)
             computes: tuple[float, ...] = ()
@@ -428,7 +334,6 @@ class Calibrator:
             out.append(_Item(first.sp, ranks, measured / first.predicted_s, waits, first.predicted_s, computes))
         return out
 
-    # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """JSON-able state: mode, config, factors, the window's rows, counters."""
         return {"version": 2, "mode": self.mode, "world_size": self.world_size, "config": asdict(self.config),
@@ -439,11 +344,8 @@ class Calibrator:
                 "steps_seen": self.steps_seen, "refits": self.refits}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the mode given at construction wins over the saved one).
-
-        Raises:
-            ValueError: a state of another world size or version.
-        """
+        """Restore :meth:`state_dict`'s output (the mode given at construction wins); ``ValueError`` for another world
+        size or version."""
         if int(state.get("version", 0)) not in (1, 2):
             raise ValueError(f"calibration state version {state.get('version')!r} is not 1 or 2")
         if int(state["world_size"]) != self.world_size:

@@ -1,47 +1,19 @@
-"""Named sequence-length distributions for the planner, the simulator and benchmarks.
+"""Named sequence-length distributions for the planner, the simulator and benchmarks (:data:`DISTRIBUTIONS`).
 
-* ``short``, ``balanced``, ``long``: the three synthetic datasets of the DCP paper (Appendix A),
-  where *dominance is by compute cost, not by count*: all three have many more short sequences than
-  long ones; they differ in which lengths the training time goes to. Each is a mixture of
-  log-uniform components over the length bands of :data:`BANDS` (1k..512k tokens, for the
-  Transformer-1D), with the count weights of :data:`MIXTURES`. The weights were derived from the
-  Transformer-1D analytic cost on H100 (compute-only time at sp=1): mean cost per band
-  0.095, 0.48, 3.47, 38.7, 226 s -- i.e. a 256k-512k sequence costs ~2400x a 1k-4k one.
-
-  =========  ============================================  ====================================
-  name       count weights per band (1k-4k .. 256k-512k)     compute share per band (target)
-  =========  ============================================  ====================================
-  short      0.893, 0.0984, 0.00818, 4.89e-4, 4.19e-5       0.45, 0.25, 0.15, 0.10, 0.05
-  balanced   0.8135, 0.1618, 0.0223, 2.0e-3, 3.44e-4       0.2 each
-  long       0.592, 0.235, 0.114, 0.0437, 0.0150           0.01, 0.02, 0.07, 0.30, 0.60
-  =========  ============================================  ====================================
-
-  The longest sequences (up to 512k) need sequence parallel 8 on an 80 GB device even with full
-  recomputation (see ``AnalyticCostModel.max_length``).
-
-* ``video``: any-size video in the manner of Open-Sora 1.2 buckets: resolution 144p..720p,
-  aspect ratio (w:h) 16:9, 4:3, 1:1, 3:4, 9:16, frames 1 (image), 51, 102, 204; a 4x temporal /
-  8x spatial VAE and a 2x2 patchify give ``tokens = (1 + (f-1)//4) * (H/16) * (W/16)``.
-  :meth:`VideoDistribution.sample_shapes` returns the latent token grids.
-
-* ``wan``: Wan 2.1 text-to-video training shapes: its sizes 832x480, 480x832 (480p) and
-  1280x720, 720x1280 (720p) at 1 (image), 17, 33, 49, 65 or 81 frames (``4k+1``, 81 = 5 s at
-  16 fps); the (4, 8, 8)-stride VAE and the (1, 2, 2) patch give
-  ``tokens = (1 + (f-1)//4) * (H/16) * (W/16)``: 1,560 (a 480p image) .. 75,600 (81 frames of
-  720p). :meth:`WanVideoDistribution.sample_shapes` returns the latent token grids.
-
-* ``code``: real data: the token counts of this machine's Python standard-library ``.py`` files
-  (``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded), tokens approximated by the
-  regex ``\\w+|[^\\w\\s]`` (identifiers/numbers and single punctuation characters); samples are
-  files drawn with replacement.
-
-Pure Python + numpy.
+``short``, ``balanced``, ``long`` are the DCP paper's synthetic datasets (Appendix A), dominated by compute cost, not
+count: all have many more short sequences than long ones and differ in where the training time goes. Each mixes
+log-uniform bands (:data:`BANDS`, 1k..512k tokens) with the count weights of :data:`MIXTURES`, derived from the
+Transformer-1D analytic cost on H100 (mean compute time per band 0.095, 0.48, 3.47, 38.7, 226 s) to give these
+compute shares per band: short 0.45, 0.25, 0.15, 0.10, 0.05; balanced 0.2 each; long 0.01, 0.02, 0.07, 0.30, 0.60.
+The longest (512k) need SP 8 on an 80 GB device even with full recomputation. ``video`` (Open-Sora 1.2 buckets),
+``wan`` (Wan 2.1 shapes) and ``code`` (real data) are described by their classes. Pure Python + numpy.
 """
 
 from __future__ import annotations
 
 import abc
 import bisect
+import functools
 import math
 import os
 import re
@@ -49,9 +21,6 @@ import sysconfig
 from typing import Callable, Sequence
 
 import numpy as np
-
-# ------------------------------------------------------------------ base class
-
 
 class LengthDistribution(abc.ABC):
     """A named distribution of sequence lengths (tokens). ``sample`` is deterministic per seed."""
@@ -61,10 +30,7 @@ class LengthDistribution(abc.ABC):
 
     def sample(self, n: int, seed: int) -> list[int]:
         """``n`` positive integer lengths, the same for the same ``(n, seed)``."""
-        if not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative integer, got {n!r}")
-        out = self._sample(int(n), np.random.default_rng(seed))
-        return [int(x) for x in out]
+        return [int(x) for x in self._sample(_count(n), np.random.default_rng(seed))]
 
     @abc.abstractmethod
     def _sample(self, n: int, rng: np.random.Generator) -> Sequence[int]:
@@ -74,7 +40,11 @@ class LengthDistribution(abc.ABC):
         return f"{type(self).__name__}({self.name!r})"
 
 
-# ------------------------------------------------------------------ short / balanced / long
+def _count(n: int) -> int:
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    return int(n)
+
 
 BANDS: tuple[tuple[int, int], ...] = (
     (1024, 4096), (4096, 16384), (16384, 65536), (65536, 262144), (262144, 524288),
@@ -90,14 +60,8 @@ MIXTURES: dict[str, tuple[float, ...]] = {
 
 
 class MixtureDistribution(LengthDistribution):
-    """Mixture of log-uniform components: ``bands[i]`` drawn with probability ``weights[i]``.
-
-    Args:
-        name: registry name.
-        bands: ``(lo, hi)`` token ranges, ``1 <= lo < hi``; a draw is ``floor(exp(U(log lo, log hi)))``.
-        weights: non-negative weights, one per band (need not sum to 1).
-        description: one line for listings.
-    """
+    """Mixture of log-uniform components: band ``(lo, hi)`` (``1 <= lo < hi``) drawn with probability ``weights[i]``
+    (normalized), a draw ``floor(exp(U(log lo, log hi)))``."""
 
     def __init__(self, name: str, bands: Sequence[tuple[int, int]], weights: Sequence[float], description: str = ""):
         if len(bands) != len(weights) or not bands:
@@ -124,11 +88,8 @@ class MixtureDistribution(LengthDistribution):
         return np.clip(np.floor(x).astype(np.int64), lo, hi - 1).tolist()
 
 
-# ------------------------------------------------------------------ video
-
-# Open-Sora 1.2 style resolution names -> pixel area (height x width at 16:9 landscape).
+# Open-Sora 1.2 style resolution names -> (pixel area at 16:9 landscape, sampling weight).
 VIDEO_RESOLUTIONS: dict[str, tuple[int, float]] = {
-    # name: (area in pixels, sampling weight)
     "144p": (144 * 256, 0.20),
     "240p": (240 * 426, 0.25),
     "360p": (360 * 640, 0.25),
@@ -162,11 +123,8 @@ def video_pixels(resolution: str, aspect: str) -> tuple[int, int]:
 
 
 def video_tokens(frames: int, height: int, width: int) -> tuple[int, int, int]:
-    """Latent token grid ``(latent_frames, h_tokens, w_tokens)`` of a ``frames x height x width`` video.
-
-    ``latent_frames = 1 + (frames - 1) // 4`` (causal 4x temporal VAE), ``h_tokens = height // 16``
-    (8x spatial VAE, 2x2 patchify), same for width. Tokens = the product.
-    """
+    """Latent token grid ``(1 + (frames - 1) // 4, height // 16, width // 16)`` of a video: a causal 4x temporal and
+    8x spatial VAE, then 2x2 patchify; its tokens are the product."""
     if frames < 1 or height < 1 or width < 1:
         raise ValueError(f"video shape must be positive, got frames={frames}, height={height}, width={width}")
     q = VAE_SPATIAL * PATCH
@@ -174,34 +132,23 @@ def video_tokens(frames: int, height: int, width: int) -> tuple[int, int, int]:
 
 
 class VideoDistribution(LengthDistribution):
-    """Any-size video (Open-Sora-1.2-like buckets); lengths are latent tokens after VAE and patchify."""
+    """Any-size video in Open-Sora 1.2's buckets (:data:`VIDEO_RESOLUTIONS` x :data:`VIDEO_ASPECTS` x
+    :data:`VIDEO_FRAMES`); lengths are latent tokens (:func:`video_tokens`)."""
 
     def __init__(self, name: str = "video"):
         self.name = name
         self.description = ("any-size video, Open-Sora-like buckets 144p..720p x 5 aspect ratios x {1,51,102,204} "
                             "frames; tokens = (1+(f-1)//4) * H/16 * W/16 (144 .. 183,600)")
-        self._res = list(VIDEO_RESOLUTIONS)
-        self._res_p = _normalized([VIDEO_RESOLUTIONS[r][1] for r in self._res])
-        self._asp = list(VIDEO_ASPECTS)
-        self._asp_p = _normalized([VIDEO_ASPECTS[a][1] for a in self._asp])
-        self._frames = list(VIDEO_FRAMES)
-        self._frames_p = _normalized([VIDEO_FRAMES[f] for f in self._frames])
 
     def _shapes(self, n: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
-        ri = rng.choice(len(self._res), size=n, p=self._res_p)
-        ai = rng.choice(len(self._asp), size=n, p=self._asp_p)
-        fi = rng.choice(len(self._frames), size=n, p=self._frames_p)
-        out = []
-        for r, a, f in zip(ri.tolist(), ai.tolist(), fi.tolist()):
-            h, w = video_pixels(self._res[r], self._asp[a])
-            out.append(video_tokens(self._frames[f], h, w))
-        return out
+        res = _draw(rng, {k: w for k, (_, w) in VIDEO_RESOLUTIONS.items()}, n)
+        asp = _draw(rng, {k: w for k, (_, w) in VIDEO_ASPECTS.items()}, n)
+        frames = _draw(rng, VIDEO_FRAMES, n)
+        return [video_tokens(f, *video_pixels(r, a)) for r, a, f in zip(res, asp, frames)]
 
     def sample_shapes(self, n: int, seed: int) -> list[tuple[int, int, int]]:
-        """``n`` latent token grids ``(latent_frames, h_tokens, w_tokens)``; same draw as :meth:`sample`."""
-        if not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative integer, got {n!r}")
-        return self._shapes(int(n), np.random.default_rng(seed))
+        """``n`` latent token grids (:func:`video_tokens`); the same draw as :meth:`sample`."""
+        return self._shapes(_count(n), np.random.default_rng(seed))
 
     def _sample(self, n: int, rng: np.random.Generator) -> Sequence[int]:
         return [f * h * w for f, h, w in self._shapes(n, rng)]
@@ -216,33 +163,27 @@ WAN_FRAMES: dict[int, float] = {1: 0.20, 17: 0.10, 33: 0.15, 49: 0.15, 65: 0.15,
 
 
 class WanVideoDistribution(VideoDistribution):
-    """Wan-2.1-like video: :data:`WAN_SIZES` x :data:`WAN_FRAMES`; lengths are latent tokens after
-    the (4, 8, 8) VAE and the (1, 2, 2) patch, as :func:`video_tokens` counts them."""
+    """Wan 2.1 text-to-video shapes, :data:`WAN_SIZES` x :data:`WAN_FRAMES` (81 frames = 5 s at 16 fps); lengths are
+    latent tokens (:func:`video_tokens`), 1,560 (a 480p image) .. 75,600 (81 frames of 720p)."""
 
     def __init__(self, name: str = "wan"):
         self.name = name
         self.description = ("Wan 2.1 video: 832x480 / 1280x720 (either orientation) x {1,17,33,49,65,81} frames; "
                             "tokens = (1+(f-1)//4) * H/16 * W/16 (1,560 .. 75,600)")
-        self._sizes = list(WAN_SIZES)
-        self._sizes_p = _normalized([WAN_SIZES[x] for x in self._sizes])
-        self._frames = list(WAN_FRAMES)
-        self._frames_p = _normalized([WAN_FRAMES[f] for f in self._frames])
 
     def _shapes(self, n: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
-        si = rng.choice(len(self._sizes), size=n, p=self._sizes_p)
-        fi = rng.choice(len(self._frames), size=n, p=self._frames_p)
-        return [video_tokens(self._frames[f], *self._sizes[k]) for k, f in zip(si.tolist(), fi.tolist())]
+        sizes, frames = _draw(rng, WAN_SIZES, n), _draw(rng, WAN_FRAMES, n)
+        return [video_tokens(f, *hw) for hw, f in zip(sizes, frames)]
 
 
-def _normalized(w: Sequence[float]) -> list[float]:
-    s = float(sum(w))
-    return [x / s for x in w]
+def _draw(rng: np.random.Generator, weights: dict, n: int) -> list:
+    """``n`` keys of ``weights`` drawn with probability proportional to their values."""
+    keys, w = list(weights), list(weights.values())
+    total = float(sum(w))
+    return [keys[i] for i in rng.choice(len(keys), size=n, p=[x / total for x in w]).tolist()]
 
-
-# ------------------------------------------------------------------ code (real data)
 
 _TOKEN_RE = re.compile(rb"\w+|[^\w\s]")
-_CODE_CACHE: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 
 
 def count_tokens(source: bytes) -> int:
@@ -250,16 +191,12 @@ def count_tokens(source: bytes) -> int:
     return len(_TOKEN_RE.findall(source))
 
 
+@functools.lru_cache(maxsize=None)
 def stdlib_token_counts(root: str | None = None) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """``(paths, counts)`` of the ``.py`` files under ``root`` (default: this interpreter's stdlib).
-
-    Sorted by path; ``site-packages``/``dist-packages``/``__pycache__`` skipped; unreadable and empty
-    files left out. Cached per root for the life of the process (the first call reads ~2k files, ~1 s).
-    """
+    """``(paths, counts)`` of the ``.py`` files under ``root`` (default: this interpreter's stdlib), sorted by path;
+    ``site-packages``/``dist-packages``/``__pycache__`` skipped, unreadable and empty files left out. Cached per root
+    (the first call reads ~2k files, ~1 s)."""
     root = root or sysconfig.get_paths()["stdlib"]
-    cached = _CODE_CACHE.get(root)
-    if cached is not None:
-        return cached
     paths: list[str] = []
     for d, dirs, files in os.walk(root):
         dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__")]
@@ -275,9 +212,7 @@ def stdlib_token_counts(root: str | None = None) -> tuple[tuple[str, ...], tuple
         if c > 0:
             kept_p.append(p)
             kept_c.append(c)
-    result = (tuple(kept_p), tuple(kept_c))
-    _CODE_CACHE[root] = result
-    return result
+    return tuple(kept_p), tuple(kept_c)
 
 
 class CodeDistribution(LengthDistribution):
@@ -301,8 +236,6 @@ class CodeDistribution(LengthDistribution):
         idx = rng.integers(0, len(counts), size=n)
         return [counts[i] for i in idx.tolist()]
 
-
-# ------------------------------------------------------------------ registry and analysis
 
 DISTRIBUTIONS: dict[str, LengthDistribution] = {
     "short": MixtureDistribution("short", BANDS, MIXTURES["short"],
@@ -337,11 +270,8 @@ def default_cost(length: int) -> float:
 
 def compute_share(lengths: Sequence[int], cost: Callable[[int], float] = default_cost,
                   edges: Sequence[int] | None = None) -> list[float]:
-    """Share of the total ``cost`` of ``lengths`` falling in each band ``[edges[i], edges[i+1])``.
-
-    ``edges`` default to the :data:`BANDS` boundaries (1k, 4k, .., 512k); lengths below the first
-    edge count in the first band, at or above the last edge in the last band.
-    """
+    """Share of the total ``cost`` of ``lengths`` in each band ``[edges[i], edges[i+1])`` (default: :data:`BANDS`);
+    lengths outside count in the first or last band."""
     if edges is None:
         edges = [b[0] for b in BANDS] + [BANDS[-1][1]]
     if len(edges) < 2:
@@ -352,9 +282,7 @@ def compute_share(lengths: Sequence[int], cost: Callable[[int], float] = default
         i = min(max(bisect.bisect_right(edges, n) - 1, 0), nb - 1)
         per[i] += cost(n)
     total = sum(per)
-    if total <= 0:
-        return [0.0] * nb
-    return [p / total for p in per]
+    return [0.0] * nb if total <= 0 else [p / total for p in per]
 
 
 def count_share(lengths: Sequence[int], edges: Sequence[int] | None = None) -> list[float]:

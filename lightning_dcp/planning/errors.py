@@ -1,9 +1,6 @@
-"""The planner's user-facing error.
-
-A :class:`PlanningError` says what was wrong with the planner's input, the values involved and
-the fix (for example a sample too long for any setting on this world size, naming the sample,
-its length and the longest length that fits). It subclasses :class:`ValueError` so callers that
-already catch bad input keep working; the CLI turns it into exit code 2.
+"""The planner's user-facing error: what was wrong with its input, the values involved and the fix (e.g. a sample
+too long for any setting, naming it, its length and the longest that fits). A :class:`ValueError`, so callers that
+catch bad input keep working; the CLI exits with code 2.
 """
 
 from __future__ import annotations

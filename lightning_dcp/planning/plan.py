@@ -27,17 +27,12 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One micro-batch, run together by ``ranks`` as one sequence-parallel group.
+    """One micro-batch, run together by ``ranks`` (increasing; their count is the SP size) as one SP group.
 
-    Args:
-        ranks: the global ranks of the SP group, in increasing order (``len(ranks)`` is the SP size).
-        samples: dataset indices packed into this micro-batch, in packing order.
-        lengths: sequence length in tokens of each sample, same order as ``samples``.
-        recompute: how many of the model's repeated layers run with activation checkpointing.
-        ring: the ring-attention degree ``r`` (``1``: Ulysses only). The SP group is a ``r x u`` grid,
-            ``u = len(ranks) // r`` the Ulysses size: ``ranks[j*u:(j+1)*u]`` is Ulysses subgroup ``j``,
-            and the ring runs over the subgroups (position ``i`` of subgroup ``j`` exchanges key/value
-            blocks with position ``i`` of subgroups ``j +- 1``). Written to JSON only when ``> 1``.
+    ``samples``: dataset indices in packing order, ``lengths`` their tokens; ``recompute``: repeated layers run with
+    activation checkpointing; ``ring``: the ring-attention degree ``r`` (1: Ulysses only, the JSON default). The group
+    is an ``r x u`` grid: ``ranks[j*u:(j+1)*u]`` is Ulysses subgroup ``j``, and position ``i`` of subgroup ``j``
+    exchanges key/value blocks with position ``i`` of subgroups ``j +- 1``.
     """
 
     ranks: tuple[int, ...]
@@ -62,7 +57,7 @@ class WorkItem:
 
     @property
     def ulysses_size(self) -> int:
-        """Ranks of one Ulysses subgroup: the SP size over the ring degree (the heads are split this many ways)."""
+        """Ranks of one Ulysses subgroup (the heads are split this many ways)."""
         return len(self.ranks) // self.ring
 
     @property
@@ -118,11 +113,8 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class StepNotes:
-    """What a policy states about a step beside its items; written to JSON as the step's other fields.
-
-    Only :attr:`barriers` and :attr:`pipelines` change how the step runs
-    (:mod:`~lightning_dcp.planning.step_time`); the rest describe it.
-    """
+    """What a policy states about a step beside its items (the step's other JSON fields). Only :attr:`barriers` and
+    :attr:`pipelines` change how the step runs (:mod:`~lightning_dcp.planning.step_time`); the rest describe it."""
 
     estimated_time: float | None = None
     """The policy's own price of the step's compute span (seconds), when it has one."""
@@ -176,15 +168,12 @@ class StepNotes:
                    setting=dict(data.get("setting") or {}))
 
 
-NO_NOTES = StepNotes()
-
-
 @dataclass(frozen=True)
 class StepPlan:
     """One optimizer step: the micro-batches of every rank, in execution order, and the policy's notes."""
 
     items: tuple[WorkItem, ...]
-    notes: StepNotes = field(default=NO_NOTES, compare=False)
+    notes: StepNotes = field(default=StepNotes(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", tuple(self.items))
@@ -192,11 +181,9 @@ class StepPlan:
             raise TypeError(f"StepPlan notes must be a StepNotes, got {type(self.notes).__name__}")
 
     def items_for_rank(self, rank: int) -> list[WorkItem]:
-        """The items ``rank`` executes, in order."""
         return [item for item in self.items if rank in item.ranks]
 
     def with_notes(self, **changes: Any) -> "StepPlan":
-        """The same items with some notes changed."""
         return StepPlan(self.items, self.notes.replace(**changes))
 
     @property
@@ -208,8 +195,7 @@ class StepPlan:
         return sum(item.tokens for item in self.items)
 
     def digest(self) -> str:
-        """A hash of the items (ranks, samples, lengths, recompute, ring, in order): two steps with the same digest
-        train the same way, whatever their notes."""
+        """A hash of the items, in order: two steps with the same digest train the same way, whatever their notes."""
         text = json.dumps([item.to_dict() for item in self.items], separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -281,12 +267,9 @@ class Plan:
 
 
 def interleave_items(per_group: list[list[T]]) -> list[T]:
-    """Items of disjoint groups listed round by round (group 0's first, group 1's first, ...).
-
-    Groups are disjoint, so any order is deadlock-free; round-robin keeps each rank's items in
-    its own order and reads naturally as "accumulation step k".
-    """
-    out: list[WorkItem] = []
+    """Items of disjoint groups listed round by round (group 0's first, group 1's first, ...): any order is
+    deadlock-free; round-robin keeps each rank's order and reads as "accumulation step k"."""
+    out: list[T] = []
     depth = max((len(g) for g in per_group), default=0)
     for k in range(depth):
         for g in per_group:
@@ -305,16 +288,9 @@ def is_aligned_block(ranks: Sequence[int]) -> bool:
 
 
 def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> None:
-    """Raise :class:`PlanError` when ``step`` breaks the contract.
-
-    Checks: every item's ranks are a group the placement rule allows
-    (:mod:`~lightning_dcp.planning.topology`: consecutive ranks inside the world; with a cost model
-    also inside one node when no larger than ``gpus_per_node``, ring groups aligned to their Ulysses
-    size, the Ulysses size dividing the heads, inside one shard group under ``sharding="hsdp"``);
-    samples and lengths pair up with positive lengths; recompute in ``[0, num_layers]``; with a cost
-    model, no item over its memory limit. (The item order needs no check: v1's single ordered list
-    is always a valid schedule, see :func:`check_deadlock_free`.)
-    """
+    """Raise :class:`PlanError` when ``step`` breaks the contract: every item's ranks a group the placement rule
+    allows (:mod:`~lightning_dcp.planning.topology`; nodes, heads and shard groups with a cost model), samples and
+    positive lengths paired, recompute in ``[0, num_layers]``, and with a cost model no item over its memory limit."""
     from lightning_dcp.planning.topology import Topology, group_problem
 
     if cost_model is None:
@@ -354,13 +330,9 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
 def check_deadlock_free(step: StepPlan, world_size: int) -> None:
     """Run the step symbolically: an item starts once it is at the head of all its ranks' queues.
 
-    In v1 this cannot fail for a step whose items name in-range ranks: every rank runs its
-    items in the order of the step's single global list, so that list itself is a valid
-    schedule (the first unfinished item in list order is always at the head of all its ranks'
-    queues) and any such plan is deadlock-free by construction. What *can* be wrong with a plan
-    is checked by :func:`validate_step` (valid in-range groups, samples/lengths, recompute,
-    memory) and :func:`validate_plan` (each sample once). The check is kept because it is cheap
-    and documents the execution rule; a future schema with per-rank orders would need it.
+    In v1 this cannot fail for in-range ranks: every rank runs its items in the order of the step's one list, so the
+    first unfinished item is always at the head of all its ranks' queues. Kept because it is cheap and documents the
+    execution rule; a schema with per-rank orders would need it.
     """
     queues: list[list[int]] = [[] for _ in range(world_size)]
     for idx, item in enumerate(step.items):
@@ -384,11 +356,8 @@ def check_deadlock_free(step: StepPlan, world_size: int) -> None:
 
 def validate_plan(plan: Plan, lengths: Sequence[int] | Mapping[int, int] | None = None, cost_model: Any = None,
                   samples: Iterable[int] | None = None) -> None:
-    """Raise :class:`PlanError` unless ``plan`` is valid, and (given ``samples``) covers each exactly once.
-
-    ``lengths`` maps a sample index to its length (a list indexed by sample, or a mapping);
-    when given, every item's lengths must match it.
-    """
+    """Raise :class:`PlanError` unless ``plan`` is valid, each sample at most once (given ``samples``: exactly
+    those), and (given ``lengths``, indexed by sample) every item's lengths match."""
     if plan.world_size <= 0:
         raise PlanError(f"world_size must be positive, got {plan.world_size}")
     seen: dict[int, int] = {}

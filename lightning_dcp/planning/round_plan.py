@@ -1,21 +1,21 @@
-"""What a cost model's ``rounds`` are: :class:`RoundPlan`, and :data:`FREE_RUNNING` (every mode without collectives
-inside the micro-batch loop).
-
-The base of every round plan, apart from :mod:`lightning_dcp.planning.rounds` (the lockstep rounds of a shard
-group, :class:`~lightning_dcp.planning.rounds.Lockstep`) so that the cost-model interface
-(:attr:`~lightning_dcp.planning.cost_model.CostModel.rounds`) needs nothing of the plan's modules; and
-:class:`LanePacker`, what a round planner needs to re-pack an SP group's samples for its rounds. ``step`` is a
-:class:`~lightning_dcp.planning.plan.StepPlan` throughout. Pure Python.
+"""How a step's items run: :class:`RoundPlan`, a cost model's and a sharding mode's ``rounds``, which the planner,
+the simulator and the runtime read. :data:`FREE_RUNNING` (every mode without collectives in the micro-batch loop):
+each rank runs its items in plan order, one round per item. The lockstep rounds live in
+:mod:`~lightning_dcp.planning.rounds`, so the cost-model interface needs nothing of the round planner. Pure Python.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.plan import StepPlan, WorkItem
+    from lightning_dcp.planning.topology import Topology
 
 __all__ = ["FREE_RUNNING", "FreeRunning", "ItemTime", "LanePacker", "RoundPlan"]
 
-ItemTime = Callable[[Any], float]
-"""The time of one of a step's items (a :class:`~lightning_dcp.planning.plan.WorkItem`)."""
+ItemTime = Callable[["WorkItem"], float]
+"""An item's time: its round's collectives included, at its slowest rank's pace."""
 
 
 @runtime_checkable
@@ -27,8 +27,8 @@ class LanePacker(Protocol):
     """Whether :meth:`capacities` are exact (else re-packing would need every micro-batch's memory checked)."""
     sp_sizes: list[int]
     """The usable SP sizes, ascending."""
-    topology: Any
-    """Where an SP group may go: ``topology.legal(start, size)`` (:class:`~lightning_dcp.planning.topology.Topology`)."""
+    topology: Topology
+    """Where an SP group may go (``topology.legal(start, size)``)."""
 
     def ring_of(self, sp: int) -> int:
         """The ring degree of a group of ``sp`` ranks."""
@@ -50,36 +50,35 @@ class LanePacker(Protocol):
 
 
 class RoundPlan:
-    """How a step's items run (:mod:`lightning_dcp.planning.rounds`); the base is :data:`FREE_RUNNING`'s behaviour."""
+    """How a step's items run; the base is :data:`FREE_RUNNING`'s behaviour."""
 
     lockstep = False
     """Whether ranks run their items in lockstep rounds (collectives inside the micro-batch loop)."""
     domain: int | None = None
     """Consecutive ranks no SP group may cross (a shard group: its per-layer collectives are the group's)."""
 
-    def plan_step(self, step: Any, world_size: int, item_time: ItemTime, packer: LanePacker | None = None) -> Any:
-        """THE round planner's entry point: ``step`` (a policy's) as the rounds should run it. ``item_time``: an
-        item's time at its pace; ``packer``: the round planner may re-pack each SP group's samples (None: it
-        keeps the policy's micro-batches)."""
+    def plan_step(self, step: StepPlan, world_size: int, item_time: ItemTime,
+                  packer: LanePacker | None = None) -> StepPlan:
+        """THE round planner's entry point: a policy's ``step`` as the rounds should run it; with a ``packer`` the
+        round planner may re-pack each SP group's samples (None: it keeps the policy's micro-batches)."""
         return step
 
-    def rank_rounds(self, step: Any, world_size: int, rank: int) -> list[int | None]:
-        """Per round of ``rank``: the position of its item in its own micro-batch loop (``Step.items``
-        order), or ``None`` for a dummy round. Free-running: one round per item, no dummy."""
+    def rank_rounds(self, step: StepPlan, world_size: int, rank: int) -> list[int | None]:
+        """Per round of ``rank``: the position of its item in its own micro-batch loop, or ``None`` for a dummy
+        round."""
         return list(range(sum(1 for item in step.items if rank in item.ranks)))
 
-    def starts(self, step: Any, world_size: int, item_times: Sequence[float]) -> list[float] | None:
+    def starts(self, step: StepPlan, world_size: int, item_times: Sequence[float]) -> list[float] | None:
         """Each item's start (seconds, indexed like ``step.items``) when the rounds decide it; ``None``: each rank
-        runs freely (:mod:`~lightning_dcp.planning.step_time` follows the ranks' queues)."""
+        runs freely."""
         return None
 
-    def span(self, step: Any, world_size: int, item_times: Sequence[float]) -> float | None:
-        """The step's compute span when the rounds decide it (``item_times`` indexed like ``step.items``);
-        ``None``: each rank runs freely (the simulator's per-rank schedule decides)."""
+    def span(self, step: StepPlan, world_size: int, item_times: Sequence[float]) -> float | None:
+        """The step's compute span when the rounds decide it; ``None``: each rank runs freely."""
         return None
 
-    def dummy_rounds(self, step: Any, world_size: int) -> int:
-        """Rank-rounds without an item in ``step`` (the dummies every group runs)."""
+    def dummy_rounds(self, step: StepPlan, world_size: int) -> int:
+        """Rank-rounds without an item in ``step``."""
         return 0
 
 

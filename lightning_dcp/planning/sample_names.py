@@ -1,13 +1,10 @@
 """How errors name a sample: its dataset index, and what the dataset calls it where it says.
 
-A dataset may name its samples with a ``sample_name(index) -> str`` method
-(:class:`~lightning_dcp.diffusers.EncodedVideoDataset`: the clip's path, with its window and crop), so
-an error says ``sample 17 (clips/cat.mp4)`` instead of ``sample 17``. The runtime reads the method off
-the train dataset (:func:`lightning_dcp.runtime.train_loader.sample_namer`) and hands it, as a plain
-function, to what builds those messages: the planner (a sample too long for any setting), the sampler,
-item descriptions in out-of-memory stops and collective errors. Planning only calls the function it is
-given. A name function that fails or returns nothing leaves the index alone: an error message must
-never fail.
+A dataset may name its samples with ``sample_name(index) -> str``
+(:class:`~lightning_dcp.diffusers.EncodedVideoDataset`: the clip's path), so an error says
+``sample 17 (clips/cat.mp4)``; the runtime hands that method, as a plain function, to whatever builds such messages
+(:func:`lightning_dcp.runtime.train_loader.sample_namer`). A name function that fails or returns nothing leaves the
+index alone: an error message must never fail.
 """
 
 from __future__ import annotations

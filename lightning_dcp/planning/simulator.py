@@ -1,55 +1,31 @@
 """Executes a plan on a cost model, rank by rank, and reports what the run would cost.
 
-Semantics (one step at a time): each rank runs its items in list order; an item starts when
-*all* its ranks are free (finished their previous items) and lasts ``cost_model.item_cost(...)
-.total`` on each of them (divided by the slowest member's speed, given per-rank speeds: ``rank_speeds``). The step's compute ends when the last rank finishes; then every rank
-joins the gradient all-reduce + optimizer step, ``cost_model.step_overhead(world_size)``. Under a
-mode with lockstep rounds (``cost_model.rounds``, ``sharding="hsdp"``) the span is the rounds' instead:
-per shard group the sum over its rounds of the round's slowest item (a rank without an item runs a
-dummy round, which computes nothing: the round lasts max(items, dummies) plus its collectives, which
-the cost model's item times include), the slowest group.
+One step at a time (:func:`~lightning_dcp.planning.step_time.step_time`): each rank runs its items in list order; an
+item starts when all its ranks are free and lasts ``cost_model.item_cost(...).total`` divided by its slowest member's
+speed (``rank_speeds``); under lockstep rounds (``cost_model.rounds``) the span is the rounds'. Then every rank joins
+the step end, ``cost_model.step_overhead(world_size)``. Reported (exact definitions):
 
-Reported (all exact definitions):
-
-- ``step_times[s]`` = ``compute_span[s] + step_overhead``: the step's execution.
-- Planning (given ``planning_times``, the seconds the planner took for each step): plans are made
-  one step ahead in a background thread, so the plan of step ``s + 1`` is made while step ``s``
-  runs and is hidden only while it takes no longer: ``charged_step_times[s] = max(step_times[s],
-  planning_times[s + 1])``. The last step of the window overlaps the plan of the step after it,
-  which the window does not have: it is charged the window's mean planning time. The first plan is
-  made before training starts, once per run, and is not charged. ``planning_wait`` = the sum of
-  ``charged - step_times``: the time the GPUs wait on the planner. Without ``planning_times``,
-  charged = step times.
-- ``total_time`` = the sum of ``charged_step_times``.
-- ``tokens_per_s`` = tokens of all items / ``total_time``.
-- ``imbalance`` = idle rank-time / available rank-time over the compute spans of all steps:
-  ``sum_s sum_r (span_s - busy_{s,r}) / (W * sum_s span_s)`` — the mean fraction of time a rank
-  idles (the DCP paper's imbalance ratio), weighted by step duration; ``step_imbalance[s]`` is
-  the same for one step. A rank's busy time is the sum of its items' durations; waiting for
-  its group's other ranks counts as idle.
-- ``icc`` (the blog's Imbalance x Communication x Computation factors, stated as fractions so
-  they compose; the blog's own ratios are their inverses):
-  ``idle_fraction`` (= imbalance), ``comm_fraction`` (all-to-all rank-time / busy rank-time),
-  ``compute_efficiency`` (ideal compute / compute actually spent: layers, recompute and per
-  micro-batch overhead, all in rank-time), ``allreduce_fraction`` (step overheads /
-  ``total_time``), and ``recompute_fraction`` (recompute rank-time / busy rank-time).
-- ``ideal_time`` = sum over samples of ``item_cost([l], 1, 0).ideal`` / W: the issue's bound,
-  "perfect balance, no communication, no recomputation": all of the samples' forward + backward
-  compute at the model's best achievable rates (GEMMs at maximum efficiency without the
-  small-GEMM penalty, attention at maximum efficiency, the element-wise passes, the head's
-  per-token work), with no all-to-all, no recomputation, no per-micro-batch constant and no
-  all-reduce, spread evenly over the W ranks (see ``ItemCost.ideal``);
-  ``fraction_of_ideal = ideal_time / total_time``. Memory can make it unreachable: samples that
-  only fit with recomputation pay it in every plan.
-- ``step_bounds[s]``: the step's achievable bound (:func:`~lightning_dcp.planning.bound.step_bound`
-  of the step's samples: ``max(best-rate work / W, heaviest sample's best time) +
-  step_overhead``); ``bound_time`` = their sum; ``fraction_of_bound = bound_time / total_time``
-  (time-weighted) and ``mean_step_bound_fraction`` = the mean over steps of ``step_bounds[s] /
-  step_times[s]``. Unlike the ideal, the bound honours memory (recompute a sample cannot avoid,
-  the SP sizes that hold it) and the longest sample, so 100% is reachable in principle and the
-  gap below it is the planner's.
-- ``timeline[s]``: ``(rank, start, end, item_index, kind)`` with ``kind`` ``"item"`` for
-  micro-batches and ``"allreduce"`` for the step end, times relative to the step start.
+- ``step_times[s] = compute_spans[s] + step_overhead``.
+- Planning (``planning_times``, the planner's seconds per step): the plan of step ``s + 1`` is made in a background
+  thread while step ``s`` runs, so ``charged_step_times[s] = max(step_times[s], planning_times[s + 1])``; the last
+  step is charged the window's mean planning time, the first plan (made before training) nothing.
+  ``planning_wait = sum(charged) - sum(step_times)``. Without ``planning_times``, charged = step times.
+- ``total_time = sum(charged_step_times)``; ``tokens_per_s`` = tokens of all items / ``total_time``.
+- ``imbalance`` = ``sum_s sum_r (span_s - busy_{s,r}) / (W * sum_s span_s)``: the mean fraction of time a rank idles
+  (the DCP paper's imbalance ratio, weighted by step duration; waiting for an SP group's other ranks is idle);
+  ``step_imbalance[s]`` the same for one step.
+- ``icc`` (the blog's Imbalance x Communication x Computation factors as fractions, the inverses of its ratios):
+  ``idle_fraction`` (= imbalance), ``comm_fraction`` (all-to-all / busy rank-time), ``compute_efficiency`` (ideal
+  compute / compute spent: layers, recompute and per-micro-batch overhead), ``allreduce_fraction`` (step overheads /
+  ``total_time``), ``recompute_fraction`` (recompute / busy rank-time).
+- ``ideal_time`` = sum over samples of ``item_cost([l], 1, 0).ideal`` / W: perfect balance, no communication, no
+  recomputation, every sample at the model's best rates (``ItemCost.ideal``); ``fraction_of_ideal = ideal_time /
+  total_time``. Memory can make it unreachable (samples that only fit with recomputation).
+- ``step_bounds[s]``: :func:`~lightning_dcp.planning.bound.step_bound` of the step's samples (docs/planner.md, "The
+  step bound": the gap below it is the planner's); ``bound_time`` their sum, ``fraction_of_bound = bound_time /
+  total_time``, ``mean_step_bound_fraction`` the mean of ``step_bounds[s] / charged_step_times[s]``.
+- ``timeline[s]``: ``(rank, start, end, item_index, kind)``, ``kind`` ``"item"`` or ``"allreduce"`` (the step end),
+  relative to the step start.
 """
 
 from __future__ import annotations
@@ -83,16 +59,13 @@ class SimulationResult:
     """``busy[s][r]``: seconds rank ``r`` computed in step ``s``."""
     timeline: list[list[tuple[int, float, float, int, str]]] = field(default_factory=list)
     step_bounds: list[float] = field(default_factory=list)
-    """``step_bounds[s]``: step ``s``'s achievable bound (seconds, all-reduce included)."""
     bound_time: float = 0.0
     fraction_of_bound: float = 0.0
     mean_step_bound_fraction: float = 0.0
     planning_times: list[float] = field(default_factory=list)
-    """``planning_times[s]``: seconds the planner took for step ``s`` (empty: planning not charged)."""
+    """Empty: planning not charged."""
     charged_step_times: list[float] = field(default_factory=list)
-    """``charged_step_times[s]``: ``max(step_times[s], planning time of step s + 1)`` (see the module docstring)."""
     planning_wait: float = 0.0
-    """Seconds the run waits on the planner: ``sum(charged_step_times) - sum(step_times)``."""
 
     def summary(self) -> dict[str, Any]:
         """The scalar figures, JSON-able."""
@@ -108,26 +81,18 @@ class SimulationResult:
 def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True,
              max_sp_size: int | None = None, rank_speeds: Sequence[float] | None = None,
              planning_times: Sequence[float] | None = None) -> SimulationResult:
-    """Run ``plan`` on ``cost_model`` (see module docstring). ``check`` verifies the item order first.
+    """Run ``plan`` on ``cost_model`` (module docstring). ``check`` verifies the item order first.
 
-    ``planning_times``: the planner's seconds per step (one per step of ``plan``): a step lasts at
-    least as long as the next step's planning (see the module docstring).
-
-    ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the
-    world; a smaller cap only raises the bound).
-    ``rank_speeds``: the ranks' true speeds (:mod:`~lightning_dcp.planning.speeds`): an item on
-    ranks ``R`` lasts its cost-model time divided by ``min(speed[r] for r in R)`` (its time parts
-    likewise, for the ICC fractions); the step bounds spread the work over the speeds' sum.
-    Default: the cost model's ``rank_speeds``, else all 1.0.
+    ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the world).
+    ``rank_speeds``: the ranks' true speeds (:mod:`~lightning_dcp.planning.speeds`; default: the cost model's,
+    else all 1.0); the step bounds spread the work over their sum. ``planning_times``: one per step of ``plan``.
     """
     W = plan.world_size
     speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model), W)
     prices = ItemPrices(cost_model)
     step_times, spans, step_imb, busy_all, lines = [], [], [], [], []
     totals = _Totals()
-    busy_total = 0.0
-    idle_total = 0.0
-    overhead = 0.0
+    busy_total = idle_total = overhead = 0.0
     for s_idx, step in enumerate(plan.steps):
         if check:
             try:
@@ -147,8 +112,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
             line = [(r, a, b, i, "item") for r, a, b, i in st.intervals]
             line.extend((r, span, span + overhead, -1, "allreduce") for r in range(W))
             lines.append(line)
-    ideal_compute = _ideal_compute(plan, cost_model, {})
-    tokens, comm, rec, comp = totals.tokens, totals.comm, totals.rec, totals.comp
+    ideal_compute = _ideal_compute(plan, cost_model)
+    comm, rec, comp = totals.comm, totals.rec, totals.comp
     charged = charge_planning(step_times, planning_times)
     total = sum(charged)
     span_total = sum(spans)
@@ -160,8 +125,7 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         "recompute_fraction": rec / busy_total if busy_total > 0 else 0.0,
         "allreduce_fraction": overhead * len(step_times) / total if total > 0 else 0.0,
     }
-    # step_bound keeps one StepBounder per (cost model, world size, SP cap): the simulator, the
-    # simulate command's run bound and every policy simulated on this cost model share it
+    # step_bound keeps one StepBounder per (cost model, world size, SP cap), shared by every policy simulated on it
     bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size, speeds) if W else 0.0
               for st in plan.steps]
     bound_time = sum(bounds)
@@ -172,15 +136,15 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         step_bounds=bounds, bound_time=bound_time, fraction_of_bound=bound_time / total if total > 0 else 0.0,
         mean_step_bound_fraction=sum(per_step) / len(per_step) if per_step else 0.0,
         world_size=W, step_times=step_times, compute_spans=spans, step_imbalance=step_imb, total_time=total,
-        tokens=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, imbalance=icc["idle_fraction"], icc=icc,
-        ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,
+        tokens=totals.tokens, tokens_per_s=totals.tokens / total if total > 0 else 0.0, imbalance=icc["idle_fraction"],
+        icc=icc, ideal_time=ideal_time, fraction_of_ideal=ideal_time / total if total > 0 else 0.0, busy=busy_all,
         timeline=lines if timeline else [],
     )
 
 
 @dataclass
 class _Totals:
-    """Rank-time sums over every item of the run (each item's part times its SP size), in run order."""
+    """Rank-time sums over the run's items (each item's part times its SP size), in run order."""
 
     tokens: int = 0
     comm: float = 0.0
@@ -200,15 +164,14 @@ def _add_totals(step: StepPlan, prices: ItemPrices, speeds: Sequence[float] | No
         totals.tokens += item.tokens
 
 
-def _ideal_compute(plan: Plan, cost_model: CostModel, cache: dict) -> float:
+def _ideal_compute(plan: Plan, cost_model: CostModel) -> float:
     """Sum over the plan's samples of their ideal time on one device (``item_cost([l], 1, 0).ideal``)."""
     ideal_compute = 0.0
+    cache: dict[int, float] = {}
     for step in plan.steps:
         for item in step.items:
             for n in item.lengths:
-                c = cache.get(("ideal", n))
-                if c is None:
-                    c = cost_model.item_cost([n], 1, 0).ideal
-                    cache[("ideal", n)] = c
-                ideal_compute += c
+                if n not in cache:
+                    cache[n] = cost_model.item_cost([n], 1, 0).ideal
+                ideal_compute += cache[n]
     return ideal_compute

@@ -1,13 +1,9 @@
 """Which SP sizes a model allows: the one rule the planner, the simulator and the runtime read.
 
-**Ulysses** splits the attention heads over the SP group, so a Ulysses size ``u`` must divide the
-model's query heads (28 heads: 1, 2, 4, 7, 14, 28). Grouped-query attention asks nothing more: the
-key/value heads are repeated before the all-to-all as far as ``u`` needs
-(:func:`lightning_dcp.sp.ulysses.kv_repeat_before_all_to_all`), which costs all-to-all bytes, not
-legality. **Ring attention** splits a sequence further and is not bound by the heads: an SP group of
-``s = r * u`` ranks runs ``r`` Ulysses subgroups of ``u`` ranks in a ring (``WorkItem.ring``).
-
-Pure Python: no torch.
+**Ulysses** gives each rank whole attention heads, so a Ulysses size must divide the query heads (28: 1, 2, 4, 7, 14,
+28); grouped-query attention repeats key/value heads as far as needed (:func:`kv_repeat`: bytes, not legality).
+**Ring attention** is not bound by the heads: ``s = r * u`` ranks run ``r`` Ulysses subgroups of ``u`` in a ring
+(``WorkItem.ring``). Details: docs/planner.md, "SP sizes". Pure Python.
 """
 
 from __future__ import annotations
@@ -17,9 +13,8 @@ import math
 __all__ = ["MAX_RING", "best_split", "divisors", "kv_repeat", "node_ulysses", "sp_splits", "ulysses_sizes"]
 
 MAX_RING = 8
-"""The largest ring degree of the ring sizes the planner adds (8 rings of a node's Ulysses group: 64 ranks
-on 8-GPU nodes). Longer rings hold samples of many million tokens but multiply the sizes a large world
-plans over (every doubling up to the world) for samples that rarely need them."""
+"""The largest ring degree of the ring sizes the planner adds (64 ranks on 8-GPU nodes): longer rings would multiply
+the sizes a large world plans over for samples that rarely need them."""
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -42,8 +37,8 @@ def ulysses_sizes(num_heads: int | None, limit: int) -> tuple[int, ...]:
 
 
 def best_split(size: int, num_heads: int | None) -> tuple[int, int]:
-    """``(ring, ulysses)`` for an SP group of ``size`` ranks: the largest Ulysses size dividing both the
-    heads and ``size``; the ring takes the rest (``ring == 1`` whenever the heads allow ``size``)."""
+    """``(ring, ulysses)`` for ``size`` ranks: the largest Ulysses size dividing the heads and ``size``, the ring the
+    rest."""
     size = int(size)
     if size < 1:
         raise ValueError(f"an SP group has >= 1 rank, got {size}")
@@ -52,13 +47,10 @@ def best_split(size: int, num_heads: int | None) -> tuple[int, int]:
 
 
 def kv_repeat(num_heads: int, num_kv_heads: int | None, ulysses: int) -> int:
-    """How many times each key/value head is repeated before a Ulysses all-to-all of ``ulysses`` ranks.
-
-    The same rule as :func:`lightning_dcp.sp.ulysses.kv_repeat_before_all_to_all` (pure, for planning):
-    the smallest divisor ``f`` of ``num_heads / num_kv_heads`` with ``num_kv_heads * f`` divisible by
-    ``ulysses``, so every rank receives whole key/value heads. 1 without grouped-query attention
-    (``num_kv_heads`` 0, None or equal to the heads). The all-to-all then moves ``num_kv_heads * f``
-    key and value heads per token instead of ``num_kv_heads``: the cost models price those bytes.
+    """How many times each key/value head is repeated before a Ulysses all-to-all of ``ulysses`` ranks: the smallest
+    divisor ``f`` of ``num_heads / num_kv_heads`` with ``num_kv_heads * f`` divisible by ``ulysses`` (every rank gets
+    whole key/value heads; 1 without grouped-query attention). The rule of
+    :func:`lightning_dcp.sp.ulysses.kv_repeat_before_all_to_all`, pure, for the cost models' all-to-all bytes.
     """
     heads, kv, u = int(num_heads), int(num_kv_heads or num_heads), int(ulysses)
     if kv < 1 or heads % kv or u < 1 or heads % u:
@@ -69,8 +61,7 @@ def kv_repeat(num_heads: int, num_kv_heads: int | None, ulysses: int) -> int:
 
 
 def node_ulysses(num_heads: int, gpus_per_node: int) -> int:
-    """The largest Ulysses size dividing both the heads and a node's GPUs: the Ulysses subgroup of the
-    ring sizes the planner adds (every subgroup of a ring group then fits in one node)."""
+    """The largest Ulysses size dividing the heads and a node's GPUs (the subgroup of the planner's ring sizes)."""
     return max(d for d in divisors(int(num_heads)) if int(gpus_per_node) % d == 0)
 
 
@@ -78,18 +69,11 @@ def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bo
               usable: "set[int] | None" = None) -> dict[int, tuple[int, ...]]:
     """Every SP size the planner may use up to ``limit``, with its candidate ring degrees (ascending).
 
-    * every Ulysses size (:func:`ulysses_sizes`: the divisors of the heads up to ``limit``), ring 1;
-    * with ``ring``: ring sizes past what the heads allow, ``r * u`` with ``u = node_ulysses(heads,
-      gpus_per_node)`` and ``r = 2, 4, 8, ...`` (sizes the heads do not already give), so a sample can
-      get more ranks than the heads allow -- every ring subgroup inside one node, the ring across
-      (``r`` up to :data:`MAX_RING`);
-    * with ``ring``, for a Ulysses size ``s`` larger than a node, also the Ulysses x ring split (USP)
-      ``s = r * u``, ``u`` the largest divisor of ``gcd(heads, s)`` that divides the node size: its
-      all-to-alls stay inside nodes; the cost model decides which of the two is cheaper.
-
-    Without ``ring`` (or without a head count) only the Ulysses sizes, each ring 1. ``usable``: the
-    Ulysses sizes a cost model can price (a profile's measured ones; default every divisor): only
-    those are sizes, and the Ulysses subgroups of the rings are drawn from them.
+    Every Ulysses size (ring 1); with ``ring`` and a head count also the sizes ``r * u`` past the heads, ``u`` =
+    :func:`node_ulysses` and ``r = 2, 4, ..`` up to :data:`MAX_RING` (each subgroup inside a node, the ring across),
+    and for a Ulysses size larger than a node the Ulysses x ring split (USP) beside it, ``u`` the largest divisor of
+    ``gcd(heads, s)`` dividing the node size (the cost model picks the cheaper). ``usable``: the Ulysses sizes a cost
+    model can price (a profile's measured ones; default all): only those are sizes and ring subgroups.
     """
     limit = int(limit)
     out = {s: (1,) for s in ulysses_sizes(num_heads, limit) if usable is None or s in usable}

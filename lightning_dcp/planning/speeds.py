@@ -1,15 +1,9 @@
 """Per-rank speeds: how fast each rank computes relative to what the cost model predicts.
 
-A rank at speed ``s`` runs any micro-batch in ``t / s`` seconds, ``t`` the cost model's time; an SP
-item on ranks ``R`` runs at the pace of its slowest member, ``t / min(s[r] for r in R)`` (its
-all-to-alls make every member wait for the slowest). Speed 1.0 everywhere is the cost model as is:
-the planner and the simulator then compute exactly what they compute without speeds (a time
-divided by 1.0 is the same float).
-
-Where speeds come from: measured during the run (:class:`~lightning_dcp.planning.calibration.Calibrator`,
-exposed as ``rank_speeds`` of a :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`),
-or given (``lightning-dcp simulate --rank-speed``, :func:`parse_rank_speeds`).
-
+A rank at speed ``s`` runs a micro-batch in ``t / s`` seconds; an SP item on ranks ``R`` at its slowest member's pace,
+``t / min(s[r] for r in R)`` (its all-to-alls make every member wait). Speed 1.0 everywhere is the cost model as is,
+the same floats. Speeds are measured (:class:`~lightning_dcp.planning.calibration.Calibrator`, as ``rank_speeds`` of
+a :class:`~lightning_dcp.planning.calibrated.CalibratedCostModel`) or given (``lightning-dcp simulate --rank-speed``).
 Pure Python.
 """
 
@@ -31,11 +25,8 @@ RANK_SPEED_SYNTAX = (
 
 
 def parse_rank_speeds(spec: str, world_size: int) -> tuple[float, ...]:
-    """Speeds of ``world_size`` ranks from ``spec`` (see :data:`RANK_SPEED_SYNTAX`).
-
-    Raises:
-        PlanningError: a malformed term, a rank outside the world or a non-positive speed, naming it.
-    """
+    """Speeds of ``world_size`` ranks from ``spec`` (:data:`RANK_SPEED_SYNTAX`); :class:`PlanningError` naming a
+    malformed term, a rank outside the world or a non-positive speed."""
     speeds = [1.0] * int(world_size)
     for term in (t.strip() for t in str(spec).split(",")):
         if not term:
@@ -61,11 +52,8 @@ def parse_rank_speeds(spec: str, world_size: int) -> tuple[float, ...]:
 
 
 def check_rank_speeds(speeds: Sequence[float] | None, world_size: int) -> tuple[float, ...] | None:
-    """``speeds`` as a tuple of floats, or None when absent or all 1.0 (the cost model as is).
-
-    Raises:
-        PlanningError: a length other than ``world_size`` or a non-positive speed.
-    """
+    """``speeds`` as a tuple of floats, or None when absent or all 1.0; :class:`PlanningError` for a length other
+    than ``world_size`` or a non-positive speed."""
     if speeds is None:
         return None
     out = tuple(float(s) for s in speeds)
@@ -84,9 +72,7 @@ def uniform(speeds: Sequence[float] | None) -> bool:
 
 def group_speed(speeds: Sequence[float] | None, ranks: Sequence[int]) -> float:
     """Pace of an item on ``ranks``: its slowest member's speed (1.0 without speeds)."""
-    if speeds is None:
-        return 1.0
-    return min(speeds[r] for r in ranks)
+    return 1.0 if speeds is None else min(speeds[r] for r in ranks)
 
 
 def rank_speeds_of(cost_model: Any) -> tuple[float, ...] | None:

@@ -1,26 +1,10 @@
 """Which rank tuples a plan's SP groups may be: the placement rule the planner and the runtime share.
 
-An SP group of ``s`` ranks with ring degree ``r`` (``u = s / r`` ranks per Ulysses subgroup) may be
-the run of consecutive ranks ``[a, a + s)`` when
-
-1. it lies inside the world (and, under ``sharding="hsdp"``, inside one shard group: ``domain_size``);
-2. ``s <= gpus_per_node``: it lies inside one node (ranks ``[k g, (k + 1) g)``), so its
-   all-to-alls run on the node's fabric -- the cost models price a group of at most a node's GPUs
-   at intra-node bandwidth;
-3. ``r > 1``: ``a`` is a multiple of ``u``. Ring sizes have ``u`` dividing the node size
-   (:func:`~lightning_dcp.planning.sp_sizes.sp_splits`), so every Ulysses subgroup
-   ``ranks[j u:(j + 1) u]`` then lies inside one node too.
-
-A group larger than a node may start anywhere else (its all-to-alls cross nodes whatever its
-offset, and the cost models price them so). For power-of-two sizes on a power-of-two node the
-planner's placements (largest first, first fit) are exactly the aligned blocks of earlier versions.
-
-:func:`rank_tuples` lists every tuple this rule allows for a set of sizes: what the runtime needs
-process groups for (it may create them lazily, for the tuples a step's plan uses).
-:class:`Topology` places layouts under the rule (first fit, largest first) inside any contiguous
-block of ranks (the world, or a group's ranks that split into smaller groups after its own items).
-
-Pure Python.
+An SP group of ``s`` ranks, ring degree ``r``, Ulysses size ``u = s / r``, may be the consecutive ranks
+``[a, a + s)`` inside the world (and one shard group, ``domain_size``) when ``s <= gpus_per_node`` puts it inside
+one node (priced at intra-node bandwidth) and ``r > 1`` starts it at a multiple of ``u`` (each Ulysses subgroup then
+inside a node); a group larger than a node may start anywhere else. Layouts are placed largest first, first fit
+(docs/planner.md, "SP sizes"). Pure Python.
 """
 
 from __future__ import annotations
@@ -34,14 +18,10 @@ __all__ = ["Topology", "group_problem", "rank_tuples"]
 
 @dataclass(frozen=True)
 class Topology:
-    """The world's ranks as the placement rule sees them (see the module docstring).
+    """The world's ranks as the placement rule sees them.
 
-    Args:
-        world_size: ranks.
-        node_size: GPUs per node (``None``: no node boundaries, e.g. for a bare layout test).
-        domain_size: ranks of one shard group that no SP group may cross (``None``: the world).
-        align: start alignment per SP size: the Ulysses subgroup size ``u`` of a ring size (1 or absent
-            for a Ulysses size).
+    ``node_size``: GPUs per node (``None``: no node boundaries); ``domain_size``: ranks of a shard group no SP group
+    may cross (``None``: the world); ``align``: start alignment per SP size (a ring size's Ulysses size ``u``).
     """
 
     world_size: int
@@ -63,9 +43,7 @@ class Topology:
     def legal(self, start: int, size: int) -> bool:
         """Whether ``[start, start + size)`` may be an SP group of ``size`` ranks."""
         end = start + size
-        if start < 0 or end > self.world_size:
-            return False
-        if start % self.align.get(size, 1):
+        if start < 0 or end > self.world_size or start % self.align.get(size, 1):
             return False
         g = self.node_size
         if g and size <= g and start // g != (end - 1) // g:
@@ -136,8 +114,8 @@ class Topology:
         return out
 
     def place(self, layout: Iterable[int], start: int = 0, size: int | None = None) -> list[tuple[int, ...]] | None:
-        """Rank tuples of ``layout``'s groups inside ``[start, start + size)`` (default: the world), placed
-        largest first, each at the first legal offset; in that (non-increasing) order. None if one does not fit."""
+        """Rank tuples of ``layout``'s groups inside ``[start, start + size)`` (default: the world), placed largest
+        first at the first legal offset, in that order; None if one does not fit."""
         end = self.world_size if size is None else start + int(size)
         key = (tuple(layout), int(start), end)
         if key in self._placed:  # deterministic: placed once per (layout, block)
@@ -162,9 +140,8 @@ class Topology:
         return [[int(start), self.world_size if size is None else int(start) + int(size)]]
 
     def always_contains(self, outer: int, inner: int) -> bool:
-        """Whether every legal group of ``outer`` ranks (anywhere in the world) holds a legal group of
-        ``inner`` ranks: what lets a group of ``outer`` run work planned for ``inner`` ranks as a fill,
-        wherever the group was placed."""
+        """Whether every legal group of ``outer`` ranks holds a legal group of ``inner`` ranks (so it can run work
+        planned for ``inner`` ranks as a fill, wherever it was placed)."""
         if inner > outer:
             return False
         # whether [a, a + outer) holds a legal inner group depends on a only through a's offset within a node,
@@ -200,14 +177,12 @@ def group_problem(ranks: Sequence[int], ring: int, topology: Topology, num_heads
 
 def rank_tuples(world_size: int, splits: Mapping[int, int] | Iterable[int], gpus_per_node: int | None,
                 domain_size: int | None = None, *, min_size: int = 2) -> tuple[tuple[int, ...], ...]:
-    """Every rank tuple a plan may use as an SP group, for the SP sizes of ``splits``.
+    """Every rank tuple a plan may use as an SP group (what the runtime needs process groups for).
 
-    ``splits``: SP size -> its ring degree (as :attr:`Planner.ring_degrees <lightning_dcp.planning.planner.Planner>`
-    gives them), or plain sizes (ring 1). Each tuple is a run of consecutive ranks that the module
-    docstring's rule allows; the Ulysses subgroups of a ring group are tuples of the list too (their
-    size is a Ulysses size the planner also uses). Sizes below ``min_size`` are left out (default 2:
-    a single rank needs no process group). Ordered by size, then first rank: the same list, in the
-    same order, on every rank -- an order to create process groups in.
+    ``splits``: SP size -> its ring degree (:attr:`Planner.ring_degrees <lightning_dcp.planning.planner.Planner>`),
+    or plain sizes (ring 1); sizes below ``min_size`` are left out (a single rank needs no process group). A ring
+    group's Ulysses subgroups are in the list too (their size is a planner's Ulysses size). Ordered by size, then
+    first rank: the same list on every rank, an order to create process groups in.
     """
     ring = dict(splits) if isinstance(splits, Mapping) else {int(s): 1 for s in splits}
     align = {s: s // r for s, r in ring.items() if r > 1}

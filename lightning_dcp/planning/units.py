@@ -1,11 +1,6 @@
-"""Memory figures in messages: one formatting rule for every planning and profiling error.
-
-:func:`format_bytes` prints bytes as GiB, MiB or KiB (``5.25 MiB``, never ``5.50502e+06``);
-:func:`describe_limit` prints a cost model's memory budget with where it came from
-(``5.25 MiB per device (DCPProfiler(memory_limit_bytes=...))``), so an error that a sample or
-the model does not fit names the budget it was checked against and how to change it.
-
-Pure Python.
+"""Memory figures in messages, one rule for every planning and profiling error: bytes as GiB, MiB or KiB
+(``5.25 MiB``, never ``5.50502e+06``), and a budget with where it came from, so an error names the budget it checked
+against and how to change it. Pure Python.
 """
 
 from __future__ import annotations
@@ -35,9 +30,8 @@ def limit_text(limit: float, source: str = "") -> str:
 
 
 def describe_limit(cost_model: Any) -> str:
-    """The cost model's memory budget with its source: its ``describe_limit()`` (every
-    :class:`~lightning_dcp.planning.cost_model.CostModel` has one), else :func:`limit_text` of its
-    ``memory_limit`` bytes and optional ``memory_limit_source``."""
+    """The cost model's memory budget with its source: its ``describe_limit()``, else :func:`limit_text` of its
+    ``memory_limit`` and ``memory_limit_source``."""
     own = getattr(cost_model, "describe_limit", None)
     if callable(own):
         return str(own())

@@ -1,28 +1,23 @@
-"""A shard group's lanes and rounds (:class:`GroupRounds`), and rounds paired where the lanes' queues meet.
+"""A shard group's lanes and rounds (:class:`GroupRounds`), paired where the lanes' queues meet.
 
-A *lane* is one rank tuple of the group: the SP group a policy gave some of its samples. The lanes of
-a group form a laminar family when each lane lies inside another or beside it (layout plans with
-fills, buddy trees): a lane's rounds are then its own items, plus its children's rounds run side by
-side. :func:`merge` pairs lists side by side sorted, tallest with tallest: the ``j``-th tallest round of
-any pairing is at least the ``j``-th tallest item of every list, so for fixed items no pairing has a
-smaller sum. Each lane's items sit in consecutive rounds of its queue, so
-:func:`~lightning_dcp.planning.rounds.lockstep_rounds` (what the runtime and the simulator run) finds
-exactly these rounds in the plan's order. Lanes that are not laminar keep the policy's items in the
-rounds :func:`first_fit` finds. Pure Python.
+A *lane* is one rank tuple of the group (an SP group). Lanes are laminar when each lies inside another or beside it
+(layout plans with fills, buddy trees): a lane's rounds are then its own items plus its children's rounds side by
+side. :func:`merge` pairs lists tallest with tallest: the ``j``-th tallest round of any pairing is at least the
+``j``-th tallest item of every list, so for fixed items no pairing has a smaller sum. Each lane's items sit in
+consecutive rounds of its queue, so :func:`~lightning_dcp.planning.rounds.lockstep_rounds` (what the runtime runs)
+finds exactly these rounds. Lanes that are not laminar get :func:`first_fit`. Pure Python.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from lightning_dcp.planning.plan import WorkItem
+from lightning_dcp.planning.round_plan import ItemTime
 
 __all__ = ["GroupRounds", "ItemTime", "first_fit", "lanes_of", "merge"]
-
-ItemTime = Callable[[WorkItem], float]
-"""An item's time: its round's collectives included, at its slowest rank's pace."""
 
 Round = list[tuple[int, int]]
 """The ``(lane, item)`` pairs of one round."""
@@ -71,8 +66,8 @@ class GroupRounds:
 
 def lanes_of(items: Sequence[WorkItem], item_time: ItemTime,
              times: dict[WorkItem, float] | None = None) -> GroupRounds | None:
-    """The group's lanes (largest first, then by lowest rank) with their laminar tree and the items paired
-    (:func:`merge`); None if two lanes overlap without one holding the other. ``times``: known item times."""
+    """The group's lanes with their laminar tree and the items paired (:func:`merge`); None if two lanes overlap
+    without one holding the other. ``times``: known item times."""
     by_ranks: dict[tuple[int, ...], list[WorkItem]] = {}
     for item in items:
         by_ranks.setdefault(item.ranks, []).append(item)
@@ -80,14 +75,9 @@ def lanes_of(items: Sequence[WorkItem], item_time: ItemTime,
     sets = [frozenset(r) for r in lanes]
     parent: list[int | None] = []
     for i, s in enumerate(sets):
-        up = None
-        for j in range(i - 1, -1, -1):  # the smallest earlier lane holding it
-            if s <= sets[j]:
-                up = j
-                break
         if any(s & sets[j] and not s <= sets[j] for j in range(i)):
             return None
-        parent.append(up)
+        parent.append(next((j for j in range(i - 1, -1, -1) if s <= sets[j]), None))  # the smallest lane holding it
     children: list[list[int]] = [[] for _ in lanes]
     for i, up in enumerate(parent):
         if up is not None:
@@ -101,8 +91,7 @@ def lanes_of(items: Sequence[WorkItem], item_time: ItemTime,
 
 
 def merge(g: GroupRounds) -> list[Round]:
-    """The group's rounds for its current items: each lane's own items beside nothing of its subtree, its
-    children's rounds side by side (:func:`_zip`); tallest first."""
+    """The group's rounds for its current items, tallest first."""
     return _zip([_subtree(g, lane) for lane in range(len(g.lanes)) if g.parent[lane] is None])
 
 
@@ -120,9 +109,8 @@ def _zip(lists: list[list[Round]]) -> list[Round]:
 
 
 def first_fit(items: Sequence[WorkItem], item_time: ItemTime) -> GroupRounds:
-    """Lanes that are not laminar: every item its own lane, in the rounds
-    :func:`~lightning_dcp.planning.rounds.lockstep_rounds` finds when the items are ordered SP items first, then
-    costliest first (:func:`~lightning_dcp.planning.rounds.align_rounds`' order)."""
+    """Lanes that are not laminar: every item its own lane, in the rounds ``lockstep_rounds`` finds for
+    :func:`~lightning_dcp.planning.rounds.align_rounds`' order (SP items first, then costliest first)."""
     times = [float(item_time(it)) for it in items]
     order = sorted(range(len(items)), key=lambda i: (items[i].sp_size == 1, -items[i].sp_size, -times[i],
                                                      items[i].ranks[0], i))

@@ -1,16 +1,9 @@
-"""Moves between a shard group's lanes, where a step has few samples per rank (videos; long documents).
+"""Moves between a shard group's lanes, for steps of few samples per rank (videos, long documents).
 
-Re-packing (:mod:`~lightning_dcp.planning.lockstep.packing`) keeps every sample in its lane; with few
-samples per rank a lane holds one or two, and its rounds are set by them. Two moves, each priced
-exactly and kept only if it shortens the group's span:
-
-- :func:`promote`: a long sample that holds a round up alone goes to a larger SP group -- the next
-  larger legal block of ranks holding its lane that cuts no other lane -- where it runs shorter;
-- :func:`dissolve`: a low round is emptied into the group's other rounds: each of its samples joins
-  an item of its SP size where it fits under that round's height, else where it raises it least
-  (the per-round collectives and the short items' floors are paid once instead of in every round).
-
-Each counts its tries (never seconds), so every rank plans the same rounds. Pure Python.
+Re-packing keeps every sample in its lane; with one or two samples per lane its rounds are set by them. Two moves,
+each priced exactly and kept only if it shortens the group's span: :func:`promote` (a long sample holding a round up
+alone goes to a larger SP group) and :func:`dissolve` (a low round is emptied into the others, so its collectives and
+short items' floors are paid once). Each counts tries, never seconds, so every rank plans the same rounds.
 """
 
 from __future__ import annotations
@@ -21,26 +14,25 @@ from typing import Sequence
 import numpy as np
 
 from lightning_dcp.planning.lockstep.groups import GroupRounds, lanes_of
-from lightning_dcp.planning.lockstep.packing import Pricer, common_height, free_rounds, lane_samples, place, sweep
+from lightning_dcp.planning.lockstep.packing import Pricer, free_rounds, lane_samples, place, repacked, sweep
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.search.climb import climb
 
-__all__ = ["DISSOLVES", "DISSOLVES_MANY", "DISSOLVE_WIDTH", "FILL", "MOVES_MAX_SAMPLES_PER_RANK", "PROMOTIONS", "PROMOTION_SWEEPS", "dissolve",
-           "promote"]
+__all__ = ["DISSOLVES", "DISSOLVES_MANY", "DISSOLVE_WIDTH", "FILL", "MOVES_MAX_SAMPLES_PER_RANK", "PROMOTIONS",
+           "PROMOTION_SWEEPS", "dissolve", "promote"]
 
 MOVES_MAX_SAMPLES_PER_RANK = 4
-"""A shard group tries promotions, and :data:`DISSOLVES` rounds to empty, when it has at most this many samples per
-rank; with more, re-packing has the freedom promotions give, and it tries :data:`DISSOLVES_MANY` rounds (each move
-re-packs the whole group)."""
+"""At most this many samples per rank: promotions and :data:`DISSOLVES`; more: :data:`DISSOLVES_MANY` only (re-packing
+has the freedom promotions give, and each move re-packs the whole group)."""
 
 PROMOTIONS = 6
-"""Promotions tried per shard group (:func:`promote`)."""
+"""Promotions tried per shard group."""
 
 PROMOTION_SWEEPS = 2
 """Re-packing sweeps after each promotion tried."""
 
 DISSOLVES = 6
-"""Rounds a shard group tries to empty into its other rounds (:func:`dissolve`)."""
+"""Rounds a shard group tries to empty into its other rounds."""
 
 DISSOLVES_MANY = 2
 """Rounds a shard group of many samples per rank tries to empty."""
@@ -49,8 +41,8 @@ DISSOLVE_WIDTH = 3
 """... among its this-many lowest rounds at a time."""
 
 FILL = 0.97
-"""A lane keeps at most this share of the tokens its free rounds hold when a round is emptied (:func:`_emptied`):
-the rest of its shortest samples go to lanes with room."""
+"""When a round is emptied a lane keeps at most this share of the tokens its free rounds hold; its shortest samples
+beyond go to lanes with room."""
 
 Move = list[tuple[int, int, tuple[int, ...]]]
 """``(lane, item, new ranks)`` per one-sample item moved."""
@@ -59,10 +51,9 @@ Move = list[tuple[int, int, tuple[int, ...]]]
 def promote(g: GroupRounds, pricer: Pricer) -> GroupRounds:
     """Move long samples that hold a round up onto larger SP groups while that shortens the group's span.
 
-    Tallest round first: the tallest item of the round, when it is one sample on fewer ranks than the group, and
-    every one-sample item of the round taller than its tallest packed item, each to its next larger block
-    (:func:`_block`); the group is then paired and re-packed again. The best of each round's tries is kept; at most
-    :data:`PROMOTIONS` tries."""
+    Tallest round first: its tallest one-sample item, and all its one-sample items taller than its tallest packed
+    item, each to its next larger block (:func:`_block`), then the group paired and re-packed again. The best of each
+    round's tries is kept; at most :data:`PROMOTIONS` tries."""
     tried: set[tuple] = set()
     tries = [0]
 
@@ -78,7 +69,7 @@ def promote(g: GroupRounds, pricer: Pricer) -> GroupRounds:
 
 
 def _promotions(g: GroupRounds, pricer: Pricer, tried: set[tuple]) -> list[Move]:
-    """Candidate moves from the tallest round that has one (see :func:`promote`)."""
+    """Candidate moves from the tallest round that has one."""
     group = sorted({r for lane in g.lanes for r in lane})
     for rnd in g.rounds:
         singles = [(g.times[x][k], x, k) for x, k in rnd if len(g.items[x][k].samples) == 1]
@@ -116,8 +107,7 @@ def _block(g: GroupRounds, lane: int, pricer: Pricer, group: Sequence[int]) -> t
 
 
 def _moved(g: GroupRounds, move: Move, pricer: Pricer) -> GroupRounds | None:
-    """``g`` with the one-sample items of ``move`` on their new ranks, paired and re-packed again; None if one
-    does not fit there."""
+    """``g`` with the items of ``move`` on their new ranks, paired and re-packed again; None if one does not fit."""
     gone = {(x, k) for x, k, _ in move}
     times = {it: t for x in range(len(g.lanes)) for k, (it, t) in enumerate(zip(g.items[x], g.times[x]))
              if (x, k) not in gone}
@@ -128,19 +118,12 @@ def _moved(g: GroupRounds, move: Move, pricer: Pricer) -> GroupRounds | None:
             return None
         times[got[0]] = got[1]
     cand = lanes_of(list(times), pricer.item_time, times)
-    if cand is None:
-        return None
-    data = lane_samples(cand, pricer.packer)
-    cand = common_height(cand, data, pricer)
-    for _ in range(PROMOTION_SWEEPS):
-        if not sweep(cand, data, pricer):
-            break
-    return cand
+    return None if cand is None else repacked(cand, pricer, PROMOTION_SWEEPS)
 
 
 def dissolve(g: GroupRounds, pricer: Pricer, limit: int = DISSOLVES) -> GroupRounds:
-    """Empty the group's lowest rounds into its other rounds while that shortens its span (:func:`_emptied`).
-    At most ``limit`` tries, among the :data:`DISSOLVE_WIDTH` lowest rounds at a time."""
+    """Empty the group's lowest rounds into its other rounds while that shortens its span; at most ``limit`` tries,
+    among the :data:`DISSOLVE_WIDTH` lowest rounds at a time."""
     tries = [0]
 
     def moves(state: GroupRounds) -> list[int]:
@@ -162,11 +145,11 @@ def _shorter(new: float, old: float) -> bool:
 
 
 def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
-    """``g`` without round ``j``. Its samples join a pool, with the shortest samples of every lane of their SP
-    size whose tokens pass :data:`FILL` of what its free rounds hold; the pool's samples (longest first) go to the
-    lane of their SP size (a larger one where none has the token room) with the most time left to spare in its free
-    rounds (their heights, less its samples'). Every lane that lost or got samples is re-packed into its free rounds,
-    then the group is re-packed. None if a sample finds no room."""
+    """``g`` without round ``j``; None if a sample finds no room.
+
+    Its samples join a pool, with the shortest samples of each lane of their SP size past :data:`FILL`; the pool
+    (longest first) goes to the lane of its SP size (else a larger one) with token room and the most time to spare in
+    its free rounds. Every lane that lost or got samples is re-packed into its free rounds, then the group."""
     cand = g.copy()
     gone = cand.rounds.pop(j)
     pool = [(s, n, len(g.lanes[x])) for x, k in gone for s, n in zip(g.items[x][k].samples, g.items[x][k].lengths)]
@@ -201,7 +184,7 @@ def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
         x = max(fits, key=lambda y: (left[y], -len(cand.lanes[y]), -y))
         room[x][0], room[x][1] = left[x], room[x][1] - n
         held.setdefault(x, list(room[x][2])).append((s, n))
-    _drop(cand, set(gone) | {(x, k) for x in held for k in range(len(cand.items[x]))}, keep_empty=True)
+    _drop(cand, set(gone) | {(x, k) for x in held for k in range(len(cand.items[x]))})
     for x, pairs in held.items():  # a lane's samples ride on an item in no round until it is re-packed
         if pairs:
             cand.items[x] = [WorkItem(cand.lanes[x], tuple(s for s, _ in pairs), tuple(n for _, n in pairs), 0,
@@ -216,9 +199,8 @@ def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
     return cand
 
 
-def _drop(g: GroupRounds, pairs: set[tuple[int, int]], keep_empty: bool = False) -> None:
-    """Remove the items ``pairs`` from their lanes (the rounds' indices follow; a round left empty stays with
-    ``keep_empty``)."""
+def _drop(g: GroupRounds, pairs: set[tuple[int, int]]) -> None:
+    """Remove the items ``pairs`` from their lanes (the rounds' indices follow; a round left empty stays)."""
     remap: dict[tuple[int, int], tuple[int, int]] = {}
     for x in range(len(g.lanes)):
         keep = [k for k in range(len(g.items[x])) if (x, k) not in pairs]
@@ -226,5 +208,3 @@ def _drop(g: GroupRounds, pairs: set[tuple[int, int]], keep_empty: bool = False)
         g.items[x] = [g.items[x][k] for k in keep]
         g.times[x] = [g.times[x][k] for k in keep]
     g.rounds = [[remap[p] for p in rnd if p in remap] for rnd in g.rounds]
-    if not keep_empty:
-        g.rounds = [r for r in g.rounds if r]

@@ -1,13 +1,9 @@
 """Items paired by cost as they are packed: each lane's samples re-packed for the rounds of its shard group.
 
-First every lane is packed into micro-batches of one common height ``H`` (:func:`common_height`: a
-few round counts tried, the policy's own packing kept when it pairs better). Then, lane by lane
-(:func:`sweep`), a lane is re-packed against the rounds the other lanes make (:func:`targets`): it
-fills the room under rounds held up by an item that cannot shrink (one sample) first, then spreads
-the rest level under the others' heights, and raises rounds only as far as its work needs -- so a
-lane with a long sample and a lane of short ones put equal time in each round instead of the short
-ones' waiting. A re-packing is kept when the group's span does not grow; the rounds are paired
-again after each sweep. Samples keep their lane here. Pure Python.
+First every lane is packed into micro-batches of one common height (:func:`common_height`); then, lane by lane
+(:func:`sweep`), re-packed against the others' rounds (:func:`targets`), so a lane with a long sample and a lane of
+short ones put equal time in each round instead of the short ones' waiting. A re-packing is kept when the group's span
+does not grow. Samples keep their lane here. Pure Python.
 """
 
 from __future__ import annotations
@@ -23,18 +19,18 @@ from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.round_plan import LanePacker
 
 __all__ = ["LaneSamples", "Pricer", "ROUND_COUNTS", "SWEEPS", "common_height", "free_rounds", "lane_samples", "place",
-           "repack", "sweep"]
+           "repack", "repacked", "sweep"]
 
 SWEEPS = 4
-"""Sweeps of lane-by-lane re-packing per shard group (each re-packs every lane once, then pairs the rounds again)."""
+"""Sweeps of lane-by-lane re-packing per shard group."""
 
 ROUND_COUNTS = 3
 """Common-height packings tried on each side of the policy's round count (:func:`common_height`)."""
 
 
 class Pricer:
-    """Prices of the items a re-packing makes: the packer's time of a micro-batch at its lane's pace (its fast
-    path), and the fewest recomputed layers that fit it. The group's final items are priced with ``item_time``."""
+    """The items a re-packing makes, priced by the packer (its fast path, at the lane's pace) with the fewest
+    recomputed layers that fit; the group's final items are priced with ``item_time``."""
 
     def __init__(self, packer: LanePacker, item_time: ItemTime) -> None:
         self.packer, self.item_time = packer, item_time
@@ -52,8 +48,8 @@ class Pricer:
 
 @dataclass
 class LaneSamples:
-    """What re-packing one lane needs: its samples (longest estimate first), their estimated times at the
-    lane's pace, the token capacity of a micro-batch on it, and its ring degree."""
+    """One lane's samples (longest estimate first), their estimated times at its pace, a micro-batch's token
+    capacity on it, and its ring degree."""
 
     ranks: tuple[int, ...]
     samples: list[int]
@@ -68,7 +64,7 @@ class LaneSamples:
 
 
 def lane_samples(g: GroupRounds, packer: LanePacker) -> list[LaneSamples | None]:
-    """Per lane its :class:`LaneSamples`, or None when it cannot be re-packed (its items differ in ring degree)."""
+    """Per lane its :class:`LaneSamples`, or None when its items differ in ring degree (it is not re-packed)."""
     out: list[LaneSamples | None] = []
     for ranks, items in zip(g.lanes, g.items):
         rings = {it.ring for it in items}
@@ -85,9 +81,8 @@ def lane_samples(g: GroupRounds, packer: LanePacker) -> list[LaneSamples | None]
 
 
 def _pack(lane: LaneSamples, targets: Sequence[float], place: Sequence[int] | None = None) -> list[list[int]] | None:
-    """Sample indices of ``lane`` per bin: those ``place`` puts in a bin there, then the others longest estimate
-    first, each to the bin furthest below its target that has token room (ties: the first); None if a sample
-    finds no room."""
+    """Sample indices per bin: those ``place`` puts in a bin there, then the others longest estimate first, each to
+    the bin furthest below its target with token room (ties: the first); None if a sample finds no room."""
     n = len(targets)
     load, tokens = [0.0] * n, [0] * n
     bins: list[list[int]] = [[] for _ in targets]
@@ -116,7 +111,7 @@ def _pack(lane: LaneSamples, targets: Sequence[float], place: Sequence[int] | No
 
 
 def repack(lane: LaneSamples, bins: Sequence[Sequence[int]], pricer: Pricer) -> list[tuple[WorkItem, float] | None] | None:
-    """The bins as items (samples longest first) with their times (None for an empty bin); None if a bin fits no
+    """The bins as items (samples longest first) with their times (None: an empty bin); None if a bin fits no
     recompute."""
     out: list[tuple[WorkItem, float] | None] = []
     for b in bins:
@@ -132,9 +127,8 @@ def repack(lane: LaneSamples, bins: Sequence[Sequence[int]], pricer: Pricer) -> 
 
 
 def common_height(g: GroupRounds, data: list[LaneSamples | None], pricer: Pricer) -> GroupRounds:
-    """The policy's items, or every lane packed into micro-batches of one common height ``H`` (the busiest
-    rank's load over ``R`` rounds, ``R`` within :data:`ROUND_COUNTS` of the policy's round count): whichever
-    pairs into the shortest span."""
+    """The policy's items, or every lane packed into micro-batches of one common height (the busiest rank's load
+    over ``R`` rounds, ``R`` within :data:`ROUND_COUNTS` of the policy's round count): whichever span is shortest."""
     busy: dict[int, float] = {}
     for ranks, times in zip(g.lanes, g.times):
         for r in ranks:
@@ -162,8 +156,7 @@ def common_height(g: GroupRounds, data: list[LaneSamples | None], pricer: Pricer
 
 
 def level(lo: Sequence[float], hi: Sequence[float], total: float) -> list[float]:
-    """``clamp(x, lo_j, hi_j)`` per bin at the level ``x`` where they sum to ``total`` (``lo`` or ``hi`` where
-    ``total`` is out of their range)."""
+    """``clamp(x, lo_j, hi_j)`` per bin at the level ``x`` where they sum to ``total`` (``lo`` or ``hi`` outside)."""
     if math.fsum(hi) <= total:
         return list(hi)
     if math.fsum(lo) >= total:
@@ -182,14 +175,11 @@ def level(lo: Sequence[float], hi: Sequence[float], total: float) -> list[float]
 
 def targets(lane: LaneSamples, others: Sequence[float], rigid: Sequence[float]) -> tuple[list[float], list[int]]:
     """A lane's estimated time per round it may use, and the round of each of its long samples (-1: none), given
-    the other lanes' tallest item there (``others``) and their tallest one-sample item (``rigid``: a height no
-    re-packing lowers).
+    the other lanes' tallest item there (``others``) and tallest one-sample item (``rigid``: no re-packing lowers it).
 
-    The lane's samples longer than its mean per round go alone, longest with the tallest round of the others.
-    Then its other samples fill: the room under a rigid item first (it costs nothing and blocks nothing), then
-    the room under the others' items, level (a lane with room to spare stays out of the tall rounds, which their
-    own lanes may lower), and past that the rounds rise level, as far as the work needs. A round holds at most
-    the lane's token capacity."""
+    Samples longer than the lane's mean per round go alone, longest with the others' tallest round. The rest fill
+    the room under a rigid item first (it costs nothing), then under the others' items, level (the tall rounds'
+    own lanes may lower them), then the rounds rise level as far as the work needs; at most the token capacity."""
     n = len(others)
     share = lane.work / n if n else math.inf
     long_ = [i for i in range(min(n, len(lane.est))) if lane.est[i] > share]  # samples are longest estimate first
@@ -213,8 +203,8 @@ def targets(lane: LaneSamples, others: Sequence[float], rigid: Sequence[float]) 
 
 
 def sweep(g: GroupRounds, data: list[LaneSamples | None], pricer: Pricer) -> bool:
-    """Re-pack each lane in turn against the rounds of the others (:func:`place`), keeping a re-packing that does
-    not lengthen the group's span; whether any lane changed. Pairs the rounds again."""
+    """Re-pack each lane in turn against the others' rounds (:func:`place`), then pair the rounds again; whether any
+    lane changed."""
     moved = False
     for lane, d in enumerate(data):
         if d is not None and place(g, lane, d, pricer):
@@ -230,9 +220,9 @@ def free_rounds(g: GroupRounds, lane: int) -> list[int]:
 
 
 def place(g: GroupRounds, lane: int, d: LaneSamples, pricer: Pricer, force: bool = False) -> bool:
-    """Re-pack ``lane``'s samples ``d`` into its free rounds against the other lanes' items there (:func:`targets`)
-    and keep it if the group's span does not grow (``force``: whenever every sample finds room, keeping the empty
-    rounds for the lanes placed next); whether it changed. The rounds stay where they are."""
+    """Re-pack ``lane``'s samples into its free rounds against the other lanes' items there (:func:`targets`), kept
+    if the group's span does not grow (``force``: whenever every sample finds room, empty rounds kept for the lanes
+    placed next); whether it changed. The rounds stay where they are."""
     free = free_rounds(g, lane)
     keep = set(free)
     span_out = math.fsum(g.height(rnd) for j, rnd in enumerate(g.rounds) if j not in keep)
@@ -258,3 +248,13 @@ def place(g: GroupRounds, lane: int, d: LaneSamples, pricer: Pricer, force: bool
     if not force:
         g.rounds = [r for r in g.rounds if r]
     return True
+
+
+def repacked(g: GroupRounds, pricer: Pricer, sweeps: int) -> GroupRounds:
+    """``g`` packed at a common height, then re-packed lane by lane for at most ``sweeps`` sweeps."""
+    data = lane_samples(g, pricer.packer)
+    best = common_height(g, data, pricer)
+    for _ in range(sweeps):
+        if not sweep(best, data, pricer):
+            break
+    return best

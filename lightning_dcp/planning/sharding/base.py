@@ -1,24 +1,9 @@
 """What every sharding mode answers the planner: :class:`ShardingMode`, and the values it is asked about.
 
-A mode of ``DCPStrategy(sharding=...)`` is two files and one registry line
-(:mod:`~lightning_dcp.planning.sharding.registry`): its pure counterpart here in ``planning/sharding/``
-(a :class:`ShardingMode` subclass) and its runtime in ``runtime/sharding/`` (a
-:class:`~lightning_dcp.runtime.sharding.protocol.Shards`, named by :attr:`ShardingMode.runtime`). The
-pure side says, from the state bytes alone:
-
-- **memory per phase**: the model-state bytes a rank holds in the micro-batch loop (what the planner
-  budgets) and between steps (:meth:`ShardingMode.state_bytes`);
-- **the step's collectives**: what the step end moves and how much of the optimizer step a rank runs
-  (:meth:`ShardingMode.step_traffic`, :meth:`ShardingMode.optimizer_share`), priced by the cost model
-  with its hardware's or its profile's :class:`~lightning_dcp.planning.prices.CollectivePrices`;
-- **the rounds**: how a step's items run (:attr:`ShardingMode.rounds`: free-running per rank, or in
-  lockstep rounds of a shard group, :mod:`~lightning_dcp.planning.rounds`) and the SP cap they
-  imply;
-- **the cost model to plan with** (:meth:`ShardingMode.plan_with`): a cost model with a
-  ``with_sharding`` hook is re-planned with the runtime's measured bytes; one that says which states
-  its memory counts is shifted; one whose memory is not in bytes is used as it is where that is sound
-  and refused by name where it is not.
-
+A mode is two files and one registry line (docs/sharding.md, "Sharding as one unit"): its :class:`ShardingMode` here
+and its runtime :class:`~lightning_dcp.runtime.sharding.protocol.Shards` (named by :attr:`ShardingMode.runtime`).
+From the state bytes alone the mode says its memory per phase, the step's collectives (priced by the cost model with
+its :class:`~lightning_dcp.planning.prices.CollectivePrices`), its rounds and SP cap, and the cost model to plan with.
 Pure Python.
 """
 
@@ -32,6 +17,7 @@ from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.round_plan import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.cost_model import CostModel
 
 __all__ = ["CollectivePrices", "ShardingMode", "StateParts", "UnplannableCostModel"]
@@ -48,14 +34,9 @@ class UnplannableCostModel(ValueError):
 class StateParts:
     """One replica's model-state bytes, and the unit sizes per-layer sharding needs.
 
-    Args:
-        weights: parameter bytes (every parameter, trainable or frozen).
-        buffers: buffer bytes (never sharded).
-        gradients: gradient bytes (the trainable parameters, in their dtype).
-        optimizer: optimizer-state bytes (an fp32 master copy included when the optimizer keeps one).
-        layer_bytes: weight bytes of the largest repeated layer (per-layer sharding: the units in flight).
-        root_bytes: weight bytes outside the repeated layers (embeddings, head: the root unit).
-        params: parameters of one replica (an optimizer step on the host is priced per parameter).
+    ``weights``: every parameter, trainable or frozen; ``gradients``: the trainable ones, in their dtype;
+    ``optimizer``: with an fp32 master copy when kept; ``layer_bytes`` / ``root_bytes``: the weights of the largest
+    repeated layer / outside the repeated layers; ``params``: the parameter count (a host optimizer step's price).
     """
 
     weights: float
@@ -73,8 +54,8 @@ class StateParts:
 
     @classmethod
     def from_mapping(cls, given: "Mapping[str, Any] | StateParts", *, required: bool = True) -> "StateParts | None":
-        """The parts of ``given`` (a cost model's ``state_parts=``, a ``ModelStates.to_dict()``); a part
-        missing raises ``ValueError`` naming it, or, with ``required=False``, gives ``None``."""
+        """The parts of ``given`` (a cost model's ``state_parts=``, a ``ModelStates.to_dict()``); a missing part raises
+        ``ValueError`` naming it, or with ``required=False`` gives ``None``."""
         if isinstance(given, StateParts):
             return given
         missing = [k for k in STATE_PARTS if isinstance(given.get(k), bool) or not isinstance(given.get(k), (int, float))]
@@ -88,9 +69,8 @@ class StateParts:
         return cls(**{k: float(given[k]) for k in STATE_PARTS}, **extra)
 
     @classmethod
-    def of_analytic(cls, analytic: Any) -> "StateParts":
-        """An :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`'s one replica: its state bytes, its layer's
-        and root's weight bytes (from the model shape) and its parameter count."""
+    def of_analytic(cls, analytic: AnalyticCostModel) -> "StateParts":
+        """An :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`'s one replica."""
         db, model = analytic.dtype_bytes, analytic.model
         return replace(cls.from_mapping(analytic.full_state_parts), layer_bytes=db * model.layer_params(),
                        root_bytes=db * model.edge_params(), params=float(analytic.param_count))
@@ -100,19 +80,10 @@ class StateParts:
 
 
 class ShardingMode(abc.ABC):
-    """The pure counterpart of one ``DCPStrategy(sharding=...)`` mode, on one layout of the world.
+    """The pure counterpart of one ``DCPStrategy(sharding=...)`` mode on ``world_size`` ranks.
 
-    Subclasses set :attr:`name`, :attr:`runtime` (the runtime class, ``"module:Class"``), :attr:`summary`
-    and :attr:`options` (which of ``shard_group_size`` / ``offload`` they take), and implement
-    :meth:`state_bytes`. Everything else has the replicated modes' answer.
-
-    Args:
-        world_size: ranks of the world ``N`` (states are sharded over it, or over shard groups of it).
-        shard_group_size: ``K``, for the modes that take it.
-        offload: sharded states on the host, for the modes that take it.
-
-    Raises:
-        ValueError: an option the mode does not take, naming the mode that does.
+    Subclasses set the class attributes and implement :meth:`state_bytes`; everything else has the replicated modes'
+    answer. ``ValueError`` for an option (``shard_group_size``, ``offload``) the mode does not take.
     """
 
     name: ClassVar[str]
@@ -142,13 +113,11 @@ class ShardingMode(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
 
-    # ------------------------------------------------------------------ memory per phase
     @abc.abstractmethod
     def state_bytes(self, parts: StateParts, *, at_rest: bool = False) -> float:
         """Model-state bytes one rank holds: in the micro-batch loop (what the planner budgets), or between
         steps (``at_rest``)."""
 
-    # ------------------------------------------------------------------ the step's collectives
     def step_traffic(self, parts: StateParts) -> tuple[float, int]:
         """(bytes the step end moves through the world's ring, collectives per gradient bucket): the
         replicated modes all-reduce the gradients (``2G``, one per bucket)."""
@@ -158,7 +127,6 @@ class ShardingMode(abc.ABC):
         """The fraction of one replica's optimizer step a rank runs (``1/N`` when the optimizer state is sharded)."""
         return 1.0
 
-    # ------------------------------------------------------------------ rounds
     @property
     def rounds(self) -> RoundPlan:
         """How a step's items run: each rank its own items in plan order (no lockstep)."""
@@ -168,18 +136,11 @@ class ShardingMode(abc.ABC):
         """The largest SP size the mode allows (``None``: no limit of its own)."""
         return None
 
-    # ------------------------------------------------------------------ the cost model to plan with
     def plan_with(self, cost_model: "CostModel", parts: StateParts | None, prices: CollectivePrices | None = None,
                   measured: Mapping[str, Any] | None = None) -> "CostModel":
-        """The cost model to plan with when the runtime runs this mode with ``parts``.
-
-        ``cost_model.with_sharding(measured)`` when it has that hook (``measured``: the runtime's
-        ``ModelStates.to_dict()``); else ``cost_model`` as given, unless it states (``cost_model.sharding``)
-        another mode.
-
-        Raises:
-            UnplannableCostModel: it states another mode and cannot be re-planned.
-        """
+        """The cost model to plan with when the runtime runs this mode with ``parts``: ``cost_model.with_sharding(
+        measured)`` when it has that hook (``measured``: the runtime's ``ModelStates.to_dict()``), else ``cost_model``;
+        :class:`UnplannableCostModel` if it states (``sharding``) another mode."""
         hook = getattr(cost_model, "with_sharding", None)
         if callable(hook) and measured is not None:
             return hook(dict(measured))

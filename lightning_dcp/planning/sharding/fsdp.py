@@ -1,8 +1,6 @@
-"""``sharding="fsdp"``: ``"zero2"`` that also frees the full weights between steps.
-
-The weights are all-gathered once per step *before* the loop and freed after the optimizer step; in
-the loop a rank holds what ``"zero2"`` holds (``W + W/N + B + G + O/N``), between steps only its
-shards: ``(W + G + O)/N + B`` (evaluation, co-resident models, sharded checkpoints). Pure Python.
+"""``sharding="fsdp"``: ``"zero2"`` that also frees the full weights between steps (all-gathered once per step before
+the loop): in the loop as ``"zero2"``, between steps only the shards, ``(W + G + O)/N + B`` (evaluation, co-resident
+models, sharded checkpoints). Pure Python.
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ __all__ = ["Fsdp"]
 
 
 class Fsdp(Zero2):
-    """Weights, gradients and optimizer state sharded between steps, gathered once per step."""
-
     name = "fsdp"
     runtime = "lightning_dcp.runtime.sharding.fsdp:FsdpShards"
     summary = "weights too sharded between steps, gathered once per step (full during the step)"

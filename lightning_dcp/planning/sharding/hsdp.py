@@ -1,18 +1,11 @@
-"""``sharding="hsdp"``: per-layer sharding inside the micro-batch loop, over shard groups of ``K`` ranks.
+"""``sharding="hsdp"``: per-layer sharding in the micro-batch loop over shard groups of ``K`` consecutive ranks,
+replicated across the ``N / K`` groups (``K = N``: plain ZeRO-3): ``(W + G + O)/K + B + 2R + 4L`` per rank in the
+loop, ``(W + G + O)/K + B`` between steps; with ``offload`` (the shards on the host) ``B + 2R + 4L`` and ``B``.
 
-The model states are sharded over the ``K`` consecutive ranks of a *shard group* and replicated across
-the ``N / K`` groups (``K = N``: plain ZeRO-3). Per rank::
-
-    in the loop     (W + G + O)/K + B + 2R + 4L        offload: B + 2R + 4L (the shards on the host)
-    between steps   (W + G + O)/K + B                  offload: B
-
-``R`` the weight bytes outside the repeated layers (the root unit: embeddings, head; gathered for the
-whole micro-batch with its gradients), ``L`` the largest repeated layer's (two layers' weights and
-gradients in flight: the running one and the prefetched one). Each layer's collectives run inside the
-loop, so the ranks of a group run lockstep rounds (:class:`~lightning_dcp.planning.rounds.Lockstep`)
-and SP groups stay inside a shard group (:meth:`HsdpMode.sp_cap`). Time:
-:class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`; which ``K`` when none is given:
-:mod:`~lightning_dcp.planning.sharding.shard_group_size`. Pure Python.
+``R`` is gathered for the whole micro-batch with its gradients, ``L`` twice over (the running and the prefetched
+layer, weights and gradients). Each layer's collectives run inside the loop, so a group's ranks run lockstep rounds
+(:class:`~lightning_dcp.planning.rounds.Lockstep`) and SP groups stay inside a shard group. Time:
+:class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`. Pure Python.
 """
 
 from __future__ import annotations
@@ -26,19 +19,15 @@ from lightning_dcp.planning.sharding.base import ShardingMode, StateParts, Unpla
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 
 if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.cost_model import CostModel
 
 __all__ = ["HsdpMode", "hsdp_view"]
 
 
 class HsdpMode(ShardingMode):
-    """Per-layer sharding (HSDP on a ``(N/K, K)`` mesh, ZeRO-3 when ``K = N``).
-
-    Args:
-        world_size: ``N``.
-        shard_group_size: ``K``, a positive divisor of ``N`` (default ``N``).
-        offload: the sharded states live on the host (FSDP2's ``CPUOffloadPolicy``).
-    """
+    """Per-layer sharding (HSDP on a ``(N/K, K)`` mesh); ``shard_group_size``: ``K``, a positive divisor of ``N``
+    (default ``N``); ``offload``: the sharded states on the host (FSDP2's ``CPUOffloadPolicy``)."""
 
     name = "hsdp"
     runtime = "lightning_dcp.runtime.sharding.hsdp:HsdpShards"
@@ -83,15 +72,10 @@ class HsdpMode(ShardingMode):
 
     def plan_with(self, cost_model: "CostModel", parts: StateParts | None, prices: CollectivePrices | None = None,
                   measured: Mapping[str, Any] | None = None) -> "CostModel":
-        """``cost_model`` (its memory counting one full replica's states) seen through
-        :class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`: the sharded states in the
-        budget, the per-round collectives in the time, priced by ``prices`` (the hardware's or the profile's;
-        ``None``: the cost model's own, else unpriced).
-
-        Raises:
-            UnplannableCostModel: its memory is in bytes but says nothing of the states it counts (no
-                ``state_bytes``, no ``with_sharding``), or the states' bytes are unknown.
-        """
+        """``cost_model`` (its memory counting one full replica) seen through ``ShardGroupCostModel``: the sharded
+        states in the budget, the per-round collectives in the time, priced by the cost model's own prices, else
+        ``prices``. :class:`UnplannableCostModel` when the states' bytes are unknown, or its memory is in bytes but
+        says nothing of the states it counts."""
         if parts is None:
             raise UnplannableCostModel("sharding='hsdp' needs the model-state bytes (weights, gradients, optimizer, "
                                        "the largest layer's and the root unit's) to plan its memory")
@@ -110,9 +94,9 @@ class HsdpMode(ShardingMode):
         return ShardGroupCostModel(base, self, parts, prices=own if own is not None else prices)
 
 
-def hsdp_view(analytic: Any, shard_group_size: int | None = None, *, offload: bool = False) -> ShardGroupCostModel:
-    """The :class:`ShardGroupCostModel` of an :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`
-    (its model shape, hardware, world size and state bytes); ``shard_group_size`` defaults to the world."""
+def hsdp_view(analytic: AnalyticCostModel, shard_group_size: int | None = None, *,
+              offload: bool = False) -> ShardGroupCostModel:
+    """The :class:`ShardGroupCostModel` of an analytic model (``shard_group_size`` default: the world)."""
     mode = HsdpMode(analytic.world_size, shard_group_size=shard_group_size, offload=offload)
     return mode.plan_with(analytic, StateParts.of_analytic(analytic))
 

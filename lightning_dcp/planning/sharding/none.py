@@ -1,6 +1,4 @@
-"""``sharding="none"``: full replicas on every rank; one bucketed all-reduce of the gradients per step.
-
-Per rank, in the micro-batch loop and between steps: ``W + B + G + O``. Pure Python.
+"""``sharding="none"``: full replicas on every rank (``W + B + G + O``); one bucketed all-reduce per step. Pure Python.
 """
 
 from __future__ import annotations
@@ -11,8 +9,6 @@ __all__ = ["NoSharding"]
 
 
 class NoSharding(ShardingMode):
-    """Full replicas (the default): what plain data-parallel training holds."""
-
     name = "none"
     runtime = "lightning_dcp.runtime.sharding.replicated:ReplicatedShards"
     summary = "full replicas (default)"

@@ -1,12 +1,6 @@
 """THE registry of sharding modes: ``DCPStrategy(sharding=...)``, ``lightning-dcp plan`` / ``simulate`` and the
-cost models read it, and nothing else names a mode.
-
-A new mode is two files -- its :class:`~lightning_dcp.planning.sharding.base.ShardingMode` in
-``planning/sharding/`` and its :class:`~lightning_dcp.runtime.sharding.protocol.Shards` in
-``runtime/sharding/`` (named by the mode's ``runtime``) -- and one line in :data:`MODES`.
-
-Also here: :func:`state_bytes` (one mode's model-state bytes per rank from plain numbers) and
-:func:`resolve_sharding` (a cost model's ``sharding=`` / ``zero_stage=`` arguments). Pure Python.
+cost models read it, and nothing else names a mode. A new mode: its two files and one line in :data:`MODES`. Pure
+Python.
 """
 
 from __future__ import annotations
@@ -42,11 +36,7 @@ ZERO_STAGE_ALIASES = {mode.zero_stage: name for name, mode in MODES.items() if m
 
 
 def get_mode(name: str, world_size: int, *, shard_group_size: int | None = None, offload: bool = False) -> ShardingMode:
-    """Mode ``name`` on ``world_size`` ranks.
-
-    Raises:
-        ValueError: an unknown name (listing the known ones), or an option the mode does not take.
-    """
+    """Mode ``name`` on ``world_size`` ranks; ``ValueError`` for an unknown name (listing the known ones)."""
     cls = MODES.get(name)
     if cls is None:
         hint = " (ZeRO-3 is 'fsdp', or 'hsdp' sharded per layer)" if str(name).lower() in (
@@ -58,29 +48,19 @@ def get_mode(name: str, world_size: int, *, shard_group_size: int | None = None,
 def state_bytes(mode: str, world_size: int, *, weights: float, buffers: float = 0.0, gradients: float,
                 optimizer: float, at_rest: bool = False, shard_group_size: int | None = None,
                 layer_bytes: float = 0.0, root_bytes: float = 0.0, offload: bool = False) -> float:
-    """Model-state bytes one rank holds under ``mode`` (see each mode's formula; the package docstring's table).
-
-    Args:
-        mode: a name of :data:`MODES`.
-        world_size: ranks the states are sharded over; ``<= 1`` holds the full replica in every mode.
-        weights, buffers, gradients, optimizer: the full model's bytes.
-        at_rest: between steps instead of in the micro-batch loop.
-        shard_group_size, layer_bytes, root_bytes, offload: ``hsdp`` only.
-    """
-    parts = StateParts(weights=weights, buffers=buffers, gradients=gradients, optimizer=optimizer,
-                       layer_bytes=layer_bytes, root_bytes=root_bytes)
-    options = {"shard_group_size": shard_group_size, "offload": offload} if mode in MODES and MODES[mode].options else {}
+    """Model-state bytes one rank holds under ``mode`` (the package docstring's table), from the full model's bytes;
+    ``world_size <= 1`` holds the full replica; ``at_rest``: between steps."""
     if mode not in MODES:
         raise ValueError(f"sharding must be one of {', '.join(MODES)}, got {mode!r}")
+    parts = StateParts(weights=weights, buffers=buffers, gradients=gradients, optimizer=optimizer,
+                       layer_bytes=layer_bytes, root_bytes=root_bytes)
+    options = {"shard_group_size": shard_group_size, "offload": offload} if MODES[mode].options else {}
     return get_mode(mode, max(1, int(world_size)), **options).state_bytes(parts, at_rest=at_rest)
 
 
 def resolve_sharding(sharding: str | None, zero_stage: int | None = None, *, default: str = "zero1") -> str:
-    """A cost model's sharding mode from ``sharding=`` and/or the ``zero_stage=`` alias (``default`` if neither).
-
-    Raises ``ValueError`` for unknown names (a per-layer mode names the view to use), stages other than
-    0-2, or the two disagreeing.
-    """
+    """A cost model's sharding mode from ``sharding=`` and/or the ``zero_stage=`` alias (``default`` if neither);
+    ``ValueError`` for unknown names (a per-layer mode names the view to use), other stages, or the two disagreeing."""
     if sharding is not None and sharding not in COST_MODEL_MODES:
         hint = (f"; {sharding!r} shards per layer over shard groups: plan with the one-replica model seen through "
                 "lightning_dcp.planning.sharding.hsdp.hsdp_view") if sharding in MODES else ""

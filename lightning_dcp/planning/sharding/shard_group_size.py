@@ -1,18 +1,9 @@
 """Which shard group ``K`` ``sharding="hsdp"`` runs when none is given: the smallest that fits, at least a node.
 
-A larger shard group holds fewer state bytes per rank, leaving more room for activations (less
-recompute, smaller SP groups); it costs collectives. Inside a node it costs almost nothing more: each
-rank moves ``(K - 1)/K`` of a layer per collective, at the node's bandwidth, whatever ``K``; beyond a
-node every round's collectives cross the slower inter-node links. So :func:`choose_shard_group_size`
-takes the candidates -- the powers of two dividing the world, and the world -- from the largest that
-fits in one node (``gpus_per_node``) up, and keeps the first whose states fit the memory limit
-(``(W + G + O)/K + B + 2R + 4L`` plus the workspace) and, when it is given a way to tell, that holds
-the dataset's longest sample on some SP size up to ``K`` with every layer recomputed: a node's group
-when the model fits there (Wan-14B, HunyuanVideo-13B on 8-GPU nodes), else the smallest group above
-a node that fits (Llama-70B on H100: 32). ``DCPStrategy(sharding="hsdp")``, ``lightning-dcp simulate``
-and ``lightning-dcp plan`` all default to it. When no ``K`` fits, :class:`NoShardGroupFits` lists the
-states' bytes per rank for every ``K`` (and what each holds), so the fix -- more ranks, ``offload``,
-more memory -- is plain; it blames no sample unless the states fit and only the data does not. Pure Python.
+A larger group holds fewer state bytes per rank (room for activations) and costs collectives: almost nothing more
+inside a node (``(K - 1)/K`` of a layer per rank at the node's bandwidth, whatever ``K``), the slower links beyond.
+So the candidates (powers of two dividing the world, and the world) are tried from the largest inside one node up
+(docs/sharding.md, "A shard group that picks itself"). Pure Python.
 """
 
 from __future__ import annotations
@@ -55,15 +46,10 @@ def choose_shard_group_size(world_size: int, parts: StateParts, memory_limit: fl
                             gpus_per_node: int = 1, offload: bool = False, workspace_bytes: float = 0.0,
                             longest: int | None = None, longest_fitting: Callable[[int], int] | None = None,
                             limit_source: str = "") -> ShardGroupChoice:
-    """The smallest shard group size, at least the largest candidate inside one node (``gpus_per_node``), whose
-    states fit ``memory_limit`` and (given ``longest`` and ``longest_fitting(k)``, the longest sample a shard
-    group of ``k`` holds) that holds the data.
-
-    ``mode``: the registry's name of a mode with a shard group.
-
-    Raises:
-        NoShardGroupFits: none does; the message lists each candidate's state bytes per rank.
-    """
+    """The smallest shard group size of ``mode``, at least the largest candidate inside one node, whose states plus
+    ``workspace_bytes`` fit ``memory_limit`` and (given ``longest`` and ``longest_fitting(k)``, the longest sample a
+    group of ``k`` holds) that holds the data; :class:`NoShardGroupFits` lists every candidate's bytes per rank (it
+    blames no sample unless the states fit)."""
     limit_text = format_bytes(memory_limit) + (f" ({limit_source})" if limit_source else "")
     table: dict[int, float] = {}
     rows: list[str] = []

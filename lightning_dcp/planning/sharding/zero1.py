@@ -1,9 +1,8 @@
-"""``sharding="zero1"``: the optimizer state (and its update) sharded over the world (``ZeroRedundancyOptimizer``).
+"""``sharding="zero1"``: the optimizer state and its update sharded over the world (``ZeroRedundancyOptimizer``).
 
-Per rank, in the loop and between steps: ``W + B + G + O/N``; the gradients are all-reduced as under
-``"none"`` and each rank's updated shard of the weights is sent to the others after the step (two
-collectives per gradient bucket). Of the modes without collectives in the loop, it leaves the most room
-for activations. Pure Python.
+``W + B + G + O/N`` per rank; the gradients are all-reduced as under ``"none"`` and each rank's updated weight shard
+sent to the others after the step (two collectives per bucket). Of the modes without collectives in the loop, the
+most room for activations. Pure Python.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ __all__ = ["Zero1"]
 
 
 class Zero1(ShardingMode):
-    """ZeRO stage 1: optimizer state sharded."""
-
     name = "zero1"
     runtime = "lightning_dcp.runtime.sharding.zero1:Zero1Shards"
     summary = "optimizer state sharded (ZeroRedundancyOptimizer): the most room for activations in the loop"

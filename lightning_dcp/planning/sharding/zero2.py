@@ -1,14 +1,9 @@
-"""``sharding="zero2"``: optimizer state, its update and the gradients between steps sharded (``fully_shard``).
+"""``sharding="zero2"``: optimizer state, its update and the gradients between steps sharded (``fully_shard``):
+``W + W/N + B + G + O/N`` per rank in the loop, ``W + W/N + B + G/N + O/N`` between steps.
 
-No collective runs inside the micro-batch loop: the weights stay full during the step (FSDP keeps each
-rank's shard beside them: ``W/N``), each rank accumulates its full local gradients, one reduce-scatter
-after the loop leaves it its gradient shard, the optimizer steps the shard, and one all-gather per unit
-right after the step makes the weights full again. Per rank::
-
-    in the loop     W + W/N + B + G + O/N
-    between steps   W + W/N + B + G/N + O/N
-
-The step moves the all-reduce's bytes (a reduce-scatter of ``G`` and an all-gather of ``W``). Pure Python.
+No collective inside the micro-batch loop: the weights stay full (FSDP keeps each rank's shard beside them, ``W/N``),
+each rank accumulates its full gradients, one reduce-scatter after the loop leaves its shard, the optimizer steps it
+and one all-gather per unit after the step makes the weights full again: the all-reduce's bytes. Pure Python.
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ __all__ = ["Zero2"]
 
 
 class Zero2(ShardingMode):
-    """ZeRO stage 2 on FSDP2: gradients and optimizer state sharded between steps, full weights kept."""
-
     name = "zero2"
     runtime = "lightning_dcp.runtime.sharding.zero2:Zero2Shards"
     summary = "optimizer state and gradients sharded between steps (fully_shard), full weights kept"
