@@ -14,10 +14,10 @@ from lightning_dcp.planning.parallel_costs import Scheme
 from lightning_dcp.planning.plan import validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.flexsp_milp import Bucket, bucketize, chunk_sorted, greedy, objective, solve, sp_options
-from lightning_dcp.planning.policies.megatron_hcp import gpus_needed, make_buckets_equal, total_workload
-from lightning_dcp.planning.policies.peer_common import aligned_starts, karmarkar_karp
-from lightning_dcp.planning.policies.verl import order_micro_batches, workload
+from lightning_dcp.planning.peers.flexsp_milp import Bucket, bucketize, chunk_sorted, greedy, objective, solve, sp_options
+from lightning_dcp.planning.peers.megatron import gpus_needed, make_buckets_equal, total_workload
+from lightning_dcp.planning.peers.base import aligned_starts, karmarkar_karp
+from lightning_dcp.planning.peers.verl import order_micro_batches, workload
 from lightning_dcp.planning.step_time import step_time
 
 CM = FakeCostModel()

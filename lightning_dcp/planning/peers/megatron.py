@@ -47,7 +47,7 @@ from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
+from lightning_dcp.planning.peers.base import Tuner, aligned_starts
 
 DELTA = 0.05
 """``next_hdp_group``'s balance slack."""

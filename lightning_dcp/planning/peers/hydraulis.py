@@ -7,7 +7,7 @@ its code is PKU-DAIR/Hetu ``examples/hydraulis`` (``/work/shared/NOTES.md``). Th
 1. **Strategies** (§5.1): a step runs ``D`` pipelines (data-parallel replicas), each with its own
    scheme ``<TP, PP>``; pipelines and schemes may change every step.
 2. **Strategy proposal** (§7): once, from the dataset, a dynamic program over GPUs and length classes
-   proposes the candidate strategies (:func:`~lightning_dcp.planning.policies.hydraulis_proposal.propose`).
+   proposes the candidate strategies (:func:`~lightning_dcp.planning.peers.hydraulis_proposal.propose`).
 3. **Per step** (§6): every candidate that can hold the step's longest sequence is evaluated by the
    two-stage assignment; the one with the lowest estimated latency runs.
 4. **Stage 1, dispatch** (§6.2, App. D, Alg. 1): sequences go to pipelines by a randomized greedy --
@@ -49,8 +49,8 @@ from lightning_dcp.planning.parallel_costs import Pipeline, Scheme
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.hydraulis_proposal import SchemeTable, Strategy, propose
-from lightning_dcp.planning.policies.peer_common import aligned_starts, default_tune_tokens
+from lightning_dcp.planning.peers.hydraulis_proposal import SchemeTable, Strategy, propose
+from lightning_dcp.planning.peers.base import aligned_starts, default_tune_tokens
 
 TRIALS = 100
 """Alg. 1's random trials per dispatch (Hydraulis' T)."""

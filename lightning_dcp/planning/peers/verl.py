@@ -30,7 +30,7 @@ beyond the extra recomputation.
 **Tuning** (what a verl user does by hand, here a search over the dataset when the planner is given
 it): every usable SP size that holds the dataset's longest sequence, checkpointing off and on, and a
 per-GPU token budget of the group's capacity at that setting (``max_token_len`` = what fits) or half
-of it, each simulated on :data:`~lightning_dcp.planning.policies.peer_common.TUNE_BATCHES` global
+of it, each simulated on :data:`~lightning_dcp.planning.peers.base.TUNE_BATCHES` global
 batches of ``tune_tokens`` tokens drawn from the dataset; the fastest wins. ``sp=``, ``checkpointing=``
 and ``max_token_len_per_gpu=`` fix any of them.
 """
@@ -44,7 +44,7 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy, interleave_items
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts, karmarkar_karp
+from lightning_dcp.planning.peers.base import Tuner, aligned_starts, karmarkar_karp
 
 WORKLOAD_LINEAR = 24576
 """verl's ``calculate_workload``: ``24576 * s + s**2``."""

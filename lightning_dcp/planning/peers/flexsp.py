@@ -9,7 +9,7 @@ Parallelism* (ASPLOS '25) and its solver (PKU-DAIR Hetu-Galvatron, ``galvatron/f
    the cluster's token capacity (devices x tokens one device holds): the sequences sorted longest first,
    cut into that many consecutive chunks with the smallest largest chunk (``sort_consec``); one more
    micro-batch whenever a chunk is over capacity or its MILP is infeasible.
-2. **Per micro-batch, a MILP** (:mod:`~lightning_dcp.planning.policies.flexsp_milp`): which SP groups
+2. **Per micro-batch, a MILP** (:mod:`~lightning_dcp.planning.peers.flexsp_milp`): which SP groups
    (Ulysses, any power-of-two sizes the heads allow, every device in exactly one group) to form and which
    sequences (bucketed to at most 16 length buckets, more while the padding exceeds half the spare
    capacity) each runs, minimizing the slowest group's time under each group's memory. Each group runs
@@ -42,8 +42,8 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
 from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.policies.flexsp_milp import Bucket, Solution, bucketize, chunk_sorted, solve
-from lightning_dcp.planning.policies.peer_common import Tuner, aligned_starts
+from lightning_dcp.planning.peers.flexsp_milp import Bucket, Solution, bucketize, chunk_sorted, solve
+from lightning_dcp.planning.peers.base import Tuner, aligned_starts
 
 BUCKETS = 16
 """FlexSP's starting bucket count per micro-batch."""
