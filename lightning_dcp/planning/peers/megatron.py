@@ -1,38 +1,48 @@
 """``megatron-hcp``: Megatron-Core's hybrid (dynamic) context parallel scheduler.
 
-Source: NVIDIA/Megatron-LM, ``megatron/core/pipeline_parallel/hybrid_cp_schedule.py``
-(``BalancedCPScheduler``: ``gpus_needed``, ``get_total_workload``, ``make_buckets_equal``,
-``next_hdp_group``, ``get_groups_and_subsamples``; ``hybrid_context_parallel_forward_backward``).
-The rules, as written there:
+Source: the ``megatron-core`` 0.19.2 package (NVIDIA/Megatron-LM): ``megatron/core/pipeline_parallel/
+hybrid_cp_schedule.py`` (``BalancedCPScheduler``: ``gpus_needed``, ``get_total_workload``,
+``make_buckets_equal``, ``next_hdp_group``, ``get_groups_and_subsamples``;
+``hybrid_context_parallel_forward_backward``), ``megatron/core/datasets/data_schedule.py``
+(``HybridCPDataLoaderWrapper``: the whole global batch scheduled at once), ``megatron/core/parallel_state.py``
+(``create_hybrid_dp_cp_groups``), ``megatron/core/extensions/transformer_engine.py`` (``cp_comm_type``). The
+rules, as written there:
 
-1. **CP size per sub-sample**: ``max(1, 2 ** ceil(log2(L / max_seqlen_per_dp_cp_rank)))`` -- the next
-   power of two of the sample's length over the per-rank capacity, over all DP x CP ranks (the world).
-   Context parallel is ring attention (``cp_comm_type="p2p"`` by default), so the size is not bound
-   by the head count; every item here is a pure ring (``WorkItem.ring`` = its SP size).
-2. **Workload** of a sub-sample: ``L**2 / cp``.
-3. **Groups** (barrier-separated rounds over all ranks), formed greedily from the samples sorted
-   longest first: the samples are cut into as many *buckets* of about equal work as there are distinct
+1. **CP size per sub-sample** (``gpus_needed``): ``max(1, 2 ** ceil(log2(L / max_seqlen_per_dp_cp_rank)))``,
+   over the DP x CP ranks (the world here). A sample needing more than the world is never placed
+   (``fill_empty_gpus`` then asserts): a :class:`~lightning_dcp.planning.errors.PlanningError`.
+2. **Attention across a sub-sample's ranks** is Transformer Engine's context parallel with one run-wide
+   ``cp_comm_type``: ``p2p`` (ring attention, any size: ``WorkItem.ring`` = the CP size) or ``a2a`` (Ulysses:
+   TE needs the heads divisible by every CP size a step uses). ``a2a+p2p`` needs a list of two groups and the
+   scheduler passes TE one dynamic group per sub-sample, so it is not offered.
+3. **Workload** of a sub-sample: ``L**2 / cp`` (``get_total_workload``).
+4. **Groups** (barrier-separated rounds over all ranks, ``next_hdp_group``), formed greedily from the samples
+   sorted longest first: the samples are cut into as many *buckets* of about equal work as there are distinct
    CP sizes (a bucket closes at 110% of the target or when the remaining samples are needed for the
-   remaining buckets); the first bucket whose head can be placed gives the next sample: on a new set
-   of free ranks when enough are free (free ranks carry no work, so this always wins), else on the
-   least-loaded existing set of its CP size. Once a sample with a smaller CP size than the round's
-   first has been placed, the round closes as soon as every rank's work is within 5% of the busiest
-   (``delta=0.05``; a rank with no work means it is not). No placeable sample closes it too.
-   ``trim_overload`` then pops the last sample of the busiest set while that lowers the spread, and
-   ``fill_empty_gpus`` doubles the CP size of the first smallest set while ranks are left free.
-   Leftover samples go to the next round. Every round ends with a barrier of all ranks
-   (``StepPlan.notes.barriers``, honoured by :mod:`~lightning_dcp.planning.step_time`; DCPStrategy does not
-   run world barriers inside a step, so this policy plans and simulates but does not train).
-4. **One sub-sample per micro-batch**: every sample is its own forward/backward on its set's ranks.
+   remaining buckets); the first bucket whose head can be placed gives the next sample: on a new set of free
+   ranks when enough are free (free ranks carry no work, so this always wins), else on the least-loaded
+   existing set of its CP size. Once a sample with a smaller CP size than the round's first has been
+   placed, the round closes as soon as every rank's work is within 5% of the busiest (``delta=0.05``; a
+   rank with no work means it is not). No placeable sample closes it too. ``trim_overload`` then pops the
+   last sample of the busiest set while that lowers the spread, and ``fill_empty_gpus`` doubles the CP size
+   of the first smallest set while ranks are left free. Leftover samples go to the next round. Every round
+   but the last ends with a barrier of all ranks (``StepPlan.notes.barriers``, honoured by
+   :mod:`~lightning_dcp.planning.step_time`; DCPStrategy runs no world barrier inside a step, so this policy
+   plans and simulates but does not train).
+5. **One sub-sample per micro-batch**: every sample is its own forward/backward on its set's ranks.
+6. **Recomputation** is one run-wide setting (``--recompute-num-layers``): every item recomputes the same
+   number of layers; an item that does not fit at it is an out-of-memory error.
 
-Megatron allocates a new set from the lowest free ranks; here a set is placed on an aligned block at
-the end of its round (largest first), since the plan contract's groups are aligned power-of-two
-blocks; the rounds' sets are the same. Recomputation is Megatron's global setting
-(``--recompute-num-layers``): every item recomputes the same number of layers.
+Megatron takes the lowest free ranks for a new set; here a set goes on an aligned block at the end of its
+round (largest first: the plan contract's groups are aligned blocks); the rounds' sets, and so their times,
+are the same.
 
-**Tuning** (a Megatron user's search): the recomputed layers ``r`` in {0, L/4, L/2, L}, with
-``max_seqlen_per_dp_cp_rank`` = the tokens one rank holds at that ``r`` (what fits), or half of it;
-the fastest on the tuning batches wins. ``recompute=`` and ``max_seqlen_per_dp_cp_rank=`` fix them.
+**Tuning** (:mod:`~lightning_dcp.planning.peers.base`): ``cp_comm_type`` in {p2p, a2a} and
+``max_seqlen_per_dp_cp_rank`` on the base's grid from the longest sequence over the world to what one rank
+holds with every layer recomputed (or the longest sequence, if less). The schedule does not depend on the
+recomputation and every item's time grows with it, so for each ``max_seqlen_per_dp_cp_rank`` the fewest
+layers that fit every sequence of the run (and dataset) at its CP size is the best recompute setting: every
+other value is slower or fails. ``cp_comm_type=``, ``max_seqlen_per_dp_cp_rank=`` and ``recompute=`` fix them.
 """
 
 from __future__ import annotations
@@ -40,14 +50,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
-from lightning_dcp.planning.policies.base import Policy
+from lightning_dcp.planning.peers.base import Axis, TunedPolicy, aligned_starts
 from lightning_dcp.planning.policies.costs import CostView
-from lightning_dcp.planning.peers.base import Tuner, aligned_starts
 
 DELTA = 0.05
 """``next_hdp_group``'s balance slack."""
@@ -61,6 +70,10 @@ def gpus_needed(length: int, per_rank: int) -> int:
 def total_workload(length: int, cp: int) -> float:
     """Megatron's sub-sample workload: ``L**2 / cp``."""
     return length * length / cp
+
+
+COMM_TYPES = ("p2p", "a2a")
+"""``cp_comm_type`` values a hybrid-CP run can use (rule 2)."""
 
 
 def make_buckets_equal(seqs: list[tuple[int, int]], per_rank: int) -> list[deque]:
@@ -130,64 +143,82 @@ class Round:
         return top, low
 
 
-class MegatronHCPPolicy(Policy):
-    """Megatron-Core hybrid context parallel: power-of-two ring CP per sample, L^2/cp balancing in barrier rounds."""
+class MegatronSetting(NamedTuple):
+    max_seqlen_per_dp_cp_rank: int
+    cp_comm_type: str
+    recompute: int
+    """Layers every item recomputes; -1: none fits every sequence of the run, -2: a2a on a CP size that does not
+    divide the heads (the setting fails)."""
+
+
+class MegatronHCPPolicy(TunedPolicy):
+    """Megatron-Core hybrid context parallel: power-of-two CP per sample, L^2/cp balancing in barrier rounds."""
 
     name = "megatron-hcp"
+    peer = "megatron-hcp"
+    setting_options = ("max_seqlen_per_dp_cp_rank", "cp_comm_type", "recompute")
     runtime_refusal = ("its rounds end in barriers of every rank, and DCPStrategy runs no world collective inside a "
                        "step (a barrier there would be one per round); it plans and simulates Megatron-Core's scheduler")
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
-        self.max_cp = min(view.max_sp, world_blocks(world_size)[0][1])
-        self.setting = self._setting()
-        """``(max_seqlen_per_dp_cp_rank, recompute)`` the plans use."""
-
-    @classmethod
-    def option_names(cls) -> tuple[str, ...]:
-        return ("max_seqlen_per_dp_cp_rank", "recompute", "tune_tokens")
+        self.max_cp = world_blocks(world_size)[0][1]
+        """The largest CP set: the world's largest aligned block (the world, for a power of two)."""
+        self._longest: list[int] = list(self.dataset_lengths or [])
+        self._recompute: dict[tuple[int, str], int] = {}
 
     @property
     def group_sizes(self) -> dict[int, int]:
-        """SP sizes of its own (for :meth:`Planner.rank_tuples`): every power of two up to ``max_cp``, on the
-        aligned blocks (pure rings: no Ulysses subgroup to align)."""
-        return {1 << k: 1 for k in range(self.max_cp.bit_length()) if 1 << k <= self.max_cp}
+        """SP sizes of its own (for :meth:`Planner.rank_tuples`): every power of two up to ``max_cp`` on the aligned
+        blocks, ring degree as its ``cp_comm_type`` (p2p: a pure ring; a2a: Ulysses)."""
+        a2a = self.setting is not None and self.setting.cp_comm_type == "a2a"
+        return {1 << k: (1 if a2a else 1 << k) for k in range(self.max_cp.bit_length()) if 1 << k <= self.max_cp}
 
-    def candidates(self, longest: int) -> list[tuple[int, int]]:
-        L = self.view.num_layers
-        recs = [int(self.options["recompute"])] if "recompute" in self.options else sorted({0, L // 4, L // 2, L})
-        caps = self.view.capacities(1)
-        out = []
-        for r in recs:
-            if caps[r] <= 0:
-                continue
-            per = ([int(self.options["max_seqlen_per_dp_cp_rank"])] if self.options.get("max_seqlen_per_dp_cp_rank")
-                   else sorted({caps[r], max(caps[r] // 2, 1)}, reverse=True))
-            for p in per:
-                if gpus_needed(longest, p) <= self.max_cp and (r, p) not in [(c[1], c[0]) for c in out]:
-                    out.append((p, r))
-        return out
+    def ring(self, size: int, comm: str) -> int:
+        """Ring degree of a CP set of ``size`` ranks under ``comm`` (rule 2)."""
+        return size if comm == "p2p" else 1
 
-    def _setting(self) -> tuple[int, int] | None:
-        if not self.dataset_lengths:
-            return None
-        cands = self.candidates(max(self.dataset_lengths))
-        if not cands:
-            raise PlanningError(f"megatron-hcp: no recompute setting holds the longest sequence "
-                             f"({max(self.dataset_lengths)} tokens) on {self.max_cp} ranks")
-        if len(cands) == 1:
-            return cands[0]
-        tuner = Tuner.for_policy(self)
-        return tuner.best(cands, lambda c: (lambda s, ls: self.plan_with(c, s, ls)))
+    def a2a_ok(self, size: int) -> bool:
+        """Whether Transformer Engine's all-to-all CP runs on ``size`` ranks: the heads divide evenly (rule 2)."""
+        return int(self.view.cm.num_heads) % size == 0
 
-    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
-        setting = self.setting
-        if setting is None or gpus_needed(max(lengths), setting[0]) > self.max_cp:
-            cands = self.candidates(max(lengths))
-            if not cands:
-                raise PlanningError(f"megatron-hcp: no setting holds a sequence of {max(lengths)} tokens")
-            setting = cands[0]
-        return self.plan_with(setting, samples, lengths)
+    def holds(self, n: int, size: int, comm: str) -> int | None:
+        """Fewest recomputed layers for a sub-sample of ``n`` tokens on a CP set of ``size`` ranks; None if none fits."""
+        return self.view.min_recompute(n, size, ring=self.ring(size, comm))
+
+    def axes(self, batches: Sequence[Sequence[int]]) -> list[Axis]:
+        self._longest = sorted(set(self.dataset_lengths or []) | {int(n) for b in batches for n in b})
+        self._recompute.clear()
+        longest = self._longest[-1]
+        comms = [str(self.options["cp_comm_type"])] if "cp_comm_type" in self.options else list(COMM_TYPES)
+        bad = [c for c in comms if c not in COMM_TYPES]
+        if bad:
+            raise PlanningError(f"megatron-hcp: cp_comm_type {bad[0]!r} is not one a hybrid-CP run can use: use one of "
+                                f"{list(COMM_TYPES)} (a2a+p2p needs two groups; the scheduler gives TE one)")
+        fixed = self.options.get("max_seqlen_per_dp_cp_rank")
+        lo = max(1, math.ceil(longest / self.max_cp))
+        hi = max(lo, min(longest, self.view.capacities(1, ring=1)[-1]))
+        return [Axis(c, int(fixed), int(fixed)) if fixed else Axis(c, lo, hi) for c in comms]
+
+    def setting_of(self, comm: str, per_rank: int) -> MegatronSetting:
+        if "recompute" in self.options:
+            return MegatronSetting(int(per_rank), comm, int(self.options["recompute"]))
+        key = (int(per_rank), comm)
+        r = self._recompute.get(key)
+        if r is None:
+            r = 0
+            for n in self._longest:  # the fewest layers that fit every sequence of the run at its CP size
+                size = gpus_needed(n, per_rank)
+                if comm == "a2a" and not self.a2a_ok(min(size, self.max_cp)):
+                    r = -2
+                    break
+                need = self.holds(n, min(size, self.max_cp), comm) if size <= self.max_cp else None
+                if need is None:
+                    r = -1
+                    break
+                r = max(r, need)
+            self._recompute[key] = r
+        return MegatronSetting(int(per_rank), comm, r)
 
     # -- the scheduler -------------------------------------------------------------------
     def rounds(self, lengths: Sequence[int], per_rank: int) -> list[Round]:
@@ -204,7 +235,7 @@ class MegatronHCPPolicy(Policy):
         W = self.world_size
         rnd = Round(W)
         buckets = make_buckets_equal(seqs, per_rank)
-        need = {n: min(gpus_needed(n, per_rank), self.max_cp) for _, n in seqs}
+        need = {n: gpus_needed(n, per_rank) for _, n in seqs}
         first_needed, check_balance = None, False
         while buckets:
             pick = None
@@ -271,27 +302,38 @@ class MegatronHCPPolicy(Policy):
             rnd.sizes[gid] = bigger
             rnd.loads[gid] = sum(total_workload(n, bigger) for _, n in rnd.samples[gid])
 
-    def plan_with(self, setting: tuple[int, int], samples: Sequence[int], lengths: Sequence[int]) -> list[StepPlan]:
-        per_rank, rec = setting
-        caps1 = self.view.capacities(1)
+    def plan_with(self, setting: MegatronSetting, samples: Sequence[int], lengths: Sequence[int]) -> list[StepPlan]:
+        per_rank, comm, rec = setting
+        longest = max(lengths)
+        if gpus_needed(longest, per_rank) > self.max_cp:
+            raise PlanningError(f"megatron-hcp: a sequence of {longest} tokens needs CP {gpus_needed(longest, per_rank)} at "
+                                f"max_seqlen_per_dp_cp_rank = {per_rank}, more than the {self.max_cp} DP x CP ranks (the "
+                                "scheduler never places it; fill_empty_gpus asserts): raise max_seqlen_per_dp_cp_rank")
+        heads = int(self.view.cm.num_heads)
+        if rec == -2:
+            raise PlanningError(f"megatron-hcp: at max_seqlen_per_dp_cp_rank = {per_rank} a sequence of the run needs a CP "
+                                f"size that does not divide the {heads} heads, which cp_comm_type a2a needs (Transformer "
+                                "Engine's all-to-all): use p2p")
+        if rec < 0:
+            raise PlanningError(f"megatron-hcp: at max_seqlen_per_dp_cp_rank = {per_rank} ({comm}) a sequence of the run "
+                                "fits no recompute setting at its CP size: out of memory; lower max_seqlen_per_dp_cp_rank")
         items: list[WorkItem] = []
         barriers: list[int] = []
         for rnd in self.rounds(lengths, per_rank):
             starts = aligned_starts(rnd.sizes, self.world_size)
             if starts is None:
-                raise ValueError(f"megatron-hcp: sets {rnd.sizes} do not fit {self.world_size} ranks")
-            per_set = []
+                raise PlanningError(f"megatron-hcp: sets {rnd.sizes} do not fit {self.world_size} ranks")
             for start, size, group in zip(starts, rnd.sizes, rnd.samples):
+                if comm == "a2a" and not self.a2a_ok(size):
+                    raise PlanningError(f"megatron-hcp: a CP set of {size} ranks with cp_comm_type a2a needs the "
+                                        f"{heads} heads divisible by {size} (Transformer Engine's all-to-all): use p2p")
                 ranks = tuple(range(start, start + size))
-                out = []
                 for i, n in group:
-                    share = math.ceil(n / size)
-                    r = rec if caps1[rec] >= share else self.view.min_recompute(share, 1)
-                    if r is None:
-                        raise ValueError(f"megatron-hcp: {share} tokens per rank fit no recompute setting")
-                    out.append(WorkItem(ranks, (samples[i],), (n,), r, ring=size))
-                per_set.append(out)
-            items.extend(it for g in per_set for it in g)
+                    need = self.holds(n, size, comm)
+                    if need is None or need > rec:
+                        raise PlanningError(f"megatron-hcp: a sequence of {n} tokens on CP {size} ({comm}) does not fit "
+                                            f"with {rec} layers recomputed: out of memory; recompute more layers")
+                    items.append(WorkItem(ranks, (samples[i],), (n,), rec, ring=self.ring(size, comm)))
             barriers.append(len(items))
-        return [StepPlan(tuple(items), StepNotes(barriers=tuple(barriers[:-1]),
-                                                 setting={"max_seqlen_per_dp_cp_rank": per_rank, "recompute": rec}))]
+        return [StepPlan(tuple(items), StepNotes(barriers=tuple(barriers[:-1]), setting={
+            "max_seqlen_per_dp_cp_rank": per_rank, "cp_comm_type": comm, "recompute": rec}))]
