@@ -212,6 +212,8 @@ class TunedPolicy(Policy):
             best[0] = min(best[0], total)
 
         axes = self.axes(batches)
+        if len(axes) == 1 and axes[0].lo == axes[0].hi:  # one setting (fixed by the options): nothing to tune
+            return self.setting_of(axes[0].choice, axes[0].lo)
         for a, ax in enumerate(axes):
             for v in geometric(ax.lo, ax.hi, COARSE / self.grid_scale):
                 run(a, v)

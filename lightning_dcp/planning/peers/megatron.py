@@ -52,6 +52,7 @@ import math
 from collections import deque
 from typing import Any, NamedTuple, Sequence
 
+from lightning_dcp.planning.cost_model import prices_ring_of
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
@@ -76,10 +77,13 @@ COMM_TYPES = ("p2p", "a2a")
 """``cp_comm_type`` values a hybrid-CP run can use (rule 2)."""
 
 
-def make_buckets_equal(seqs: list[tuple[int, int]], per_rank: int) -> list[deque]:
-    """``make_buckets_equal``: as many buckets of about equal work as there are distinct CP sizes."""
-    k = len({gpus_needed(n, per_rank) for _, n in seqs})
-    work = [total_workload(n, gpus_needed(n, per_rank)) for _, n in seqs]
+def make_buckets_equal(seqs: list[tuple[int, int]], per_rank: int, need: dict[int, int] | None = None) -> list[deque]:
+    """``make_buckets_equal``: as many buckets of about equal work as there are distinct CP sizes (``need``: each
+    length's CP size, when the caller has them)."""
+    if need is None:
+        need = {n: gpus_needed(n, per_rank) for _, n in seqs}
+    k = len({need[n] for _, n in seqs})
+    work = [n * n / need[n] for _, n in seqs]
     target = sum(work) / k
     buckets: list[deque] = []
     cur: list[tuple[int, int]] = []
@@ -166,6 +170,9 @@ class MegatronHCPPolicy(TunedPolicy):
         """The largest CP set: the world's largest aligned block (the world, for a power of two)."""
         self._longest: list[int] = list(self.dataset_lengths or [])
         self._recompute: dict[tuple[int, str], int] = {}
+        self._rings = prices_ring_of(view.cm)
+        self._holds: dict[tuple[int, int, str], int | None] = {}
+        self._items: dict[tuple, WorkItem] = {}
 
     @property
     def group_sizes(self) -> dict[int, int]:
@@ -183,8 +190,18 @@ class MegatronHCPPolicy(TunedPolicy):
         return int(self.view.cm.num_heads) % size == 0
 
     def holds(self, n: int, size: int, comm: str) -> int | None:
-        """Fewest recomputed layers for a sub-sample of ``n`` tokens on a CP set of ``size`` ranks; None if none fits."""
-        return self.view.min_recompute(n, size, ring=self.ring(size, comm))
+        """Fewest recomputed layers for a sub-sample of ``n`` tokens on a CP set of ``size`` ranks; None if none fits
+        (a ring on a cost model that does not price rings: its per-rank share on one rank)."""
+        key = (n, size, comm)
+        if key in self._holds:
+            return self._holds[key]
+        ring = self.ring(size, comm)
+        if ring > 1 and not self._rings:
+            got = self.view.min_recompute(math.ceil(n / size), 1)
+        else:
+            got = self.view.min_recompute(n, size, ring=ring)
+        self._holds[key] = got
+        return got
 
     def axes(self, batches: Sequence[Sequence[int]]) -> list[Axis]:
         self._longest = sorted(set(self.dataset_lengths or []) | {int(n) for b in batches for n in b})
@@ -224,18 +241,19 @@ class MegatronHCPPolicy(TunedPolicy):
     def rounds(self, lengths: Sequence[int], per_rank: int) -> list[Round]:
         """``get_groups_and_subsamples``: rounds until every sample is placed (samples by index)."""
         seqs = sorted(((i, int(n)) for i, n in enumerate(lengths)), key=lambda x: (-x[1], x[0]))
+        need = {n: gpus_needed(n, per_rank) for _, n in seqs}
         out = []
         while seqs:
-            rnd, seqs = self.next_round(seqs, per_rank)
+            rnd, seqs = self.next_round(seqs, per_rank, need)
             out.append(rnd)
         return out
 
-    def next_round(self, seqs: list[tuple[int, int]], per_rank: int) -> tuple[Round, list[tuple[int, int]]]:
-        """``next_hdp_group``: one balanced round and the leftover samples."""
+    def next_round(self, seqs: list[tuple[int, int]], per_rank: int,
+                   need: dict[int, int]) -> tuple[Round, list[tuple[int, int]]]:
+        """``next_hdp_group``: one balanced round and the leftover samples (``need``: each length's CP size)."""
         W = self.world_size
         rnd = Round(W)
-        buckets = make_buckets_equal(seqs, per_rank)
-        need = {n: gpus_needed(n, per_rank) for _, n in seqs}
+        buckets = make_buckets_equal(seqs, per_rank, need)
         first_needed, check_balance = None, False
         while buckets:
             pick = None
@@ -333,7 +351,13 @@ class MegatronHCPPolicy(TunedPolicy):
                     if need is None or need > rec:
                         raise PlanningError(f"megatron-hcp: a sequence of {n} tokens on CP {size} ({comm}) does not fit "
                                             f"with {rec} layers recomputed: out of memory; recompute more layers")
-                    items.append(WorkItem(ranks, (samples[i],), (n,), rec, ring=self.ring(size, comm)))
+                    key = (start, size, samples[i], n, rec, comm)  # the same item recurs across settings: built once
+                    item = self._items.get(key)
+                    if item is None:
+                        if len(self._items) > 200_000:
+                            self._items.clear()
+                        item = self._items[key] = WorkItem(ranks, (samples[i],), (n,), rec, ring=self.ring(size, comm))
+                    items.append(item)
             barriers.append(len(items))
         return [StepPlan(tuple(items), StepNotes(barriers=tuple(barriers[:-1]), setting={
             "max_seqlen_per_dp_cp_rank": per_rank, "cp_comm_type": comm, "recompute": rec}))]

@@ -197,12 +197,22 @@ class VerlPolicy(TunedPolicy):
     # -- one step ------------------------------------------------------------------------
     def split(self, lengths: Sequence[int], dp: int) -> list[list[int]]:
         """Rule 3: the batch's indices per replica, in the order the replica gets them."""
+        n = len(lengths)
+        if n % dp or n < dp:
+            raise PlanningError(f"verl: the global batch's {n} sequences do not split evenly over {dp} data-parallel "
+                                f"replicas (SP {self.world_size // dp} on {self.world_size} GPUs): _balance_batch's "
+                                f"get_seqlen_balanced_partitions(..., equal_size=True) needs the count to be a multiple "
+                                f"of {dp}; use a global batch size that is one")
         work = [workload(x) for x in lengths]
         return [dp_order(p, work) for p in balanced_partitions(work, dp, equal_size=True)]
 
     def micro_batches(self, replicas: list[list[int]], lengths: list[int], work: list[int],
                       max_token_len: int) -> list[list[list[int]]]:
         """Rule 4: each replica's micro-batches (indices into ``lengths``), every replica the same count."""
+        longest = max(lengths[i] for r in replicas for i in r)
+        if longest > max_token_len:
+            raise PlanningError(f"verl: a sequence of {longest} tokens is over max_token_len = {max_token_len} "
+                                "(rearrange_micro_batches asserts it holds the longest): raise ppo_max_token_len_per_gpu")
         counts = [min(len(r), math.ceil(sum(lengths[i] for i in r) / max_token_len)) for r in replicas]
         num = max(counts)
         fewest = min(len(r) for r in replicas)
@@ -220,20 +230,9 @@ class VerlPolicy(TunedPolicy):
 
     def plan_with(self, setting: VerlSetting, samples: Sequence[int], lengths: Sequence[int]) -> list[StepPlan]:
         sp, ckpt, per_gpu = setting
-        W = self.world_size
-        dp = W // sp
+        dp = self.world_size // sp
         lengths = [int(n) for n in lengths]
-        n = len(lengths)
-        if n % dp or n < dp:
-            raise PlanningError(f"verl: the global batch's {n} sequences do not split evenly over {dp} data-parallel "
-                                f"replicas (SP {sp} on {W} GPUs): _balance_batch's get_seqlen_balanced_partitions(..., "
-                                f"equal_size=True) needs the count to be a multiple of {dp}; use a global batch size "
-                                f"that is one")
         max_token_len = per_gpu * sp
-        if max(lengths) > max_token_len:
-            raise PlanningError(f"verl: a sequence of {max(lengths)} tokens is over max_token_len = {max_token_len} "
-                                f"(ppo_max_token_len_per_gpu {per_gpu} x SP {sp}; rearrange_micro_batches asserts it "
-                                "holds the longest): raise ppo_max_token_len_per_gpu")
         work = [workload(x) for x in lengths]
         mbs = self.micro_batches(self.split(lengths, dp), lengths, work, max_token_len)
         rec = self.view.num_layers if ckpt else 0
