@@ -275,7 +275,38 @@ def trimmed(batches: list[list[int]], world: int) -> list[list[int]]:
     return [b[: len(b) // world * world] for b in batches if len(b) >= world]
 
 
-def run_cell(world: int, dist: str, multiple: float, impls: dict, grid_check: bool, steps: int) -> list[dict]:
+def sampled(world: int, cm: Any, dataset: list[int], batches: list[list[int]], peer: str, theirs: type,
+            count: int) -> dict:
+    """Theirs at ``count`` of the settings our tuning tried (its four fastest, the rest spread over the trials):
+    tokens/s of the fastest of them, and at how many the two plans are the same, item for item."""
+    ours = Planner(world, cm, peer, dataset_lengths=dataset).policy
+    try:
+        ours.prepare(batches)
+    except PlanningError as err:
+        return {"tokens_per_s": None, "error": str(err), "setting": None, "same": 0, "compared": 0}
+    ranked = sorted((t for t in ours.trials if t.seconds_per_token < float("inf")), key=lambda t: t.seconds_per_token)
+    rest = ranked[4:]
+    pick = [t.setting for t in ranked[:4]] + [t.setting for t in rest[:: max(1, len(rest) // max(1, count - 4))]]
+    pick = list(dict.fromkeys(pick))[:count]
+    them = theirs(world, ours.view, seed=0, dataset_lengths=ours.dataset_lengths)
+    them.axes(batches)  # its run-wide state (the run's lengths), as tuning sets it
+    best, best_setting, same = None, None, 0
+    for setting in pick:
+        try:
+            mine = [st for b in batches for st in ours.plan_with(setting, range(len(b)), b)]
+            other = [st for b in batches for st in them.plan_with(setting, range(len(b)), b)]
+        except PlanningError:
+            continue
+        same += [s.items for s in mine] == [s.items for s in other]
+        tps = simulate(Plan(peer, world, tuple(other), {}), cm, timeline=False).tokens_per_s
+        if best is None or tps > best:
+            best, best_setting = tps, setting
+    return {"tokens_per_s": best, "error": "" if best else "no sampled setting ran", "setting": best_setting,
+            "same": same, "compared": len(pick)}
+
+
+def run_cell(world: int, dist: str, multiple: float, impls: dict, grid_check: bool, steps: int,
+             sample_from: int, count: int) -> list[dict]:
     cm, dataset, run, gbt = cell_run(world, dist, steps, "transformer-1d", multiple=multiple)
     rows = []
     for peer, theirs in impls.items():
@@ -284,7 +315,10 @@ def run_cell(world: int, dist: str, multiple: float, impls: dict, grid_check: bo
             variants.append((f"x{world} samples", trimmed(variants[0][1], world)))
         for label, batches in variants:
             ours = measure(world, cm, dataset, batches, peer, None)
-            their = measure(world, cm, dataset, batches, peer, theirs)
+            if world >= sample_from:
+                their = sampled(world, cm, dataset, batches, peer, theirs, count)
+            else:
+                their = measure(world, cm, dataset, batches, peer, theirs)
             row = {"gpus": world, "dataset": dist, "multiple": multiple, "batch_tokens": gbt, "peer": peer,
                    "batches": label, "ours": ours, "theirs": their}
             if grid_check and ours["tokens_per_s"]:
@@ -299,6 +333,8 @@ def verdict(row: dict) -> str:
     if o["tokens_per_s"] and t["tokens_per_s"]:
         ratio = o["tokens_per_s"] / t["tokens_per_s"]
         s = f"{ratio:.4f} ({o['tokens_per_s']:,.0f} / {t['tokens_per_s']:,.0f} tokens/s)"
+        if "compared" in t:
+            s += f"; plans identical at {t['same']}/{t['compared']} sampled settings"
         if "fine" in row and row["fine"]["tokens_per_s"]:
             s += f"; grid halved: {100 * (row['fine']['tokens_per_s'] / o['tokens_per_s'] - 1):+.2f}%"
         return s
@@ -323,7 +359,10 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
              "- same cost model (transformer-1d, H100 analytic), same runs and global batches as `benchmarks/versus_field.py`, "
              "same tuning (`lightning_dcp.planning.peers.base`); tokens/s from the simulator",
              f"- target: ours / theirs within {100 * TARGET:.0f}% in every cell; a cell where the peer's rules fail must "
-             "fail on both sides", "- batches: `token-cut` are versus_field's (closed at the batch tokens); for verl also "
+             "fail on both sides", "- cells of 256 GPUs and more (`--sample-from`): their code is slow there (Megatron's scheduler "
+             "scans every rank per sample), so theirs runs at `--sample` of the settings our tuning tried (its four "
+             "fastest and the rest spread over the grid), the plans compared item for item; theirs = the fastest of those",
+             "- batches: `token-cut` are versus_field's (closed at the batch tokens); for verl also "
              "`xW samples`, each batch cut to a multiple of the GPUs (what verl's own batch-size check makes a verl run's "
              "batches), so its equal-count split runs", ""]
     has_fine = any("fine" in r for r in rows)
@@ -336,7 +375,8 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
         if o["tokens_per_s"] and t["tokens_per_s"]:
             ratio = o["tokens_per_s"] / t["tokens_per_s"]
             worst = max(worst, abs(ratio - 1))
-            cells = [f"{ratio:.4f}", f"{o['tokens_per_s']:,.0f}", f"{t['tokens_per_s']:,.0f}", _setting(o["setting"])]
+            tag = f" (sampled: plans identical at {t['same']}/{t['compared']})" if "compared" in t else ""
+            cells = [f"{ratio:.4f}{tag}", f"{o['tokens_per_s']:,.0f}", f"{t['tokens_per_s']:,.0f}", _setting(o["setting"])]
         elif not o["tokens_per_s"] and not t["tokens_per_s"]:
             cells = ["both fail", "-", "-", _short(o["error"]).replace("|", "/")]
         else:
@@ -369,6 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--peers", default="verl,megatron-hcp")
     ap.add_argument("--steps", type=int, default=2, help="global batches per cell below 256 GPUs (1 at 256 and more)")
     ap.add_argument("--grid-check", action="store_true", help="also re-tune ours with every grid step halved")
+    ap.add_argument("--sample-from", type=int, default=256,
+                    help="from this world size on, run theirs at --sample settings of our tuning, not its own tuning")
+    ap.add_argument("--sample", type=int, default=16, help="settings theirs runs at in a sampled cell")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "peer_fidelity.md")
     args = ap.parse_args(argv)
     theirs = {"verl": lambda: their_verl(load_verl(args.peer_code)),
@@ -379,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in (int(w) for w in args.worlds.split(",")):
         for dist in args.dists.split(","):
             for m in (float(x) for x in args.multiples.split(",")):
-                rows += run_cell(world, dist, m, impls, args.grid_check, args.steps if world < 256 else 1)
+                rows += run_cell(world, dist, m, impls, args.grid_check, args.steps if world < 256 else 1,
+                                 args.sample_from, args.sample)
     command = "python benchmarks/peer_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(rows, command.strip(), time.perf_counter() - t0))

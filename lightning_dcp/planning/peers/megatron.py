@@ -111,6 +111,9 @@ class Round:
         self.samples: list[list[tuple[int, int]]] = []
         self.loads: list[float] = []
         self.by_size: dict[int, list[tuple[float, int]]] = {}  # heaps of (load, set id)
+        self._used = 0  # ranks of the sets :meth:`add` opened
+        self._top = 0.0  # the largest load so far (loads only grow while sets are filled)
+        self._all: list[tuple[float, int]] = []  # heap of (load, set id): the smallest
 
     @property
     def used(self) -> int:
@@ -118,7 +121,7 @@ class Round:
 
     def can_open(self, size: int) -> bool:
         if self.world_size & (self.world_size - 1) == 0:
-            return self.used + size <= self.world_size
+            return self._used + size <= self.world_size
         return aligned_starts(self.sizes + [size], self.world_size) is not None
 
     def least_loaded(self, size: int) -> int | None:
@@ -136,9 +139,20 @@ class Round:
             self.sizes.append(size)
             self.samples.append([])
             self.loads.append(0.0)
+            self._used += size
         self.samples[gid].append(sample)
         self.loads[gid] += work
         heapq.heappush(self.by_size.setdefault(size, []), (self.loads[gid], gid))
+        heapq.heappush(self._all, (self.loads[gid], gid))
+        self._top = max(self._top, self.loads[gid])
+
+    def filling_spread(self) -> tuple[float, float]:
+        """:meth:`spread` while :meth:`add` fills the round (loads only grow): the same values, without a scan."""
+        if self._used < self.world_size:
+            return self._top, 0.0
+        while self._all[0][0] != self.loads[self._all[0][1]]:
+            heapq.heappop(self._all)  # stale entry
+        return self._top, self._all[0][0]
 
     def spread(self) -> tuple[float, float]:
         """``(max, min)`` work over all ranks (a free rank has none)."""
@@ -277,7 +291,7 @@ class MegatronHCPPolicy(TunedPolicy):
             if size < first_needed:
                 check_balance = True
             if check_balance and buckets:
-                top, low = rnd.spread()
+                top, low = rnd.filling_spread()
                 if top - low <= DELTA * top:
                     break
         leftovers = [s for b in buckets for s in b]

@@ -9,7 +9,9 @@ Source: the ``verl`` 0.9.1 package (volcengine/verl): ``verl/utils/seqlen_balanc
 1. **Static Ulysses SP** (``ulysses_sequence_parallel_size``, one for the run): the ``(dp, sp)`` device mesh
    needs ``sp`` to divide the world (``dp = world / sp`` replicas of ``sp`` consecutive ranks) and the
    attention heads (``num_attention_heads % ulysses_sp_size == 0``; key/value heads divide it or it them).
-   No ring attention.
+   No ring attention. (A size whose mesh blocks would cross a node boundary without spanning whole nodes,
+   SP 3 on nodes of 4, is left out: the plan contract keeps a group of at most a node inside one. Power-of-two
+   sizes on power-of-two nodes never do.)
 2. **Workload** ``24576 * s + s**2`` per sequence of ``s`` tokens (``calculate_workload``).
 3. **Data-parallel split** (``_balance_batch``, ``trainer.balance_batch``, on by default):
    ``get_seqlen_balanced_partitions(workloads, k_partitions=dp, equal_size=True)``: Karmarkar-Karp with
@@ -156,8 +158,10 @@ class VerlPolicy(TunedPolicy):
         cm = self.view.cm
         heads = int(cm.num_heads)
         kv = int(getattr(cm, "num_kv_heads", None) or heads)
+        node = self.view.topology.node_size or self.world_size
         return [p for p in range(1, min(self.world_size, self.view.max_sp, heads) + 1)
-                if self.world_size % p == 0 and heads % p == 0 and (kv % p == 0 or p % kv == 0)]
+                if self.world_size % p == 0 and heads % p == 0 and (kv % p == 0 or p % kv == 0)
+                and (node % p == 0 if p <= node else p % node == 0)]  # mesh blocks the plan contract allows
 
     def holds(self, sp: int, checkpointing: bool) -> int:
         """Tokens one micro-batch on ``sp`` ranks holds (Ulysses, no ring) with checkpointing on or off."""
