@@ -92,9 +92,9 @@ def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0, 
 def fail_note(error: str) -> str:
     """The rule a failed peer broke, short, for a table cell."""
     if "do not split evenly" in error or "multiple of" in error:
-        return "equal-count DP split: no replica count divides every batch"
+        return "equal-count DP split"
     if "holds the longest" in error or "no Ulysses SP size holds" in error:
-        return "no SP size holds the longest sample"
+        return "longest sample"
     return error.split("; ", 1)[0][:80].replace("|", "/")
 
 
@@ -118,7 +118,7 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float, multiple: float
         for ds in dict.fromkeys(r["dataset"] for r in cell):
             by = {r["policy"]: r for r in cell if r["dataset"] == ds}
             lines.append(f"| {ds} | {by['dcp']['batch_tokens']:,} | " + " | ".join(
-                f"fails ({fail_note(by[p]['error'])})" if by[p]["error"] else
+                f"fails: {fail_note(by[p]['error'])}" if by[p]["error"] else
                 f"{by[p]['vs_dcp']:.2f}x / {100 * by[p]['bound']:.0f}% / {100 * by[p]['imbalance']:.1f}"
                 for p in POLICIES) + " |")
         lines += ["", "mean simulated step s / planning s per step (waiting on the planner, % of the run):", "",
