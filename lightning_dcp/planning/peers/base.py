@@ -28,7 +28,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -36,7 +36,9 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.layouts import world_blocks
 from lightning_dcp.planning.plan import StepPlan
 from lightning_dcp.planning.policies.base import Policy
+from lightning_dcp.planning.policies.costs import CostView
 from lightning_dcp.planning.step_time import ItemPrices, step_time
+from lightning_dcp.planning.topology import Topology
 
 COARSE = 0.04
 """First pass: the knob's grid ratio is ``1 + COARSE``."""
@@ -82,7 +84,7 @@ def geometric(lo: int, hi: int, step: float) -> list[int]:
     return [v for v in vals if lo <= v <= hi] or [lo]
 
 
-def aligned_starts(sizes: Sequence[int], world_size: int, topology: Any = None) -> list[int] | None:
+def aligned_starts(sizes: Sequence[int], world_size: int, topology: Topology | None = None) -> list[int] | None:
     """Start rank of each group of ``sizes`` (powers of two), placed largest first at the next free
     offset of the world's aligned blocks; ``None`` when they do not fit. Same order as ``sizes``.
     With a :class:`~lightning_dcp.planning.topology.Topology`: groups of any size where its rule puts them
@@ -137,7 +139,7 @@ class TunedPolicy(Policy):
     peer: str = ""
     setting_options: tuple[str, ...] = ()
 
-    def __init__(self, world_size: int, view: Any, **kw: Any):
+    def __init__(self, world_size: int, view: CostView, **kw: Any):
         super().__init__(world_size, view, **kw)
         self.grid_scale = float(self.options.get("grid_scale", 1.0))
         self.setting: Hashable | None = None

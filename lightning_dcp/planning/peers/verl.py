@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
