@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 from lightning_dcp.commands.simulate import DATASET_SIZE, compare, draw_run
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.distributions import DISTRIBUTIONS, get_distribution
+from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.planner import default_global_batch_tokens
@@ -52,26 +53,49 @@ LARGE = 256
 """World sizes from this one on run ``--steps-large`` global batches (planning the peers there is slow)."""
 
 
-def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0, multiple: float = 1.0) -> list[dict]:
-    """Every policy on one (world, dataset) cell: the rows of :func:`compare` with the cell's keys added. The global
-    batch is ``multiple`` times the default size (a larger batch gives static-SP planners more samples to balance)."""
+def cell_run(world: int, dist_name: str, steps: int, model: str, seed: int = 0,
+             multiple: float = 1.0) -> tuple[AnalyticCostModel, list[int], list[int], int]:
+    """One cell's cost model, dataset, run of samples and global batch tokens (``multiple`` x the default size)."""
     cm = AnalyticCostModel(get_model(model), get_hardware("h100"), world)
     dist = get_distribution(dist_name)
     dataset = dist.sample(DATASET_SIZE, seed)
     gbt = int(multiple * default_global_batch_tokens(world, dataset, cm))
     pool = dist.sample(int(steps * gbt / (sum(dataset) / len(dataset)) * 1.5) + 100, seed + 1)
-    run = draw_run(pool, gbt, steps)
-    rows = compare(world, cm, dataset, run, list(POLICIES), global_batch_tokens=gbt, seed=seed)
+    return cm, dataset, draw_run(pool, gbt, steps), gbt
+
+
+def run_cell(world: int, dist_name: str, steps: int, model: str, seed: int = 0, multiple: float = 1.0) -> list[dict]:
+    """Every policy on one (world, dataset) cell: the rows of :func:`compare` with the cell's keys added. The global
+    batch is ``multiple`` times the default size (a larger batch gives static-SP planners more samples to balance).
+    A policy whose rules fail on the run (verl: a batch its replica count does not divide) gets a row with ``error``."""
+    cm, dataset, run, gbt = cell_run(world, dist_name, steps, model, seed, multiple)
+    rows = []
+    for name in POLICIES:
+        try:
+            rows += compare(world, cm, dataset, run, [name], global_batch_tokens=gbt, seed=seed)
+        except PlanningError as err:
+            rows.append({"policy": name, "error": str(err)})
     base = next(r for r in rows if r["policy"] == "dcp")["tokens_per_s"]
     out = []
     for r in rows:
-        out.append({"gpus": world, "dataset": dist_name, "steps": steps, "batch_tokens": gbt, "samples": len(run),
-                    "policy": r["policy"],
-                    "vs_dcp": r["tokens_per_s"] / base, "tokens_per_s": r["tokens_per_s"],
-                    "bound": r["fraction_of_bound"], "imbalance": r["imbalance"], "step_s": r["step_s"],
-                    "planning_s": r["planner_ms_per_step"] / 1e3, "wait": r["planning_wait_s"] / r["total_time_s"],
-                    "solver_s": r["solver_s_per_step"]})
+        cell = {"gpus": world, "dataset": dist_name, "steps": steps, "batch_tokens": gbt, "samples": len(run),
+                "policy": r["policy"], "error": r.get("error", "")}
+        if not cell["error"]:
+            cell.update({"vs_dcp": r["tokens_per_s"] / base, "tokens_per_s": r["tokens_per_s"],
+                         "bound": r["fraction_of_bound"], "imbalance": r["imbalance"], "step_s": r["step_s"],
+                         "planning_s": r["planner_ms_per_step"] / 1e3, "wait": r["planning_wait_s"] / r["total_time_s"],
+                         "solver_s": r["solver_s_per_step"]})
+        out.append(cell)
     return out
+
+
+def fail_note(error: str) -> str:
+    """The rule a failed peer broke, short, for a table cell."""
+    if "do not split evenly" in error or "multiple of" in error:
+        return "equal-count DP split"
+    if "holds the longest" in error or "no Ulysses SP size holds" in error:
+        return "longest sample"
+    return error.split("; ", 1)[0][:80].replace("|", "/")
 
 
 def markdown(rows: Sequence[dict], command: str, elapsed: float, multiple: float = 1.0) -> str:
@@ -94,6 +118,7 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float, multiple: float
         for ds in dict.fromkeys(r["dataset"] for r in cell):
             by = {r["policy"]: r for r in cell if r["dataset"] == ds}
             lines.append(f"| {ds} | {by['dcp']['batch_tokens']:,} | " + " | ".join(
+                f"fails: {fail_note(by[p]['error'])}" if by[p]["error"] else
                 f"{by[p]['vs_dcp']:.2f}x / {100 * by[p]['bound']:.0f}% / {100 * by[p]['imbalance']:.1f}"
                 for p in POLICIES) + " |")
         lines += ["", "mean simulated step s / planning s per step (waiting on the planner, % of the run):", "",
@@ -101,8 +126,9 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float, multiple: float
         for ds in dict.fromkeys(r["dataset"] for r in cell):
             by = {r["policy"]: r for r in cell if r["dataset"] == ds}
             lines.append(f"| {ds} | " + " | ".join(
+                "-" if by[p]["error"] else
                 f"{by[p]['step_s']:.3g} / {by[p]['planning_s']:.3g} ({100 * by[p]['wait']:.0f}%)" for p in POLICIES)
-                + f" | {by['flexsp']['solver_s']:.2f} |")
+                + (" | - |" if by["flexsp"]["error"] else f" | {by['flexsp']['solver_s']:.2f} |"))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -126,13 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps = args.steps_large if world >= LARGE else args.steps
             cell = run_cell(world, ds, steps, args.model, multiple=args.batch_multiple)
             rows += cell
-            print(f"{world:5d} {ds:9s} " + "  ".join(f"{r['policy']} {r['vs_dcp']:.2f}x" for r in cell)
+            print(f"{world:5d} {ds:9s} " + "  ".join(f"{r['policy']} " + ("fails" if r["error"] else f"{r['vs_dcp']:.2f}x")
+                                                    for r in cell)
                   + f"  [{time.perf_counter() - t:.0f} s]", flush=True)
     command = "python benchmarks/versus_field.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(rows, command.strip(), time.perf_counter() - t0, args.batch_multiple))
     with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {args.out}")

@@ -14,28 +14,64 @@ from lightning_dcp.planning.parallel_costs import Scheme
 from lightning_dcp.planning.plan import validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.planning.view import CostView
-from lightning_dcp.planning.policies.flexsp_milp import Bucket, bucketize, chunk_sorted, greedy, objective, solve, sp_options
-from lightning_dcp.planning.policies.megatron_hcp import gpus_needed, make_buckets_equal, total_workload
-from lightning_dcp.planning.policies.peer_common import aligned_starts, karmarkar_karp
-from lightning_dcp.planning.policies.verl import order_micro_batches, workload
+from lightning_dcp.planning.analytic import AnalyticCostModel
+from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.hardware import get_hardware
+from lightning_dcp.planning.models import get_model
+from lightning_dcp.planning.peers.base import Axis, TunedPolicy, aligned_starts, geometric
+from lightning_dcp.planning.peers.flexsp_milp import Bucket, bucketize, chunk_sorted, greedy, objective, solve, sp_options
+from lightning_dcp.planning.peers.megatron import gpus_needed, make_buckets_equal, total_workload
+from lightning_dcp.planning.peers.verl import balanced_partitions, dp_order, karmarkar_karp, order_micro_batches, workload
+from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.planning.step_time import step_time
 
 CM = FakeCostModel()
 PEERS = ["verl", "megatron-hcp", "hydraulis", "flexsp"]
 
 
-# ---------------------------------------------------------------- shared parts
+# ---------------------------------------------------------------- the tuned-policy base
 
-def test_karmarkar_karp_balances_and_equal_size_gives_equal_counts():
-    vals = [8, 7, 6, 5, 4, 3, 2, 1, 9]
-    parts = karmarkar_karp(vals, 3)
-    assert sorted(i for p in parts for i in p) == list(range(len(vals)))
-    sums = [sum(vals[i] for i in p) for p in parts]
-    assert max(sums) - min(sums) <= 2  # 45 over 3: the differencing method lands within 2 here
-    eq = karmarkar_karp(vals, 3, equal_size=True)
-    assert [len(p) for p in eq] == [3, 3, 3]
-    with pytest.raises(ValueError, match="divisible"):
-        karmarkar_karp(vals[:8], 3, equal_size=True)
+def test_geometric_grid_holds_both_ends_at_the_ratio():
+    g = geometric(1000, 2000, 0.04)
+    assert g[0] == 1000 and g[-1] == 2000 and g == sorted(set(g))
+    assert max(b / a for a, b in zip(g, g[1:])) <= 1.04 + 1e-3
+    assert geometric(5, 5, 0.01) == [5] and geometric(7, 3, 0.01) == [7]
+
+
+class _Toy(TunedPolicy):
+    """A peer whose step time is set by its knob: fastest at knob 40, failing above 90."""
+
+    name = "toy"
+    peer = "toy"
+
+    def axes(self, batches):
+        return [Axis("a", 10, 100), Axis("b", 10, 100)]
+
+    def setting_of(self, choice, knob):
+        return (choice, knob)
+
+    def plan_with(self, setting, samples, lengths):
+        choice, knob = setting
+        if knob > 90:
+            raise PlanningError("toy: knob over 90")
+        rec = min(abs(knob - 40), CM.num_layers)
+        return [StepPlan((WorkItem((0,), tuple(samples), tuple(lengths), rec),))]
+
+
+def test_tuning_keeps_the_fastest_setting_first_on_ties_and_skips_failures():
+    pol = _Toy(1, CostView(CM, 1))
+    pol.prepare([[100, 200]])
+    assert pol.setting == ("a", 40)  # "b" ties with it and comes later; the fine passes found the exact optimum
+    assert any(t.failure for t in pol.trials) and all(t.setting[1] > 90 for t in pol.trials if t.failure)
+    pol.prepare([[100, 200]])  # the same batches: tuned once
+    assert pol.setting == ("a", 40)
+
+
+def test_tuning_fails_naming_the_rule_when_no_setting_runs():
+    pol = _Toy(1, CostView(CM, 1))
+    pol.axes = lambda batches: [Axis("a", 95, 99)]
+    with pytest.raises(PlanningError, match="none of the .* settings .* knob over 90"):
+        pol.prepare([[100]])
 
 
 def test_aligned_starts_places_largest_first_on_aligned_blocks():
@@ -46,36 +82,89 @@ def test_aligned_starts_places_largest_first_on_aligned_blocks():
 
 # ---------------------------------------------------------------- verl
 
-def test_verl_workload_is_the_sources_estimate():
-    assert workload(1000) == 24576 * 1000 + 1000 ** 2
+def test_verl_karmarkar_karp_gives_the_sources_parts():
+    # verl 0.9.1 seqlen_balancing.karmarkar_karp on these inputs (run once, pinned): same parts, same order
+    vals = [8, 7, 6, 5, 4, 3, 2, 1, 9]
+    assert karmarkar_karp(vals, 3, equal_size=False) == [[6, 0, 2], [7, 8, 3], [5, 1, 4]]
+    assert karmarkar_karp(vals, 3, equal_size=True) == [[5, 0, 3], [6, 1, 2], [7, 8, 4]]
+    assert balanced_partitions([5, 5, 5, 5, 1, 1], 3, equal_size=True) == [[0, 1], [2, 5], [3, 4]]
+    with pytest.raises(PlanningError, match="equal count"):
+        karmarkar_karp(vals[:8], 3, equal_size=True)
+    with pytest.raises(PlanningError, match="at least one"):
+        balanced_partitions([1, 2], 3, equal_size=False)
 
 
-def test_verl_micro_batch_counts_equal_across_data_parallel_ranks():
+def test_verl_workload_and_orders_are_the_sources():
+    assert [workload(n) for n in (100, 3000)] == [2467600, 82728000]  # calculate_workload: 24576 s + s^2
+    assert dp_order([0, 1, 2, 3, 4], [5, 1, 4, 2, 3]) == [1, 4, 0, 2, 3]  # _balance_batch: even first, odd reversed
+    assert order_micro_batches([[0], [1], [2], [3]], [1, 4, 3, 2]) == [[3], [1], [2], [0]]  # use_dynamic_bsz_balance
+
+
+def test_verl_sp_sizes_divide_the_heads_and_the_world_with_no_ring():
+    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32)  # 48 heads, 8 GPUs a node
+    pl = Planner(32, cm, "verl")
+    assert pl.policy.sp_sizes == [1, 2, 4, 8, 16]  # not 3, 6, 12, 24 (the world), not 32 (the heads)
+    assert pl.view.ring_of(16) > 1  # the view would run 16 as ring x Ulysses; verl runs Ulysses 16
+    lengths = [150000] * 2 + [4000] * 30
+    step = Planner(32, cm, "verl", sp=16, checkpointing=True, max_token_len_per_gpu=20000).plan_batch(
+        range(32), lengths).steps[0]
+    assert {it.sp_size for it in step.items} == {16} and all(it.ring == 1 for it in step.items)
+    # 24 GPUs in nodes of 8: 3, 6 and 12 divide both, but their mesh blocks cross nodes, which the plan contract
+    # does not allow a group of at most a node; 24 is three whole nodes
+    assert Planner(24, AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 24),
+                   "verl").policy.sp_sizes == [1, 2, 4, 8, 24]
+    with pytest.raises(PlanningError, match="divide"):
+        Planner(32, cm, "verl", sp=12, dataset_lengths=lengths).plan(lengths)
+
+
+def test_verl_equal_count_split_fails_when_the_replicas_do_not_divide_the_batch():
+    lengths = [3000, 200, 1500, 800, 900, 100, 2500]
+    pl = Planner(8, CM, "verl", sp=2, checkpointing=True, max_token_len_per_gpu=3000)
+    with pytest.raises(PlanningError, match="multiple of 4"):
+        pl.plan_batch(range(7), lengths)
+    step = pl.plan_batch(range(8), lengths + [50]).steps[0]
+    per_replica = {}
+    for it in step.items:
+        per_replica.setdefault(it.ranks, []).extend(it.lengths)
+    assert sorted(len(v) for v in per_replica.values()) == [2, 2, 2, 2]  # equal_size=True
+
+
+def test_verl_micro_batches_stay_under_the_budget_with_one_count_for_every_replica():
     lengths = [6000, 300, 200, 5000, 100, 2500, 2400, 900, 800, 50, 4000, 3500, 30, 1200, 700, 60]
     pl = Planner(8, CM, "verl", sp=2, checkpointing=True, max_token_len_per_gpu=3000)
     step = pl.plan_batch(range(len(lengths)), lengths).steps[0]
     groups = {}
     for it in step.items:
-        assert it.sp_size == 2
+        assert it.sp_size == 2 and it.tokens <= 6000 and it.recompute == CM.num_layers  # every layer or none
         groups.setdefault(it.ranks, []).append(it)
-    assert len(groups) == 4  # static SP 2: four replicas
-    counts = {g: len(v) for g, v in groups.items()}
+    assert len(groups) == 4 and len({len(v) for v in groups.values()}) == 1  # same_micro_num_in_dp
     per_replica = {g: [n for it in v for n in it.lengths] for g, v in groups.items()}
-    assert {len(v) for v in per_replica.values()} == {4}  # equal_size=True: 16 sequences, 4 each
-    need = max(min(len(v), math.ceil(sum(v) / 6000)) for v in per_replica.values())
-    assert set(counts.values()) == {need} == {step.notes.setting["micro_batches"]}  # same_micro_num_in_dp
+    assert min(len(v) for v in per_replica.values()) >= step.notes.setting["micro_batches"] >= max(
+        math.ceil(sum(v) / 6000) for v in per_replica.values())
 
 
-def test_verl_micro_batches_are_kk_balanced_by_workload():
-    lengths = [4000, 100, 3900, 200, 150, 120]
-    pl = Planner(2, CM, "verl", sp=2, checkpointing=True, max_token_len_per_gpu=2000)
-    items = pl.plan_batch(range(6), lengths).steps[0].items
-    assert len(items) == 3  # ceil(8470 / 4000)
-    w = [sum(workload(n) for n in it.lengths) for it in items]
-    assert {4000, 3900} <= {max(it.lengths) for it in items}  # the two long ones apart
-    assert max(w) <= workload(4000) + workload(200) + workload(150)
-    # heaviest in the middle, lighter ones at both ends (verl's bubble-reducing order)
-    assert order_micro_batches([[0], [1], [2], [3]], [1.0, 4.0, 3.0, 2.0]) == [[3], [1], [2], [0]]
+def test_verl_fails_where_verl_does_instead_of_splitting_or_recomputing_more():
+    pl = Planner(2, CM, "verl", sp=2, checkpointing=False, max_token_len_per_gpu=2000)
+    with pytest.raises(PlanningError, match="over max_token_len"):  # the assert: it holds the longest
+        pl.plan_batch(range(2), [4100, 100])
+    with pytest.raises(PlanningError, match="out of memory"):  # a micro-batch over what the group holds: no split
+        pl.plan_batch(range(2), [3000, 3000])
+
+
+def test_verl_takes_one_more_micro_batch_while_one_is_over_the_budget():
+    lengths = [2000, 2500, 2500, 100, 2300, 1500]  # KK on workloads into ceil(10900 / 2900) = 4 puts 2000 + 1500 together
+    step = Planner(2, CM, "verl", sp=2, checkpointing=True, max_token_len_per_gpu=1450).plan_batch(
+        range(6), lengths).steps[0]
+    assert step.notes.setting["micro_batches"] == 5 and all(it.tokens <= 2900 for it in step.items)
+
+
+def test_verl_must_hold_the_datasets_longest_sample():
+    cm = FakeCostModel(num_heads=12)  # verl on 8 GPUs: SP 1, 2, 4 (the planner's own sizes go to 6)
+    cap = CostView(cm, 8).capacities(4, ring=1)[cm.num_layers]
+    pl = Planner(8, cm, "verl", dataset_lengths=[cap + 1] + [100] * 7)
+    assert pl.policy.sp_sizes == [1, 2, 4]
+    with pytest.raises(PlanningError, match="no Ulysses SP size holds the longest"):
+        pl.plan([100] * 8)
 
 
 # ---------------------------------------------------------------- megatron-hcp
@@ -89,18 +178,39 @@ def test_megatron_cp_sizes_are_powers_of_two_from_the_per_rank_capacity():
 
 def test_megatron_one_sample_per_ring_item_at_least_its_cp_size():
     lengths = [3500, 1800, 900, 900, 500, 400, 300, 200, 100, 50]
-    pl = Planner(8, CM, "megatron-hcp", max_seqlen_per_dp_cp_rank=1000, recompute=2)
-    step = pl.plan_batch(range(len(lengths)), lengths).steps[0]
-    validate_plan(pl.plan_batch(range(len(lengths)), lengths), lengths, CM, samples=range(len(lengths)))
+    pl = Planner(8, CM, "megatron-hcp", max_seqlen_per_dp_cp_rank=1000, cp_comm_type="p2p", recompute=2)
+    p = pl.plan_batch(range(len(lengths)), lengths)
+    step = p.steps[0]
+    validate_plan(p, lengths, CM, samples=range(len(lengths)))
     for it in step.items:
-        assert len(it.samples) == 1 and it.ring == it.sp_size  # pure ring CP, one sub-sample per micro-batch
+        assert len(it.samples) == 1 and it.ring == it.sp_size  # p2p: pure ring CP, one sub-sample per micro-batch
         assert it.sp_size >= gpus_needed(it.lengths[0], 1000) and it.sp_size & (it.sp_size - 1) == 0
         assert it.recompute == 2  # Megatron's global recompute setting
     assert list(step.notes.barriers) == sorted(step.notes.barriers)
-    # every round uses all ranks (fill_empty_gpus): between barriers the items' ranks cover the world
     bounds = [0] + list(step.notes.barriers) + [len(step.items)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:]):  # fill_empty_gpus: every round uses all ranks
         assert set().union(*(set(it.ranks) for it in step.items[a:b])) == set(range(8))
+
+
+def test_megatron_a2a_is_ulysses_and_needs_the_heads_to_divide():
+    lengths = [3500, 1800, 900, 900, 500, 400, 300, 200]
+    step = Planner(8, CM, "megatron-hcp", max_seqlen_per_dp_cp_rank=1000, cp_comm_type="a2a").plan_batch(
+        range(8), lengths).steps[0]
+    assert all(it.ring == 1 for it in step.items)
+    with pytest.raises(PlanningError, match="divid"):  # CP 8 for 7000 tokens; 12 heads do not split 8 ways
+        Planner(8, FakeCostModel(num_heads=12), "megatron-hcp", max_seqlen_per_dp_cp_rank=1000,
+                cp_comm_type="a2a").plan_batch(range(2), [7000, 500])
+    with pytest.raises(PlanningError, match="a2a"):
+        Planner(8, CM, "megatron-hcp", cp_comm_type="a2a+p2p").plan_batch(range(8), lengths)
+
+
+def test_megatron_recompute_is_the_fewest_layers_that_fit_the_run_and_too_long_fails():
+    pl = Planner(8, CM, "megatron-hcp", max_seqlen_per_dp_cp_rank=1000, cp_comm_type="p2p")
+    pl.prepare([[3500, 900, 300]])
+    pol = pl.policy
+    assert pol.setting.recompute == max(pol.holds(3500, 4, "p2p"), pol.holds(900, 1, "p2p"), pol.holds(300, 1, "p2p"))
+    with pytest.raises(PlanningError, match="never places it"):  # needs CP 16 on 8 ranks
+        pl.plan_batch(range(2), [8001, 10])
 
 
 def test_megatron_round_closes_on_balance_and_longest_go_first():
@@ -108,6 +218,16 @@ def test_megatron_round_closes_on_balance_and_longest_go_first():
     rounds = pl.policy.rounds([2000, 2000, 500, 500, 500, 500], 1000)
     first = rounds[0]
     assert first.sizes[0] == 2 and first.samples[0][0][1] == 2000  # the longest opens the first set
+
+
+def test_megatron_tunes_max_seqlen_on_the_run():
+    ds = [100, 2000, 30000, 500, 800, 12000, 300] * 6
+    pl = Planner(8, CM, "megatron-hcp", dataset_lengths=ds)
+    p = pl.plan(ds, global_batch_tokens=60000)
+    validate_plan(p, ds, CM, samples=range(len(ds)))
+    st = pl.policy.setting
+    assert st.cp_comm_type in ("p2p", "a2a") and len({it.recompute for s in p.steps for it in s.items}) == 1
+    assert len(pl.policy.trials) > 20  # the grid, not two guesses
 
 
 # ---------------------------------------------------------------- flexsp
@@ -159,6 +279,13 @@ def test_flexsp_chunks_are_consecutive_in_sorted_order_with_the_smallest_largest
     assert max(sum(lengths[i] for i in c) for c in chunks) == best
 
 
+def test_flexsp_group_sizes_are_its_solvers():
+    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32)  # 48 heads
+    pol = Planner(32, cm, "flexsp").policy
+    assert pol.sizes == [2, 4, 8, 16]  # get_sp_options skips 1; powers of two the heads divide, Ulysses (no ring)
+    assert pol.cap(16, 0) == CostView(cm, 32).capacities(16, ring=1)[0]
+
+
 def test_flexsp_plan_reforms_groups_per_micro_batch():
     lengths = [30000, 20000, 9000, 5000] + [800] * 30
     pl = Planner(8, CM, "flexsp", recompute=CM.num_layers, time_limit=5)
@@ -198,8 +325,8 @@ def test_hydraulis_packing_keeps_micro_batches_within_maxlen():
 def test_hydraulis_two_stage_plan_declares_its_pipelines():
     lengths = [30000, 12000, 5000, 3000] + [700] * 40
     pl = Planner(16, CM, "hydraulis", dataset_lengths=lengths * 3)
+    p = pl.plan_batch(range(len(lengths)), lengths)  # proposes its strategies first (its tuning)
     assert pl.policy.strategies and all(sum(s.size * d for s, d in st) <= 16 for st in pl.policy.strategies)
-    p = pl.plan_batch(range(len(lengths)), lengths)
     step = p.steps[0]
     pipes = {p.ranks: p for p in step.notes.pipelines}
     assert pipes and all(it.ranks in pipes for it in step.items)

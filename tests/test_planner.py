@@ -33,13 +33,23 @@ def check(p: Plan, lengths, cm=CM) -> None:
             assert cm.item_memory(item.lengths, item.sp_size, item.recompute) <= cm.memory_limit
 
 
+def _refused_by_its_rules(policy: str, err: PlanningError) -> bool:
+    """verl, as its own code does, refuses a batch its equal-count split cannot divide or its static SP cannot hold
+    (tests/test_peers.py pins those rules); every other policy plans every valid batch."""
+    return policy == "verl" and ("split evenly" in str(err) or "holds the longest" in str(err))
+
+
 @pytest.mark.parametrize("policy", list(POLICIES))
 @SETTINGS
 @given(lengths=lengths_strategy(), world=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), seed=st.integers(0, 3))
 def test_policy_properties(policy, lengths, world, seed):
     limit = Planner(world, CM).longest_fitting()
     lengths = [min(n, limit) for n in lengths]
-    p1 = plan(lengths, world, CM, policy, seed=seed, global_batch_tokens=world * 8000)
+    try:
+        p1 = plan(lengths, world, CM, policy, seed=seed, global_batch_tokens=world * 8000)
+    except PlanningError as err:
+        assert _refused_by_its_rules(policy, err), err
+        return
     check(p1, lengths)
     if POLICIES[policy].one_step_per_batch:
         assert len(p1.steps) == len(Planner(world, CM, policy).batches(lengths, global_batch_tokens=world * 8000))
@@ -199,7 +209,11 @@ def test_max_sp_size_caps_every_policy(policy):
     limit = cap_planner.longest_fitting()
     assert limit <= Planner(16, CM).longest_fitting()
     lengths = [min(n, limit) for n in [40000, 30000, 1000, 200, 5000, 12000] * 4]
-    p = Planner(16, CM, policy, max_sp_size=2, dataset_lengths=lengths).plan(lengths, global_batch_tokens=60000)
+    try:
+        p = Planner(16, CM, policy, max_sp_size=2, dataset_lengths=lengths).plan(lengths, global_batch_tokens=60000)
+    except PlanningError as err:
+        assert _refused_by_its_rules(policy, err), err
+        return
     check(p, lengths)
     assert max(it.sp_size for s in p.steps for it in s.items) <= 2
 

@@ -135,8 +135,8 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     ``charge_planning``: each global batch's planning seconds (``time.perf_counter`` around it; a
     policy that plans the run as one set, bucket, has them spread over its steps) are given to the
     simulator, which charges what the previous step does not hide
-    (:func:`~lightning_dcp.planning.simulator.charge_planning`). Policies with a ``tune_tokens``
-    option (the peers) are tuned on global batches of ``global_batch_tokens`` tokens.
+    (:func:`~lightning_dcp.planning.simulator.charge_planning`). The peers tune on the run's global
+    batches (:meth:`Planner.prepare`) before the timed planning.
 
     ``progress``: where to report each policy as it finishes (and slow planning as it goes).
     ``rank_speeds``: the ranks' true speeds: the simulation (and the run's step bound) uses them; the
@@ -159,6 +159,7 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
         opts = {"tune_tokens": global_batch_tokens} if "tune_tokens" in POLICIES[name].option_names() else {}
         planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds,
                           ring=ring, **opts)
+        planner.prepare(batches)  # a peer tunes on the run's batches here, before the run: not planning time
         t0 = time.perf_counter()
         marks = [t0]
 

@@ -47,12 +47,12 @@ from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.policies.bucket import BucketPolicy
 from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.policies.dcp import DCPInterPolicy, DCPIntraPolicy, DCPPolicy
-from lightning_dcp.planning.policies.flexsp import FlexSPPolicy
-from lightning_dcp.planning.policies.hydraulis import HydraulisPolicy
-from lightning_dcp.planning.policies.megatron_hcp import MegatronHCPPolicy
+from lightning_dcp.planning.peers.flexsp import FlexSPPolicy
+from lightning_dcp.planning.peers.hydraulis import HydraulisPolicy
+from lightning_dcp.planning.peers.megatron import MegatronHCPPolicy
 from lightning_dcp.planning.policies.packed import PackedPolicy
 from lightning_dcp.planning.policies.static import StaticPolicy
-from lightning_dcp.planning.policies.verl import VerlPolicy
+from lightning_dcp.planning.peers.verl import VerlPolicy
 from lightning_dcp.planning.topology import rank_tuples
 from lightning_dcp.planning.units import describe_limit
 
@@ -70,7 +70,7 @@ POLICIES: dict[str, type[Policy]] = {
 }
 """Policy name -> class. ``dcp`` is the default; ``dcp-inter``, ``dcp-intra``, ``bucket``, ``packed`` and
 ``static`` are ablations and baselines; ``verl``, ``megatron-hcp``, ``hydraulis`` and ``flexsp`` are the
-field's planners as their sources describe them (:mod:`~lightning_dcp.planning.policies.verl` etc.)."""
+field's planners as their sources describe them (:mod:`~lightning_dcp.planning.peers.verl` etc.)."""
 
 DEFAULT_TOKENS_PER_GPU = 65536
 """Floor of the default global batch: this many tokens per GPU (amortizes the gradient all-reduce)."""

@@ -7,7 +7,7 @@ its code is PKU-DAIR/Hetu ``examples/hydraulis`` (``/work/shared/NOTES.md``). Th
 1. **Strategies** (§5.1): a step runs ``D`` pipelines (data-parallel replicas), each with its own
    scheme ``<TP, PP>``; pipelines and schemes may change every step.
 2. **Strategy proposal** (§7): once, from the dataset, a dynamic program over GPUs and length classes
-   proposes the candidate strategies (:func:`~lightning_dcp.planning.policies.hydraulis_proposal.propose`).
+   proposes the candidate strategies (:func:`~lightning_dcp.planning.peers.hydraulis_proposal.propose`).
 3. **Per step** (§6): every candidate that can hold the step's longest sequence is evaluated by the
    two-stage assignment; the one with the lowest estimated latency runs.
 4. **Stage 1, dispatch** (§6.2, App. D, Alg. 1): sequences go to pipelines by a randomized greedy --
@@ -33,8 +33,9 @@ pipelines in ``StepPlan.notes.pipelines`` (the simulator prices them as TP/PP mi
 each pipeline's bubble). This policy is for planning and simulation only: the runtime executes SP
 groups, not TP/PP pipelines.
 
-Tuning: the proposal *is* Hydraulis' tuning (it picks the ``<TP, PP>`` sets from the data); the step's
-token count it is proposed for is ``tune_tokens`` (the run's global batch when the planner is told).
+Tuning (:mod:`~lightning_dcp.planning.peers.base`): the proposal *is* Hydraulis' tuning (it picks the
+``<TP, PP>`` sets from the data): from the dataset's lengths (the run's, without one) for a step of the run's
+mean global batch in tokens (``tune_tokens`` when planning starts before the run's batches are known).
 """
 
 from __future__ import annotations
@@ -47,10 +48,9 @@ import numpy as np
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.parallel_costs import Pipeline, Scheme
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem, interleave_items
-from lightning_dcp.planning.policies.base import Policy
 from lightning_dcp.planning.view import CostView
-from lightning_dcp.planning.policies.hydraulis_proposal import SchemeTable, Strategy, propose
-from lightning_dcp.planning.policies.peer_common import aligned_starts, default_tune_tokens
+from lightning_dcp.planning.peers.hydraulis_proposal import SchemeTable, Strategy, propose
+from lightning_dcp.planning.peers.base import TUNE_TOKENS_PER_GPU, Axis, TunedPolicy, aligned_starts
 
 TRIALS = 100
 """Alg. 1's random trials per dispatch (Hydraulis' T)."""
@@ -59,10 +59,11 @@ UTIL = 0.85
 """App. C: ``UtilLen`` is where a scheme's efficiency reaches this fraction of its best."""
 
 
-class HydraulisPolicy(Policy):
+class HydraulisPolicy(TunedPolicy):
     """Hydraulis: per-step heterogeneous ``<TP, PP>`` pipelines, randomized greedy dispatch, balanced packing."""
 
     name = "hydraulis"
+    peer = "hydraulis"
     runtime_refusal = "it plans tensor/pipeline-parallel pipelines, which DCPStrategy does not run"
 
     def __init__(self, world_size: int, view: CostView, **kw: Any):
@@ -77,13 +78,30 @@ class HydraulisPolicy(Policy):
         self.trials = int(self.options.get("trials", TRIALS))
         self.util_len = {s: self._util_len(s) for s in self.table.schemes}
         self.strategies: list[Strategy] = []
-        if self.dataset_lengths:
-            tokens = int(self.options.get("tune_tokens") or default_tune_tokens(world_size, self.dataset_lengths))
-            self.strategies = propose(self.table, self.dataset_lengths, world_size, tokens)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return ("trials", "tune_tokens")
+        return super().option_names() + ("trials",)
+
+    def tune(self, batches: Sequence[Sequence[int]]) -> str:
+        """§7's proposal from the dataset for a step of the batches' mean tokens (the one setting: the candidates)."""
+        lengths = self.dataset_lengths or [n for b in batches for n in b]
+        tokens = int(round(sum(sum(b) for b in batches) / max(len(batches), 1)))
+        self.strategies = propose(self.table, lengths, self.world_size, tokens)
+        return "proposal"
+
+    def fallback_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        if not self.dataset_lengths:
+            return [list(lengths)]
+        tokens = int(self.options.get("tune_tokens") or max(self.world_size * TUNE_TOKENS_PER_GPU,
+                                                             4 * max(self.dataset_lengths)))
+        return [[tokens]]  # only the step's token count matters to the proposal
+
+    def axes(self, batches: Sequence[Sequence[int]]) -> list[Axis]:
+        return [Axis("proposal")]
+
+    def setting_of(self, choice: str, knob: int) -> str:
+        return choice
 
     def _util_len(self, s: Scheme) -> int:
         """``UtilLen(P)``: the shortest micro-batch whose time per token is within ``UTIL`` of the best."""
@@ -94,6 +112,11 @@ class HydraulisPolicy(Policy):
 
     # -- per step ------------------------------------------------------------------------
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        if self.setting is None:
+            self.prepare(self.fallback_batches(lengths))
+        return self.plan_with(self.setting, samples, lengths, step)
+
+    def plan_with(self, setting: str, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
         longest = max(lengths)
         cands = [st for st in self.strategies if max(self.table.max_len(s) for s, _ in st) >= longest
                  and aligned_starts([s.size for s, d in st for _ in range(d)], self.world_size) is not None]
