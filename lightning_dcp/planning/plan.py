@@ -320,12 +320,7 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
         if item.recompute < 0 or (cost_model is not None and item.recompute > cost_model.num_layers):
             raise PlanError(f"item {idx} recomputes {item.recompute} layers; allowed is 0..{getattr(cost_model, 'num_layers', '?')}")
         if cost_model is not None:
-            if item.ring == 1:
-                need = cost_model.item_memory(item.lengths, item.sp_size, item.recompute)
-            else:  # the cost model's ring pricing, or ring_support's estimate for one without it
-                from lightning_dcp.planning.ring_support import ring_memory
-
-                need = ring_memory(cost_model, item.lengths, item.sp_size, item.recompute, item.ring)
+            need = cost_model.ring_memory(item.lengths, item.sp_size, item.recompute, item.ring)
             if need > cost_model.memory_limit:
                 raise PlanError(
                     f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, ring {item.ring}, recompute {item.recompute}) "
