@@ -204,9 +204,11 @@ class CostModel(abc.ABC):
         """:meth:`item_cost` at any ring degree. On a model that prices no ring, a pure ring (``ring == sp``) is
         estimated from its Ulysses answers: each rank's ``1/sp`` share of the item's work at SP 1 (per-micro-batch
         constants not divided) plus the exposed transfers (:meth:`ring_transfer`)."""
+        if ring <= 1 or self.prices_ring:
+            return self.item_cost(lengths, sp, recompute, ring)
         p = int(sp)
-        if ring <= 1 or p <= 1 or self.prices_ring:
-            return self.item_cost(lengths, p, recompute, ring)
+        if p <= 1:
+            return self.item_cost(lengths, p, recompute)
         if ring != p:
             raise ValueError(f"the ring estimate prices pure ring attention (ring == sp); got ring {ring} on {sp} ranks")
         one = self.item_cost(lengths, 1, recompute)

@@ -7,7 +7,7 @@ recomputed layers ``r``::
     time   = time.at(W, T, n) + r * time_per_layer.at(W, T, n)
     memory = memory - r * memory_per_layer + T * (memory_per_token - r * memory_per_layer_token)
 
-(``Terms.at(W, T, n) = work * W + tokens * T + const + samples * n``). Each model fills one :class:`LinearCost`
+(a :class:`Terms` at ``(W, T, n)`` is ``work * W + tokens * T + const + samples * n``). Each model fills one :class:`LinearCost`
 per SP size; :class:`LinearCostModel` answers the whole :class:`~lightning_dcp.planning.cost_model.CostModel`
 interface from it, rings included (:mod:`~lightning_dcp.planning.ring`). The evaluators take numpy arrays as well
 (the planner's vectorized fast path). Pure Python.
@@ -38,9 +38,6 @@ class Terms:
     tokens: float = 0.0
     const: float = 0.0
     samples: float = 0.0
-
-    def at(self, W: Num, T: Num, n: Num) -> Num:
-        return self.work * W + self.tokens * T + self.const + self.samples * n
 
 
 @dataclass(frozen=True)
@@ -75,12 +72,15 @@ class LinearCost:
     whole_tokens: float = 0.0
     _time: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _memory: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _parts: tuple[tuple[float, float, float, float], ...] = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:  # the coefficients as the planner's inner loop reads them: one tuple each
+    def __post_init__(self) -> None:  # the coefficients as the planner's inner loop reads them: tuples
         t, p = self.time, self.time_per_layer
         object.__setattr__(self, "_time", (t.work, p.work, t.tokens, p.tokens, t.const, p.const, t.samples, p.samples))
         object.__setattr__(self, "_memory", (self.memory, self.memory_per_layer, self.memory_per_token,
                                              self.memory_per_layer_token))
+        object.__setattr__(self, "_parts", tuple((x.work, x.tokens, x.const, x.samples) for x in (
+            self.compute, self.recompute, self.comm, self.comm_per_layer, self.overhead, self.ideal)))
 
     def item_time(self, T: Num, W: Num, n: Num, r: Num) -> Num:
         tw, pw, tt, pt, tc, pc, ts, ps = self._time
@@ -91,9 +91,8 @@ class LinearCost:
         return m0 - r * m1 + T * (t0 - r * t1)
 
     def item_cost(self, T: float, W: float, n: int, r: int) -> ItemCost:
-        return ItemCost(compute=self.compute.at(W, T, n), recompute=r * self.recompute.at(W, T, n),
-                        comm=self.comm.at(W, T, n) + r * self.comm_per_layer.at(W, T, n),
-                        overhead=self.overhead.at(W, T, n), ideal=self.ideal.at(W, T, n))
+        compute, rec, comm, comm_r, overhead, ideal = [w * W + t * T + c + s * n for w, t, c, s in self._parts]
+        return ItemCost(compute, r * rec, comm + r * comm_r, overhead, ideal)
 
     def min_recompute(self, T: float, limit: float, layers: int) -> int | None:
         """Fewest recomputed layers (of ``layers``) that hold ``T`` tokens under ``limit``; None if all do not."""
@@ -163,10 +162,6 @@ class LinearCostModel(CostModel):
             work += n * n
         return tokens, work
 
-    def _check_recompute(self, recompute: int) -> None:
-        if not 0 <= recompute <= self.num_layers:
-            raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
-
     # -- the fast paths -----------------------------------------------------------------------------
     def item_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1,
                       ring_exposed: bool = True) -> Num:
@@ -194,10 +189,11 @@ class LinearCostModel(CostModel):
         return self.item_memory_tokens(sum(lengths), sp, recompute, ring)
 
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
-        self._check_recompute(recompute)
+        if not 0 <= recompute <= self.num_layers:
+            raise ValueError(f"recompute must be in [0, {self.num_layers}] (the model's layers), got {recompute!r}")
         T, W = self._sums(lengths)
         if ring == 1:
-            return self.linear(sp).item_cost(T, W, len(lengths), recompute)
+            return (self._linear.get(sp) or self.linear(sp)).item_cost(T, W, len(lengths), recompute)
         u = self._ulysses(sp, ring)
         c, terms = self.linear(u), self._terms(sp, ring)
         base = c.item_cost(T / ring, W / (ring * ring), len(lengths), recompute)
@@ -207,7 +203,7 @@ class LinearCostModel(CostModel):
             recompute=base.recompute + ring_steps_compute(terms, T, W, ring, recompute) - fwd_bwd,
             comm=base.comm + ring_exposed(terms, T, W, ring, recompute),
             overhead=base.overhead + c.whole_tokens * T * (1.0 - 1.0 / ring),
-            ideal=c.ideal.at(W, T, len(lengths)) * u / sp,  # the ideal does not depend on how the group splits
+            ideal=c.item_cost(T, W, len(lengths), 0).ideal * u / sp,  # the ideal does not depend on the split
         )
 
     def min_recompute(self, lengths: Sequence[int], sp: int, ring: int = 1) -> int | None:
