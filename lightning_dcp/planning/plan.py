@@ -12,9 +12,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.units import describe_limit, format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.cost_model import CostModel
 
 PLAN_SCHEMA = "lightning-dcp/plan/v1"
 
@@ -287,7 +290,7 @@ def is_aligned_block(ranks: Sequence[int]) -> bool:
     return start % p == 0 and list(ranks) == list(range(start, start + p))
 
 
-def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> None:
+def validate_step(step: StepPlan, world_size: int, cost_model: "CostModel | None" = None) -> None:
     """Raise :class:`PlanError` when ``step`` breaks the contract.
 
     Checks: every item's ranks are a group the placement rule allows
@@ -305,8 +308,8 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
     else:
         from lightning_dcp.planning.cost_model import shard_domain
 
-        topo = Topology(max(int(world_size), 1), getattr(cost_model, "gpus_per_node", None) or None, shard_domain(cost_model))
-        heads = getattr(cost_model, "num_heads", None)
+        topo = Topology(max(int(world_size), 1), cost_model.gpus_per_node or None, shard_domain(cost_model))
+        heads = cost_model.num_heads
     for idx, item in enumerate(step.items):
         if item.ranks[-1] >= world_size or item.ranks[0] < 0:
             raise PlanError(f"item {idx} names rank {max(item.ranks)} but the world has {world_size} ranks")
@@ -360,8 +363,8 @@ def check_deadlock_free(step: StepPlan, world_size: int) -> None:
         raise PlanError(f"the item order makes ranks {stuck} wait on each other in a cycle")
 
 
-def validate_plan(plan: Plan, lengths: Sequence[int] | Mapping[int, int] | None = None, cost_model: Any = None,
-                  samples: Iterable[int] | None = None) -> None:
+def validate_plan(plan: Plan, lengths: Sequence[int] | Mapping[int, int] | None = None,
+                  cost_model: "CostModel | None" = None, samples: Iterable[int] | None = None) -> None:
     """Raise :class:`PlanError` unless ``plan`` is valid, and (given ``samples``) covers each exactly once.
 
     ``lengths`` maps a sample index to its length (a list indexed by sample, or a mapping);
