@@ -5,7 +5,8 @@ recompute count and grows linearly in tokens per device; time is linear + quadra
 lengths, with a GEMM-efficiency factor that punishes tiny micro-batches, an all-to-all term for
 SP > 1 (slower across nodes), a per-micro-batch constant and recompute = r forward layers.
 Units are arbitrary ("seconds", "bytes"). It offers the same fast paths as
-``AnalyticCostModel`` (``item_time_sum``, ``item_memory_tokens``).
+``AnalyticCostModel`` (``fast_paths``: ``item_time_sum``, ``item_memory_tokens``) and prices no ring
+(a plan's ring items on it: the estimate of ``CostModel.ring_cost``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from typing import Sequence
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 
 
+def _no_ring(ring: int) -> None:
+    if ring != 1:
+        raise ValueError(f"FakeCostModel prices no ring (prices_ring is False); got ring {ring}")
+
+
 class FakeCostModel(CostModel):
     """Toy model: ``num_layers`` layers, ``memory_limit`` 100 units, up to SP 64 (``num_heads``)."""
+
+    fast_paths = True
 
     def __init__(self, num_layers: int = 8, num_heads: int = 64, memory_limit: float = 100.0,
                  states: float = 20.0, act: float = 0.01, inp: float = 0.001, gpus_per_node: int = 8):
@@ -29,7 +37,8 @@ class FakeCostModel(CostModel):
         self.c_comm, self.c_const = 2e-7, 1e-3
 
     # -- fast paths ---------------------------------------------------------------------
-    def item_memory_tokens(self, tokens: int, sp: int, recompute: int) -> float:
+    def item_memory_tokens(self, tokens: int, sp: int, recompute: int, ring: int = 1) -> float:
+        _no_ring(ring)
         per_dev = tokens / sp
         return self.states + per_dev * ((self.num_layers - recompute) * self.act + self.num_layers * self.inp)
 
@@ -47,15 +56,18 @@ class FakeCostModel(CostModel):
         ideal = 3 * flops_layer * self.num_layers
         return ItemCost(compute, rec, comm, self.c_const, ideal)
 
-    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int) -> float:
+    def item_time_sum(self, tokens: int, sq_sum: float, n: int, sp: int, recompute: int, ring: int = 1,
+                      ring_exposed: bool = True) -> float:
+        _no_ring(ring)
         return self._parts(tokens, sq_sum, n, sp, recompute).total
 
     # -- the CostModel interface --------------------------------------------------------
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int) -> ItemCost:
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
+        _no_ring(ring)
         return self._parts(sum(lengths), float(sum(n * n for n in lengths)), len(lengths), sp, recompute)
 
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.item_memory_tokens(sum(lengths), sp, recompute)
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.item_memory_tokens(sum(lengths), sp, recompute, ring)
 
     def step_overhead(self, world_size: int) -> float:
         return 0.005 + 0.0005 * max(world_size - 1, 0).bit_length()
@@ -67,9 +79,4 @@ class FakeCostModel(CostModel):
 class SlowPathCostModel(FakeCostModel):
     """The same numbers without the fast paths, to exercise the planner's fallbacks."""
 
-    item_time_sum = None  # type: ignore[assignment]
-    item_memory_tokens_impl = FakeCostModel.item_memory_tokens
-    item_memory_tokens = None  # type: ignore[assignment]
-
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int) -> float:
-        return self.item_memory_tokens_impl(sum(lengths), sp, recompute)
+    fast_paths = False

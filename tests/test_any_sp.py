@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from _fakes import FakeCostModel
 from lightning_dcp.planning.analytic import AnalyticCostModel
-from lightning_dcp.planning.cost_model import prices_ring_of, ring_kwargs
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
@@ -47,9 +46,8 @@ def check(plan: Plan, planner: Planner, lengths, cm) -> None:
                 assert item.ranks in tuples, item
             if planner.policy_name != "megatron-hcp":  # Megatron's context parallel: pure rings of its own
                 assert item.ring == planner.ring_degrees[item.sp_size]
-            if item.ring == 1 or prices_ring_of(cm):
-                kw = ring_kwargs(item.ring)
-                assert cm.item_memory(item.lengths, item.sp_size, item.recompute, **kw) <= cm.memory_limit
+            if item.ring == 1 or cm.prices_ring:
+                assert cm.item_memory(item.lengths, item.sp_size, item.recompute, item.ring) <= cm.memory_limit
     sim = simulate(plan, cm, timeline=True)  # deadlock-free order (the simulator checks it), then no overlaps
     for line in sim.timeline:
         per_rank: dict[int, list[tuple[float, float]]] = {}

@@ -74,13 +74,13 @@ class _LinearCost(CostModel):
     num_heads = 4
     memory_limit = float("inf")
 
-    def item_memory(self, lengths, sp, recompute):
+    def item_memory(self, lengths, sp, recompute, ring=1):
         return float(sum(lengths)) / sp
 
     def signature(self):
         return {"kind": "linear-test"}
 
-    def item_cost(self, lengths, sp, recompute):
+    def item_cost(self, lengths, sp, recompute, ring=1):
         from lightning_dcp.planning.cost_model import ItemCost
 
         t = sum(lengths) * 1e-3 / sp

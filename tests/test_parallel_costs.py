@@ -8,7 +8,7 @@ import pytest
 from _fakes import FakeCostModel
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
-from lightning_dcp.planning.item_pricing import item_cost_of, ring_cost, ring_cost_fallback, supports_ring
+from lightning_dcp.planning.item_pricing import item_cost_of
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.parallel_costs import (Pipeline, Scheme, p2p_time, pipeline_time,
                                                    scheme_capacities, scheme_cost, scheme_memory, schemes_for, tp_comm_time)
@@ -73,23 +73,25 @@ def test_pipelines_json_round_trip():
 
 
 def test_ring_fallback_splits_the_work_and_overlaps_p2p():
-    assert supports_ring(CM)  # the analytic model prices rings itself (lightning_dcp/planning/ring.py)
+    assert CM.prices_ring  # the analytic model prices rings itself (lightning_dcp/planning/ring.py)
     cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32)
     cm.prices_ring = False  # a model that does not: the fallback prices its rings
-    assert not supports_ring(cm)
+    assert not cm.prices_ring
     one = cm.item_cost([65536], 1, 0)
-    ring = ring_cost_fallback(cm, [65536], 8, 0, 8)
+    ring = cm.ring_cost([65536], 8, 0, 8)
     assert ring.ideal == pytest.approx(one.ideal / 8)
     assert ring.comm == 0.0  # intra-node ring steps hide behind the 64k attention
-    far = ring_cost_fallback(cm, [8192], 32, 0, 32)  # inter-node, little attention: exposed
+    far = cm.ring_cost([8192], 32, 0, 32)  # inter-node, little attention: exposed
     assert far.comm > 0
-    assert ring_cost(cm, [65536], 8, 0, 8) == ring
+    assert item_cost_of(cm, WorkItem(tuple(range(8)), (0,), (65536,), 0, ring=8)) == ring
     with pytest.raises(ValueError, match="pure ring"):
-        ring_cost_fallback(cm, [4096], 8, 0, 2)
+        cm.ring_cost([4096], 8, 0, 2)
 
 
 class RingCostModel(FakeCostModel):
-    """A cost model with the agreed ``item_cost(..., ring=)`` interface."""
+    """A cost model that prices rings itself (``prices_ring``)."""
+
+    prices_ring = True
 
     def item_cost(self, lengths, sp, recompute, ring=1):
         base = super().item_cost(lengths, sp, recompute)
@@ -98,7 +100,7 @@ class RingCostModel(FakeCostModel):
 
 def test_ring_interface_is_used_when_the_cost_model_has_it():
     cm = RingCostModel()
-    assert supports_ring(cm)
+    assert cm.prices_ring
     item = WorkItem((0, 1, 2, 3), (0,), (4000,), 0, ring=4)
     assert item_cost_of(cm, item).comm == pytest.approx(FakeCostModel().item_cost([4000], 4, 0).comm + 2.0)
 

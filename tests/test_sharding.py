@@ -323,10 +323,10 @@ def test_planner_memory_per_mode():
     class Plain(CostModel):  # states nothing about sharding: used as given under the modes without a shard group
         num_layers, num_heads, memory_limit = 2, 4, 1e9
 
-        def item_cost(self, lengths, sp, recompute):
+        def item_cost(self, lengths, sp, recompute, ring=1):
             return ItemCost(1.0, 0.0, 0.0, 0.0, 1.0)
 
-        def item_memory(self, lengths, sp, recompute):
+        def item_memory(self, lengths, sp, recompute, ring=1):
             return 10.0 * sum(lengths)
 
         def step_overhead(self, world_size):

@@ -1,53 +1,54 @@
-"""The cost-model interface every planner policy and the simulator use.
+"""The cost-model interface every policy and the simulator use, and the delegating base of the views on a cost model.
 
-Two implementations answer it: :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`
-(model + hardware description, no measurement) and
-:class:`~lightning_dcp.planning.profiled.ProfiledCostModel` (fitted to a dual-layer profile).
+Implementations: :class:`~lightning_dcp.planning.analytic.AnalyticCostModel` (model + hardware) and
+:class:`~lightning_dcp.planning.profiled.ProfiledCostModel` (a dual-layer profile), both on one typed linear form
+(:mod:`~lightning_dcp.planning.linear`); :class:`~lightning_dcp.planning.default_cost.DefaultCostModel`; the views
+(:class:`DelegatingCostModel`): calibrated, lowered memory, padded (safe mode), hsdp's shard groups.
 
-Units: seconds, bytes, tokens. "Per device" means per rank of the SP group running the item.
-Pure Python: no torch.
+Units: seconds, bytes, tokens; "per device": per rank of the item's SP group. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 import abc
 import copy
-import inspect
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from lightning_dcp.planning.round_plan import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
     from lightning_dcp.planning.prices import CollectivePrices
+
+    Num = float | np.ndarray
+    """A number, or a numpy array of them: the fast paths are vectorized."""
+
+__all__ = ["CostModel", "DelegatingCostModel", "ItemCost", "keep_class", "shard_domain"]
 
 
 @dataclass(frozen=True)
 class ItemCost:
-    """Time of one micro-batch on its SP group, split the way the ICC metric needs it.
+    """Time of one micro-batch on its SP group (seconds), split the way the ICC metric needs it.
 
-    ``total`` is what the simulator charges; ``ideal`` is the same samples' compute at peak
-    efficiency on one device, with no recomputation and no communication. Precisely: all of the
-    samples' forward + backward compute at the model's best achievable rates (for the analytic
-    model: GEMMs at maximum efficiency without the small-GEMM penalty, attention at maximum
-    efficiency, the memory-bound element-wise passes, the head's per-token work; for a profiled
-    model: the sp=1 fit's per-token and attention terms), with no communication, no
-    recomputation, no per-micro-batch constant and no all-reduce, divided by the SP size. It is
-    additive over samples (no constant term), so the ideal of a packed micro-batch is the sum of
-    its samples' ideals / sp.
+    ``total`` is what the simulator charges. ``ideal``: the samples' forward + backward compute at the model's best
+    rates on one device (no communication, recomputation, per-micro-batch constant or all-reduce), divided by the SP
+    size; additive over samples, so a packed micro-batch's ideal is the sum of its samples' ideals / sp.
     """
 
     compute: float
-    """Forward + backward compute of all layers at the achieved efficiency (seconds)."""
+    """Forward + backward compute of all layers at the achieved efficiency."""
     recompute: float
-    """Extra forward compute of the recomputed layers (seconds)."""
+    """Extra forward compute of the recomputed layers."""
     comm: float
-    """Communication not hidden by compute: Ulysses all-to-alls (forward + backward + recomputed forward)
-    and, on a ring, the key/value transfers compute does not hide (seconds)."""
+    """Communication compute does not hide: Ulysses all-to-alls (forward, backward, recomputed forward), a ring's
+    exposed key/value transfers."""
     overhead: float
-    """Per-micro-batch constant: embedding, head, loss, launch latency (seconds)."""
+    """Per-micro-batch constant: embedding, head, loss, launches, host work."""
     ideal: float
-    """Compute of these samples at the best achievable rates, no comm/recompute/constants, divided by the SP size (seconds)."""
+    """Best-rate compute of these samples / sp."""
 
     @property
     def total(self) -> float:
@@ -55,23 +56,21 @@ class ItemCost:
 
 
 class CostModel(abc.ABC):
-    """Time and memory of any micro-batch for any SP size and recompute count.
+    """Time and memory of any micro-batch for any SP size, ring degree and recompute count.
 
-    Subclasses set ``num_layers``, ``memory_limit`` (usable bytes per device), ``num_heads``
-    (Ulysses sizes must divide it) and ``gpus_per_node``; optionally ``memory_limit_source`` (where the
-    limit came from, printed in errors by :meth:`describe_limit`).
+    Subclasses set ``num_layers``, ``memory_limit`` (usable bytes per device), ``num_heads`` (Ulysses sizes divide
+    it), ``gpus_per_node`` and optionally ``memory_limit_source`` (printed by :meth:`describe_limit`).
 
-    Ring attention: every item method takes ``ring`` (keyword, default 1), the ring degree of the
-    SP group (:class:`~lightning_dcp.planning.plan.WorkItem`'s ``ring``: ``sp = ring x ulysses``). A
-    cost model prices rings when :func:`prices_ring_of` says so (its :attr:`prices_ring`, or by default
-    whether its ``item_cost`` takes ``ring``); callers pass ``ring`` only when it is above 1, so a
-    subclass written without the keyword keeps working (and is never offered rings).
+    Every item method takes ``ring`` (default 1): the SP group's ring degree (``sp = ring x ulysses``,
+    :class:`~lightning_dcp.planning.plan.WorkItem`'s ``ring``). :attr:`prices_ring` says whether ``item_cost`` and
+    ``item_memory`` price ``ring > 1``; the planner offers ring sizes only then, and a plan's ring items on a model
+    that does not (a peer's pure rings) get the generic estimate of :meth:`ring_cost` and :meth:`ring_memory`.
+    :attr:`fast_paths` says whether :meth:`item_time_sum` and :meth:`item_memory_tokens` answer from a micro-batch's
+    sums (numpy arrays too).
 
-    What a cost model states about sharding (:mod:`lightning_dcp.planning.sharding`), so that every mode
-    can plan with it or refuse it by name (each mode's ``plan_with``):
-    :attr:`sharding`, :attr:`state_bytes`, :attr:`memory_in_bytes`, :attr:`rounds` and
-    :meth:`collective_prices`. A cost model with a ``with_sharding(states)`` method is re-planned with the
-    runtime's measured state bytes.
+    Sharding (:mod:`~lightning_dcp.planning.sharding`): :attr:`sharding`, :attr:`state_bytes`,
+    :attr:`memory_in_bytes`, :attr:`rounds`, :meth:`collective_prices`; a model with a ``with_sharding(states)``
+    method is re-planned with the runtime's measured state bytes.
     """
 
     num_layers: int
@@ -80,11 +79,10 @@ class CostModel(abc.ABC):
     gpus_per_node: int = 8
     memory_limit_source: str = ""
     """Where ``memory_limit`` came from (an argument, a default, the device), for messages; may be empty."""
-    prices_ring: bool | None = None
-    """Whether :meth:`item_cost` / :meth:`item_memory` price ``ring > 1`` (ring attention, see
-    :mod:`~lightning_dcp.planning.ring`); the planner offers ring sizes only then. None (default): whether
-    ``item_cost`` takes ``ring`` (:func:`prices_ring_of`)."""
-
+    prices_ring: bool = False
+    """Whether ``item_cost`` / ``item_memory`` price ``ring > 1`` (:mod:`~lightning_dcp.planning.ring`)."""
+    fast_paths: bool = False
+    """Whether :meth:`item_time_sum` / :meth:`item_memory_tokens` are implemented (and take numpy arrays)."""
     sharding: str | None = None
     """The ``DCPStrategy(sharding=...)`` mode whose model-state memory ``item_memory`` counts (``None``: not stated)."""
     state_bytes: float | None = None
@@ -92,8 +90,23 @@ class CostModel(abc.ABC):
     memory_in_bytes: bool = True
     """Whether ``item_memory`` and ``memory_limit`` are bytes (the fallback and safe-mode models count tokens)."""
     rounds: RoundPlan = FREE_RUNNING
-    """How a step's items run (:mod:`~lightning_dcp.planning.rounds`): free-running per rank, or lockstep
-    rounds of a shard group (``sharding="hsdp"``)."""
+    """How a step's items run (:mod:`~lightning_dcp.planning.rounds`): free-running, or lockstep rounds of a shard group."""
+
+    @abc.abstractmethod
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
+        """Cost of one packed micro-batch of ``lengths`` on ``sp`` ranks (``ring`` x Ulysses) recomputing ``recompute`` layers."""
+
+    @abc.abstractmethod
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        """Peak bytes per device of that micro-batch, model states included."""
+
+    @abc.abstractmethod
+    def step_overhead(self, world_size: int) -> float:
+        """Per-step constant: gradient reduction over ``world_size`` ranks + optimizer step (seconds)."""
+
+    @abc.abstractmethod
+    def signature(self) -> dict:
+        """JSON-able description (model, hardware or profile key) for reports and caches."""
 
     def collective_prices(self) -> "CollectivePrices | None":
         """Bandwidths and latencies of collectives, from the hardware or a profile (``None``: unknown)."""
@@ -105,93 +118,61 @@ class CostModel(abc.ABC):
 
         return limit_text(self.memory_limit, self.memory_limit_source)
 
-    @abc.abstractmethod
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
-        """Cost of one packed micro-batch of ``lengths`` on an SP group of size ``sp`` (``ring`` x Ulysses)."""
+    # -- fast paths (fast_paths: True) ---------------------------------------------------------------
+    def attention_work(self, length: int) -> float:
+        """Attention work of one sample, the unit of ``sq_sum``: ``l^2`` unless the model says otherwise."""
+        return float(length) * length
 
-    @abc.abstractmethod
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        """Peak bytes per device of that micro-batch, model states included."""
+    def item_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1,
+                      ring_exposed: bool = True) -> Num:
+        """:meth:`item_time` from the sums: ``tokens``, ``sq_sum`` (:meth:`attention_work` summed), ``n`` samples;
+        ``ring_exposed=False``: a ring's transfers counted as hidden (a lower bound linear in the sums)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fast paths (fast_paths is False); use item_time(lengths, ...)")
 
-    @abc.abstractmethod
-    def step_overhead(self, world_size: int) -> float:
-        """Per-step constant: gradient all-reduce over ``world_size`` ranks + optimizer step (seconds)."""
+    def item_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1) -> Num:
+        """:meth:`item_memory` of a micro-batch of ``tokens`` tokens (memory depends on nothing else)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fast paths (fast_paths is False); use item_memory(lengths, ...)")
 
-    @abc.abstractmethod
-    def signature(self) -> dict:
-        """JSON-able description (model, hardware or profile key) for reports and caches."""
-
-    # Derived answers; subclasses may override with closed forms.
-
+    # -- derived answers; subclasses may override with closed forms -----------------------------------
     def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        return (self.item_cost(lengths, sp, recompute) if ring == 1
-                else self.item_cost(lengths, sp, recompute, ring=ring)).total
+        return self.item_cost(lengths, sp, recompute, ring).total
 
     def item_time_lower(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        """A lower bound of :meth:`item_time` linear in the samples' sums (tokens, attention work, count): the
-        step bound's per-sample GPU-seconds use it. :meth:`item_time` itself for ``ring == 1``; on a ring, the
-        time with its key/value transfers hidden behind compute (:mod:`~lightning_dcp.planning.ring`)."""
-        return self.item_time(lengths, sp, recompute) if ring == 1 else self.item_time(lengths, sp, recompute, ring=ring)
-
-    def sp_sizes(self, world_size: int) -> list[int]:
-        """Ulysses SP sizes usable on ``world_size`` ranks: every divisor of the heads up to it
-        (:func:`~lightning_dcp.planning.sp_sizes.ulysses_sizes`)."""
-        from lightning_dcp.planning.sp_sizes import ulysses_sizes
-
-        return list(ulysses_sizes(self.num_heads, world_size))
-
-    def sp_splits(self, limit: int, *, ring: bool = True) -> dict[int, tuple[int, ...]]:
-        """Every SP size the planner may use up to ``limit`` -> its candidate ring degrees
-        (:func:`~lightning_dcp.planning.sp_sizes.sp_splits`), keeping the splits whose Ulysses size is in
-        :meth:`sp_sizes` (a profiled model: the measured ones); ring degrees above 1 only when
-        :attr:`prices_ring` and ``ring``."""
-        from lightning_dcp.planning.sp_sizes import sp_splits
-
-        domain = shard_domain(self)
-        limit = min(int(limit), domain) if domain else int(limit)
-        usable = set(self.sp_sizes(limit))
-        return sp_splits(self.num_heads, limit, getattr(self, "gpus_per_node", 8), ring=ring and prices_ring_of(self),
-                         usable=usable)
+        """A lower bound of :meth:`item_time` linear in the samples' sums (the step bound's per-sample GPU-seconds):
+        :meth:`item_time` unless a ring's transfers can hide behind compute."""
+        return self.item_time(lengths, sp, recompute, ring)
 
     def fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> bool:
-        need = self.item_memory(lengths, sp, recompute) if ring == 1 else self.item_memory(lengths, sp, recompute, ring=ring)
-        return need <= self.memory_limit
-
-    def _fits(self, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> bool:
-        """:meth:`fits`, passing ``ring`` only above 1 (a subclass's override may predate it)."""
-        return self.fits(lengths, sp, recompute) if ring == 1 else self.fits(lengths, sp, recompute, ring=ring)
+        return self.item_memory(lengths, sp, recompute, ring) <= self.memory_limit
 
     def min_recompute(self, lengths: Sequence[int], sp: int, ring: int = 1) -> int | None:
-        """Fewest recomputed layers that fit in memory, or ``None`` if even full recompute does not.
-
-        Memory falls linearly in the recompute count (paper eq. 6), so this is a closed form
-        in subclasses; the default bisects.
-        """
-        if not self._fits(lengths, sp, self.num_layers, ring):
+        """Fewest recomputed layers that fit in memory (``None``: not even all). Memory falls in the recompute count
+        (paper eq. 6): bisection here, closed forms in subclasses."""
+        if not self.fits(lengths, sp, self.num_layers, ring):
             return None
         lo, hi = 0, self.num_layers
         while lo < hi:
             mid = (lo + hi) // 2
-            if self._fits(lengths, sp, mid, ring):
+            if self.fits(lengths, sp, mid, ring):
                 hi = mid
             else:
                 lo = mid + 1
         return lo
 
     def max_length(self, sp: int, recompute: int | None = None, ring: int = 1) -> int:
-        """Longest single sequence an SP group of ``sp`` holds with ``recompute`` layers (default all)."""
+        """Longest single sequence ``sp`` ranks hold with ``recompute`` layers (default all); 0 if none."""
         r = self.num_layers if recompute is None else recompute
-        if not self._fits([sp], sp, r, ring):
+        if not self.fits([sp], sp, r, ring):
             return 0
         lo, hi = sp, sp
-        while self._fits([hi * 2], sp, r, ring):
+        while self.fits([hi * 2], sp, r, ring):
             hi *= 2
             if hi > 1 << 40:
                 return hi
         hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self._fits([mid], sp, r, ring):
+            if self.fits([mid], sp, r, ring):
                 lo = mid
             else:
                 hi = mid
@@ -201,36 +182,142 @@ class CostModel(abc.ABC):
         """Compute-only time of these samples on one device: the ideal bound's numerator."""
         return sum(self.item_cost([n], 1, 0).ideal for n in lengths)
 
+    def sp_sizes(self, world_size: int) -> list[int]:
+        """Ulysses SP sizes usable on ``world_size`` ranks: the divisors of the heads up to it."""
+        from lightning_dcp.planning.sp_sizes import ulysses_sizes
 
-def prices_ring_of(cost_model: object) -> bool:
-    """Whether ``cost_model`` prices ring attention: its ``prices_ring`` when set, else whether its
-    ``item_cost`` takes the ``ring`` keyword."""
-    flag = getattr(cost_model, "prices_ring", None)
-    if flag is not None:
-        return bool(flag)
-    try:
-        return "ring" in inspect.signature(cost_model.item_cost).parameters  # type: ignore[attr-defined]
-    except (AttributeError, TypeError, ValueError):
-        return False
+        return list(ulysses_sizes(self.num_heads, world_size))
+
+    def sp_splits(self, limit: int, *, ring: bool = True) -> dict[int, tuple[int, ...]]:
+        """Every SP size the planner may use up to ``limit`` -> its candidate ring degrees
+        (:func:`~lightning_dcp.planning.sp_sizes.sp_splits`), Ulysses sizes from :meth:`sp_sizes`, rings only when
+        :attr:`prices_ring` and ``ring``."""
+        from lightning_dcp.planning.sp_sizes import sp_splits
+
+        domain = shard_domain(self)
+        limit = min(int(limit), domain) if domain else int(limit)
+        return sp_splits(self.num_heads, limit, self.gpus_per_node, ring=ring and self.prices_ring,
+                         usable=set(self.sp_sizes(limit)))
+
+    # -- any ring degree: the model's own pricing, or the generic estimate for a model without it -----
+    def ring_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> ItemCost:
+        """:meth:`item_cost` at any ring degree. On a model that prices no ring, a pure ring (``ring == sp``) is
+        estimated from its Ulysses answers: each rank's ``1/sp`` share of the item's work at SP 1 (per-micro-batch
+        constants not divided) plus the exposed transfers (:meth:`ring_transfer`)."""
+        if ring <= 1 or self.prices_ring:
+            return self.item_cost(lengths, sp, recompute, ring)
+        p = int(sp)
+        if p <= 1:
+            return self.item_cost(lengths, p, recompute)
+        if ring != p:
+            raise ValueError(f"the ring estimate prices pure ring attention (ring == sp); got ring {ring} on {sp} ranks")
+        one = self.item_cost(lengths, 1, recompute)
+        try:
+            c0 = self.item_cost([], 1, recompute)
+        except (ValueError, ZeroDivisionError, IndexError):
+            c0 = ItemCost(0.0, 0.0, 0.0, 0.0, 0.0)
+
+        def share(a: float, b: float) -> float:
+            return b + (a - b) / p
+
+        return ItemCost(compute=share(one.compute, c0.compute), recompute=share(one.recompute, c0.recompute),
+                        comm=self.ring_transfer(lengths, p, recompute), overhead=share(one.overhead, c0.overhead),
+                        ideal=one.ideal / p)
+
+    def ring_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> float:
+        """:meth:`item_memory` at any ring degree; on a model that prices no ring, a ring item's memory is the rank's
+        ``1/sp`` share of the tokens on one device (the key/value ring buffers neglected)."""
+        if ring <= 1 or self.prices_ring:
+            return self.item_memory(lengths, sp, recompute, ring)
+        share = max(1, math.ceil(sum(lengths) / sp))
+        return self.item_memory_tokens(share, 1, recompute) if self.fast_paths else self.item_memory([share], 1, recompute)
+
+    def ring_transfer(self, lengths: Sequence[int], p: int, recompute: int) -> float:
+        """Ring transfer time of :meth:`ring_cost`'s estimate over ``p`` ranks, all layers, not overlapped: the item's
+        Ulysses all-to-all time at the largest SP size the heads allow, scaled to the ring's bytes per rank (ring
+        ``2 (p-1)/p T h``, Ulysses ``4 (q-1)/q (T/q) h``). The analytic model prices it from its hardware."""
+        q = max([s for s in self.sp_sizes(p) if s <= p] or [1])
+        if q <= 1:
+            return 0.0
+        return self.item_cost(lengths, q, recompute).comm * (2.0 * (p - 1) / p) / (4.0 * (q - 1) / q / q)
 
 
 def shard_domain(cost_model: CostModel) -> int | None:
-    """Ranks of the shard group no SP group may cross (a mode with lockstep rounds: its shard group), else None:
-    the cost model's :attr:`~CostModel.rounds` say."""
+    """Ranks of the shard group no SP group may cross (lockstep rounds' shard group), else None."""
     return cost_model.rounds.domain
 
 
-def ring_kwargs(ring: int) -> dict:
-    """``{"ring": ring}`` above 1, else ``{}``: how a wrapper passes ``ring`` on to a cost model that may
-    predate the keyword."""
-    return {} if ring == 1 else {"ring": ring}
-
-
 def keep_class(original: CostModel, rebuilt: CostModel) -> CostModel:
-    """``rebuilt`` (built by a base class, e.g. for another sharding mode) as an instance of ``original``'s
-    class: a user's subclass keeps its overridden methods and its own attributes; the rebuilt state wins."""
+    """``rebuilt`` (built by a base class, e.g. for another sharding mode) as an instance of ``original``'s class: a
+    user's subclass keeps its overrides and its own attributes; the rebuilt state wins."""
     if type(original) is type(rebuilt):
         return rebuilt
     new = copy.copy(original)
     new.__dict__.update(rebuilt.__dict__)
     return new
+
+
+class _FromBase:
+    """An interface attribute of a :class:`DelegatingCostModel`: its base's, unless the view sets its own."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: "DelegatingCostModel | None", owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.base, self.name)
+
+
+class DelegatingCostModel(CostModel):
+    """A view of ``base``: every interface attribute and every primitive answer (the abstract methods, the fast paths,
+    :meth:`sp_sizes`, :meth:`collective_prices`, :meth:`describe_limit`, :meth:`ring_transfer`) is the base's; the
+    derived answers (:meth:`item_time`, :meth:`fits`, :meth:`min_recompute`, :meth:`max_length`, ...) follow from them.
+    A subclass overrides what it changes (the attribute, the primitive); a closed form of its own is an option."""
+
+    num_layers = _FromBase()  # type: ignore[assignment]
+    memory_limit = _FromBase()  # type: ignore[assignment]
+    num_heads = _FromBase()  # type: ignore[assignment]
+    gpus_per_node = _FromBase()  # type: ignore[assignment]
+    memory_limit_source = _FromBase()  # type: ignore[assignment]
+    prices_ring = _FromBase()  # type: ignore[assignment]
+    fast_paths = _FromBase()  # type: ignore[assignment]
+    sharding = _FromBase()  # type: ignore[assignment]
+    state_bytes = _FromBase()  # type: ignore[assignment]
+    memory_in_bytes = _FromBase()  # type: ignore[assignment]
+    rounds = _FromBase()  # type: ignore[assignment]
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+
+    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
+        return self.base.item_cost(lengths, sp, recompute, ring)
+
+    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.base.item_memory(lengths, sp, recompute, ring)
+
+    def step_overhead(self, world_size: int) -> float:
+        return self.base.step_overhead(world_size)
+
+    def signature(self) -> dict:
+        return self.base.signature()
+
+    def collective_prices(self) -> "CollectivePrices | None":
+        return self.base.collective_prices()
+
+    def describe_limit(self) -> str:
+        return self.base.describe_limit()
+
+    def attention_work(self, length: int) -> float:
+        return self.base.attention_work(length)
+
+    def item_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1,
+                      ring_exposed: bool = True) -> Num:
+        return self.base.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed)
+
+    def item_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1) -> Num:
+        return self.base.item_memory_tokens(tokens, sp, recompute, ring)
+
+    def sp_sizes(self, world_size: int) -> list[int]:
+        return self.base.sp_sizes(world_size)
+
+    def ring_transfer(self, lengths: Sequence[int], p: int, recompute: int) -> float:
+        return self.base.ring_transfer(lengths, p, recompute)

@@ -9,6 +9,12 @@ from lightning_dcp.planning.cost_model import CostModel, ItemCost
 __all__ = ["DefaultCostModel"]
 
 
+def _no_ring(ring: int) -> None:
+    if ring != 1:
+        raise ValueError("DefaultCostModel prices no ring attention (prices_ring is False; a plan's ring items are "
+                         "priced by CostModel.ring_cost); plan with ring=1")
+
+
 class DefaultCostModel(CostModel):
     """Fallback cost model when neither ``cost_model=`` nor a profiler supplied one.
 
@@ -24,7 +30,6 @@ class DefaultCostModel(CostModel):
     memory_in_bytes = False
 
     def __init__(self, num_layers: int = 0, num_heads: int = 1, max_tokens: int = 1 << 16) -> None:
-        self.prices_ring = False
         self.num_layers = int(num_layers)
         self.num_heads = max(1, int(num_heads))
         self.max_tokens = int(max_tokens)
@@ -36,8 +41,7 @@ class DefaultCostModel(CostModel):
                 "memory; measure the model with DCPProfiler or pass a cost model)")
 
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
-        if ring != 1:
-            raise ValueError("DefaultCostModel prices no ring attention (prices_ring is False); plan with ring=1")
+        _no_ring(ring)
         lin = sum(lengths) * 1e-6
         sq = sum(n * n for n in lengths) * 1e-9
         per_layer = (lin + sq) / max(1, self.num_layers or 1)
@@ -46,8 +50,7 @@ class DefaultCostModel(CostModel):
                         ideal=(lin + sq) / sp)
 
     def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        if ring != 1:
-            raise ValueError("DefaultCostModel prices no ring attention (prices_ring is False); plan with ring=1")
+        _no_ring(ring)
         return sum(lengths) / sp * (1 + self.num_layers - recompute)
 
     def step_overhead(self, world_size: int) -> float:

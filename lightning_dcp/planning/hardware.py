@@ -1,16 +1,9 @@
 """Accelerator descriptions for the analytic cost model: peak rates, memory, interconnect, efficiencies.
 
-Every constant cites where it comes from. Datasheet numbers are exact; achieved-efficiency numbers
-are public measurements rounded to one or two digits, and marked *estimate* where no direct
-measurement of that exact quantity was at hand. The analytic model is a planning aid, not a
-simulator of silicon: a measured profile (:class:`~lightning_dcp.planning.profiled.ProfiledCostModel`)
-always wins where one exists.
-
-Units: FLOP/s, bytes, bytes/s, seconds. "GB" on datasheets for HBM capacity is the marketing
-figure; we store the total that ``nvidia-smi`` reports (MiB), which is what the CUDA allocator's
-limit is measured against (``torch.cuda.mem_get_info`` sees slightly less after the context).
-
-Pure Python: no torch.
+Every constant cites its source: datasheet numbers exact, achieved efficiencies public measurements rounded to one
+or two digits, *estimate* where no direct measurement was at hand (a measured profile always wins). Units: FLOP/s,
+bytes, bytes/s, seconds; memory is what ``nvidia-smi`` reports (MiB), what the CUDA allocator's limit is measured
+against, not the datasheet's marketing GB. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -26,34 +19,28 @@ GiB = 1 << 30
 class HardwareSpec:
     """One accelerator type and the interconnect around it, as the analytic cost model sees it.
 
+    Bandwidths are achieved *bus* bandwidths (nccl-tests: all-to-all ``bytes * (n-1)/n / busbw``, all-reduce
+    ``2 (n-1)/n * bytes / busbw``); ``*_inter``: per GPU when the group spans nodes.
+
     Args:
         name: registry name.
         peak_flops: dense bf16 tensor-core FLOP/s (datasheet, no sparsity).
         memory_bytes: device memory as ``nvidia-smi`` reports it.
-        usable_memory_bytes: default memory limit for planning: ``memory_bytes`` minus a reserve for
-            the CUDA context, NCCL communicator buffers of every SP group and allocator
-            fragmentation.
-        hbm_bandwidth: device memory bandwidth (datasheet), bytes/s; used for memory-bound work
-            (element-wise ops, optimizer step).
-        a2a_bw_intra: achieved all-to-all *bus* bandwidth inside one node, bytes/s (nccl-tests
-            convention: time = bytes * (n-1)/n / busbw).
-        a2a_bw_inter: achieved all-to-all bus bandwidth per GPU when the group spans nodes.
-        allreduce_bw_intra: achieved all-reduce bus bandwidth inside a node (time = 2(n-1)/n * bytes / busbw).
-        allreduce_bw_inter: achieved all-reduce bus bandwidth across nodes, per GPU.
+        usable_memory_bytes: default planning limit: ``memory_bytes`` minus the CUDA context, every SP group's NCCL
+            buffers and allocator fragmentation.
+        hbm_bandwidth: device memory bandwidth (datasheet; memory-bound element-wise ops, optimizer step).
+        a2a_bw_intra, a2a_bw_inter: all-to-all bus bandwidth inside a node / across nodes.
+        allreduce_bw_intra, allreduce_bw_inter: all-reduce bus bandwidth inside a node / across nodes.
         gpus_per_node: GPUs sharing the fast intra-node fabric.
-        collective_latency: fixed cost of one collective inside a node (s).
-        collective_latency_inter: fixed cost of one collective that crosses nodes (s).
-        kernel_launch_overhead: launch/tail latency of one repeated block's forward kernels for one
-            micro-batch (s); backward is charged twice this, a recomputed forward once more.
-        gemm_half_tokens: tokens per rank at which the GEMMs of a block reach half of
-            ``gemm_max_efficiency`` (``eff = max * t / (t + half)``).
-        gemm_max_efficiency: fraction of ``peak_flops`` that large bf16 GEMMs reach.
-        attn_max_efficiency: fraction of ``peak_flops`` that flash attention reaches (forward; the
-            backward is charged 2.5x the forward FLOPs at the same rate, see analytic.py).
-        p2p_bw_intra: achieved point-to-point (send/receive) bandwidth between two GPUs of a node,
-            one direction, bytes/s: a ring-attention hop (:mod:`~lightning_dcp.planning.ring`); 0: the
-            all-to-all figure of that fabric.
-        p2p_bw_inter: the same between GPUs of two nodes (per GPU, its NIC); 0: the all-to-all figure.
+        collective_latency, collective_latency_inter: fixed cost of one collective inside / across nodes (s).
+        kernel_launch_overhead: launch/tail latency of one repeated block's forward kernels per micro-batch (s);
+            backward is charged twice this, a recomputed forward once more.
+        gemm_half_tokens: tokens per rank at which a block's GEMMs reach half of ``gemm_max_efficiency``
+            (``eff = max * t / (t + half)``).
+        gemm_max_efficiency: fraction of ``peak_flops`` large bf16 GEMMs reach.
+        attn_max_efficiency: fraction of ``peak_flops`` flash attention reaches (forward; backward 2.5x the FLOPs).
+        p2p_bw_intra, p2p_bw_inter: point-to-point bandwidth of one ring-attention hop, one direction, inside a node /
+            across nodes (:mod:`~lightning_dcp.planning.ring`); 0: that fabric's all-to-all figure.
     """
 
     name: str
@@ -115,40 +102,31 @@ HARDWARE: dict[str, HardwareSpec] = {
         usable_memory_bytes=81559 * (1 << 20) - _RESERVE,
         # Datasheet: 3.35 TB/s HBM3.
         hbm_bandwidth=3.35e12,
-        # NVLink 4 is 900 GB/s bidirectional (450 GB/s each way); NOTES.md: all-to-all measured at
-        # ~370 GB/s bus bandwidth on H100 NVLink (nccl-tests alltoall_perf, large messages).
+        # NVLink 4: 900 GB/s bidirectional; NOTES.md: all-to-all ~370 GB/s bus bandwidth (nccl-tests alltoall_perf).
         a2a_bw_intra=370e9,
-        # DGX H100 / HGX reference: 8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU; all-to-all
-        # across nodes reaches ~80 % of line rate in nccl-tests (estimate) -> 40 GB/s.
+        # DGX H100: 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU; all-to-all ~80 % of line rate (estimate).
         a2a_bw_inter=40e9,
         # nccl-tests all_reduce_perf on DGX H100 (NVLS): ~450-480 GB/s bus bandwidth; we take 450e9.
         allreduce_bw_intra=450e9,
         # Ring all-reduce across nodes is bounded by the 50 GB/s NIC per GPU; ~90 % achieved (estimate).
         allreduce_bw_inter=45e9,
         gpus_per_node=8,
-        # NCCL small-message latency: ~10-20 us inside an NVLink node, 30-50 us across IB
-        # (nccl-tests, 8-byte messages); we use 20 us / 40 us.
+        # NCCL small-message latency (nccl-tests, 8 bytes): ~10-20 us in an NVLink node, 30-50 us across IB.
         collective_latency=20e-6,
         collective_latency_inter=40e-6,
-        # A transformer block's forward is ~20-30 kernels at ~1.5-2 us launch+tail each when the
-        # kernels are tiny (CUDA launch latency, no CUDA graphs): ~40 us (estimate).
+        # A block's forward: ~20-30 kernels at ~1.5-2 us launch+tail each when tiny, no CUDA graphs (estimate).
         kernel_launch_overhead=40e-6,
-        # cuBLAS bf16 GEMMs of width 3072-8192 reach ~700-750 TFLOPS (~0.72-0.76 of peak) on H100
-        # when M >= 8k (NVIDIA "Deep Learning Performance" GEMM guide; Megatron-Core reports ~50-55 %
-        # end-to-end MFU for GPT-class models at 4k-8k context on H100, which this model reproduces
-        # once attention and element-wise time are added). Half of the large-M rate at ~512 tokens
-        # per rank: an M=512 x 3072 x 3072 GEMM fills under one wave of 128x128 tiles on 132 SMs
-        # (estimate; gives ~40 % layer MFU at 1k tokens, ~56 % at 8k). The curve ignores the
-        # hidden size: narrower models (2d, h=1152) saturate later in reality -- optimistic there.
+        # cuBLAS bf16 GEMMs of width 3072-8192: ~700-750 TFLOPS at M >= 8k (NVIDIA "Deep Learning Performance"
+        # guide; Megatron-Core's ~50-55 % MFU at 4k-8k context, reproduced here). Half rate at ~512 tokens per rank:
+        # M=512 x 3072 x 3072 fills under one wave of 128x128 tiles on 132 SMs (estimate; ~40 % layer MFU at 1k,
+        # ~56 % at 8k). Ignores the width: narrower models (h=1152) saturate later -- optimistic there.
         gemm_half_tokens=512.0,
         gemm_max_efficiency=0.75,
-        # FlashAttention-3 paper (Shah et al. 2024): 540-740 TFLOPS bf16 forward on H100 (55-75 %),
-        # lower for head dim 64 and causal masks; FlashAttention-2 on H100 ~35-40 %. PyTorch's
-        # SDPA (cuDNN/flash backends) sits in between; we use 0.55.
+        # FlashAttention-3 (Shah et al. 2024): 55-75 % forward, lower for head dim 64 and causal; FlashAttention-2
+        # ~35-40 %; PyTorch's SDPA in between.
         attn_max_efficiency=0.55,
-        # Ring-attention hops (estimates): a send/receive between two NVLink-4 GPUs moves at most 450 GB/s
-        # each way; we take the all-to-all's achieved 370 GB/s. Across nodes one 400 Gb/s NIC per GPU
-        # (50 GB/s each way), ~90 % achieved as for the all-reduce: 45 GB/s.
+        # Ring hops (estimates): NVLink 4 at most 450 GB/s each way, taken at the all-to-all's 370; across nodes
+        # the 50 GB/s NIC, ~90 % achieved.
         p2p_bw_intra=370e9,
         p2p_bw_inter=45e9,
     ),
@@ -161,37 +139,28 @@ HARDWARE: dict[str, HardwareSpec] = {
         usable_memory_bytes=81920 * (1 << 20) - _RESERVE,
         # Datasheet: 2,039 GB/s.
         hbm_bandwidth=2.039e12,
-        # NVLink 3: 600 GB/s bidirectional; nccl-tests alltoall on DGX A100 ~ 2/3 of the H100 figure
-        # (estimate: scaled by NVLink bandwidth 600/900 from the 370 GB/s H100 measurement).
+        # NVLink 3: 600 GB/s bidirectional: the H100's 370 GB/s scaled by 600/900 (estimate).
         a2a_bw_intra=245e9,
         # DGX A100: 8x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU; ~80 % achieved (estimate).
         a2a_bw_inter=20e9,
         # nccl-tests all_reduce_perf on DGX A100: ~230 GB/s bus bandwidth.
         allreduce_bw_intra=230e9,
         allreduce_bw_inter=22e9,
-        gpus_per_node=8,
-        collective_latency=20e-6,
-        collective_latency_inter=40e-6,
-        kernel_launch_overhead=40e-6,
-        # A100 bf16 GEMMs reach ~250-270 TFLOPS (0.80-0.87 of peak) at large sizes; a smaller
+        # latencies and launches as the H100's (the defaults); A100 bf16 GEMMs reach ~250-270 TFLOPS (0.80-0.87 of peak) at large sizes; a smaller
         # peak saturates at fewer tokens (estimate 384).
         gemm_half_tokens=384.0,
         gemm_max_efficiency=0.80,
         # FlashAttention-2 paper (Dao 2023): 50-73 % of peak forward on A100; we use 0.60.
         attn_max_efficiency=0.60,
-        # Ring hops (estimates, as for the H100): the all-to-all figure inside a node, ~90 % of the
-        # 25 GB/s HDR NIC across nodes.
+        # Ring hops (estimates, as for the H100): the all-to-all figure, ~90 % of the 25 GB/s NIC.
         p2p_bw_intra=245e9,
         p2p_bw_inter=22e9,
     ),
 }
 
-# The DCP paper's setting (§4, "H200 GPUs with memory limited to 80 GB").
-# NVIDIA H200 SXM: the same GH100 die, tensor cores, NVLink 4 / NVSwitch fabric and NICs as the
-# H100 SXM (HGX H200 reference), so every compute and network figure is the H100's; what differs
-# is memory. Datasheet: 141 GB HBM3e (the driver reports 143771 MiB) at 4.8 TB/s. NOTE: the DCP
-# paper ran its H200 experiments with memory limited to 80 GB: use the "h200-80gb" entry (or
-# ``memory_limit=80e9``) to reproduce that.
+# NVIDIA H200 SXM: the H100's die, fabric and NICs (HGX H200 reference), so its compute and network figures;
+# datasheet memory 141 GB HBM3e (the driver reports 143771 MiB) at 4.8 TB/s. The DCP paper (§4) ran H200s with
+# memory limited to 80 GB: "h200-80gb" (or ``memory_limit=80e9``).
 HARDWARE["h200"] = replace(HARDWARE["h100"], name="h200", memory_bytes=143771 * (1 << 20),
                            usable_memory_bytes=143771 * (1 << 20) - 12 * GiB, hbm_bandwidth=4.8e12)
 HARDWARE["h200-80gb"] = replace(HARDWARE["h200"], name="h200-80gb", usable_memory_bytes=80e9 - _RESERVE)

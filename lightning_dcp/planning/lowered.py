@@ -7,9 +7,10 @@ so the planner packs fewer samples, recomputes more layers or uses more SP for t
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of, ring_kwargs
+from lightning_dcp.planning.cost_model import CostModel, DelegatingCostModel
+from lightning_dcp.planning.plan import WorkItem
 
 __all__ = ["MARGIN", "LoweredMemory", "lowered_limit"]
 
@@ -17,7 +18,7 @@ __all__ = ["MARGIN", "LoweredMemory", "lowered_limit"]
 MARGIN = 0.95
 
 
-class LoweredMemory(CostModel):
+class LoweredMemory(DelegatingCostModel):
     """``base`` with a lower ``memory_limit``: what a re-plan after an out-of-memory error plans with.
 
     Args:
@@ -25,40 +26,26 @@ class LoweredMemory(CostModel):
         memory_limit: the new limit (below ``base.memory_limit``).
     """
 
+    describe_limit = CostModel.describe_limit  # this view's limit
+
     def __init__(self, base: CostModel, memory_limit: float) -> None:
-        self.base = base
+        super().__init__(base)
         self.memory_limit = float(memory_limit)
-        self.num_layers = base.num_layers
-        self.num_heads = base.num_heads
-        self.gpus_per_node = getattr(base, "gpus_per_node", 8)
         self.memory_limit_source = f"lowered after an out-of-memory error from {base.describe_limit()}"
-        self.sharding, self.state_bytes, self.rounds = base.sharding, base.state_bytes, base.rounds
-        self.memory_in_bytes = base.memory_in_bytes
-        self.collective_prices = base.collective_prices
-
-    @property
-    def prices_ring(self) -> bool:  # type: ignore[override]
-        return prices_ring_of(self.base)
-
-    def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
-        return self.base.item_cost(lengths, sp, recompute, **ring_kwargs(ring))
-
-    def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        return self.base.item_memory(lengths, sp, recompute, **ring_kwargs(ring))
-
-    def step_overhead(self, world_size: int) -> float:
-        return self.base.step_overhead(world_size)
-
-    def sp_sizes(self, world_size: int) -> list[int]:
-        return self.base.sp_sizes(world_size)
 
     def signature(self) -> dict:
         return {"kind": "lowered-memory", "memory_limit": self.memory_limit, "base": self.base.signature()}
 
 
-def lowered_limit(cost_model: CostModel, failed: Sequence[Any]) -> float:
-    """A memory limit just below the smallest estimate of the ``failed`` items (``lengths``,
-    ``recompute`` and the SP size ``len(ranks)``, 1 without ``ranks``), and never above the current limit."""
-    need = min(float(cost_model.item_memory(list(it["lengths"]), len(it.get("ranks", (0,))), int(it["recompute"])))
-               for it in failed)
-    return min(float(cost_model.memory_limit), need) * MARGIN
+def lowered_limit(cost_model: CostModel, failed: Sequence[Mapping[str, Any]]) -> float:
+    """A memory limit just below the smallest estimate of the ``failed`` items (``WorkItem.to_dict()``s: ``lengths``,
+    ``recompute``, ``ranks`` (default one rank) and ``ring``), and never above the current limit."""
+    from lightning_dcp.planning.item_pricing import item_memory_of
+
+    def need(it: Mapping[str, Any]) -> float:
+        lengths = tuple(int(n) for n in it["lengths"])
+        item = WorkItem(tuple(it.get("ranks", (0,))), tuple(range(len(lengths))), lengths, int(it["recompute"]),
+                        int(it.get("ring", 1)))
+        return float(item_memory_of(cost_model, item))
+
+    return min(float(cost_model.memory_limit), min(need(it) for it in failed)) * MARGIN

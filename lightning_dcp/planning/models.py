@@ -1,10 +1,9 @@
-"""Named model descriptions: the paper's Transformer-1D / Transformer-2D (Table 1), a Llama-2-7B
-shape, Wan 2.1 text-to-video DiTs (1.3B, 14B), LTX-Video 2B and tiny CPU sizes.
+"""Named model descriptions: the DCP paper's Transformer-1D / -2D (Table 1), Llama-2 7B and 70B, Wan 2.1 (1.3B,
+14B), LTX-Video 2B, HunyuanVideo 13B and tiny CPU sizes.
 
-A :class:`ModelSpec` is what the analytic cost model reasons about and what the reference
-models in :mod:`lightning_dcp.models` are built from (kinds ``"1d"`` and ``"2d"``; the ``"3d"``
-Wan shapes are for planning and simulation: train them with diffusers'
-``WanTransformer3DModel`` and plan with its measured profile). Pure Python.
+A :class:`ModelSpec` is what the analytic cost model reasons about and what the reference models in
+:mod:`lightning_dcp.models` are built from (``"1d"``, ``"2d"``; the ``"3d"`` shapes are for planning and simulation:
+train them with diffusers' models and plan with their measured profile). Pure Python.
 """
 
 from __future__ import annotations
@@ -21,30 +20,22 @@ class ModelSpec:
 
     Args:
         name: registry name.
-        kind: ``"1d"`` (one attention per layer over the whole sequence), ``"2d"`` (video
-            DiT-like: spatial attention within each frame, then temporal attention across
-            frames, each with its own MLP; one "layer" is that pair of blocks) or ``"3d"``
-            (video DiT like Wan 2.1: per layer full self-attention over all of a sample's video
-            tokens, then cross-attention of every video token to the sample's ``text_len`` text
-            tokens, then a GELU MLP, each modulated by the sample's timestep embedding).
+        kind: ``"1d"`` (one attention per layer over the whole sequence), ``"2d"`` (video DiT: spatial attention in
+            each frame, then temporal attention across frames, each with its MLP; a "layer" is that pair of blocks)
+            or ``"3d"`` (Wan 2.1-like: full self-attention over a sample's video tokens, cross-attention of each to
+            the sample's ``text_len`` text tokens, a GELU MLP, each modulated by the timestep embedding).
         num_layers: repeated layers (the ModuleList that recomputation and profiling act on).
-        hidden_size: model width.
-        num_heads: attention heads; SP sizes must divide it.
+        hidden_size, num_heads: model width; attention heads (Ulysses sizes divide it).
         causal: causal attention mask (1d language models).
-        ffn_hidden_size: inner width of the MLP (SwiGLU for 1d, GELU for 2d).
+        ffn_hidden_size: inner width of the MLP (SwiGLU for 1d, GELU for 2d and 3d).
         vocab_size: token vocabulary (1d); 0 for latent-input models.
-        in_channels: latent channels per token after patchify (2d); 0 for token models.
-        spatial_tokens: 2d only: tokens per frame the analytic cost model assumes when it
-            only knows a sample's total length (``frames = length / spatial_tokens``).
-        text_len: 3d only: text tokens per sample that every video token cross-attends to
-            (the text encoder's padded length, 512 for Wan's umT5).
-        text_dim: 3d only: width of the text encoder's output, projected to ``hidden_size``
-            once per sample (4096 for umT5-XXL).
+        in_channels: latent channels per token after patchify (2d, 3d); 0 for token models.
+        spatial_tokens: 2d: tokens per frame (``frames = length / spatial_tokens``).
+        text_len, text_dim: 3d: text tokens per sample (the text encoder's padded length, 512 for umT5) and their
+            width, projected to ``hidden_size`` once per sample (4096 for umT5-XXL).
         num_kv_heads: key/value heads (grouped-query attention); 0: as many as ``num_heads``.
-        stored_layer_params: parameters one layer *stores* when that differs from the weights a token
-            passes through (:meth:`layer_params`): HunyuanVideo's dual-stream blocks keep separate text
-            and video weights, each token uses one set. 0: the same. Counts in :meth:`params` (memory,
-            sharding), not in FLOPs.
+        stored_layer_params: parameters one layer *stores* when that differs from the weights a token passes through
+            (HunyuanVideo's dual-stream blocks); 0: the same. In :meth:`params` (memory), not in FLOPs.
     """
 
     name: str

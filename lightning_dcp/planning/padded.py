@@ -8,36 +8,42 @@ exceeds the largest batch the user's own loader produces.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost
+from lightning_dcp.planning.cost_model import CostModel, DelegatingCostModel, ItemCost
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
+from lightning_dcp.planning.round_plan import FREE_RUNNING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.planner import Planner
 
 __all__ = ["PaddedCostModel", "PaddedPlanner"]
 
 
-class PaddedCostModel(CostModel):
-    """Safe mode's cost model: a micro-batch of ``n`` samples costs -- in time and memory -- ``n``
-    samples of its longest length (the user's collate pads to it), on one rank, with no
-    recomputation. It holds at most ``max_padded_tokens`` padded tokens: the DataLoader's
-    ``batch_size`` times the dataset's longest sample, the largest batch the user's own loader
-    can produce, so no planned micro-batch is larger than one the user already runs.
+class PaddedCostModel(DelegatingCostModel):
+    """Safe mode's cost model: a micro-batch of ``n`` samples costs -- in time and memory -- ``n`` samples of its
+    longest length (the user's collate pads to it), on one rank, with no recomputation. It holds at most
+    ``max_padded_tokens`` padded tokens: the DataLoader's ``batch_size`` times the dataset's longest sample, so no
+    planned micro-batch is larger than one the user's own loader produces. Only the base's times are used.
 
     Args:
-        base: the per-token cost model (times only; its memory model is not used).
+        base: the per-token cost model.
         max_padded_tokens: the most padded tokens (samples x longest) one micro-batch may hold.
     """
 
-    memory_in_bytes = False
+    # a model of its own on the base's times (one rank, l^2 work, no collectives)
+    sp_sizes = CostModel.sp_sizes
+    attention_work = CostModel.attention_work
+    collective_prices = CostModel.collective_prices
 
     def __init__(self, base: CostModel, max_padded_tokens: int) -> None:
-        self.base = base
-        self.num_layers = 0
-        self.num_heads = 1
-        self.prices_ring = False
+        super().__init__(base)
+        self.num_layers, self.num_heads = 0, 1
         self.max_padded_tokens = max(1, int(max_padded_tokens))
         self.memory_limit = float(self.max_padded_tokens)
-        self.gpus_per_node = getattr(base, "gpus_per_node", 8)
+        self.memory_limit_source = ""
+        self.prices_ring = self.fast_paths = self.memory_in_bytes = False
+        self.sharding, self.state_bytes, self.rounds = None, None, FREE_RUNNING
 
     def describe_limit(self) -> str:
         """The limit is padded tokens, not bytes."""
@@ -60,9 +66,6 @@ class PaddedCostModel(CostModel):
     def padded_tokens(lengths: Sequence[int]) -> int:
         return len(lengths) * max(lengths, default=0)
 
-    def step_overhead(self, world_size: int) -> float:
-        return self.base.step_overhead(world_size)
-
     def signature(self) -> dict:
         return {"kind": "padded", "max_padded_tokens": self.max_padded_tokens, "base": self.base.signature()}
 
@@ -77,7 +80,7 @@ class PaddedPlanner:
         cost_model: that cost model (its ``max_padded_tokens`` is the limit).
     """
 
-    def __init__(self, planner: Any, cost_model: PaddedCostModel) -> None:
+    def __init__(self, planner: "Planner", cost_model: PaddedCostModel) -> None:
         self.planner = planner
         self.limit = cost_model.max_padded_tokens
 

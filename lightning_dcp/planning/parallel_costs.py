@@ -132,8 +132,8 @@ def _states(cost_model: Any, scheme: Scheme) -> float:
 
 def scheme_memory(cost_model: CostModel, tokens: int, scheme: Scheme, recompute: int) -> float:
     """Peak bytes per rank of a micro-batch of ``tokens`` on a ``scheme`` pipeline (see the module docstring)."""
-    fast = getattr(cost_model, "item_memory_tokens", None)
-    sp_mem = fast(tokens, scheme.tp, recompute) if callable(fast) else cost_model.item_memory([max(int(tokens), 1)], scheme.tp, recompute)
+    sp_mem = (cost_model.item_memory_tokens(tokens, scheme.tp, recompute) if cost_model.fast_paths
+              else cost_model.item_memory([max(int(tokens), 1)], scheme.tp, recompute))
     if _analytic(cost_model):
         return sp_mem - cost_model.state_bytes + _states(cost_model, scheme)
     return sp_mem

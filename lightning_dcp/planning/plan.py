@@ -12,9 +12,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from lightning_dcp.planning.units import describe_limit, format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.cost_model import CostModel
 
 PLAN_SCHEMA = "lightning-dcp/plan/v1"
 
@@ -287,7 +290,7 @@ def is_aligned_block(ranks: Sequence[int]) -> bool:
     return start % p == 0 and list(ranks) == list(range(start, start + p))
 
 
-def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> None:
+def validate_step(step: StepPlan, world_size: int, cost_model: "CostModel | None" = None) -> None:
     """Raise :class:`PlanError` when ``step`` breaks the contract: every item's ranks a group the placement rule
     allows (:mod:`~lightning_dcp.planning.topology`; nodes, heads and shard groups with a cost model), samples and
     positive lengths paired, recompute in ``[0, num_layers]``, and with a cost model no item over its memory limit."""
@@ -298,8 +301,8 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
     else:
         from lightning_dcp.planning.cost_model import shard_domain
 
-        topo = Topology(max(int(world_size), 1), getattr(cost_model, "gpus_per_node", None) or None, shard_domain(cost_model))
-        heads = getattr(cost_model, "num_heads", None)
+        topo = Topology(max(int(world_size), 1), cost_model.gpus_per_node or None, shard_domain(cost_model))
+        heads = cost_model.num_heads
     for idx, item in enumerate(step.items):
         if item.ranks[-1] >= world_size or item.ranks[0] < 0:
             raise PlanError(f"item {idx} names rank {max(item.ranks)} but the world has {world_size} ranks")
@@ -313,12 +316,7 @@ def validate_step(step: StepPlan, world_size: int, cost_model: Any = None) -> No
         if item.recompute < 0 or (cost_model is not None and item.recompute > cost_model.num_layers):
             raise PlanError(f"item {idx} recomputes {item.recompute} layers; allowed is 0..{getattr(cost_model, 'num_layers', '?')}")
         if cost_model is not None:
-            if item.ring == 1:
-                need = cost_model.item_memory(item.lengths, item.sp_size, item.recompute)
-            else:  # the cost model's ring pricing, or ring_support's estimate for one without it
-                from lightning_dcp.planning.ring_support import ring_memory
-
-                need = ring_memory(cost_model, item.lengths, item.sp_size, item.recompute, item.ring)
+            need = cost_model.ring_memory(item.lengths, item.sp_size, item.recompute, item.ring)
             if need > cost_model.memory_limit:
                 raise PlanError(
                     f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, ring {item.ring}, recompute {item.recompute}) "
@@ -354,7 +352,7 @@ def check_deadlock_free(step: StepPlan, world_size: int) -> None:
         raise PlanError(f"the item order makes ranks {stuck} wait on each other in a cycle")
 
 
-def validate_plan(plan: Plan, lengths: Sequence[int] | Mapping[int, int] | None = None, cost_model: Any = None,
+def validate_plan(plan: Plan, lengths: Sequence[int] | Mapping[int, int] | None = None, cost_model: "CostModel | None" = None,
                   samples: Iterable[int] | None = None) -> None:
     """Raise :class:`PlanError` unless ``plan`` is valid, each sample at most once (given ``samples``: exactly
     those), and (given ``lengths``, indexed by sample) every item's lengths match."""

@@ -36,7 +36,7 @@ import numbers
 from typing import Any, Callable, Sequence
 
 from lightning_dcp.planning.batches import cut_batches, step_key
-from lightning_dcp.planning.cost_model import CostModel, prices_ring_of, ring_kwargs
+from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
@@ -305,15 +305,10 @@ class Planner:
 
     def _verify_memory(self, step: StepPlan) -> StepPlan:
         """Cost models without a token-only memory fast path: re-check every item exactly."""
-        from lightning_dcp.planning.ring_support import ring_memory
-
         cm = self.cost_model
         items = []
         for item in step.items:
-            if item.ring > 1 and not prices_ring_of(cm):  # a peer's ring on a model without ring pricing: the estimate
-                fits = lambda r, it=item: ring_memory(cm, it.lengths, it.sp_size, r, it.ring) <= cm.memory_limit  # noqa: E731
-            else:
-                fits = lambda r, it=item: cm.fits(it.lengths, it.sp_size, r, **ring_kwargs(it.ring))  # noqa: E731
+            fits = lambda r, it=item: cm.ring_memory(it.lengths, it.sp_size, r, it.ring) <= cm.memory_limit  # noqa: E731
             if not fits(item.recompute):
                 r = next((x for x in range(item.recompute, cm.num_layers + 1) if fits(x)), None)
                 if r is None:

@@ -1,58 +1,14 @@
-"""The dual-layer profile: schema ``lightning-dcp/profile/v1``.
+"""The dual-layer profile: schema ``lightning-dcp/profile/v1``, its validation and files.
 
 Written by :class:`lightning_dcp.DCPProfiler` (or ``lightning-dcp profile``), read by
-:class:`~lightning_dcp.planning.profiled.ProfiledCostModel`. Shape::
-
-    {
-      "schema": "lightning-dcp/profile/v1",
-      "key": {"model_signature": "...", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
-              "world_size": 8, "package_version": "0.1.0"},
-      "model": {"num_layers": 42, "num_heads": 48, "hidden_size": 3072},
-      "device": {"memory_limit_bytes": 80e9, "gpus_per_node": 8},
-      "constant": {
-        "time_s": 0.004,            # embedding + head + loss, per micro-batch (fwd+bwd)
-        "optimizer_s": 0.02,        # optimizer step, once per step
-        "allreduce_s": 0.05,        # gradient all-reduce over world_size, once per step (0 if world 1)
-        "memory_bytes": 3.1e10,     # model states + buffers of one full replica (M_C of eq. 6)
-        "param_bytes": 1.0e10,      # gradient bytes reduced per step (= trainable weight bytes)
-        "weight_bytes": 1.0e10,     # optional: bytes of every parameter, trainable or frozen
-        "buffer_bytes": 1.0e6,      # optional: the module's buffers
-        "optimizer_bytes": 2.0e10,  # optional: one replica's optimizer states (fp32 master included)
-        "time_per_token_s": 2e-8,   # optional: embedding + head + loss time per local token (fwd+bwd)
-        "host_s": 1e-4,             # optional: host work per micro-batch (pack, shard, copy)
-        "host_per_token_s": 1e-8,   # optional: host work per token of the whole micro-batch
-        "activation_bytes_per_token": 6.0e4  # optional: bytes saved for backward outside the
-                                    #   repeated layers, per local token
-      },
-      "entries": [                  # one per (seq_len, micro_batch, sp) measured
-        {"seq_len": 4096, "micro_batch": 2, "sp": 1,
-         "forward_s": 0.0031,       # one layer forward, per rank, including its all-to-alls
-         "backward_s": 0.0062,      # one layer backward, per rank
-         "activation_bytes": 1.2e9, # bytes saved for backward by one un-checkpointed layer, per rank
-         "input_bytes": 5.0e7,      # bytes of one layer's input, per rank (kept when checkpointed)
-         "recompute_s": 0.0034,     # optional: extra time of one checkpointed layer vs forward_s +
-                                    #   backward_s, per rank (its recomputed forward + machinery)
-         "peak_bytes": null}        # peak allocated during the two layers (CUDA only), optional
-      ],
-      "meta": {"created": "2026-11-22T10:00:00Z", "profiling_s": 12.5, "grid": 24, "host": "..."}
-    }
-
-An entry with ``micro_batch`` b and ``seq_len`` l is a packed micro-batch of b samples of length
-l: ``b*l`` tokens and ``b*l**2`` attention work. Times are per layer and per rank. A profile is
-made for one world size; the fit generalizes across lengths, not across SP sizes it lacks.
-
-Optional fields (absent, or ``null``, in older profiles; non-negative numbers when present):
-``entries[].recompute_s`` -- the cost model charges it per recomputed layer instead of
-``forward_s`` when every entry of an SP size has it; ``constant.time_per_token_s`` and
-``constant.activation_bytes_per_token`` -- added per local token (``tokens / sp``) to every
-micro-batch's time and memory; ``constant.host_s`` and ``constant.host_per_token_s`` -- the
-host's work per micro-batch (pack, prepare, weight, shard, copy to the device), ``host_s +
-host_per_token_s * tokens`` over the *whole* micro-batch's tokens (every SP rank builds it);
-``constant.weight_bytes``, ``constant.buffer_bytes`` and ``constant.optimizer_bytes`` -- the
-split of ``memory_bytes`` (``weight_bytes + buffer_bytes + param_bytes + optimizer_bytes`` in
-profiles :class:`~lightning_dcp.DCPProfiler` writes), from which
-``ProfiledCostModel(sharding=...)`` knows what sharding the states frees; ``memory_bytes`` stays
-one full replica's states whatever sharding the profiled run used.
+:class:`~lightning_dcp.planning.profiled.ProfiledCostModel`. Sections: ``key`` (model signature, device, dtype,
+world size, package version), ``model`` (``num_layers``, ``num_heads``; optional ``hidden_size``,
+``num_kv_heads``, ``per_sample_cost``), ``device`` (``memory_limit_bytes``, ``gpus_per_node``), ``constant`` (per
+micro-batch ``time_s``, per step ``optimizer_s`` and ``allreduce_s``, one replica's ``memory_bytes``; optional
+``param_bytes``, ``weight_bytes``, ``buffer_bytes``, ``optimizer_bytes``, ``time_per_token_s``, ``host_s``,
+``host_per_token_s``, ``activation_bytes_per_token``), ``entries`` (one per measured ``seq_len``, ``micro_batch``,
+``sp``: one layer's per-rank ``forward_s``, ``backward_s``, ``activation_bytes``, ``input_bytes``, optional
+``recompute_s``, ``peak_bytes``) and ``meta``. Every field with its meaning: docs/cost-models.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ Pure Python.
 
 from __future__ import annotations
 
-from lightning_dcp.planning.cost_model import prices_ring_of
 from lightning_dcp.planning.sp_sizes import ulysses_sizes
 from lightning_dcp.planning.view import CostView
 
@@ -48,7 +47,7 @@ def cap_limits(view: CostView, world_size: int, max_sp_size: int | None, reason:
         limits.append("ring attention is off (ring=False, or the module does not run ring attention), so no size "
                       "past the heads is offered")
         fixes.append("ring attention through lightning_dcp.ulysses_attention")
-    elif not prices_ring_of(cm):
+    elif not cm.prices_ring:
         limits.append(f"the cost model ({type(cm).__name__}) prices no ring attention, so no ring size past the heads "
                       "is offered")
         fixes.append("a cost model that prices rings (measure the model with DCPProfiler, or an AnalyticCostModel)")

@@ -3,12 +3,13 @@
 Every policy asks the same three questions many times per step: how many tokens fit on an SP
 group of size ``sp`` with ``r`` recomputed layers, the fewest recomputed layers that fit a
 micro-batch, and the time of a packed micro-batch. :class:`CostView` answers them from tables
-built once per (cost model, world size), and uses the cost model's fast paths when it has them:
+built once per (cost model, world size), and uses the cost model's fast paths when it has them
+(``cost_model.fast_paths``):
 
-- ``item_time_sum(tokens, sq_sum, n, sp, recompute)`` — time from the token sum, the sum of
-  squared lengths and the sample count (falls back to ``item_time(lengths, ...)``);
-- ``item_memory_tokens(tokens, sp, recompute)`` — memory from the token count alone (falls back
-  to ``max_length``, i.e. a packed micro-batch is charged like one sequence of the same tokens,
+- ``item_time_sum(tokens, sq_sum, n, sp, recompute, ring)`` — time from the token sum, the sum of
+  squared lengths and the sample count (else ``item_time(lengths, ...)``);
+- ``item_memory_tokens(tokens, sp, recompute, ring)`` — memory from the token count alone (else
+  ``max_length``, i.e. a packed micro-batch is charged like one sequence of the same tokens,
   and the planner verifies every item with ``item_memory`` at the end).
 
 Pure Python + numpy.
@@ -22,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.cost_model import CostModel, ring_kwargs, shard_domain
+from lightning_dcp.planning.cost_model import CostModel, shard_domain
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.speeds import group_speed, uniform
 from lightning_dcp.planning.topology import Topology
@@ -53,10 +54,10 @@ class CostView:
         """Usable SP sizes, ascending (Ulysses sizes, and ring sizes where the cost model prices them)."""
         self.ring: dict[int, int] = {p: c[0] for p, c in splits.items()}
         """Ring degree of every SP size (1: Ulysses only); :meth:`_choose_rings` picks among candidates."""
-        self._time_base = getattr(cost_model, "item_time_sum", None)
-        self._mem_base = getattr(cost_model, "item_memory_tokens", None)
-        work = getattr(cost_model, "attention_work", None)
-        self.work = work if callable(work) else (lambda n: float(n) * n)
+        fast = cost_model.fast_paths
+        self._time_base = cost_model.item_time_sum if fast else None
+        self._mem_base = cost_model.item_memory_tokens if fast else None
+        self.work = cost_model.attention_work
         """Attention work of one sample (``l**2`` for 1d; the model's own measure for 2d)."""
         self.exact_memory = callable(self._mem_base)
         self._cap: dict[int, list[int]] = {}
@@ -64,7 +65,7 @@ class CostView:
         self._vector_ok: bool | None = None
         self._bind()
         self._choose_rings({p: c for p, c in splits.items() if len(c) > 1})
-        g = int(getattr(cost_model, "gpus_per_node", 0) or 0) or None
+        g = int(cost_model.gpus_per_node or 0) or None
         self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model),
                                  {p: p // r for p, r in self.ring.items() if r > 1})
         """Where SP groups may go (:mod:`~lightning_dcp.planning.topology`)."""
@@ -79,12 +80,10 @@ class CostView:
             return
 
         def time_fast(tokens, sq, n, sp, recompute, _t=t, _r=rings):
-            r = _r.get(sp, 1)
-            return _t(tokens, sq, n, sp, recompute) if r == 1 else _t(tokens, sq, n, sp, recompute, ring=r)
+            return _t(tokens, sq, n, sp, recompute, _r.get(sp, 1))
 
         def mem_fast(tokens, sp, recompute, _m=m, _r=rings):
-            r = _r.get(sp, 1)
-            return _m(tokens, sp, recompute) if r == 1 else _m(tokens, sp, recompute, ring=r)
+            return _m(tokens, sp, recompute, _r.get(sp, 1))
 
         self._time_fast = time_fast if callable(t) else None
         self._mem_fast = mem_fast if callable(m) else None
@@ -156,7 +155,7 @@ class CostView:
             caps = self._cap.get(key)  # type: ignore[call-overload]
             if caps is None:
                 caps = self._cap[key] = self._monotone(  # type: ignore[index]
-                    [int(self.cm.max_length(sp, r, **ring_kwargs(int(ring)))) for r in range(self.num_layers + 1)])
+                    [int(self.cm.max_length(sp, r, int(ring))) for r in range(self.num_layers + 1)])
             return caps
         caps = self._cap.get(sp)
         if caps is None:
@@ -171,7 +170,7 @@ class CostView:
 
     def _max_tokens(self, sp: int, r: int) -> int:
         if not callable(self._mem_fast):
-            return int(self.cm.max_length(sp, r, **ring_kwargs(self.ring_of(sp))))
+            return int(self.cm.max_length(sp, r, self.ring_of(sp)))
         limit = self.cm.memory_limit
         mem = self._mem_fast
         if mem(sp, sp, r) > limit:
@@ -226,7 +225,7 @@ class CostView:
                 w = self.work
                 return self._time_fast(sum(lengths), float(sum(w(n) for n in lengths)), len(lengths), sp, recompute)
             ring = self.ring_of(sp)
-        return self.cm.item_time(lengths, sp, recompute, **ring_kwargs(ring))
+        return self.cm.item_time(lengths, sp, recompute, ring)
 
     def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray,
                   lower: bool = False) -> np.ndarray:
@@ -243,7 +242,7 @@ class CostView:
         r = self.ring_of(sp)
         if lower and r > 1 and fast is not None:
             base = self._time_base
-            fast = lambda t, q, k, p, rc: base(t, q, k, p, rc, ring=r, ring_exposed=False)  # noqa: E731
+            fast = lambda t, q, k, p, rc: base(t, q, k, p, rc, r, False)  # noqa: E731
         if fast is not None and self._vector_ok is not False:
             try:
                 out = np.asarray(fast(tokens, np.asarray(sq, dtype=np.float64), np.asarray(n),
@@ -273,7 +272,7 @@ class CostView:
         if self._time_fast is not None:
             return self._time_fast(length * count, self.work(length) * count, count, sp, recompute)
         k = max(1, int(round(count)))
-        return self.cm.item_time([int(length)] * k, sp, recompute, **ring_kwargs(self.ring_of(sp))) * (count / k)
+        return self.cm.item_time([int(length)] * k, sp, recompute, self.ring_of(sp)) * (count / k)
 
     def constant(self, sp: int, recompute: int) -> float:
         """Per-micro-batch constant on ``sp`` ranks: what a micro-batch costs beyond its samples' own terms.
@@ -283,8 +282,8 @@ class CostView:
         """
         if self._time_fast is not None:
             return float(self._time_fast(0, 0.0, 0, sp, recompute))
-        kw = ring_kwargs(self.ring_of(sp))
-        return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute, **kw) - self.cm.item_time([1, 1], sp, recompute, **kw))
+        ring = self.ring_of(sp)
+        return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute, ring) - self.cm.item_time([1, 1], sp, recompute, ring))
 
     def split_costs(self, lengths: np.ndarray, sp: int, work: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch, and the

@@ -248,11 +248,11 @@ class RunCalibration:
                 counts[r] += 1
         return max(counts + [1])
 
-    def _predict_item(self, lengths: tuple[int, ...], sp: int, recompute: int) -> float:
-        key = (lengths, sp, recompute)
+    def _predict_item(self, lengths: tuple[int, ...], sp: int, recompute: int, ring: int = 1) -> float:
+        key = (lengths, sp, recompute, ring)
         got = self._predicted.get(key)
         if got is None:
-            got = float(self.cost_model.item_time(list(lengths), sp, recompute))
+            got = float(self.cost_model.item_time(list(lengths), sp, recompute, ring))
             if len(self._predicted) > 4096:
                 self._predicted.clear()
             self._predicted[key] = got
@@ -268,7 +268,8 @@ class RunCalibration:
             out.append(ItemMeasurement(
                 step=self._key, item=int(it.index), rank=self.rank, sp=it.sp_size, recompute=int(it.recompute),
                 samples=len(it.samples), tokens=float(sum(it.lengths)), work=float(sum(n * n for n in it.lengths)),
-                predicted_s=self._predict_item(tuple(it.lengths), it.sp_size, int(it.recompute)), measured_s=float(s),
+                predicted_s=self._predict_item(tuple(it.lengths), it.sp_size, int(it.recompute), int(it.ring)),
+                measured_s=float(s),
                 wait_s=float(comm_s) if it.sp_size > 1 else -1.0))
         flat = pack_payload(self._timing, out, self.row_count(step.plan, self.world_size))
         return torch.tensor(flat, dtype=torch.float64)

@@ -52,7 +52,6 @@ import math
 from collections import deque
 from typing import Any, NamedTuple, Sequence
 
-from lightning_dcp.planning.cost_model import prices_ring_of
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.search.layouts import world_blocks
 from lightning_dcp.planning.plan import StepNotes, StepPlan, WorkItem
@@ -185,7 +184,7 @@ class MegatronHCPPolicy(TunedPolicy):
         cap (``max_sp_size``, a shard group)."""
         self._longest: list[int] = list(self.dataset_lengths or [])
         self._recompute: dict[tuple[int, str], int] = {}
-        self._rings = prices_ring_of(view.cm)
+        self._rings = bool(view.cm.prices_ring)
         self._holds: dict[tuple[int, int, str], int | None] = {}
         self._items: dict[tuple, WorkItem] = {}
 

@@ -1,48 +1,35 @@
 """Per-layer sharding inside the micro-batch loop (``sharding="hsdp"``): its memory and its time.
 
-:class:`ShardGroupCostModel` is a view of any cost model (the analytic one, a profiled one, the
-fallback) for HSDP / ZeRO-3 on a 2-D mesh: the model states are sharded over the ``K`` ranks of a
-*shard group* and replicated across the ``N / K`` groups; ``K = N`` is plain ZeRO-3.
+:class:`ShardGroupCostModel` is a view of any cost model for HSDP / ZeRO-3 on a 2-D mesh: the states are sharded
+over the ``K`` ranks of a *shard group* and replicated across the ``N / K`` groups (``K = N``: ZeRO-3).
 
-Memory per rank in the micro-batch loop: the base's memory with its one replica of states replaced by
-the mode's ``state_bytes``
-(``(W + G + O)/K + B + 2R + 4L``); a base whose memory is not in bytes (the fallback's tokens) keeps its
-memory. A dummy round runs no compute (:mod:`lightning_dcp.runtime.sharding.dummy`): its peak is the
-states and the units in flight, below any item's.
+Memory per rank: the base's, its one replica of states replaced by the mode's ``state_bytes`` (``(W + G + O)/K + B +
+2R + 4L``; a base whose memory is not bytes keeps its own). A dummy round (:mod:`lightning_dcp.runtime.sharding.dummy`)
+holds the states and the units in flight, below any item's peak.
 
-Time. A micro-batch costs what the base model says plus its round's collectives; the rounds
-(:class:`~lightning_dcp.planning.rounds.Lockstep`) run in lockstep inside a shard group, so a
-round lasts as long as its slowest item (a dummy computes nothing), and each round adds its per-layer
-collectives: per layer an all-gather of ``L`` before the forward and before the backward and a
-reduce-scatter of the layer's gradients, each moving ``(K - 1) / K`` of the bytes, priced by the
-:class:`~lightning_dcp.planning.sharding.base.CollectivePrices` of the hardware or the profile (the
-intra-node ones when the group fits a node). FSDP2 prefetches the next layer's all-gather during the
-running layer's compute, so per layer only the part of the collectives longer than the layer's compute
-shows, plus the first layer's all-gather::
-
-    round(t) = max(t, layers * c) + c          c: one layer's all-gathers and reduce-scatter
-
-:meth:`ShardGroupCostModel.item_cost` prices an item as the slowest of its round (``round(t)``); a round
-of dummies only lasts ``round(0)``.
-
-Per step (:meth:`ShardGroupCostModel.step_overhead`): the gradient shards meet across the ``N / K``
-replicas in one all-reduce of ``G / K``, then the optimizer steps one shard (``1 / K`` of the base's
-one-rank optimizer step). With ``offload``: the sharded states live in host memory (FSDP2's
-``CPUOffloadPolicy``), the optimizer steps on the CPU, and every round copies the weight shards to
-the device and the gradient shards back: priced at :data:`HOST_BANDWIDTH` and
-:data:`HOST_ADAM_PARAMS_PER_S` (estimates, not measured). Pure Python.
+Time: a shard group's rounds run in lockstep (:class:`~lightning_dcp.planning.rounds.Lockstep`), each as long as its
+slowest item, plus per layer an all-gather of the weights before the forward and the backward and a reduce-scatter
+of the gradients (``(K - 1) / K`` of the bytes each, at the hardware's or the profile's
+:class:`~lightning_dcp.planning.prices.CollectivePrices`). FSDP2 prefetches the next layer's all-gather during the
+running layer, so ``round(t) = max(t, layers * c) + c`` with ``c`` one layer's collectives: what
+:meth:`ShardGroupCostModel.item_cost` charges an item (a round of dummies: ``round(0)``). Per step: the replicas'
+all-reduce of ``G / K``, the optimizer over one shard. With ``offload`` the shards live in host memory (FSDP2's
+``CPUOffloadPolicy``): every round copies them at :data:`HOST_BANDWIDTH`, the optimizer steps on the CPU at
+:data:`HOST_ADAM_PARAMS_PER_S` (estimates). Pure Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from lightning_dcp.planning.cost_model import CostModel, ItemCost, prices_ring_of, ring_kwargs
+from lightning_dcp.planning.cost_model import CostModel, DelegatingCostModel, ItemCost
 from lightning_dcp.planning.prices import CollectivePrices
-from lightning_dcp.planning.sharding.base import ShardingMode, StateParts
 from lightning_dcp.planning.rounds import Lockstep
+from lightning_dcp.planning.sharding.base import ShardingMode, StateParts
 
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.planning.cost_model import Num
 
 __all__ = ["HOST_ADAM_PARAMS_PER_S", "HOST_BANDWIDTH", "ShardGroupCostModel"]
 
@@ -52,7 +39,7 @@ HOST_BANDWIDTH = 25e9
 HOST_ADAM_PARAMS_PER_S = 2e8
 
 
-class ShardGroupCostModel(CostModel):
+class ShardGroupCostModel(DelegatingCostModel):
     """``base`` planned for ``sharding="hsdp"``: sharded states in the budget, per-round collectives in the time.
 
     Args:
@@ -65,49 +52,30 @@ class ShardGroupCostModel(CostModel):
 
     def __init__(self, base: CostModel, mode: ShardingMode, parts: StateParts,
                  prices: CollectivePrices | None = None) -> None:
-        self.base, self.mode, self.parts, self.prices = base, mode, parts, prices
+        super().__init__(base)
+        self.mode, self.parts, self.prices = mode, parts, prices
         self.sharding = mode.name
         self.world_size, self.shard_group_size, self.offload = mode.world_size, mode.shard_group_size, mode.offload
-        self.num_layers, self.num_heads = base.num_layers, base.num_heads
-        self.gpus_per_node = getattr(base, "gpus_per_node", 8)
         self.layer_bytes, self.root_bytes = parts.layer_bytes, parts.root_bytes
         self.state_parts = {"weights": parts.weights, "buffers": parts.buffers, "gradients": parts.gradients,
                             "optimizer": parts.optimizer}
-        self.memory_in_bytes = base.memory_in_bytes
         self.state_bytes = mode.state_bytes(parts)
         """Model-state bytes per rank in the micro-batch loop (what the planner budgets)."""
         self.state_bytes_at_rest = mode.state_bytes(parts, at_rest=True)
         """Model-state bytes per rank between steps."""
-        self.workspace_bytes = float(getattr(base, "workspace_bytes", 0.0))
-        self.memory_limit = float(base.memory_limit)
-        self.memory_limit_source = getattr(base, "memory_limit_source", "")
+        self.workspace_bytes = float(getattr(base, "workspace_bytes", 0.0))  # the analytic model's
         self.rounds = Lockstep(self.shard_group_size, dummy_round_s=self.round_time(0.0))
-        shift = self.state_bytes - base.state_bytes if base.memory_in_bytes else 0.0
-        self._shift = shift
-        # the planner's fast paths (token sums instead of length lists), where the base has them
-        if callable(getattr(base, "attention_work", None)):
-            self.attention_work = base.attention_work
-        time_sum = getattr(base, "item_time_sum", None)
-        if callable(time_sum):
-            self.item_time_sum = lambda tokens, sq_sum, n, sp, recompute, **ring: self.round_time(
-                time_sum(tokens, sq_sum, n, sp, recompute, **ring))
-        mem_tokens = getattr(base, "item_memory_tokens", None)
-        if callable(mem_tokens):
-            self.item_memory_tokens = lambda tokens, sp, recompute, **ring: mem_tokens(tokens, sp, recompute, **ring) + shift
-
-    def describe_limit(self) -> str:
-        return self.base.describe_limit()
+        self._shift = self.state_bytes - base.state_bytes if base.memory_in_bytes else 0.0
 
     def collective_prices(self) -> CollectivePrices | None:
         return self.prices
 
     # ------------------------------------------------------------------ memory
-    @property
-    def prices_ring(self) -> bool:  # type: ignore[override]
-        return prices_ring_of(self.base)
-
     def item_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        return self.base.item_memory(lengths, sp, recompute, **ring_kwargs(ring)) + self._shift
+        return self.base.item_memory(lengths, sp, recompute, ring) + self._shift
+
+    def item_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1) -> Num:
+        return self.base.item_memory_tokens(tokens, sp, recompute, ring) + self._shift
 
     def dummy_memory(self) -> float:
         """Peak bytes of a dummy round (the collectives only, no activation): the states with the units in flight
@@ -119,11 +87,18 @@ class ShardGroupCostModel(CostModel):
         """The base's cost plus the per-layer collectives of a round this item is the slowest of (the
         part compute does not hide, in ``comm``): what the planner balances, and what a lockstep round
         lasts (the simulator takes each round's slowest item)."""
-        cost = self.base.item_cost(lengths, sp, recompute, **ring_kwargs(ring))
+        cost = self.base.item_cost(lengths, sp, recompute, ring)
         return replace(cost, comm=cost.comm + self.round_time(cost.total) - cost.total)
 
     def item_time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
-        return self.round_time(self.base.item_time(lengths, sp, recompute, **ring_kwargs(ring)))
+        return self.round_time(self.base.item_time(lengths, sp, recompute, ring))
+
+    def item_time_lower(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> float:
+        return self.round_time(self.base.item_time_lower(lengths, sp, recompute, ring))
+
+    def item_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1,
+                      ring_exposed: bool = True) -> Num:
+        return self.round_time(self.base.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed))
 
     def sp_sizes(self, world_size: int) -> list[int]:
         """SP groups stay inside a shard group: the base's sizes up to ``shard_group_size``."""
