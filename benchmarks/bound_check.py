@@ -122,37 +122,34 @@ class FirstPrinciplesBounder:
         self.cm = cm
         self.W = int(world_size)
         top = self.W if max_sp is None else min(self.W, max_sp)
-        # the planner's SP sizes and their ring degrees: an input here (what is checked is the bound's arithmetic)
-        self.ring = dict(CostView(cm, top, world_size=self.W).ring)
-        self.sps = sorted(self.ring)
-        self.caps = {p: [self._cap(p, r) for r in range(cm.num_layers + 1)] for p in self.sps}
-        usable = [(p, r) for p in self.sps for r, c in enumerate(self.caps[p]) if c > 0]
-        self.c_min = min(self._t([], p, r) for p, r in usable)
-        self.c_max = {p: max(self._t([], q, r) for q, r in usable if q == p) for p in self.sps
-                      if any(q == p for q, _ in usable)}
-        self.c_low = {p: min(self._t([], q, r) for q, r in usable if q == p) for p in self.c_max}
+        # the planner's SP sizes and the splits an item may take: an input here (what is checked is the arithmetic)
+        self.rings = dict(CostView(cm, top, world_size=self.W).item_rings)
+        self.sps = sorted(self.rings)
+        self.caps = {(p, g): [self._cap(p, r, g) for r in range(cm.num_layers + 1)] for p in self.sps
+                     for g in self.rings[p]}
+        usable = [(p, g, r) for (p, g), caps in self.caps.items() for r, c in enumerate(caps) if c > 0]
+        self.c_min = min(self._t([], p, r, g) for p, g, r in usable)
+        self.c_max = {p: max(self._t([], q, r, g) for q, g, r in usable if q == p) for p in self.sps
+                      if any(q == p for q, _, _ in usable)}
+        self.c_low = {p: min(self._t([], q, r, g) for q, g, r in usable if q == p) for p in self.c_max}
         self._per_len: dict[int, SampleCosts] = {}
 
-    def _kw(self, p: int) -> dict:
-        r = self.ring.get(p, 1)
-        return {} if r == 1 else {"ring": r}
-
-    def _t(self, lengths: Sequence[int], p: int, r: int) -> float:
+    def _t(self, lengths: Sequence[int], p: int, r: int, ring: int) -> float:
         """``item_time_lower``: linear in the samples' sums (a ring's transfers hidden), as the bound needs."""
-        return self.cm.item_time_lower(lengths, p, r, **self._kw(p))
+        return self.cm.item_time_lower(lengths, p, r, ring)
 
-    def _cap(self, p: int, r: int) -> int:
-        cm, kw = self.cm, self._kw(p)
-        if not cm.fits([1], p, r, **kw):
+    def _cap(self, p: int, r: int, ring: int) -> int:
+        cm = self.cm
+        if not cm.fits([1], p, r, ring):
             return 0
         lo, hi = 1, 2
-        while cm.fits([hi], p, r, **kw):
+        while cm.fits([hi], p, r, ring):
             lo, hi = hi, hi * 2
             if hi > 1 << 40:
                 return lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if cm.fits([mid], p, r, **kw):
+            if cm.fits([mid], p, r, ring):
                 lo = mid
             else:
                 hi = mid
@@ -168,19 +165,21 @@ class FirstPrinciplesBounder:
         bare: dict[int, float] = {}
         alone: dict[int, float] = {}
         for p in self.sps:
-            caps = self.caps[p]
-            best = low = math.inf
-            for r, cap in enumerate(caps):
-                if cap < n or (r > 0 and cap == caps[r - 1]):  # more recompute, same capacity: never better
-                    continue
-                const = self._t([], p, r)
-                own = self._t([n], p, r) - const
-                best = min(best, p * (own + const * n / cap))
-                low = min(low, p * own)
+            best = low = lone = math.inf
+            for ring in self.rings[p]:
+                caps = self.caps[(p, ring)]
+                for r, cap in enumerate(caps):
+                    if cap < n or (r > 0 and cap == caps[r - 1]):  # more recompute, same capacity: never better
+                        continue
+                    const = self._t([], p, r, ring)
+                    own = self._t([n], p, r, ring) - const
+                    best = min(best, p * (own + const * n / cap))
+                    low = min(low, p * own)
+                rec = cm.min_recompute([n], p, ring)
+                if rec is not None:
+                    lone = min(lone, cm.item_time([n], p, rec, ring))
             if math.isfinite(best):
-                g[p], bare[p] = best, low
-                kw = self._kw(p)
-                alone[p] = cm.item_time([n], p, cm.min_recompute([n], p, **kw), **kw)
+                g[p], bare[p], alone[p] = best, low, lone
         self._per_len[n] = got = SampleCosts(g, bare, alone)
         return got
 
@@ -272,19 +271,19 @@ def gap_parts(step, cm: CostModel, fp: FirstPrinciplesBounder) -> dict[str, floa
     busy = sp = rec = partial = work = ring = 0.0
     for item in step.items:
         p, r = item.sp_size, item.recompute
-        kw = {} if item.ring == 1 else {"ring": item.ring}
-        t = cm.item_time(item.lengths, p, r, **kw)
+        split = item.ring
+        t = cm.item_time(item.lengths, p, r, split)
         start = max(free[x] for x in item.ranks)
         for x in item.ranks:
             free[x] = start + t
         busy += t * p
-        ring += p * (t - cm.item_time_lower(item.lengths, p, r, **kw))
-        const = cm.item_time_lower([], p, r, **kw)
-        cap = fp.caps[p][r]
+        ring += p * (t - cm.item_time_lower(item.lengths, p, r, split))
+        const = cm.item_time_lower([], p, r, split)
+        cap = fp.caps[(p, split)][r]
         partial += p * const * (1 - sum(item.lengths) / cap)
         for n in item.lengths:
             g = fp.sample(n).gpu_s
-            rec += p * (cm.item_time_lower([n], p, r, **kw) - const + const * n / cap) - g[p]
+            rec += p * (cm.item_time_lower([n], p, r, split) - const + const * n / cap) - g[p]
             sp += g[p] - min(g.values())
             work += min(g.values())
     span = max(free)

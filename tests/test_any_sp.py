@@ -45,7 +45,7 @@ def check(plan: Plan, planner: Planner, lengths, cm) -> None:
             else:
                 assert item.ranks in tuples, item
             if planner.policy_name != "megatron-hcp":  # Megatron's context parallel: pure rings of its own
-                assert item.ring == planner.ring_degrees[item.sp_size]
+                assert item.ring in planner.item_rings[item.sp_size]
             if item.ring == 1 or cm.prices_ring:
                 assert cm.item_memory(item.lengths, item.sp_size, item.recompute, item.ring) <= cm.memory_limit
     sim = simulate(plan, cm, timeline=True)  # deadlock-free order (the simulator checks it), then no overlaps
@@ -112,10 +112,14 @@ def test_a_two_head_model_gets_rings_of_two():
     assert planner.ring_degrees == {1: 1, 2: 1, 4: 2}
     cap = planner.longest_fitting()
     assert cap > Planner(4, cm, "dcp", ring=False).longest_fitting()  # a ring holds what 2 ranks cannot
-    plan = planner.plan_batch([0, 1], [cap, 100])
-    big = next(it for it in plan.steps[0].items if cap in it.lengths)
-    assert big.sp_size == 4 and big.ring == 2 and big.ulysses_size == 2
-    assert big.to_dict()["ring"] == 2  # the plan's JSON names the ring (v1 readers see an extra field)
+    assert planner.item_rings[4] == (2, 4)  # per item: the default 2 x 2 and the pure ring (Ulysses 4: 2 heads, no)
+    for length in (planner.view.max_len(4, 2), cap):
+        plan = planner.plan_batch([0, 1], [length, 100])
+        big = next(it for it in plan.steps[0].items if length in it.lengths)
+        times = {r: cm.item_time([length], 4, planner.view.min_recompute(length, 4, r), r)
+                 for r in (2, 4) if planner.view.min_recompute(length, 4, r) is not None}
+        assert big.sp_size == 4 and big.ring == min(times, key=times.get)  # the fastest split that holds it
+        assert big.to_dict()["ring"] == big.ring  # the plan's JSON names the ring (v1 readers see an extra field)
 
 
 def test_llama_7b_with_28_heads_trains_the_long_sample_on_16_gpus():

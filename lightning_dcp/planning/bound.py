@@ -112,30 +112,32 @@ class StepBounder:
         work = np.array([self.view.work(n) for n in lengths], dtype=np.float64)
         best = np.full(len(L), np.inf)
         for p in self.view.sp_sizes:
-            caps = self.view.capacities(p)
-            rs = [r for r, c in enumerate(caps) if c > 0 and (r == 0 or c != caps[r - 1])]  # more recompute, same cap: never better
-            if not rs:
-                continue
-            cap = np.array([caps[r] for r in rs], dtype=np.float64)[:, None]
-            count = cap / L[None, :]  # a full micro-batch of length-l samples (fractional count)
-            tokens = np.broadcast_to(cap, count.shape).ravel()
-            rr = np.broadcast_to(np.array(rs, dtype=np.float64)[:, None], count.shape).ravel()
-            t = self._times(tokens, (work[None, :] * count).ravel(), count.ravel(), p, rr).reshape(count.shape)
-            share = np.where(L[None, :] <= cap, t * (L[None, :] / cap) * p, np.inf)
-            best = np.minimum(best, share.min(axis=0))
+            for ring in self.view.item_rings[p]:  # every split an item may take
+                caps = self.view.capacities(p, ring)
+                rs = [r for r, c in enumerate(caps) if c > 0 and (r == 0 or c != caps[r - 1])]  # same cap: never better
+                if not rs:
+                    continue
+                cap = np.array([caps[r] for r in rs], dtype=np.float64)[:, None]
+                count = cap / L[None, :]  # a full micro-batch of length-l samples (fractional count)
+                tokens = np.broadcast_to(cap, count.shape).ravel()
+                rr = np.broadcast_to(np.array(rs, dtype=np.float64)[:, None], count.shape).ravel()
+                t = self._times(tokens, (work[None, :] * count).ravel(), count.ravel(), p, rr, ring).reshape(count.shape)
+                share = np.where(L[None, :] <= cap, t * (L[None, :] / cap) * p, np.inf)
+                best = np.minimum(best, share.min(axis=0))
         for n, v in zip(lengths, best.tolist()):
             self._gpu_s[n] = v
 
-    def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray) -> np.ndarray:
+    def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray,
+               ring: int) -> np.ndarray:
         if self.view.fast_time is not None:
-            return self.view.time_many(tokens, sq, n, p, r, lower=True)
+            return self.view.time_many(tokens, sq, n, p, r, lower=True, ring=ring)
         # generic cost model (no item_time_sum): whole micro-batches of k = floor(cap / l) equal
         # samples (k <= 4096), scaled to the full count -- within ~1% of the linear form
         out = []
         for t, c, rk in zip(tokens.tolist(), n.tolist(), r.tolist()):
             ell = int(round(t / c))
             k = max(1, min(int(c), 4096))
-            out.append(self.view.time([ell] * k, p, int(rk)) * c / k)
+            out.append(self.view.time([ell] * k, p, int(rk), ring) * c / k)
         return np.array(out, dtype=np.float64)
 
     def alone_times(self, length: int) -> np.ndarray:
@@ -145,9 +147,10 @@ class StepBounder:
         if got is None:
             got = np.full(len(self.view.sp_sizes), np.inf)
             for k, p in enumerate(self.view.sp_sizes):
-                r = self.view.min_recompute(length, p)
-                if r is not None:
-                    got[k] = self.view.time([length], p, r)
+                for ring in self.view.item_rings[p]:
+                    r = self.view.min_recompute(length, p, ring)
+                    if r is not None:
+                        got[k] = min(got[k], self.view.time([length], p, r, ring))
             self._alone[length] = got
         return got
 

@@ -231,8 +231,13 @@ class Planner:
 
     @property
     def ring_degrees(self) -> dict[int, int]:
-        """Every SP size this planner's plans may use -> its ring degree (1: Ulysses only)."""
+        """Every SP size this planner's plans may use -> its default ring degree (1: Ulysses; the baselines' split)."""
         return {p: self.view.ring_of(p) for p in self.view.sp_sizes}
+
+    @property
+    def item_rings(self) -> dict[int, tuple[int, ...]]:
+        """Every SP size -> the ring degrees an item of that size may take (dcp chooses per item)."""
+        return dict(self.view.item_rings)
 
     def rank_tuples(self, *, min_size: int = 2) -> tuple[tuple[int, ...], ...]:
         """Every rank tuple an SP group of this planner's plans may be (sizes of at least ``min_size``):

@@ -24,25 +24,20 @@ class LanePacker(Protocol):
     :class:`~lightning_dcp.planning.view.CostView` is one)."""
 
     exact_memory: bool
-    """Whether :meth:`capacities` are exact (else re-packing would need every micro-batch's memory checked)."""
+    """Whether the capacities are exact (else re-packing would need every micro-batch's memory checked)."""
     sp_sizes: list[int]
     """The usable SP sizes, ascending."""
     topology: Topology
     """Where an SP group may go (``topology.legal(start, size)``)."""
 
-    def ring_of(self, sp: int) -> int:
-        """The ring degree of a group of ``sp`` ranks."""
+    def setting(self, lengths: Sequence[int], sp: int) -> tuple[int, int, float] | None:
+        """``(ring degree, recomputed layers, time at the cost model's pace)`` of the fastest split that holds a
+        micro-batch of ``lengths`` on ``sp`` ranks; None if none does."""
 
-    def capacities(self, sp: int) -> list[int]:
-        """``caps[r]``: the most tokens a micro-batch on ``sp`` ranks holds with ``r`` layers recomputed."""
+    def item_capacities(self, sp: int) -> list[int]:
+        """``caps[r]``: the most tokens a micro-batch on ``sp`` ranks holds with ``r`` layers recomputed (any split)."""
 
-    def min_recompute(self, tokens: int, sp: int) -> int | None:
-        """The fewest recomputed layers that fit ``tokens`` on ``sp`` ranks (None: none)."""
-
-    def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None) -> float:
-        """The time of a micro-batch of ``lengths`` on ``sp`` ranks (ring degree ``ring``), at the cost model's pace."""
-
-    def estimator(self, sp: int) -> Callable[[Any], Any]:
+    def item_estimator(self, sp: int) -> Callable[[Any], Any]:
         """Per-sample estimated time on ``sp`` ranks, vectorized over an array of lengths."""
 
     def speed(self, ranks: Sequence[int]) -> float:

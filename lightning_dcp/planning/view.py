@@ -1,16 +1,15 @@
-"""Planner-side view of a cost model: cached capacities and fast item times.
+"""The planner's view of a cost model: cached capacities, fast item times, and the split of every item.
 
-Every policy asks the same three questions many times per step: how many tokens fit on an SP
-group of size ``sp`` with ``r`` recomputed layers, the fewest recomputed layers that fit a
-micro-batch, and the time of a packed micro-batch. :class:`CostView` answers them from tables
-built once per (cost model, world size), and uses the cost model's fast paths when it has them
-(``cost_model.fast_paths``):
+Policies ask the same questions many times a step: how many tokens a micro-batch on ``sp`` ranks holds with ``r``
+recomputed layers, the fewest recomputed layers that fit it, its time. :class:`CostView` answers them from tables
+built once per (cost model, world), through the model's fast paths (``item_time_sum`` / ``item_memory_tokens``) when
+it has them (else every item is checked with ``item_memory`` at the end, :class:`~lightning_dcp.planning.planner.Planner`).
 
-- ``item_time_sum(tokens, sq_sum, n, sp, recompute, ring)`` — time from the token sum, the sum of
-  squared lengths and the sample count (else ``item_time(lengths, ...)``);
-- ``item_memory_tokens(tokens, sp, recompute, ring)`` — memory from the token count alone (else
-  ``max_length``, i.e. a packed micro-batch is charged like one sequence of the same tokens,
-  and the planner verifies every item with ``item_memory`` at the end).
+**Splits.** An SP group of ``sp`` ranks runs an item as ``ring x ulysses``. Each size has a *default* split
+(:meth:`ring_of`: the faster of its candidates for the longest sample both hold), what the baselines and Algorithm 1
+run. dcp chooses the split per item (:meth:`setting`) among :attr:`item_rings`: every Ulysses size the model prices
+(dividing the heads) times any ring degree, pure rings included, when the model prices rings; a group larger than a
+node only takes splits whose Ulysses subgroups its placement keeps inside nodes.
 
 Pure Python + numpy.
 """
@@ -19,14 +18,22 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel, shard_domain
 from lightning_dcp.planning.plan import WorkItem
+from lightning_dcp.planning.sp_sizes import divisors
 from lightning_dcp.planning.speeds import group_speed, uniform
 from lightning_dcp.planning.topology import Topology
+
+__all__ = ["CostView", "Setting"]
+
+Setting = tuple[int, int, float]
+"""An item's split and recompute: ``(ring degree, recomputed layers, time)``."""
+
+Estimator = Callable[[np.ndarray], np.ndarray]
 
 
 class CostView:
@@ -35,17 +42,16 @@ class CostView:
     Args:
         cost_model: any :class:`CostModel`.
         max_sp: the largest SP group allowed (the world, ``max_sp_size``, the shard group).
-        rank_speeds: per-rank speeds the speed-aware policies plan with (:mod:`~lightning_dcp.planning.speeds`;
-            None or all 1.0: the cost model as is).
+        rank_speeds: per-rank speeds the speed-aware policies plan with (None or all 1.0: the cost model's pace).
         world_size: ranks of the world, for :attr:`topology` (default ``max_sp``).
-        ring: offer ring sizes when the cost model prices them (:meth:`CostModel.sp_splits`).
+        ring: offer ring splits when the cost model prices them.
     """
 
     def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None, *,
                  world_size: int | None = None, ring: bool = True):
         self.cm = cost_model
         self.max_sp = int(max_sp)
-        """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer: :attr:`sp_sizes`)."""
+        """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer)."""
         self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
         """Per-rank speeds, or None when every rank runs at the cost model's pace."""
         self.num_layers = int(cost_model.num_layers)
@@ -53,80 +59,69 @@ class CostView:
         self.sp_sizes = sorted(splits)
         """Usable SP sizes, ascending (Ulysses sizes, and ring sizes where the cost model prices them)."""
         self.ring: dict[int, int] = {p: c[0] for p, c in splits.items()}
-        """Ring degree of every SP size (1: Ulysses only); :meth:`_choose_rings` picks among candidates."""
-        fast = cost_model.fast_paths
-        self._time_base = cost_model.item_time_sum if fast else None
-        self._mem_base = cost_model.item_memory_tokens if fast else None
+        """The default ring degree of every size (1: Ulysses)."""
+        self._fast = bool(cost_model.fast_paths)
         self.work = cost_model.attention_work
         """Attention work of one sample (``l**2`` for 1d; the model's own measure for 2d)."""
-        self.exact_memory = callable(self._mem_base)
-        self._cap: dict[int, list[int]] = {}
-        self._est: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.exact_memory = self._fast
+        self._cap: dict[tuple[int, int], list[int]] = {}
+        self._est: dict[tuple, object] = {}
         self._vector_ok: bool | None = None
-        self._bind()
-        self._choose_rings({p: c for p, c in splits.items() if len(c) > 1})
+        for p, cands in sorted(splits.items()):
+            if len(cands) > 1:
+                self.ring[p] = self._faster_split(p, cands)
         g = int(cost_model.gpus_per_node or 0) or None
         self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model),
                                  {p: p // r for p, r in self.ring.items() if r > 1})
         """Where SP groups may go (:mod:`~lightning_dcp.planning.topology`)."""
+        self.item_rings: dict[int, tuple[int, ...]] = {p: self._item_rings(p, ring) for p in self.sp_sizes}
+        """Every ring degree an item on ``p`` ranks may take (dcp's per-item split), the default first."""
         self._contains: dict[tuple, object] = {}
 
-    def _bind(self) -> None:
-        """The fast paths with every size's ring degree filled in (the bare methods when every ring is 1)."""
-        rings = self.ring
-        t, m = self._time_base, self._mem_base
-        if all(r == 1 for r in rings.values()):
-            self._time_fast, self._mem_fast = t, m
-            return
+    def _faster_split(self, p: int, cands: Sequence[int]) -> int:
+        """The faster of ``cands`` for the longest sample they all hold at full recompute; ties: the first."""
+        caps = [self.max_len(p, r) for r in cands]
+        fitting = [c for c in caps if c > 0]
+        if not fitting:
+            return cands[0]
+        ell = min(fitting)
+        times = [self._time([ell], p, self.min_recompute(ell, p, r), r) if cap >= ell else math.inf
+                 for r, cap in zip(cands, caps)]
+        return cands[times.index(min(times))]
 
-        def time_fast(tokens, sq, n, sp, recompute, _t=t, _r=rings):
-            return _t(tokens, sq, n, sp, recompute, _r.get(sp, 1))
-
-        def mem_fast(tokens, sp, recompute, _m=m, _r=rings):
-            return _m(tokens, sp, recompute, _r.get(sp, 1))
-
-        self._time_fast = time_fast if callable(t) else None
-        self._mem_fast = mem_fast if callable(m) else None
-
-    def _choose_rings(self, choices: dict[int, tuple[int, ...]]) -> None:
-        """For sizes with two splits (Ulysses, or Ulysses x ring across nodes), keep the faster one for the
-        longest sample both hold at full recompute (what a group that large is for); ties: the first."""
-        for p, cands in sorted(choices.items()):
-            caps = [self._cap_with(p, r) for r in cands]
-            fitting = [c for c in caps if c > 0]
-            if not fitting:
-                self.ring[p] = cands[0]
-                continue
-            ell = min(fitting)
-            times = []
-            for r, cap in zip(cands, caps):
-                self._cap_with(p, r)
-                rec = self.min_recompute(ell, p) if cap >= ell else None
-                times.append(math.inf if rec is None else self.time([ell], p, rec))
-            self.ring[p] = cands[times.index(min(times))]
-        self._cap.clear()
-        self._bind()
-
-    def _cap_with(self, p: int, r: int) -> int:
-        """Full-recompute capacity of size ``p`` at ring degree ``r`` (leaves that ring bound)."""
-        self.ring[p] = r
-        self._bind()
-        self._cap.pop(p, None)
-        return self.max_len(p)
+    def _item_rings(self, p: int, ring: bool) -> tuple[int, ...]:
+        default = self.ring[p]
+        if not (ring and self.cm.prices_ring) or p == 1:
+            return (default,)
+        usable = set(self.cm.sp_sizes(p))
+        node, align = self.topology.node_size, self.topology.align.get(p, 1)
+        out = [default]
+        for r in divisors(p):
+            u = p // r
+            if r != default and u in usable and (not node or p <= node or align % u == 0):
+                out.append(r)
+        return tuple(out)
 
     @property
-    def fast_time(self):
-        """The cost model's ``item_time_sum(tokens, work_sum, count, sp, recompute)`` at each size's ring degree, or
-        None when it has no such fast path."""
-        return self._time_fast
+    def fast_time(self) -> Callable | None:
+        """``item_time_sum(tokens, work_sum, count, sp, recompute)`` at each size's default split, or None without
+        fast paths."""
+        if not self._fast:
+            return None
+        got = self._est.get("fast")
+        if got is None:
+            t, rings = self.cm.item_time_sum, self.ring
+            got = self._est["fast"] = t if all(r == 1 for r in rings.values()) else (
+                lambda tokens, sq, n, sp, rec: t(tokens, sq, n, sp, rec, rings.get(sp, 1)))
+        return got  # type: ignore[return-value]
 
     @property
     def ulysses_sizes(self) -> list[int]:
-        """The usable SP sizes the planner runs as plain Ulysses groups (ring degree 1), ascending."""
+        """The usable SP sizes whose default split is plain Ulysses, ascending."""
         return [p for p in self.sp_sizes if self.ring.get(p, 1) == 1]
 
     def ring_of(self, sp: int) -> int:
-        """The ring degree the planner gives a group of ``sp`` ranks."""
+        """The default ring degree of a group of ``sp`` ranks."""
         return self.ring.get(sp, 1)
 
     def fill_ok(self, count: int) -> np.ndarray:
@@ -138,8 +133,8 @@ class CostView:
         return got  # type: ignore[return-value]
 
     def contains(self, outer: int, inner: int) -> bool:
-        """Whether every group of ``outer`` ranks holds a group of ``inner`` ranks wherever it is placed (so a
-        group of ``outer`` may run a sample planned for ``inner`` ranks as a fill on a sub-group)."""
+        """Whether every group of ``outer`` ranks holds a group of ``inner`` ranks wherever it is placed (a group of
+        ``outer`` may then run a sample planned for ``inner`` ranks as a fill on a sub-group)."""
         key = (outer, inner)
         got = self._contains.get(key)
         if got is None:
@@ -148,41 +143,39 @@ class CostView:
 
     # -- capacity ------------------------------------------------------------------------
     def capacities(self, sp: int, ring: int | None = None) -> list[int]:
-        """``caps[r]``: most tokens one micro-batch on ``sp`` ranks holds with ``r`` recomputed layers (at ring degree
-        ``ring``; default the view's ring degree of ``sp``)."""
-        if ring is not None and ring != self.ring_of(sp):
-            key = (sp, int(ring))
-            caps = self._cap.get(key)  # type: ignore[call-overload]
-            if caps is None:
-                caps = self._cap[key] = self._monotone(  # type: ignore[index]
-                    [int(self.cm.max_length(sp, r, int(ring))) for r in range(self.num_layers + 1)])
-            return caps
-        caps = self._cap.get(sp)
+        """``caps[r]``: most tokens one micro-batch on ``sp`` ranks holds with ``r`` recomputed layers, at ring degree
+        ``ring`` (default: the size's default split)."""
+        key = (sp, self.ring_of(sp) if ring is None else int(ring))
+        caps = self._cap.get(key)
         if caps is None:
-            caps = self._cap[sp] = self._monotone([self._max_tokens(sp, r) for r in range(self.num_layers + 1)])
+            caps = [self._max_tokens(sp, r, key[1]) for r in range(self.num_layers + 1)]
+            for r in range(1, len(caps)):  # more recompute never holds less
+                caps[r] = max(caps[r], caps[r - 1])
+            self._cap[key] = caps
         return caps
 
-    @staticmethod
-    def _monotone(caps: list[int]) -> list[int]:
-        for r in range(1, len(caps)):  # more recompute never holds less
-            caps[r] = max(caps[r], caps[r - 1])
-        return caps
+    def item_capacities(self, sp: int) -> list[int]:
+        """:meth:`capacities` over every split an item on ``sp`` ranks may take: the most any of them holds."""
+        key = ("any", sp)
+        got = self._est.get(key)
+        if got is None:
+            got = self._est[key] = [max(c) for c in zip(*(self.capacities(sp, r) for r in self.item_rings[sp]))]
+        return got  # type: ignore[return-value]
 
-    def _max_tokens(self, sp: int, r: int) -> int:
-        if not callable(self._mem_fast):
-            return int(self.cm.max_length(sp, r, self.ring_of(sp)))
-        limit = self.cm.memory_limit
-        mem = self._mem_fast
-        if mem(sp, sp, r) > limit:
+    def _max_tokens(self, sp: int, r: int, ring: int) -> int:
+        if not self._fast:
+            return int(self.cm.max_length(sp, r, ring))
+        limit, mem = self.cm.memory_limit, self.cm.item_memory_tokens
+        if mem(sp, sp, r, ring) > limit:
             return 0
         lo, hi = sp, sp * 2
-        while mem(hi, sp, r) <= limit:
+        while mem(hi, sp, r, ring) <= limit:
             lo, hi = hi, hi * 2
             if hi > 1 << 42:
                 return lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if mem(mid, sp, r) <= limit:
+            if mem(mid, sp, r, ring) <= limit:
                 lo = mid
             else:
                 hi = mid
@@ -200,14 +193,12 @@ class CostView:
         return bisect.bisect_left(caps, tokens)
 
     def min_sp(self, length: int) -> int | None:
-        """Smallest usable SP size that holds a sample of ``length`` tokens, or None."""
-        for p in self.sp_sizes:
-            if self.max_len(p) >= length:
-                return p
-        return None
+        """Smallest usable SP size that holds a sample of ``length`` tokens on some split, or None."""
+        return next((p for p in self.sp_sizes if self.item_capacities(p)[-1] >= length), None)
 
     def longest_fitting(self) -> int:
-        return self.max_len(self.sp_sizes[-1])
+        """The longest sample any size and split holds."""
+        return max(self.item_capacities(p)[-1] for p in self.sp_sizes)
 
     # -- time ----------------------------------------------------------------------------
     def speed(self, ranks: Sequence[int]) -> float:
@@ -219,156 +210,184 @@ class CostView:
         return self.time(item.lengths, item.sp_size, item.recompute, item.ring) / self.speed(item.ranks)
 
     def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None) -> float:
-        """Time of one packed micro-batch (on ``ring`` x Ulysses; default the ring degree of ``sp``)."""
-        if ring is None or ring == self.ring_of(sp):
-            if self._time_fast is not None:
-                w = self.work
-                return self._time_fast(sum(lengths), float(sum(w(n) for n in lengths)), len(lengths), sp, recompute)
-            ring = self.ring_of(sp)
+        """Time of one packed micro-batch (on ``ring`` x Ulysses; default the size's default split)."""
+        return self._time(lengths, sp, recompute, self.ring_of(sp) if ring is None else ring)
+
+    def _time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int, work: float | None = None) -> float:
+        if self._fast:
+            w = float(sum(self.work(n) for n in lengths)) if work is None else work
+            return self.cm.item_time_sum(sum(lengths), w, len(lengths), sp, recompute, ring)
         return self.cm.item_time(lengths, sp, recompute, ring)
 
-    def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray,
-                  lower: bool = False) -> np.ndarray:
-        """Times of many packed micro-batches on ``sp`` ranks from their sums (arrays, one entry each).
+    def setting(self, lengths: Sequence[int], sp: int, work: float | None = None) -> Setting | None:
+        """The fastest split (:attr:`item_rings`) and its fewest recomputed layers for a micro-batch of ``lengths`` on
+        ``sp`` ranks, with its time (``work``: its attention work, when the caller has it); None if none holds it.
+        A ring split is tried only where its attention per token is high enough that it can win
+        (:meth:`_ring_threshold`); ties keep the default split."""
+        rings = self.item_rings[sp]
+        tokens = sum(lengths)
+        if work is None and (self._fast or len(rings) > 1):
+            work = float(sum(self.work(n) for n in lengths))
+        best = None
+        for ring in rings:
+            if best is not None and work < self._ring_threshold(sp, ring) * tokens:
+                continue
+            caps = self.capacities(sp, ring)
+            if tokens > caps[-1]:
+                continue
+            rec = bisect.bisect_left(caps, tokens)
+            t = self._time(lengths, sp, rec, ring, work)
+            if best is None or t < best[2] * (1 - 1e-12):
+                best = (ring, rec, t)
+        return best
 
-        ``tokens``: token sums, ``sq``: attention-work sums (:attr:`work`), ``n``: sample counts,
-        ``recompute``: recomputed layers. One vectorized call of the cost model's
-        ``item_time_sum`` when it accepts arrays (the analytic and profiled models do), else a loop.
-        ``lower``: on a ring size, a lower bound linear in the sums (the ring's transfers hidden), for the
-        step bound.
-        """
+    def _ring_threshold(self, sp: int, ring: int) -> float:
+        """Attention work per token (a sample's length, for 1d models) below which a micro-batch on split ``ring``
+        is never faster than on the default split: the shortest sample it beats alone, over a log grid, with half of
+        it as a margin (inf: it never wins)."""
+        key = ("threshold", sp, ring)
+        got = self._est.get(key)
+        if got is None:
+            default = self.ring_of(sp)
+            cap = min(self.max_len(sp, ring), self.max_len(sp, default))
+            got = math.inf
+            for ell in np.unique(np.round(np.geomspace(max(sp, 2), max(cap, 3), 48)).astype(np.int64)).tolist():
+                r1, r0 = self.min_recompute(ell, sp, ring), self.min_recompute(ell, sp, default)
+                if r1 is not None and r0 is not None and \
+                        self._time([ell], sp, r1, ring) < self._time([ell], sp, r0, default):
+                    got = 0.5 * self.work(ell) / ell
+                    break
+            self._est[key] = got
+        return got  # type: ignore[return-value]
+
+    def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray,
+                  lower: bool = False, ring: int | None = None) -> np.ndarray:
+        """Times of many micro-batches on ``sp`` ranks from their sums (token sums ``tokens``, attention-work sums
+        ``sq``, sample counts ``n``, recomputed layers), one vectorized ``item_time_sum`` call where the model takes
+        arrays. ``lower``: on a ring, the lower bound with its transfers hidden (the step bound's)."""
+        if not self._fast:
+            raise TypeError("time_many needs a cost model with fast paths (item_time_sum); use time() per micro-batch")
+        r = self.ring_of(sp) if ring is None else ring
+        t = self.cm.item_time_sum
         tokens = np.asarray(tokens, dtype=np.float64)
-        fast = self._time_fast
-        r = self.ring_of(sp)
-        if lower and r > 1 and fast is not None:
-            base = self._time_base
-            fast = lambda t, q, k, p, rc: base(t, q, k, p, rc, r, False)  # noqa: E731
-        if fast is not None and self._vector_ok is not False:
+        if self._vector_ok is not False:
             try:
-                out = np.asarray(fast(tokens, np.asarray(sq, dtype=np.float64), np.asarray(n),
-                                      sp, np.asarray(recompute, dtype=np.float64)), dtype=np.float64)
+                out = np.asarray(t(tokens, np.asarray(sq, dtype=np.float64), np.asarray(n), sp,
+                                   np.asarray(recompute, dtype=np.float64), r, not lower), dtype=np.float64)
                 if out.shape == tokens.shape:
                     self._vector_ok = True
                     return out
             except (TypeError, ValueError):
                 pass
             self._vector_ok = False
-        if fast is not None:
-            return np.array([fast(float(t), float(q), int(k), sp, int(rc))
-                             for t, q, k, rc in zip(tokens.tolist(), np.asarray(sq).tolist(), np.asarray(n).tolist(),
-                                                    np.asarray(recompute).tolist())], dtype=np.float64)
-        raise TypeError("time_many needs a cost model with item_time_sum; use time() per micro-batch")
+        return np.array([t(float(a), float(q), int(k), sp, int(rc), r, not lower)
+                         for a, q, k, rc in zip(tokens.tolist(), np.asarray(sq).tolist(), np.asarray(n).tolist(),
+                                                np.asarray(recompute).tolist())], dtype=np.float64)
 
-    def min_recompute_many(self, tokens: np.ndarray, sp: int) -> np.ndarray:
+    def min_recompute_many(self, tokens: np.ndarray, sp: int, ring: int | None = None) -> np.ndarray:
         """:meth:`min_recompute` of many micro-batches; ``-1`` where none fits."""
-        caps = np.asarray(self.capacities(sp), dtype=np.int64)
+        caps = np.asarray(self.capacities(sp, ring), dtype=np.int64)
         tokens = np.asarray(tokens, dtype=np.int64)
         r = np.searchsorted(caps, tokens, side="left")
         r[tokens > caps[-1]] = -1
         return r
 
-    def time_uniform(self, length: float, count: float, sp: int, recompute: int) -> float:
+    def time_uniform(self, length: float, count: float, sp: int, recompute: int, ring: int | None = None) -> float:
         """Time of a micro-batch of ``count`` samples of ``length`` tokens (count may be fractional)."""
-        if self._time_fast is not None:
-            return self._time_fast(length * count, self.work(length) * count, count, sp, recompute)
+        ring = self.ring_of(sp) if ring is None else ring
+        if self._fast:
+            return self.cm.item_time_sum(length * count, self.work(length) * count, count, sp, recompute, ring)
         k = max(1, int(round(count)))
-        return self.cm.item_time([int(length)] * k, sp, recompute, self.ring_of(sp)) * (count / k)
+        return self.cm.item_time([int(length)] * k, sp, recompute, ring) * (count / k)
 
-    def constant(self, sp: int, recompute: int) -> float:
-        """Per-micro-batch constant on ``sp`` ranks: what a micro-batch costs beyond its samples' own terms.
+    def constant(self, sp: int, recompute: int, ring: int | None = None) -> float:
+        """Per-micro-batch constant on ``sp`` ranks: the time of an empty micro-batch (fast path), else ``2 t([1]) -
+        t([1, 1])`` (exact for costs linear in the samples, never negative)."""
+        ring = self.ring_of(sp) if ring is None else ring
+        if self._fast:
+            return float(self.cm.item_time_sum(0, 0.0, 0, sp, recompute, ring))
+        t = self.cm.item_time
+        return max(0.0, 2.0 * t([1], sp, recompute, ring) - t([1, 1], sp, recompute, ring))
 
-        With a fast path, the time of an empty micro-batch; otherwise ``2 t([1]) - t([1, 1])``
-        (exact for costs linear in the samples, never negative).
-        """
-        if self._time_fast is not None:
-            return float(self._time_fast(0, 0.0, 0, sp, recompute))
-        ring = self.ring_of(sp)
-        return max(0.0, 2.0 * self.cm.item_time([1], sp, recompute, ring) - self.cm.item_time([1, 1], sp, recompute, ring))
-
-    def split_costs(self, lengths: np.ndarray, sp: int, work: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch, and the
-        per-micro-batch constant it pays when it opens one.
-
-        The recompute is the one a micro-batch of ``max(l, pack_target(sp))`` tokens needs (of
-        ``l`` tokens alone if that does not fit), as in :meth:`estimator`; ``own = t([l]) -
-        const`` at that recompute. ``inf`` own time where the sample does not fit ``sp`` ranks.
-        ``work``: the samples' :attr:`work` when the caller has it (the same values, not computed again).
-        """
+    def split_costs(self, lengths: np.ndarray, sp: int, work: np.ndarray | None = None,
+                    ring: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch and the
+        per-micro-batch constant it pays when it opens one (the recompute of a micro-batch of ``max(l,
+        pack_target)`` tokens, or of ``l`` alone when that does not fit); ``inf`` own time where it does not fit.
+        ``ring=None``: over every split an item may take, the one of least own + constant."""
+        if ring is None and len(self.item_rings[sp]) > 1:
+            best = None
+            for r in self.item_rings[sp]:
+                own, const = self.split_costs(lengths, sp, work, r)
+                if best is None:
+                    best = (own, const)
+                    continue
+                take = own + const < best[0] + best[1]
+                best = (np.where(take, own, best[0]), np.where(take, const, best[1]))
+            return best  # type: ignore[return-value]
+        ring = self.ring_of(sp) if ring is None else ring
         L = np.asarray(lengths, dtype=np.int64)
-        P = np.maximum(L, self.pack_target(sp))
-        r = self.min_recompute_many(P, sp)
+        r = self.min_recompute_many(np.maximum(L, self.pack_target(sp, ring=ring)), sp, ring)
         alone = r < 0
         if alone.any():
-            r[alone] = self.min_recompute_many(L[alone], sp)
+            r[alone] = self.min_recompute_many(L[alone], sp, ring)
         ok = r >= 0
-        own = np.full(len(L), np.inf)
-        const = np.zeros(len(L))
+        own, const = np.full(len(L), np.inf), np.zeros(len(L))
         if not ok.any():
             return own, const
-        consts = {int(x): self.constant(sp, int(x)) for x in np.unique(r[ok]).tolist()}
+        consts = {int(x): self.constant(sp, int(x), ring) for x in np.unique(r[ok]).tolist()}
         const[ok] = [consts[x] for x in r[ok].tolist()]
-        if self._time_fast is not None:
-            if work is None:
-                w = np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64)
-            else:
-                w = np.asarray(work, dtype=np.float64)[ok]
-            t = self.time_many(L[ok], w, np.ones(int(ok.sum())), sp, r[ok])
+        if self._fast:
+            w = (np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64) if work is None
+                 else np.asarray(work, dtype=np.float64)[ok])
+            t = self.time_many(L[ok], w, np.ones(int(ok.sum())), sp, r[ok], ring=ring)
         else:
-            t = np.array([self.time([int(n)], sp, int(x)) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
+            t = np.array([self._time([int(n)], sp, int(x), ring) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
         own[ok] = np.maximum(t - const[ok], 0.0)
         return own, const
 
     # -- amortized per-sample estimates used for dispatch ---------------------------------
-    def pack_target(self, sp: int, recompute_free: bool = False) -> int:
-        """Token budget of a well-packed micro-batch on ``sp`` ranks.
-
-        The budget with the lowest time per token among the recompute thresholds
-        ``caps[r]`` (reference samples of 2048 tokens or the budget, whichever is smaller);
-        ``recompute_free`` forces ``r = 0``.
-        """
-        key = ("target", sp, recompute_free)
+    def pack_target(self, sp: int, recompute_free: bool = False, ring: int | None = None) -> int:
+        """Token budget of a well-packed micro-batch on ``sp`` ranks: the recompute threshold ``caps[r]`` of lowest
+        time per token (reference samples of 2,048 tokens or the budget); ``recompute_free``: ``r = 0``."""
+        ring = self.ring_of(sp) if ring is None else ring
+        key = ("target", sp, recompute_free, ring)
         got = self._est.get(key)
-        if got is not None:
-            return got  # type: ignore[return-value]
-        caps = self.capacities(sp)
-        best, best_t = caps[0], math.inf
-        options = range(0, 1) if recompute_free else range(len(caps))
-        for r in options:
-            T = caps[r]
-            if T <= 0 or (r > 0 and T == caps[r - 1]):
-                continue
-            ell = min(T, 2048)
-            per_tok = self.time_uniform(ell, T / ell, sp, r) / T
-            if per_tok < best_t * (1 - 1e-9):
-                best, best_t = T, per_tok
-        best = max(best, 1)
-        self._est[key] = best  # type: ignore[assignment]
-        return best
+        if got is None:
+            caps = self.capacities(sp, ring)
+            best, best_t = caps[0], math.inf
+            for r in range(1 if recompute_free else len(caps)):
+                T = caps[r]
+                if T <= 0 or (r > 0 and T == caps[r - 1]):
+                    continue
+                ell = min(T, 2048)
+                per_tok = self.time_uniform(ell, T / ell, sp, r, ring) / T
+                if per_tok < best_t * (1 - 1e-9):
+                    best, best_t = T, per_tok
+            got = self._est[key] = max(best, 1)
+        return got  # type: ignore[return-value]
 
-    def estimator(self, sp: int, full_recompute: bool = False):
-        """Per-sample amortized time on ``sp`` ranks as a vectorized function of the lengths.
-
-        A sample of length ``l`` is charged its share ``l / P`` of a micro-batch of ``P =
-        max(l, pack_target)`` tokens made of length-``l`` samples, with the recompute that
-        micro-batch needs (all layers when ``full_recompute``). Tabulated on a log grid once,
-        then ``np.interp``; lengths over the SP group's capacity get ``inf``.
-        """
-        key = ("est", sp, full_recompute)
+    def estimator(self, sp: int, full_recompute: bool = False, ring: int | None = None) -> Estimator:
+        """Per-sample amortized time on ``sp`` ranks, vectorized over lengths: a sample of length ``l`` is charged its
+        share ``l / P`` of a micro-batch of ``P = max(l, pack_target)`` tokens of length-``l`` samples, with the
+        recompute that needs (all layers when ``full_recompute``); tabulated on a log grid once, then interpolated;
+        ``inf`` over the capacity."""
+        ring = self.ring_of(sp) if ring is None else ring
+        key = ("est", sp, full_recompute, ring)
         table = self._est.get(key)
         if table is None:
-            cap = self.max_len(sp)
-            target = self.pack_target(sp)
+            cap, target = self.max_len(sp, ring), self.pack_target(sp, ring=ring)
             grid = np.unique(np.round(np.geomspace(1, max(cap, 2), 96)).astype(np.int64))
             grid = grid[grid <= cap] if cap >= 1 else grid[:0]
             vals = []
             for ell in grid.tolist():
                 P = max(ell, target)
-                r = self.num_layers if full_recompute else self.min_recompute(P, sp)
+                r = self.num_layers if full_recompute else self.min_recompute(P, sp, ring)
                 if r is None:
-                    P, r = ell, self.min_recompute(ell, sp)
-                vals.append(self.time_uniform(ell, P / ell, sp, r) * ell / P)
-            table = (np.log(grid.astype(np.float64)) if len(grid) else np.zeros(0), np.array(vals, dtype=np.float64), cap)
-            self._est[key] = table  # type: ignore[assignment]
+                    P, r = ell, self.min_recompute(ell, sp, ring)
+                vals.append(self.time_uniform(ell, P / ell, sp, r, ring) * ell / P)
+            table = self._est[key] = (np.log(grid.astype(np.float64)) if len(grid) else np.zeros(0),
+                                      np.array(vals, dtype=np.float64), cap)
         logx, vals, cap = table  # type: ignore[misc]
 
         def est(lengths: np.ndarray) -> np.ndarray:
@@ -379,3 +398,10 @@ class CostView:
             return out
 
         return est
+
+    def item_estimator(self, sp: int) -> Estimator:
+        """:meth:`estimator` over every split an item on ``sp`` ranks may take: the least of them."""
+        parts = [self.estimator(sp, ring=r) for r in self.item_rings[sp]]
+        if len(parts) == 1:
+            return parts[0]
+        return lambda lengths: np.minimum.reduce([e(lengths) for e in parts])

@@ -113,7 +113,7 @@ def _moved(g: GroupRounds, move: Move, pricer: Pricer) -> GroupRounds | None:
              if (x, k) not in gone}
     for x, k, block in move:
         old = g.items[x][k]
-        got = pricer.item(block, old.samples, old.lengths, pricer.packer.ring_of(len(block)))
+        got = pricer.item(block, old.samples, old.lengths)
         if got is None:
             return None
         times[got[0]] = got[1]
@@ -155,7 +155,7 @@ def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
     pool = [(s, n, len(g.lanes[x])) for x, k in gone for s, n in zip(g.items[x][k].samples, g.items[x][k].lengths)]
     sizes = {len(g.lanes[x]) for x, _ in gone}
     packer = pricer.packer
-    est = {p: packer.estimator(p) for p in {len(r) for r in cand.lanes}}
+    est = {p: packer.item_estimator(p) for p in {len(r) for r in cand.lanes}}
     held: dict[int, list[tuple[int, int]]] = {}
     room: dict[int, list] = {}
     for x in range(len(cand.lanes)):
@@ -166,7 +166,7 @@ def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
         mine = sorted(((s, n) for k, it in enumerate(cand.items[x]) if (x, k) not in gone
                        for s, n in zip(it.samples, it.lengths)), key=lambda q: (q[1], q[0]))
         count = len(mine)
-        limit = FILL * len(free) * packer.capacities(p)[-1]
+        limit = FILL * len(free) * packer.item_capacities(p)[-1]
         tokens = sum(n for _, n in mine)
         while p in sizes and mine and tokens > limit:  # the shortest samples leave a lane too full for its rounds
             pool.append((*mine.pop(0), p))
@@ -187,8 +187,7 @@ def _emptied(g: GroupRounds, j: int, pricer: Pricer) -> GroupRounds | None:
     _drop(cand, set(gone) | {(x, k) for x in held for k in range(len(cand.items[x]))})
     for x, pairs in held.items():  # a lane's samples ride on an item in no round until it is re-packed
         if pairs:
-            cand.items[x] = [WorkItem(cand.lanes[x], tuple(s for s, _ in pairs), tuple(n for _, n in pairs), 0,
-                                      packer.ring_of(len(cand.lanes[x])))]
+            cand.items[x] = [WorkItem(cand.lanes[x], tuple(s for s, _ in pairs), tuple(n for _, n in pairs), 0)]
             cand.times[x] = [0.0]
     data = lane_samples(cand, packer)
     for x in sorted(held, key=lambda y: (len(cand.lanes[y]), y)):  # the smaller lanes first: the larger hold them

@@ -35,28 +35,25 @@ class Pricer:
     def __init__(self, packer: LanePacker, item_time: ItemTime) -> None:
         self.packer, self.item_time = packer, item_time
 
-    def item(self, ranks: tuple[int, ...], samples: Sequence[int], lengths: Sequence[int],
-             ring: int) -> tuple[WorkItem, float] | None:
-        """The micro-batch as an item with its time; None if no recompute fits it."""
-        sp = len(ranks)
-        rec = self.packer.min_recompute(sum(lengths), sp)
-        if rec is None:
+    def item(self, ranks: tuple[int, ...], samples: Sequence[int], lengths: Sequence[int]) -> tuple[WorkItem, float] | None:
+        """The micro-batch as an item on its fastest split, with its time; None if no split and recompute fits it."""
+        got = self.packer.setting(lengths, len(ranks))
+        if got is None:
             return None
-        item = WorkItem(ranks, tuple(samples), tuple(lengths), rec, ring)
-        return item, float(self.packer.time(item.lengths, sp, rec, ring)) / self.packer.speed(ranks)
+        ring, rec, t = got
+        return WorkItem(ranks, tuple(samples), tuple(lengths), rec, ring), float(t) / self.packer.speed(ranks)
 
 
 @dataclass
 class LaneSamples:
-    """One lane's samples (longest estimate first), their estimated times at its pace, a micro-batch's token
-    capacity on it, and its ring degree."""
+    """One lane's samples (longest estimate first), their estimated times at its pace, and a micro-batch's token
+    capacity on it."""
 
     ranks: tuple[int, ...]
     samples: list[int]
     lengths: list[int]
     est: list[float]
     cap: int
-    ring: int
 
     @property
     def work(self) -> float:
@@ -64,19 +61,15 @@ class LaneSamples:
 
 
 def lane_samples(g: GroupRounds, packer: LanePacker) -> list[LaneSamples | None]:
-    """Per lane its :class:`LaneSamples`, or None when its items differ in ring degree (it is not re-packed)."""
+    """Per lane its :class:`LaneSamples` (each re-packed micro-batch then takes its own fastest split)."""
     out: list[LaneSamples | None] = []
     for ranks, items in zip(g.lanes, g.items):
-        rings = {it.ring for it in items}
-        if len(rings) != 1:
-            out.append(None)
-            continue
         sp = len(ranks)
         pairs = sorted(((s, n) for it in items for s, n in zip(it.samples, it.lengths)), key=lambda x: (-x[1], x[0]))
         lengths = [n for _, n in pairs]
-        est = (np.asarray(packer.estimator(sp)(np.asarray(lengths, dtype=np.int64)), dtype=np.float64)
+        est = (np.asarray(packer.item_estimator(sp)(np.asarray(lengths, dtype=np.int64)), dtype=np.float64)
                / packer.speed(ranks)).tolist()
-        out.append(LaneSamples(ranks, [s for s, _ in pairs], lengths, est, int(packer.capacities(sp)[-1]), rings.pop()))
+        out.append(LaneSamples(ranks, [s for s, _ in pairs], lengths, est, int(packer.item_capacities(sp)[-1])))
     return out
 
 
@@ -119,7 +112,7 @@ def repack(lane: LaneSamples, bins: Sequence[Sequence[int]], pricer: Pricer) -> 
             out.append(None)
             continue
         idx = sorted(b, key=lambda i: (-lane.lengths[i], lane.samples[i]))
-        got = pricer.item(lane.ranks, [lane.samples[i] for i in idx], [lane.lengths[i] for i in idx], lane.ring)
+        got = pricer.item(lane.ranks, [lane.samples[i] for i in idx], [lane.lengths[i] for i in idx])
         if got is None:
             return None
         out.append(got)

@@ -263,5 +263,6 @@ class MicroBatchBlocks(Blocks):
 
     def own(self, block: Block, units: list[int], ranks: tuple[int, ...], k: int) -> GroupPlan:
         ids = block.ids
-        items = [Placed(ranks, [int(ids[j])], int(self.recs[k, ids[j]])) for j in units]
+        ring = self.view.ring_of(len(ranks))
+        items = [Placed(ranks, [int(ids[j])], int(self.recs[k, ids[j]]), ring) for j in units]
         return GroupPlan(items, float(sum(block.Es[k, j] for j in units)))

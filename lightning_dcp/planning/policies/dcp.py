@@ -141,6 +141,8 @@ class DCPPolicy(Policy):
         if plan.notes.estimated_time <= floor * (1 + TREE_SLACK):
             return plan
         search = TreeSearch(self.space, problem)
+        if not search.holds_all:
+            return plan
         best = _faster(search.search(floor), search.of_layout(got.groups))
         if not improves(best.span, math.inf if self.space.lockstep else got.span):
             return plan
@@ -154,6 +156,8 @@ class DCPPolicy(Policy):
         ``1 + LAYOUT_SKIP`` times the bound's compute part. The fastest wins, the layout plan on ties."""
         floor = self.space.bound_span(lengths)
         search = TreeSearch(self.space, problem)
+        if not search.holds_all:
+            return self._layout_or_tree(problem, lengths, tree=False)
         best = search.search(floor, many=True)
         if best.span > floor * (1 + LAYOUT_SKIP):
             got = self._layout(problem)
@@ -169,9 +173,9 @@ class DCPPolicy(Policy):
     def _as_plan(self, problem: StepProblem, groups: list[list[Placed]], notes: StepNotes) -> StepPlan:
         """The step plan of per-group items: a buddy tree's levels in order (largest SP first), a layout's groups
         interleaved."""
-        samples, Ll, ring = problem.samples, problem.lengths, self.view.ring_of
+        samples, Ll = problem.samples, problem.lengths
         per_group = [[WorkItem(it.ranks, tuple(samples[i] for i in it.members), tuple(Ll[i] for i in it.members),
-                               it.recompute, ring(len(it.ranks))) for it in grp] for grp in groups]
+                               it.recompute, it.ring) for it in grp] for grp in groups]
         if notes.schedule == "buddy-tree":
             return StepPlan(tuple(it for level in per_group for it in level), notes)
         return StepPlan(tuple(interleave_items(per_group)), notes)

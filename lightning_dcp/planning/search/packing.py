@@ -18,7 +18,6 @@ import heapq
 import math
 from typing import Sequence
 
-from lightning_dcp.planning.view import CostView
 
 
 def pack_time_balanced(lengths: Sequence[int], est: Sequence[float], budget: int) -> list[list[int]]:
@@ -99,11 +98,3 @@ def pack_ffd(lengths: Sequence[int], budget: int) -> list[list[int]]:
             packs.append([i])
             room.append(budget - ln)
     return packs
-
-
-def recompute_for(view: CostView, tokens: int, sp: int, floor: int = 0) -> int:
-    """Fewest recomputed layers (at least ``floor``) that fit ``tokens`` on ``sp`` ranks."""
-    r = view.min_recompute(tokens, sp)
-    if r is None:
-        raise ValueError(f"a micro-batch of {tokens} tokens does not fit {sp} ranks even with full recompute")
-    return max(r, floor)

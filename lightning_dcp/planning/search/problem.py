@@ -14,7 +14,6 @@ Pure Python + numpy.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Sequence
@@ -23,7 +22,7 @@ import numpy as np
 
 from lightning_dcp.planning.bound import StepBounder
 from lightning_dcp.planning.search.layouts import Layout
-from lightning_dcp.planning.search.packing import pack_time_balanced, recompute_for
+from lightning_dcp.planning.search.packing import pack_time_balanced
 from lightning_dcp.planning.search.tree import BuddyTree
 from lightning_dcp.planning.view import CostView
 
@@ -34,19 +33,23 @@ GROUP_TREES = 8
 
 
 class Pack(NamedTuple):
-    """One micro-batch of a group: step-local sample indices, recomputed layers, time at the cost model's pace."""
+    """One micro-batch of a group: step-local sample indices, recomputed layers, time at the cost model's pace, and
+    its split's ring degree."""
 
     members: list[int]
     recompute: int
     time: float
+    ring: int = 1
 
 
 class Placed(NamedTuple):
-    """One planned micro-batch: its SP group's ranks, step-local sample (or unit) indices, recomputed layers."""
+    """One planned micro-batch: its SP group's ranks, step-local sample (or unit) indices, recomputed layers, ring
+    degree."""
 
     ranks: tuple[int, ...]
     members: list[int]
     recompute: int
+    ring: int = 1
 
 
 @dataclass
@@ -68,8 +71,9 @@ class SearchSpace:
         self.classes: list[int] = list(view.sp_sizes)
         self.class_arr = np.array(self.classes, dtype=np.float64)
         # a running maximum: "the first SP size that holds l" stays a sorted search (a profile may not be monotone)
-        self.maxlens = np.maximum.accumulate(np.array([view.max_len(p) for p in self.classes], dtype=np.int64))
-        self.est = [view.estimator(p) for p in self.classes]
+        self.maxlens = np.maximum.accumulate(np.array([view.item_capacities(p)[-1] for p in self.classes],
+                                                      dtype=np.int64))
+        self.est = [view.item_estimator(p) for p in self.classes]
         self.budget = [view.pack_target(p) for p in self.classes]
         self.lockstep = bool(view.cm.rounds.lockstep)
         self.round_cap = self._round_height() if self.lockstep else None
@@ -193,8 +197,9 @@ class StepProblem:
         return got
 
     def pack(self, idx: Sequence[int], sp: int) -> list[Pack]:
-        """Micro-batches of ``sp`` ranks running samples ``idx`` (time-balanced within the size's token budget, each
-        with the fewest recomputed layers that fit), memoized: refinements re-pack the same sets."""
+        """Micro-batches of ``sp`` ranks running samples ``idx`` (time-balanced within the size's token budget, each on
+        its fastest split with the fewest recomputed layers that fit: :meth:`~lightning_dcp.planning.view.CostView.setting`),
+        memoized: refinements re-pack the same sets."""
         if not idx:
             return []
         key = (sp, tuple(idx))
@@ -206,20 +211,16 @@ class StepProblem:
         lens = [self.lengths[i] for i in idx]
         ek = self.row(k)
         est = [ek[i] for i in idx]
-        caps = view.capacities(sp)
-        cap_max = caps[-1]
-        fast, work = view.fast_time, self.work
+        work = self.work
         out = []
         for pack in pack_time_balanced(lens, est, space.budget[k]):
-            pl = [lens[j] for j in pack]
-            tok = sum(pl)
-            rec = bisect.bisect_left(caps, tok) if tok <= cap_max else recompute_for(view, tok, sp)
             members = [idx[j] for j in pack]
-            if work is not None:  # the same sums, in the same order, as CostView.time
-                t = fast(tok, float(sum([work[i] for i in members])), len(pl), sp, rec)
-            else:
-                t = view.time(pl, sp, rec)
-            out.append(Pack(members, rec, t))
+            pl = [lens[j] for j in pack]
+            got_ = view.setting(pl, sp, None if work is None else float(sum([work[i] for i in members])))
+            if got_ is None:
+                raise ValueError(f"a micro-batch of {sum(pl)} tokens does not fit {sp} ranks even with full recompute")
+            ring, rec, t = got_
+            out.append(Pack(members, rec, t, ring))
         self.packs[key] = out
         return out
 

@@ -9,6 +9,7 @@ tree -- with the tree refiner (:mod:`~lightning_dcp.planning.search.refine`). Pu
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -60,6 +61,10 @@ class TreeSearch:
             var.append(v.tolist())
             const.append(c.tolist())
         self.var, self.const = var, const
+        levels = [k for k, p in enumerate(space.classes) if p in self.tree.level]
+        self.holds_all = all(any(math.isfinite(var[k][i]) for k in levels) for i in range(len(problem.L)))
+        """Every sample fits some size of the tree (a size off the tree, 3 of 4 ranks, may be the only one that
+        holds a sample when rings on 4 hold less than Ulysses on 3)."""
 
     def search(self, floor: float, many: bool = False) -> TreeSchedule:
         """The greedy's best schedule over a few deadlines (``floor``: the step bound's compute part), refined and
@@ -141,5 +146,5 @@ class TreeSearch:
         nodes = sorted(sched.packs, key=lambda u: (-tree.size[u], tree.offset[u]))
         for v in nodes:
             ranks = tree.ranks(v)
-            levels.setdefault(tree.size[v], []).append([Placed(ranks, pk.members, pk.recompute) for pk in sched.packs[v]])
+            levels.setdefault(tree.size[v], []).append([Placed(ranks, pk.members, pk.recompute, pk.ring) for pk in sched.packs[v]])
         return [interleave_items(levels[p]) for p in sorted(levels, reverse=True)], sched.span, [tree.size[v] for v in nodes]
