@@ -56,6 +56,31 @@ def test_plan_cuts_each_epoch_as_the_sampler_does(tmp_path, capsys):
     assert sampler.left_out(0) > 0 and expected[0] != sorted(range(len(expected[0])))  # shuffled, tail dropped
 
 
+def test_plan_seed_default_is_the_seed_a_fit_trains_with(tmp_path, capsys, monkeypatch):
+    """No --seed: ``plan`` reads the seed ``DCPStrategy(seed=None)`` resolves (``seed_everything`` sets
+    ``PL_GLOBAL_SEED``), so its steps are the batches the fit's sampler draws -- not seed 0's."""
+    from lightning_dcp.planning.seed import data_seed
+    from lightning_dcp.runtime.sampler import DCPBatchSampler
+    from lightning_dcp.runtime.settings import DCPSettings
+
+    lengths = [2048, 4096, 1024, 30000, 150000, 8000] * 10
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    code, out = run_plan(tmp_path, write(tmp_path, lengths), "--world-size", "8", "--global-batch-tokens", "400000")
+    assert code == 0
+    plan = Plan.from_json(out.read_text())
+    trained = DCPSettings().data_seed
+    assert trained == 7 and plan.extra["seed"] == 7
+    batches = lambda seed: [sorted(b) for b in DCPBatchSampler(lengths, planner=None, global_batch_tokens=400000,
+                                                                seed=seed).global_batches(0)]
+    assert [sorted(step.samples) for step in plan.steps] == batches(trained) != batches(0)
+    assert data_seed(3) == 3  # an explicit seed wins
+    monkeypatch.setenv("PL_GLOBAL_SEED", "x7")
+    code, _ = run_plan(tmp_path, write(tmp_path, lengths), "--world-size", "8")
+    assert code == 2 and "$PL_GLOBAL_SEED='x7' is not an integer seed" in capsys.readouterr().err
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert DCPSettings().data_seed == 0 and DCPSettings(seed=5).data_seed == 5
+
+
 def test_plan_with_no_full_global_batch_says_how_to_get_one(tmp_path, capsys):
     code, out = run_plan(tmp_path, write(tmp_path, [100, 200]), "--world-size", "8", "--global-batch-tokens", "1000")
     err = capsys.readouterr().err

@@ -117,6 +117,40 @@ def test_installed_wheel_registers_dcp_without_an_import(tmp_path):
     assert json.loads(out) == [[], "DCPStrategy", True]
 
 
+def test_editable_install_registers_dcp_without_an_import(tmp_path):
+    """``pip install -e .`` (what ``scripts/setup.sh`` does) installs the ``.pth`` line too: a real editable
+    install into a throwaway venv that sees this interpreter's site-packages (torch, Lightning, setuptools) but not
+    the source tree; a script there that never imports lightning_dcp gets ``Trainer(strategy="dcp")``, and the
+    package it then imports is the editable one."""
+    import site
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    venv_site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                    check=True, capture_output=True, text=True, timeout=60).stdout.strip())
+    (venv_site / "_parent_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")  # paths only: no hooks
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--ignore-installed", "--no-deps",
+                              "--no-build-isolation", "-e", str(ROOT)], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+    assert (venv_site / "lightning_dcp_strategies.pth").is_file(), sorted(p.name for p in venv_site.iterdir())
+    script = textwrap.dedent(f"""
+        import json, sys
+        at_start = sorted(m for m in {HEAVY!r} + ("lightning_dcp",) if m in sys.modules)
+        import lightning.pytorch as pl
+        trainer = pl.Trainer(strategy="dcp", accelerator="cpu", devices=1, logger=False)
+        import lightning_dcp
+        print(json.dumps([at_start, type(trainer.strategy).__name__, lightning_dcp.__file__.startswith({str(ROOT)!r})]))
+    """)
+    run = subprocess.run([str(python), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [[], "DCPStrategy", True]
+
+
 def test_without_deepspeed_the_package_imports_and_trains_at_sp1():
     out = _python("""
         import sys

@@ -65,8 +65,9 @@ def add_cost_model_arguments(parser: argparse.ArgumentParser, *, world_size_defa
     parser.add_argument("--offload", action="store_true",
                         help="hsdp: keep the sharded states on the host (FSDP2's CPU offload), priced as host copies "
                              "per round and a CPU optimizer step")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="planner seed (default 0); plan: also the data order's, as DCPStrategy(seed=...) (its default 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="planner seed; plan: also the data order's, as DCPStrategy(seed=...). Default: as "
+                             "DCPStrategy's, Lightning's global seed ($PL_GLOBAL_SEED, which seed_everything sets), else 0")
     parser.add_argument("--force", action="store_true",
                         help="use a --profile made for another model or a smaller world anyway (warns instead of failing)")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
@@ -219,6 +220,17 @@ def _check_profile_fits(args: argparse.Namespace, profile: dict) -> None:
     print(f"lightning-dcp: warning: {message}", file=sys.stderr)
 
 
+def resolve_seed(args: argparse.Namespace) -> int:
+    """``--seed``, else the seed ``DCPStrategy(seed=None)`` trains with (:func:`~lightning_dcp.planning.seed.data_seed`)."""
+    from lightning_dcp.planning.seed import data_seed
+
+    try:
+        args.seed = data_seed(args.seed)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    return args.seed
+
+
 def check_policy(name: str) -> None:
     from lightning_dcp.planning.planner import POLICIES
     if name not in POLICIES:
@@ -304,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_dcp.planning.planner import Planner
 
     check_policy(args.policy)
+    resolve_seed(args)
     gbt, gbs = args.global_batch_tokens, args.global_batch_size
     if gbt is not None and gbs is not None:
         raise CLIError("give one of --global-batch-tokens and --global-batch-size, as DCPStrategy takes one")

@@ -46,7 +46,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from lightning_dcp.cli import CLIError
-from lightning_dcp.commands.plan import add_cost_model_arguments, build_cost_model, check_policy, read_lengths, write_atomic
+from lightning_dcp.commands.plan import (add_cost_model_arguments, build_cost_model, check_policy, read_lengths, resolve_seed,
+                                         write_atomic)
 
 HELP = "simulate every planning policy on a length distribution and compare throughput and balance"
 
@@ -428,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--policies is empty; name at least one policy")
     for p in policies:
         check_policy(p)
+    resolve_seed(args)
     if args.num_steps <= 0:
         raise CLIError(f"--num-steps must be positive, got {args.num_steps}")
     if args.global_batch_tokens is not None and args.global_batch_tokens <= 0:

@@ -148,7 +148,7 @@ class StepExecutor:
             micro_batches.append(MicroBatch(it, local.data, loss_units=local.loss_units,
                                             local_loss_tokens=local.local_loss_tokens,
                                             item_loss_tokens=local.item_loss_tokens, real_tokens=local.real_tokens))
-        return PreparedStep(loaded.step, tuple(micro_batches))
+        return PreparedStep(loaded.step, tuple(micro_batches), collated=runtime.support == "safe")
 
     def validate(self, step: Step) -> None:
         """The step fits this world: its world size, its ranks, Ulysses sizes that divide the heads, ring items only

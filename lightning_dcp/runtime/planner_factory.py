@@ -89,7 +89,7 @@ class PlannerFactory:
             opts.setdefault("sp_cap_reason", self.sp_cap.reason)
         opts.setdefault("ring", self.sp_cap.ring)  # ring items only for a module that runs ring attention
         opts.setdefault("sample_name", self.sample_name)
-        planner = Planner(self.world_size, cost_model, policy=self.settings.policy, seed=self.settings.seed,
+        planner = Planner(self.world_size, cost_model, policy=self.settings.policy, seed=self.settings.data_seed,
                           dataset_lengths=lengths, **opts)
         return PaddedPlanner(planner, cost_model) if isinstance(cost_model, PaddedCostModel) else planner
 

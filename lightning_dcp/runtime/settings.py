@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lightning_dcp.planning.calibration import MODES as CALIBRATION_MODES
+from lightning_dcp.planning.seed import data_seed
 from lightning_dcp.planning.sharding.registry import MODES, ZERO_STAGE_ALIASES, get_mode
 from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
@@ -67,7 +68,7 @@ class DCPSettings:
     loss_reduction: str = "token"
     zero1: bool = False
     sharding: str = "none"
-    seed: int = 0
+    seed: int | None = None
     plan_ahead: bool = True
     max_sp_size: int | None = None
     lengths: Sequence[int] | Callable[[Any], Sequence[int]] | None = None
@@ -93,6 +94,7 @@ class DCPSettings:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
                 raise ValueError(f"timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
             object.__setattr__(self, "timeout", timedelta(seconds=float(timeout)))
+        data_seed(self.seed)  # an int or None (checked now; None is resolved when the train loader is built)
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
         sp = self.max_sp_size
@@ -155,6 +157,12 @@ class DCPSettings:
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
 
     @property
+    def data_seed(self) -> int:
+        """The seed of the data order and the planner: ``seed``, else Lightning's global seed
+        (``seed_everything`` / ``PL_GLOBAL_SEED``, read now), else 0 (:func:`~lightning_dcp.planning.seed.data_seed`)."""
+        return data_seed(self.seed)
+
+    @property
     def bucket_cap_bytes(self) -> int:
         """Size of a gradient reduction bucket in bytes."""
         return int(self.bucket_cap_mb * 2**20)
@@ -166,6 +174,7 @@ class DCPSettings:
         out: dict[str, Any] = {name: getattr(self, name) for name in (
             "seed", "shuffle", "drop_last", "loss_reduction", "global_batch_size", "global_batch_tokens", "sharding",
             "calibration", "calibrate_every", "offload")}
+        out["seed"] = self.data_seed  # as resolved on this rank (a per-rank seed_everything is caught here)
         out["policy"] = self.policy if self.planner is None else None
         out.update(resolved)
         return out

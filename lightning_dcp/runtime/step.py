@@ -16,14 +16,17 @@ One optimizer step passes through four forms, each built from the one before, ne
 
 In Lightning hooks that receive the batch (``on_train_batch_start`` / ``on_train_batch_end``), the
 batch is a :class:`PreparedStep`: ``batch.step.plan`` is the step plan, ``batch.step.items`` this
-rank's work items, ``batch.micro_batches`` the local shards. The plan's JSON form
+rank's work items, ``batch.micro_batches`` the local shards; in safe mode it also unpacks like this rank's
+batch as the user's ``collate_fn`` makes it (``x, y = batch``: :attr:`PreparedStep.data`,
+:mod:`~lightning_dcp.runtime.step_batch`). The plan's JSON form
 (:meth:`StepPlan.to_dict`, ``lightning-dcp/plan/v1``) is unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import FrozenInstanceError, dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from lightning_dcp.planning.plan import StepPlan, WorkItem
 from lightning_dcp.runtime.agreement import plan_fingerprint
@@ -236,12 +239,62 @@ class MicroBatch:
 class PreparedStep:
     """A step ready for the micro-batch loop: one :class:`MicroBatch` per rank item, in execution order.
 
-    ``on_device``: the shards were moved to the device (``batch_to_device``).
+    ``on_device``: the shards were moved to the device (``batch_to_device``). ``collated``: every micro-batch is
+    the user's ``collate_fn`` output (safe mode); then the step unpacks like this rank's whole batch
+    (``x, y = batch``, ``batch["image"]``, ``len(batch)``): :attr:`data` (:mod:`~lightning_dcp.runtime.step_batch`).
     """
 
     step: Step
     micro_batches: tuple[MicroBatch, ...]
     on_device: bool = False
+    collated: bool = False
+
+    @cached_property
+    def data(self) -> Any:
+        """This rank's samples of the step as the user's ``collate_fn`` batches them: the micro-batches (as
+        ``training_step`` saw them) joined along the batch dimension, built on first use
+        (:func:`~lightning_dcp.runtime.step_batch.join_batches`).
+
+        Raises:
+            StepBatchError: the micro-batches are packed shards (support level ``"packed"`` / ``"sp"``), this rank
+                has no micro-batch in the step, or they do not join (the message names which and the fix).
+        """
+        from lightning_dcp.runtime.step_batch import StepBatchError, join_batches
+
+        if not self.collated:
+            raise StepBatchError(
+                f"{self.step.where()}: the micro-batches are packed shards (pack_samples), not your collate_fn's "
+                "batches, so the step does not unpack like one; read batch.micro_batches[i].data (what training_step "
+                "gets) and batch.step.items (samples, lengths, SP group)")
+        if not self.micro_batches:
+            raise StepBatchError(f"{self.step.where()}: the plan gives rank {self.step.rank} no sample this step, so "
+                                 "there is no batch to unpack; check `if batch.micro_batches:` first")
+        return join_batches([mb.data for mb in self.micro_batches])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.data[key]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.data
+
+    def __bool__(self) -> bool:  # a step is never falsy (``len`` is the batch's)
+        return True
+
+    def keys(self) -> Any:
+        """The batch's keys, for a dict batch (so ``dict(batch)`` and ``**batch`` work)."""
+        return self.data.keys()
+
+    def values(self) -> Any:
+        return self.data.values()
+
+    def items(self) -> Any:
+        return self.data.items()
 
     @property
     def real_tokens(self) -> int:

@@ -122,7 +122,9 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             default the smallest power of two whose states fit, said at fit start:
             :mod:`~lightning_dcp.runtime.shard_group`), and the sharded states on the host (``CPUOffloadPolicy``).
         zero1: deprecated spelling of ``sharding="zero1"``.
-        seed: data-order seed (the epoch is added each epoch); the same on every rank.
+        seed: data-order and planner seed (the epoch is added each epoch); the same on every rank. Default
+            ``None``: Lightning's global seed (``seed_everything``, ``PL_GLOBAL_SEED``; else 0), as DDP's sampler
+            (:func:`~lightning_dcp.planning.seed.data_seed`).
         plan_ahead: plan step ``k+1`` in a background thread while step ``k`` trains.
         max_sp_size: largest SP size: a divisor of the model's heads, or any size when the module runs ring
             attention (sizes past the heads' divisors as ring x Ulysses); default the world (or the shard
@@ -176,7 +178,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         loss_reduction: str = "token",
         zero1: bool = False,
         sharding: str = DEFAULT_MODE,
-        seed: int = 0,
+        seed: int | None = None,
         plan_ahead: bool = True,
         max_sp_size: int | None = None,
         lengths: Sequence[int] | Callable[[Any], Sequence[int]] | None = None,

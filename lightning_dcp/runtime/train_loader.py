@@ -80,7 +80,7 @@ def build_sampler(lengths: list[int], planner: Any, settings: DCPSettings, *, gl
     epoch leaves out when the last global batch is incomplete and ``drop_last`` drops it."""
     s = settings
     sampler = DCPBatchSampler(lengths, planner=planner, global_batch_size=global_batch_size,
-                              global_batch_tokens=global_batch_tokens, num_replicas=world_size, rank=rank, seed=s.seed,
+                              global_batch_tokens=global_batch_tokens, num_replicas=world_size, rank=rank, seed=s.data_seed,
                               shuffle=s.shuffle, drop_last=s.drop_last, plan_ahead=s.plan_ahead)
     left = sampler.left_out(0)
     if left:
