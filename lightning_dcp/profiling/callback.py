@@ -108,10 +108,11 @@ class DCPProfiler(Callback):
     def _dataset(self, trainer: Any) -> Any:
         if self.dataset is not None:
             return self.dataset
+        loaders = getattr(trainer.strategy, "fit_start_loader", None)  # DCPStrategy's, read at its setup
         source = trainer.fit_loop._data_source
-        if not source.is_defined():
+        if loaders is None and not source.is_defined():
             raise RuntimeError("DCPProfiler found no train dataloader to take samples from; pass DCPProfiler(dataset=...)")
-        loaders = source.dataloader()
+        loaders = loaders if loaders is not None else source.dataloader()
         loader = loaders if not isinstance(loaders, (list, tuple, dict)) else (
             next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0])
         return getattr(loader, "dataset", loader)

@@ -1,5 +1,5 @@
-"""What the strategy refuses, and why: the checks at fit start and the world collectives it cannot run
-inside the micro-batch loop.
+"""What the strategy refuses at fit start, and why (the world collectives it refuses inside the micro-batch
+loop are :mod:`~lightning_dcp.runtime.collective_guard`'s).
 
 Each check raises with the values it saw and the fix; the strategy's hooks call them and decide
 nothing else (see :mod:`~lightning_dcp.runtime.strategy`).
@@ -15,29 +15,12 @@ from torch import Tensor
 
 from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES
 
-__all__ = ["SYNC_IN_LOOP_WARNING", "check_fit", "check_precision", "check_sharding", "check_sharding_agreement",
-           "in_micro_loop_error"]
+__all__ = ["SYNC_IN_LOOP_WARNING", "check_fit", "check_precision", "check_sharding", "check_sharding_agreement"]
 
 #: Warned once when ``self.log(..., sync_dist=True)`` runs inside ``training_step`` (the value stays local).
 SYNC_IN_LOOP_WARNING = ("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run different "
                         "numbers of micro-batches, so on-step values are not synced (each rank logs its own); "
                         "epoch-level values are still synced at epoch end")
-
-_IN_LOOP_FIXES = {
-    "barrier": "a world barrier inside training_step under DCPStrategy would hang (ranks run different numbers of "
-               "micro-batches); move it to a hook outside training_step",
-    "all_gather": "self.all_gather inside training_step under DCPStrategy would hang (ranks run different numbers of "
-                  "micro-batches); gather in on_train_batch_end or an epoch-end hook instead",
-    "reduce_boolean_decision": "reduce_boolean_decision inside training_step under DCPStrategy would hang; call it "
-                               "outside training_step",
-}
-
-
-def in_micro_loop_error(collective: str) -> RuntimeError:
-    """The error for a world collective (``"barrier"``, ``"all_gather"``, ``"reduce_boolean_decision"``) called
-    from user code inside the micro-batch loop, where ranks run different item counts and it would hang."""
-    return RuntimeError(_IN_LOOP_FIXES[collective])
-
 
 def check_fit(trainer: Any, module: Any) -> None:
     """The module optimizes automatically and the Trainer does not accumulate (the plan does)."""

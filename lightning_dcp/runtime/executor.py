@@ -54,6 +54,7 @@ from torch import Tensor
 from lightning_dcp.planning.sample_names import name_samples
 from lightning_dcp.runtime.agreement import STEP_CAUSE, check_column, plan_fingerprint
 from lightning_dcp.runtime.calibration import slow_rank_clock
+from lightning_dcp.runtime.collective_guard import CollectiveInLoopError, LoopCollectiveGuard
 from lightning_dcp.runtime.faults import collective_error, is_collective_failure
 from lightning_dcp.runtime.metrics import CalibrationMetrics, StepMetrics, step_metrics
 from lightning_dcp.runtime.model import item_refusal
@@ -121,6 +122,10 @@ class StepExecutor:
         self.buckets: GradReduction | None = None
         self.grads_parked = False
         self.in_micro_loop = False
+        timeout = self.settings.timeout
+        self.guard = LoopCollectiveGuard(runtime.module, runtime.rank, runtime.world_size,
+                                         timeout.total_seconds() if timeout is not None else None)
+        """Refuses world collectives from user code inside the loop (:mod:`~lightning_dcp.runtime.collective_guard`)."""
         self._world_has_grad: Tensor | None = None
         self._loss_divisor = 1.0
         self._verified_next: tuple[int, int] | None = None  # (epoch, step) whose plan all ranks already compared
@@ -255,30 +260,36 @@ class StepExecutor:
         failed = 0
         step = prepared.step
         self.in_micro_loop = True
-        shards = self.runtime.shards
+        shards, guard = self.runtime.shards, self.guard
         try:
-            for rnd in shards.rounds(step.plan, self.runtime.rank):
-                mb = prepared.micro_batches[rnd.position] if rnd.position is not None else None
-                if failed and mb is not None and mb.item.sp_size == 1 and not rnd.lockstep:
-                    continue  # the step is re-run; SP > 1 items still run, their partners need this rank
-                shards.begin_round(rnd)
-                try:
-                    if mb is None:
-                        shards.run_dummy()
-                    elif clock is None:
-                        local_loss += self._run_item(mb, batch_idx)
-                    else:
-                        clock.start(mb)
-                        local_loss += self._run_item(mb, batch_idx)
-                        clock.stop()
-                except OOM_ERRORS as err:
-                    if mb is None or mb.item.sp_size > 1 or rnd.lockstep:  # SP > 1 or lockstep: no per-rank re-plan
-                        raise StepOutOfMemoryError(self._sp_oom_stop(step, mb, rnd), this_rank_only=True) from err
-                    failed = mb.item.index + 1
-                except Exception as err:
-                    if not is_collective_failure(err):
-                        raise
-                    raise self._collective_error(err, step, mb, rnd) from err
+            with guard.loop():
+                for rnd in shards.rounds(step.plan, self.runtime.rank):
+                    mb = prepared.micro_batches[rnd.position] if rnd.position is not None else None
+                    if (failed or guard.tripped) and mb is not None and mb.item.sp_size == 1 and not rnd.lockstep:
+                        continue  # the step is re-run or stops; SP > 1 items still run, their partners need this rank
+                    shards.begin_round(rnd)
+                    try:
+                        with guard.round(self._round_name(step, mb), self._round_groups(rnd)):
+                            if mb is None:
+                                shards.run_dummy()
+                            elif clock is None:
+                                local_loss += self._run_item(mb, batch_idx)
+                            else:
+                                clock.start(mb)
+                                local_loss += self._run_item(mb, batch_idx)
+                                clock.stop()
+                    except CollectiveInLoopError as err:
+                        if rnd.lockstep:  # the shard group's rounds cannot be kept in step: stop this rank now
+                            raise
+                        guard.trip(err)  # reported to every rank by the step-end gather
+                    except OOM_ERRORS as err:
+                        if mb is None or mb.item.sp_size > 1 or rnd.lockstep:  # SP > 1 or lockstep: no per-rank re-plan
+                            raise StepOutOfMemoryError(self._sp_oom_stop(step, mb, rnd), this_rank_only=True) from err
+                        failed = mb.item.index + 1
+                    except Exception as err:
+                        if not is_collective_failure(err):
+                            raise
+                        raise self._collective_error(err, step, mb, rnd) from err
         finally:
             self.in_micro_loop = False
         if failed:  # free what the failed item left; every rank discards this attempt's gradients
@@ -287,6 +298,15 @@ class StepExecutor:
         self.buckets.park()
         loss = float(local_loss)  # the one host sync of the step: busy time includes all queued work
         return time.perf_counter() - t0, loss, failed
+
+    def _round_name(self, step: Step, mb: MicroBatch | None) -> str:
+        what = mb.item.describe(self.runtime.sample_name) if mb is not None else "a dummy round"
+        return f"{step.where()}, {what}"
+
+    def _round_groups(self, rnd: Round) -> tuple[Any, ...]:
+        """The groups a lockstep round's per-layer collectives use (the shard mesh's), besides the SP groups."""
+        mesh = getattr(self.runtime.shards, "mesh", None) if rnd.lockstep else None
+        return tuple(mesh.get_all_groups()) if mesh is not None else ()
 
     def _collective_error(self, err: Exception, step: Step, mb: MicroBatch | None, rnd: Round) -> Exception:
         """A failed collective in a round, naming the step, the item (or the dummy round) and its group."""
@@ -369,7 +389,7 @@ class StepExecutor:
         upto = getattr(self.sampler, "planned_upto", -1) if self.sampler is not None else -1
         row = StepRow(busy_s=busy, loss=local_loss, tokens=prepared.real_tokens, items=len(prepared.micro_batches),
                       loss_units=prepared.loss_units, plan_hash=step.plan_hash, next_plan_hash=next_hash,
-                      oom_item=failed, planned_upto=upto)
+                      oom_item=failed, planned_upto=upto, loop_collective=self.guard.flag)
         rows = self.calibration.rows(step) if self.calibration is not None else None
         width = 0 if rows is None else rows.numel()
         gathered = GatheredStep(self._gather(row.to_tensor(self.buckets.has_grad, rows), step), width)
@@ -378,6 +398,8 @@ class StepExecutor:
         check_column(gathered.column("next_plan_hash"), f"the plan of step {index + 1} of epoch {epoch}", STEP_CAUSE,
                      where + ", one step before any rank runs it")
         self._verified_next = (epoch, index + 1) if next_hash else None
+        self.guard.stop_if_tripped(gathered.column("loop_collective"),
+                                   lambda t: self._gather(t, step, "the report of a collective inside training_step"))
         return gathered
 
     def check_plan_before_loop(self, step: Step) -> None:

@@ -1,6 +1,7 @@
 """What user code may not do inside the micro-batch loop: world collectives (ranks run different numbers
 of micro-batches there, so a world collective would hang). A mixin of :class:`~lightning_dcp.DCPStrategy`
-before Lightning's ``DDPStrategy``: it reads the strategy's ``executor``."""
+before Lightning's ``DDPStrategy``: it reads the strategy's ``executor``. The ``torch.distributed`` calls
+themselves are guarded by :mod:`~lightning_dcp.runtime.collective_guard`, which also stops every rank."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dcp.runtime.checks import SYNC_IN_LOOP_WARNING, in_micro_loop_error
+from lightning_dcp.runtime.checks import SYNC_IN_LOOP_WARNING
+from lightning_dcp.runtime.collective_guard import strategy_call_error
 
 __all__ = ["MicroLoopGuards"]
 
 
 class MicroLoopGuards:
-    """``reduce`` returns the local value inside the loop (with one warning); ``barrier``, ``all_gather``
-    and ``reduce_boolean_decision`` raise there, naming the fix. Outside the loop they are DDP's."""
+    """``reduce`` returns the local value inside the loop (with one warning); ``barrier``, ``all_gather``,
+    ``broadcast`` and ``reduce_boolean_decision`` raise
+    :class:`~lightning_dcp.runtime.collective_guard.CollectiveInLoopError` there, naming the fix (every rank
+    stops at the step's end). Outside the loop they are DDP's."""
 
     executor: Any = None
     _warned_sync: bool = False
@@ -40,18 +44,23 @@ class MicroLoopGuards:
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._in_micro_loop:
-            raise in_micro_loop_error("barrier")
+            raise strategy_call_error("barrier")
         super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._in_micro_loop:
+            raise strategy_call_error("broadcast")
+        return super().broadcast(obj, src)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         if self._in_micro_loop:
-            raise in_micro_loop_error("all_gather")
+            raise strategy_call_error("self.all_gather")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._in_micro_loop:
-            raise in_micro_loop_error("reduce_boolean_decision")
+            raise strategy_call_error("reduce_boolean_decision")
         return super().reduce_boolean_decision(decision, all=all)
-

@@ -42,6 +42,9 @@ class StepRow:
     planned_upto: int = -1
     """The largest step key this rank's sampler has handed to the planner (where a refit may take effect,
     :mod:`lightning_dcp.runtime.calibration`)."""
+    loop_collective: int = 0
+    """1 when this rank's loop refused a world collective from user code this step
+    (:mod:`~lightning_dcp.runtime.collective_guard`): every rank then stops with its message."""
 
     @classmethod
     def width(cls) -> int:

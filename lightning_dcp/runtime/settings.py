@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from lightning_dcp.planning.calibration import MODES as CALIBRATION_MODES
 from lightning_dcp.planning.seed import data_seed
 from lightning_dcp.planning.sharding.registry import MODES, ZERO_STAGE_ALIASES, get_mode
+from lightning_dcp.runtime.options import check_choice, check_options
 from lightning_dcp.sp.contract import SUPPORT_LEVELS
 from lightning_dcp.sp.tokens import LOSS_REDUCTIONS
 
@@ -89,14 +90,14 @@ class DCPSettings:
     offload: bool = False
 
     def __post_init__(self) -> None:
+        check_options(self)  # names of the choices (with did-you-mean) and types
         timeout = self.timeout
         if timeout is not None and not isinstance(timeout, timedelta):
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
                 raise ValueError(f"timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
             object.__setattr__(self, "timeout", timedelta(seconds=float(timeout)))
         data_seed(self.seed)  # an int or None (checked now; None is resolved when the train loader is built)
-        if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
+        check_choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         sp = self.max_sp_size
         if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
             raise ValueError(f"max_sp_size must be a positive number of ranks (any size the model's heads allow, or any "
@@ -108,26 +109,15 @@ class DCPSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.support is not None and self.support not in SUPPORT_LEVELS:
-            raise ValueError(f"support must be one of {SUPPORT_LEVELS} (or None to detect), got {self.support!r}")
+        check_choice("support", self.support, SUPPORT_LEVELS, none="to detect")
         attr = self.layers_attr
         if attr is not None and (not isinstance(attr, str) or not attr or any(not p for p in attr.split("."))):
             raise ValueError(f"layers_attr must be a dotted attribute path from the LightningModule to its repeated "
                              f"layers (e.g. 'model.layers'), or None to find them; got {attr!r}")
-        if self.calibration not in CALIBRATION_MODES:
-            raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}")
+        check_choice("calibration", self.calibration, CALIBRATION_MODES)
         every = self.calibrate_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"calibrate_every must be an int >= 1 (steps between refits) or None, got {every!r}")
-        if not isinstance(self.max_oom_replans, int) or self.max_oom_replans < 0:
-            raise ValueError(f"max_oom_replans must be an int >= 0, got {self.max_oom_replans!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
-        if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
-            raise ValueError(f"sigterm_grace_s must be >= 0 or None, got {self.sigterm_grace_s!r}")
-        if not isinstance(self.planner_options, Mapping):
-            raise ValueError(f"planner_options must be a mapping of Planner keyword arguments, got "
-                             f"{type(self.planner_options).__name__}")
         object.__setattr__(self, "planner_options", _ReadOnlyOptions(self.planner_options))
         self._resolve_sharding()
 
@@ -136,7 +126,9 @@ class DCPSettings:
         then mirrors ``sharding == "zero1"``)."""
         mode = self.sharding
         if mode not in MODES:
-            get_mode(mode, 1)  # raises, naming the registry's modes
+            if str(mode).lower() in ("zero3", "zero-3", "full_shard"):
+                get_mode(mode, 1)  # raises, naming the registry's modes and ZeRO-3's
+            check_choice("sharding", mode, MODES)
         if self.zero1:
             if MODES[mode].zero_stage not in (0, 1):
                 raise ValueError(f"zero1=True and sharding={mode!r} contradict each other; zero1=True is the old "

@@ -60,6 +60,7 @@ from lightning_dcp.runtime.metrics import StepMetrics, StepMetricsTracker, log_s
 from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.oom import CHECKPOINT_KEY, OOMRecovery
 from lightning_dcp.runtime.planner_factory import PlannerFactory
+from lightning_dcp.runtime.preflight import check_train_data, fit_start, train_dataset
 from lightning_dcp.runtime.progress import mend_progress_bars
 from lightning_dcp.runtime.run_sharding import RunSharding, contract_units
 from lightning_dcp.runtime.rank import BatchTransfer, PrecisionBackward, RankRuntime
@@ -219,6 +220,8 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         self.num_heads: int | None = None
         self.sp_cap = SPCap(1)
         self.sp_groups: SPGroups | None = None
+        self.fit_start_loader: DataLoader | None = None
+        """The train DataLoader as the fit starts (checked against the global batch before profiling)."""
         self.batch_sampler: DCPBatchSampler | None = None
         self.oom: OOMRecovery | None = None
         """The fit's out-of-memory recovery (built with the train loader)."""
@@ -290,9 +293,10 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         import_group_defaults()  # before Lightning creates the default group (see runtime/exit.py)
         super().setup_environment()
         module = self.lightning_module
-        contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
-        self._model_contract = contract
-        self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
+        with fit_start(self.global_rank):  # the same error on every rank: printed once
+            contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
+            self._model_contract = contract
+            self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
         self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
@@ -323,9 +327,13 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         self._shards_after_setup(fitting)
 
     def _before_fit_setup(self, trainer: Any) -> None:
-        """A new fit: the checks, the support message, the progress bars, the profiler."""
+        """A new fit: the checks (the train data against the global batch too), the support message, the progress
+        bars, the profiler."""
         self.oom = None  # dcp/oom_replans counts this fit's re-plans
-        check_fit(trainer, self.lightning_module)
+        with fit_start(self.global_rank):  # before the profiler (on_fit_start); printed once
+            check_fit(trainer, self.lightning_module)
+            self.fit_start_loader = train_dataset(trainer)  # the profiler reads its samples from it
+            check_train_data(self.fit_start_loader, self.settings, self.world_size)
         message = support_message(self._model_contract)
         if message:
             rank_zero_info(message)
