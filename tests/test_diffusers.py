@@ -100,23 +100,33 @@ def _with_inputs(batch, timesteps):
 GRIDS = [(3, 2, 3), (1, 4, 2), (2, 1, 1), (1, 3, 3)]  # 18 + 8 + 2 + 9 = 37 tokens, padded to 40
 
 
-@pytest.mark.parametrize("variant", ["t2v", "per_token_t", "i2v", "fused", "patch_t2"])
+@pytest.mark.parametrize("variant", ["t2v", "per_token_t", "i2v", "fused", "patch_t2", "i2v_lora"])
 def test_packed_equals_per_sample(variant):
     """Videos of different frame counts and resolutions packed (plus padding) through the adapted Wan ==
-    each alone through diffusers' own WanTransformer3DModel.forward."""
+    each alone through diffusers' own WanTransformer3DModel.forward (``i2v_lora``: with a random LoRA adapter on
+    every module peft can wrap, the image embedder and added key / value projections included)."""
     patch = (2, 2, 2) if variant == "patch_t2" else PATCH
-    ref = make_wan(patch=patch, i2v=variant == "i2v").eval()
+    ref = make_wan(patch=patch, i2v=variant.startswith("i2v")).eval()
     if variant == "fused":
         ref.fuse_qkv_projections()
+    if variant == "i2v_lora":
+        pytest.importorskip("peft")
+        from lightning_dcp.diffusers.lora import add_lora, lora_config
+
+        targets = [n for n, m in ref.named_modules() if type(m) in (torch.nn.Linear, torch.nn.Conv3d)]
+        assert "condition_embedder.image_embedder.ff.net.0.proj" in targets and "blocks.0.attn2.add_k_proj" in targets
+        torch.manual_seed(3)
+        add_lora(ref, lora_config(ref, rank=2, target_modules=targets, init_lora_weights=False))
     model = adapt(copy.deepcopy(ref)).eval()
     assert model.state_dict().keys() == ref.state_dict().keys()
     assert model.dcp_num_heads == 4 and len(model.dcp_repeated_layers()) == 2
-    text_len = 512 if variant == "i2v" else None  # diffusers' Wan I2V processor assumes 512 text tokens
+    i2v = variant.startswith("i2v")
+    text_len = 512 if i2v else None  # diffusers' Wan I2V processor assumes 512 text tokens
     g = torch.Generator().manual_seed(9)
     samples, refs = [], []
     for i, (lat, text) in enumerate(raw_videos(GRIDS, patch=patch)):
         kw = {}
-        if variant == "i2v":
+        if i2v:
             kw = dict(encoder_hidden_states_image=torch.randn(3, 6, generator=g),
                       condition_latents=torch.randn(4, *lat.shape[1:], generator=g))
         samples.append(video_sample(lat, text, patch, text_len=text_len, index=10 + i, **kw))
@@ -128,7 +138,7 @@ def test_packed_equals_per_sample(variant):
         per_token = torch.cat([torch.where(torch.arange(math.prod(gr)) < gr[1] * gr[2], 0.0, t)
                                for gr, t in zip(GRIDS, timesteps)])
     inp = _with_inputs(batch, per_token if per_token is not None else timesteps)
-    if variant == "i2v":
+    if i2v:
         inp[HIDDEN_STATES] = torch.cat([batch[LATENTS], batch["condition_latents"]], dim=-1)
     with torch.no_grad():
         got = unpack_output(packed_forward(model, inp), batch, patch)
@@ -136,9 +146,9 @@ def test_packed_equals_per_sample(variant):
         start = 0
         for i, ((lat, kw), sample) in enumerate(zip(refs, samples)):
             n = math.prod(GRIDS[i])
-            x = lat if variant != "i2v" else torch.cat([lat, kw["condition_latents"]])
+            x = lat if not i2v else torch.cat([lat, kw["condition_latents"]])
             t = per_token[start:start + n][None] if per_token is not None else torch.tensor([timesteps[i]])
-            extra = {"encoder_hidden_states_image": kw["encoder_hidden_states_image"][None]} if variant == "i2v" else {}
+            extra = {"encoder_hidden_states_image": kw["encoder_hidden_states_image"][None]} if i2v else {}
             want = ref(x[None], t, per_sample_embeds(sample[TEXT]), **extra).sample[0]
             own = model(x[None], t, per_sample_embeds(sample[TEXT]), **extra).sample[0]
             assert torch.equal(own, want)  # the adapted model's own forward is unchanged

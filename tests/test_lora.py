@@ -50,9 +50,24 @@ class _SGDLora(SGDVideo):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
-def _lora(model, rank: int = 4):
-    """A rank-4 adapter with both factors random (peft's ``init_lora_weights=False``), so one step moves A and B."""
-    return lora_config(model, rank=rank, alpha=8.0, init_lora_weights=False)
+def _lora(model, rank: int = 4, targets=None):
+    """A rank-4 adapter with both factors random (peft's ``init_lora_weights=False``), so one step moves A and B;
+    ``targets``: the modules it wraps (default the family's attention projections)."""
+    return lora_config(model, rank=rank, alpha=8.0, init_lora_weights=False, target_modules=targets)
+
+
+#: Each family's patch embedding (a Conv3d, Linear, Conv2d, Conv3d), which its packed forward runs on patch rows.
+PATCH_EMBEDDING = {"wan": "patch_embedding", "ltx": "proj_in", "cog": "patch_embed.proj", "hunyuan": "x_embedder.proj"}
+
+
+def _patch_targets(model, family):
+    return [*family_of(model).lora_targets, PATCH_EMBEDDING[family]]
+
+
+def _wrappable(model):
+    """Every module of ``model`` peft's LoRA can wrap (its Linear, Conv and Embedding layers)."""
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    return [n for n, m in model.named_modules() if type(m) in kinds]
 
 
 def _is_adapter(name: str) -> bool:
@@ -155,6 +170,68 @@ def test_checkpoint_holds_only_the_adapter_and_resumes_exactly(tmp_path):
         assert torch.equal(w, want[n]), n
 
 
+def _adapter_errors(case, module) -> tuple[float, float, dict[str, float]]:
+    """(packed loss, diffusers' loss, relative gradient error of every trainable weight) on 4 videos: the module's
+    packed forward against diffusers' own forward of a copy, each video alone."""
+    ref = copy.deepcopy(module.model)
+    want = case.loss(ref, module.flow, [case.item(i) for i in range(4)], "token")
+    want.backward()
+    loss = module.training_step(VideoDiffusionModule.collate([case.data[i] for i in range(4)]), 0)
+    loss.backward()
+    ref_params, errors = dict(ref.named_parameters()), {}
+    for n, p in module.model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, f"{case.family}: the trainable weight {n} got no gradient"
+            r = ref_params[n].grad
+            errors[n] = float((p.grad - r).abs().max() / r.abs().max().clamp_min(1e-12))
+    return loss.item(), want.item(), errors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_adapter_on_every_wrappable_module_trains_exactly(family):
+    """LoRA on every module peft can wrap -- the patch embedding (a Conv3d / Conv2d the packed forward runs as a
+    matrix product on patch rows), the timestep and text embedders, the blocks, the output projection -- gives the
+    packed forward's loss and every adapter weight's gradient of diffusers' own forward, each video alone."""
+    case = _Case(family)
+    model = case.make()
+    targets = _wrappable(model)
+    torch.manual_seed(5)
+    module = VideoDiffusionModule(model, seed=FLOW_SEED, lora=_lora(model, rank=2, targets=targets))
+    assert {n.split(".lora_")[0] for n, p in module.model.named_parameters() if p.requires_grad} == set(targets)
+    loss, want, errors = _adapter_errors(case, module)
+    worst = max(errors, key=errors.get)
+    patch = max(e for n, e in errors.items() if n.startswith(PATCH_EMBEDDING[family] + "."))
+    print(f"{family}: LoRA on {len(targets)} modules; loss {loss:.6f} vs {want:.6f}; worst gradient {worst}: "
+          f"{errors[worst]:.2e} relative; the patch embedding's {patch:.2e}")
+    assert abs(loss - want) < 1e-5 * max(1.0, abs(want))
+    assert errors[worst] < 1e-5, f"{family}: {worst}: relative gradient error {errors[worst]:.2e}"
+
+
+def test_other_peft_wrappers_of_the_patch_embedding_train_and_target_parameters_are_refused():
+    """DoRA and ``modules_to_save`` on Wan's patch embedding train as under diffusers' forward; peft's
+    ``target_parameters`` (applied only inside the owning module's own forward) is refused, naming the parameter,
+    whether passed to the module or added with ``model.add_adapter`` before."""
+    import peft
+
+    case = _Case("wan")
+    for extra in (dict(use_dora=True, target_modules=["patch_embedding", "to_q"]),
+                  dict(target_modules=["to_q"], modules_to_save=["patch_embedding"])):
+        torch.manual_seed(5)
+        module = VideoDiffusionModule(case.make(), seed=FLOW_SEED,
+                                      lora=peft.LoraConfig(r=2, lora_alpha=4.0, init_lora_weights=False, **extra))
+        loss, want, errors = _adapter_errors(case, module)
+        assert any(n.startswith("patch_embedding.") for n in errors), sorted(errors)
+        assert abs(loss - want) < 1e-5 * max(1.0, abs(want)) and max(errors.values()) < 1e-5, (extra, errors)
+    config = dict(r=2, target_modules=["to_q"], target_parameters=["blocks.0.scale_shift_table"])
+    with pytest.raises(ValueError, match=r"target_parameters \['blocks.0.scale_shift_table'\] cannot train.*"
+                                         r"Target modules instead"):
+        VideoDiffusionModule(case.make(), lora=peft.LoraConfig(**config))
+    model = case.make()
+    model.add_adapter(peft.LoraConfig(**config))
+    with pytest.raises(ValueError, match=r"target_parameters \['blocks.0.scale_shift_table'\] cannot train"):
+        VideoDiffusionModule(model)
+
+
 # ----------------------------------------------------------------------------- DCPStrategy vs plain peft
 
 
@@ -184,14 +261,16 @@ class _Case:
         self.max_tokens = 6 if family in ("cog", "hunyuan") else 8
 
 
-def _fit(world, out_dir, family, sharding):
-    """One LoRA fit under DCPStrategy; rank 0 replays its plans with plain peft training and compares."""
+def _fit(world, out_dir, family, sharding, targets=None):
+    """One LoRA fit under DCPStrategy; rank 0 replays its plans with plain peft training and compares.
+    ``targets="patch"``: the family's attention projections and its patch embedding."""
     from lightning_dcp import DCPStrategy, DefaultCostModel
 
     case = _Case(family)
     model = case.make()
     torch.manual_seed(5)
-    module = _SGDLora(model, lr=_LR, seed=FLOW_SEED, lora=_lora(model))
+    module = _SGDLora(model, lr=_LR, seed=FLOW_SEED,
+                      lora=_lora(model, targets=_patch_targets(model, family) if targets == "patch" else None))
     start = copy.deepcopy(module.model)  # the reference starts from the same base and adapter
     if sharding == "hsdp":  # lockstep rounds: SP 2 items (a one-token one: a shard of only padding), uneven counts
         from _dcp_helpers import RandomPlanner
@@ -257,21 +336,27 @@ def _fit(world, out_dir, family, sharding):
             assert rel < 1e-5, f"{family}: rank {r} EMA of {n}: relative error {rel:.2e}"
     moved = max(float((want[n] - w).abs().max()) for n, w in initial.items())
     assert moved > 1e-3  # training moved the adapter
-    print(f"world {world} {family} LoRA ({sharding}; SP sizes {sizes}): max rel adapter err {worst:.2e}", flush=True)
+    if targets == "patch":  # ... the patch embedding's too (its adapter checked against the reference above)
+        patch = [n for n in initial if n.startswith(PATCH_EMBEDDING[family] + ".lora_")]
+        assert len(patch) == 2 and all(float((want[n] - initial[n]).abs().max()) > 1e-4 for n in patch), patch
+    print(f"world {world} {family} LoRA ({sharding}{', patch embedding' if targets else ''}; SP sizes {sizes}): max rel "
+          f"adapter err {worst:.2e}", flush=True)
     with open(os.path.join(out_dir, f"{family}-{sharding}.done"), "w") as f:
         f.write(f"{sizes} {worst}")
 
 
 def _world_worker(rank, world, out_dir, cases):
-    for family, sharding in cases:
-        _fit(world, out_dir, family, sharding)
+    for family, sharding, *targets in cases:
+        _fit(world, out_dir, family, sharding, *targets)
 
 
-#: (processes, [(family, sharding)]) of each variant; all but the first two are slow (tests/conftest.py).
+#: (processes, [(family, sharding[, targets])]) of each variant; "2-more" and "4-all" are slow (tests/conftest.py).
+#: On 2 processes every family's adapter also wraps its patch embedding ("patch").
 _CASES = {
-    "2-replicated": (2, [("wan", "none"), ("hunyuan", "zero1")]),
+    "2-replicated": (2, [("wan", "none", "patch"), ("hunyuan", "zero1", "patch")]),
     "2-hsdp": (2, [("wan", "hsdp")]),
-    "2-more": (2, [("ltx", "zero1"), ("cog", "none"), ("cog", "zero2"), ("hunyuan", "fsdp"), ("ltx", "hsdp")]),
+    "2-more": (2, [("ltx", "zero1", "patch"), ("cog", "none", "patch"), ("cog", "zero2"), ("hunyuan", "fsdp"),
+                   ("ltx", "hsdp")]),
     "4-all": (4, [("wan", "fsdp"), ("ltx", "none"), ("cog", "hsdp"), ("hunyuan", "zero2")]),
 }
 
@@ -282,8 +367,8 @@ def test_lora_under_dcp_equals_plain_peft_training(tmp_path, variant):
     sharded where the mode shards it; dcp plans with SP > 1 and recompute; under hsdp random plans with SP 2 items and
     uneven micro-batch counts) == plain
     single-process peft training with the family's own diffusers forward: adapter weights and their EMA within 1e-5,
-    the frozen base unchanged."""
+    the frozen base unchanged. On 2 processes each family's adapter wraps its patch embedding too."""
     world, cases = _CASES[variant]
     run_distributed(_world_worker, world, str(tmp_path), cases, timeout=900)
     done = sorted(p for p in os.listdir(tmp_path) if p.endswith(".done"))
-    assert done == sorted({f"{f}-{s}.done" for f, s in cases}), done
+    assert done == sorted({f"{c[0]}-{c[1]}.done" for c in cases}), done

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from lightning_dcp.diffusers.samples import IMAGE, TEXT, VIDEO_POS, per_sample_embeds
 
-__all__ = ["HIDDEN_STATES", "TIMESTEP", "PackedInputs", "check_packed_inputs", "concat_tokens", "local_segments"]
+__all__ = ["HIDDEN_STATES", "TIMESTEP", "PackedInputs", "check_packed_inputs", "concat_tokens", "embed_patches",
+           "local_segments"]
 
 #: The model's input tokens ``[tokens, in_channels*pt*ph*pw]`` (input layout): noisy latents (+ condition channels).
 HIDDEN_STATES = "hidden_states"
@@ -49,6 +52,43 @@ def concat_tokens(parts: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.
     if not parts:
         return like[:, :0], bounds
     return torch.cat(parts, dim=1), bounds
+
+
+def embed_patches(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``[rows, dim]``: patch rows ``x`` (``[rows, C*kt*kh*kw]``, channel-major, as the conv's weight flattens)
+    through the model's patch projection ``proj``, as its own forward computes it on the whole latent.
+
+    A plain ``Conv2d`` / ``Conv3d`` (kernel = stride, as every family's patch embedding) is the equivalent linear
+    map on the flattened patches (one matrix product). Anything else -- a ``Linear`` (CogVideoX 1.5), or a conv
+    wrapped by peft (a LoRA / DoRA adapter on the patch embedding, several adapters, a merged or disabled one) -- is
+    called as a module, the conv on each patch as an image of exactly one patch, so the wrapper's own forward
+    runs and its adapter trains.
+    """
+    if type(proj) in (nn.Conv2d, nn.Conv3d):
+        return F.linear(x, proj.weight.flatten(1), proj.bias)
+    base = _base_layer(proj)
+    if isinstance(base, nn.Linear):
+        return proj(x)
+    if not isinstance(base, (nn.Conv2d, nn.Conv3d)):
+        raise TypeError(f"the patch projection is a {type(base).__name__}; the packed forward takes an nn.Conv2d, "
+                        "nn.Conv3d or nn.Linear (diffusers' own), optionally wrapped by peft")
+    kernel = tuple(base.kernel_size)
+    if (tuple(base.stride) != kernel or any(base.padding) or any(d != 1 for d in base.dilation) or base.groups != 1
+            or x.shape[-1] != base.in_channels * math.prod(kernel)):
+        raise ValueError(f"the patch projection {base} is not a patchify conv (kernel = stride, no padding) over rows "
+                         f"of {x.shape[-1]} features; the packed forward cannot embed patch rows with it")
+    return proj(x.reshape(x.shape[0], base.in_channels, *kernel)).flatten(1)
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    """The module a peft wrapper wraps (a LoRA layer's ``base_layer``, ``modules_to_save``'s original), unwrapped."""
+    for _ in range(8):
+        inner = (module.get_base_layer() if hasattr(module, "get_base_layer")
+                 else getattr(module, "original_module", None))
+        if not isinstance(inner, nn.Module) or inner is module:
+            return module
+        module = inner
+    return module
 
 
 @dataclass(frozen=True)

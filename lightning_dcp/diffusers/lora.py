@@ -13,7 +13,11 @@
   expects, without the adapter name);
 * :func:`save_lora` writes them with the family pipeline's ``save_lora_weights``
   (``pytorch_lora_weights.safetensors``, ``transformer.``-prefixed keys, the adapter's config as
-  metadata), which ``<Pipeline>.from_pretrained(...).load_lora_weights(folder)`` reads back.
+  metadata), which ``<Pipeline>.from_pretrained(...).load_lora_weights(folder)`` reads back;
+* :func:`check_adapter` refuses what the packed forward cannot train exactly: peft's ``target_parameters``
+  (``ParamWrapper``), which reparametrises a module's parameter only inside that module's own ``forward``. Every
+  module peft wraps (``target_modules``: Linear and Conv layers, the patch embedding included -- a LoRA, DoRA or
+  ``modules_to_save`` wrapper) is run through its wrapper, so it trains as under diffusers' own forward.
 
 Needs ``peft`` (``pip install "lightning-dcp[diffusers]"``).
 """
@@ -28,8 +32,8 @@ from torch import nn
 
 from lightning_dcp.diffusers.family import family_of
 
-__all__ = ["ADAPTER_NAME", "LORA_WEIGHTS_FILE", "add_lora", "has_lora", "lora_config", "lora_state_dict", "save_lora",
-           "trainable_state"]
+__all__ = ["ADAPTER_NAME", "LORA_WEIGHTS_FILE", "add_lora", "check_adapter", "has_lora", "lora_config", "lora_state_dict",
+           "save_lora", "trainable_state"]
 
 #: The adapter name :func:`add_lora` uses (peft's default).
 ADAPTER_NAME = "default"
@@ -83,12 +87,35 @@ def add_lora(model: nn.Module, config: Any = 16) -> nn.Module:
     if has_lora(model):
         raise ValueError(f"{type(model).__name__} has a LoRA adapter already ({sorted(model.peft_config)}); add one "
                          "adapter per run")
+    parameters = sorted(getattr(config, "target_parameters", None) or ())
+    if parameters:
+        raise ValueError(_parameter_refusal(model, parameters))
     try:
         model.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as err:
         raise ValueError(f"LoRA on {type(model).__name__}: {err}. Target modules {sorted(config.target_modules)}; the "
                          f"family's default is {list(family_of(model).lora_targets)}") from err
+    check_adapter(model)
     return model
+
+
+def _parameter_refusal(model: nn.Module, parameters: Sequence[str]) -> str:
+    return (f"LoRA on {type(model).__name__}: target_parameters {list(parameters)} cannot train under the packed "
+            "forward (peft's ParamWrapper applies the adapter only inside the module's own forward, which the packed "
+            "forward does not call; the adapter would get no gradient). Target modules instead (target_modules=[...], "
+            f"the family's default: {list(family_of(model).lora_targets)}), or train those parameters in a full "
+            "fine-tune (lora rank 0)")
+
+
+def check_adapter(model: nn.Module) -> None:
+    """Refuse a peft adapter the packed forward would not train exactly (see the module docstring): raises
+    ``ValueError`` naming each wrapped parameter and the fix. Called by :func:`add_lora` and by
+    :class:`~lightning_dcp.diffusers.VideoDiffusionModule` (at construction and at fit start), so an adapter added
+    with ``model.add_adapter`` directly is checked too."""
+    wrapped = [f"{name}.{m.parameter_name}" if name else str(m.parameter_name) for name, m in model.named_modules()
+               if type(m).__name__ == "ParamWrapper" and hasattr(m, "parameter_name")]
+    if wrapped:
+        raise ValueError(_parameter_refusal(model, wrapped))
 
 
 def has_lora(model: nn.Module) -> bool:

@@ -24,7 +24,7 @@ from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
 from lightning_dcp.diffusers.family import family_of
 from lightning_dcp.diffusers.flow import LOSS_SCALE, TARGET, FlowMatching
 from lightning_dcp.diffusers.forward import HIDDEN_STATES
-from lightning_dcp.diffusers.lora import add_lora, has_lora, trainable_state
+from lightning_dcp.diffusers.lora import add_lora, check_adapter, has_lora, trainable_state
 from lightning_dcp.diffusers.record import RECORD_KEY, ModelRecord
 from lightning_dcp.diffusers.samples import LATENTS, collate_video
 from lightning_dcp.sp.context import CU_SEQLENS, LOSS_MASK, TOKEN_WEIGHT, active_context
@@ -103,6 +103,7 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
         super().__init__()
         if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS} or None, got {loss_reduction!r}")
+        check_adapter(model)  # an adapter added with model.add_adapter before
         self.model = model if is_adapted(model) else adapt(model)
         if lora is not None:
             add_lora(self.model, lora)
@@ -134,6 +135,7 @@ class VideoDiffusionModule(StepLossLogging, pl.LightningModule):
             raise ValueError(f"{type(self).__name__}(loss_reduction={self.loss_reduction!r}) but the strategy reduces by "
                              f"{strategy_reduction!r}; under DCPStrategy the strategy's loss_reduction decides: pass the "
                              "same value to both, or leave the module's at None")
+        check_adapter(self.model)
         if stage == "fit" and self._trainer is not None:
             check_train_data(self._trainer, self.model, self.setup_check_samples)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXBlock
 from torch import nn
 
@@ -40,7 +39,7 @@ from lightning_dcp.diffusers.joint import (
     text_rows_input,
     video_rows,
 )
-from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, embed_patches
 from lightning_dcp.diffusers.samples import GRID, sample_labels
 from lightning_dcp.sp.contract import install_contract
 from lightning_dcp.sp.recompute import LayerRecompute
@@ -176,8 +175,7 @@ def _embed(model: nn.Module, batch: Mapping[str, Any], roles: Mapping[str, torch
     """``[1, rows, dim]``: video rows through the patch projection (+ sin-cos positions), text rows through ``text_proj``."""
     pe = model.patch_embed
     dtype = pe.text_proj.weight.dtype
-    weight = pe.proj.weight.flatten(1) if isinstance(pe.proj, nn.Conv2d) else pe.proj.weight
-    video = F.linear(x.index_select(0, roles["video"].to(x.device)).to(dtype), weight, pe.proj.bias)
+    video = embed_patches(pe.proj, x.index_select(0, roles["video"].to(x.device)).to(dtype))  # a peft wrapper's too
     text = pe.text_proj(text_rows_input(batch, roles, [t.to(dtype) for t in texts]))
     h = torch.cat([video, text])[roles["inverse"].to(x.device)][None]
     if not model.config.use_rotary_positional_embeddings:

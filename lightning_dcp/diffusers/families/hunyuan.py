@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoSingleTransformerBlock,
     HunyuanVideoTransformerBlock,
@@ -45,7 +44,7 @@ from lightning_dcp.diffusers.joint import (
     text_rows_input,
     video_rows,
 )
-from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP
+from lightning_dcp.diffusers.forward import HIDDEN_STATES, TIMESTEP, embed_patches
 from lightning_dcp.diffusers.samples import GRID, VIDEO_POS, _where, per_sample_embeds, sample_labels
 from lightning_dcp.sp.context import SEGMENT_IDS
 from lightning_dcp.sp.contract import install_contract
@@ -244,8 +243,7 @@ def hunyuan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.
     refined = [model.context_embedder(texts[j][None].to(x.device, dtype), t[j:j + 1].to(dtype), None)[0]
                if j in needed else texts[j].new_zeros(texts[j].shape[0], temb.shape[-1]).to(x.device, dtype)
                for j in range(num)]
-    conv = model.x_embedder.proj
-    video = F.linear(x.index_select(0, roles["video"].to(x.device)).to(dtype), conv.weight.flatten(1), conv.bias)
+    video = embed_patches(model.x_embedder.proj, x.index_select(0, roles["video"].to(x.device)).to(dtype))
     h = torch.cat([video, text_rows_input(batch, roles, refined)])[roles["inverse"].to(x.device)][None]
     rows = joint_rows(batch, roles, temb, _rotary(model, batch, h.device), h.device)
     switch = model.dcp_recompute

@@ -33,13 +33,12 @@ import math
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_dcp.diffusers.attention import (PackedAttnProcessor, PackedSelfAttention, PackedText, packed_cross_attention,
                                                qkv_projections)
 from lightning_dcp.diffusers.forward import (HIDDEN_STATES, TIMESTEP, PackedInputs, check_packed_inputs, concat_tokens,
-                                             local_segments)
+                                             embed_patches, local_segments)
 from lightning_dcp.diffusers.samples import GRID, IMAGE, TEXT, VIDEO_POS, per_sample_embeds, sample_labels
 from lightning_dcp.sp.context import CU_SEQLENS, MAX_SEQLEN, active_context
 from lightning_dcp.sp.contract import install_contract
@@ -273,8 +272,7 @@ def wan_packed_forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tens
                                                                 timestep_seq_len=tokens)
     timestep_proj = timestep_proj.unflatten(2, (6, -1))  # [1, tokens, 6, dim]: the block's 4-D temb path
 
-    conv = model.patch_embedding
-    hidden = F.linear(x.to(dtype), conv.weight.flatten(1), conv.bias).unsqueeze(0)
+    hidden = embed_patches(model.patch_embedding, x.to(dtype)).unsqueeze(0)  # a peft wrapper's adapter too
     cos, sin = packed_rotary(model.rope, batch[VIDEO_POS])
     self_info = PackedSelfAttention(cos, sin, batch[CU_SEQLENS].to(hidden.device), int(batch[MAX_SEQLEN]))
     text_info = PackedText(text, image, segments)
