@@ -100,8 +100,9 @@ def check_options(settings: Any) -> None:
     check_bool("profile", s.profile, none="(profile when no cost model or planner is given)")
     for name in _BOOLS:
         check_bool(name, getattr(s, name))
-    if isinstance(s.seed, bool) or not isinstance(s.seed, numbers.Integral):
-        raise ValueError(f"seed must be an int (the same on every rank), got {s.seed!r}")
+    if s.seed is not None and (isinstance(s.seed, bool) or not isinstance(s.seed, numbers.Integral)):
+        raise ValueError(f"seed must be an int (the same on every rank) or None (Lightning's global seed), "
+                         f"got {s.seed!r}")
     lengths = s.lengths
     if lengths is not None and (isinstance(lengths, (str, bytes, Mapping)) or not (
             callable(lengths) or hasattr(lengths, "__len__"))):
