@@ -89,7 +89,12 @@ def _raise_from_package() -> None:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_fit_start_errors_print_once(rank, capsys):
+def test_fit_start_errors_print_once(rank, capsys, monkeypatch):
+    # Start from Python's own hook: an earlier test's init_process_group in this process wraps sys.excepthook in
+    # torch's "[rankN]: " prefixing one, which a real run installs before fit start (and so under ours).
+    from lightning_dcp.runtime import preflight
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(preflight, "_hook_installed", False)
     with pytest.raises(ValueError) as info:
         with fit_start(rank):
             _raise_from_package()

@@ -8,15 +8,13 @@ after the launch, once per rank. :class:`~lightning_dcp.runtime.settings.DCPSett
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import numbers
 from typing import Any, Iterable, Mapping
 
 __all__ = ["check_bool", "check_choice", "check_options", "check_planner_options", "did_you_mean"]
-
-_BOOLS = ("zero1", "plan_ahead", "shuffle", "drop_last", "log_metrics", "oom_checkpoint", "offload")
-
 
 def did_you_mean(value: Any, choices: Iterable[str]) -> str:
     """`` (did you mean 'dcp'?)`` for the closest of ``choices`` to ``value`` (``""`` when none is close)."""
@@ -98,8 +96,9 @@ def check_options(settings: Any) -> None:
         raise ValueError(f"cost_model must be a lightning_dcp.planning.cost_model.CostModel (item_cost, item_memory, "
                          f"...); got {type(cost).__name__}")
     check_bool("profile", s.profile, none="(profile when no cost model or planner is given)")
-    for name in _BOOLS:
-        check_bool(name, getattr(s, name))
+    for f in dataclasses.fields(s):
+        if f.type in ("bool", bool):  # the plain flags (``profile`` is checked above)
+            check_bool(f.name, getattr(s, f.name))
     if s.seed is not None and (isinstance(s.seed, bool) or not isinstance(s.seed, numbers.Integral)):
         raise ValueError(f"seed must be an int (the same on every rank) or None (Lightning's global seed), "
                          f"got {s.seed!r}")
