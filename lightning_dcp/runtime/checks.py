@@ -23,17 +23,22 @@ SYNC_IN_LOOP_WARNING = ("self.log(..., sync_dist=True) inside training_step unde
                         "epoch-level values are still synced at epoch end")
 
 def check_fit(trainer: Any, module: Any) -> None:
-    """The module optimizes automatically and the Trainer does not accumulate (the plan does)."""
+    """The module optimizes automatically, and the Trainer's gradient accumulation is fixed for the fit (a fixed
+    ``accumulate_grad_batches`` becomes a larger global batch: :mod:`~lightning_dcp.runtime.accumulation`)."""
     if not module.automatic_optimization:
         raise ValueError(
             "DCPStrategy runs the micro-batch accumulation loop itself and needs automatic optimization; "
             f"{type(module).__name__}.automatic_optimization is False. Let training_step return the loss "
             "(the strategy does backward, gradient reduction and the optimizer step)")
-    if trainer.accumulate_grad_batches != 1:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    scheduler = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    if scheduler is not None:
         raise ValueError(
-            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with DCPStrategy: the strategy "
-            "accumulates per rank as the plan says; set accumulate_grad_batches=1 and make the global batch larger "
-            "instead (DCPStrategy(global_batch_size=...))")
+            f"GradientAccumulationScheduler(scheduling={scheduler.scheduling}) with DCPStrategy: the accumulation "
+            "factor may not change during a fit (the strategy turns it into the global batch at fit start). Remove "
+            "the callback and use a fixed Trainer(accumulate_grad_batches=N) (global batch x N), or set the global "
+            "batch directly with DCPStrategy(global_batch_size=...)")
 
 
 def check_precision(precision_plugin: Any, mode: str) -> None:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_dcp.planning.batches import cut_batches
 from lightning_dcp.runtime.lengths import resolve_lengths
 from lightning_dcp.runtime.settings import DCPSettings
-from lightning_dcp.runtime.train_loader import global_batch, map_style_dataset
+from lightning_dcp.runtime.train_loader import global_batch, global_batch_source, map_style_dataset
 
 __all__ = ["FIT_START_MARK", "check_train_data", "fit_start", "train_dataset"]
 
@@ -43,9 +43,10 @@ def train_dataset(trainer: Any) -> Any:
     return loader if isinstance(loader, DataLoader) else None
 
 
-def check_train_data(loader: DataLoader | None, settings: DCPSettings, world_size: int) -> None:
+def check_train_data(loader: DataLoader | None, settings: DCPSettings, world_size: int, accumulate: int = 1) -> None:
     """``loader``'s dataset gives at least one full global batch per epoch (with ``drop_last``); else a
-    ``ValueError`` with the sample count, the global batch (and where it came from) and the fixes."""
+    ``ValueError`` with the sample count, the global batch (and where it came from) and the fixes.
+    ``accumulate``: ``Trainer(accumulate_grad_batches=...)``, which multiplies the global batch."""
     if loader is None:
         return
     dataset = map_style_dataset(loader)
@@ -53,25 +54,30 @@ def check_train_data(loader: DataLoader | None, settings: DCPSettings, world_siz
     if n == 0 or not settings.drop_last:
         return  # an empty dataset is named by the lengths check; without drop_last every sample trains
     per_rank = loader.batch_size or 1
-    gbs, gbt = global_batch(settings, per_rank, world_size)
+    gbs, gbt = global_batch(settings, per_rank, world_size, accumulate)
     name = type(dataset).__name__
+    times = f" x Trainer(accumulate_grad_batches={accumulate})" if accumulate != 1 else ""
     if gbs is not None and n < gbs:
-        source = (f"DCPStrategy(global_batch_size={gbs})" if settings.global_batch_size is not None else
-                  f"the DataLoader's batch_size {per_rank} x {world_size} ranks (DCPStrategy's default global batch)")
+        source = global_batch_source(settings, per_rank, world_size) + times
+        lower = (f"DCPStrategy(global_batch_size={n})" if not times else
+                 f"DCPStrategy(global_batch_size={max(1, n // accumulate)}) with accumulate_grad_batches={accumulate}, "
+                 "or a smaller accumulate_grad_batches")
         raise ValueError(
             f"the train dataset ({name}, {n} samples) gives no full global batch of {gbs} samples ({source}), so "
             f"with drop_last=True an epoch has no step. Lower the global batch to at most {n} "
-            f"(DCPStrategy(global_batch_size={n})), train the {n} samples as one smaller step with "
+            f"({lower}), train the {n} samples as one smaller step with "
             "DCPStrategy(drop_last=False), or add samples")
     if gbt is not None and (settings.lengths is not None or getattr(dataset, "lengths", None) is not None):
         lengths = resolve_lengths(dataset, settings.lengths)
         if not cut_batches(lengths, global_batch_tokens=gbt, drop_last=True):
             total = sum(lengths)
+            with_n = f" with accumulate_grad_batches={accumulate}" if times else ""
             raise ValueError(
                 f"the train dataset ({name}, {n} samples, {total} tokens) gives no full global batch of {gbt} tokens "
-                f"(DCPStrategy(global_batch_tokens={gbt})), so with drop_last=True an epoch has no step. Lower it to "
-                f"at most {total} (DCPStrategy(global_batch_tokens={total})), train the samples as one smaller step "
-                "with DCPStrategy(drop_last=False), or add samples")
+                f"(DCPStrategy(global_batch_tokens={settings.global_batch_tokens}){times}), so with drop_last=True an "
+                f"epoch has no step. Lower it to at most {total} (DCPStrategy(global_batch_tokens="
+                f"{max(1, total // accumulate)}){with_n}), "
+                "train the samples as one smaller step with DCPStrategy(drop_last=False), or add samples")
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,8 @@ What each hook does (the work is done by the runtime's other rooms):
   (:func:`~lightning_dcp.sp.contract.read_model`, :attr:`DCPStrategy.model_contract`), the SP cap
   (:mod:`~lightning_dcp.runtime.model`) and the SP groups of the aligned blocks of every Ulysses size
   (:class:`~lightning_dcp.sp.groups.SPGroups`; other groups per step); the SIGTERM watchdog (:mod:`~lightning_dcp.runtime.watchdog`).
-- ``setup``: the checks (:mod:`~lightning_dcp.runtime.checks`), the profiler
+- ``setup``: the checks (:mod:`~lightning_dcp.runtime.checks`), ``accumulate_grad_batches`` taken over as a larger
+  global batch (:mod:`~lightning_dcp.runtime.accumulation`), the profiler
   (:mod:`~lightning_dcp.runtime.fit_setup`), no DDP wrapper: ``configure_ddp`` broadcasts rank 0's
   weights, then builds the sharding mode's runtime :attr:`DCPStrategy.shards` (a
   :class:`~lightning_dcp.runtime.sharding.protocol.Shards` for every mode, chosen through
@@ -50,6 +51,7 @@ from lightning_dcp.runtime.calibration import CHECKPOINT_KEY as CALIBRATION_KEY
 from lightning_dcp.runtime.calibration import RunCalibration, build_calibration
 from lightning_dcp.planning.sharding.base import ShardingMode
 from lightning_dcp.planning.sharding.registry import DEFAULT_MODE
+from lightning_dcp.runtime.accumulation import Accumulation, accumulation_message
 from lightning_dcp.runtime.checks import check_fit, check_sharding, check_sharding_agreement
 from lightning_dcp.runtime.guards import MicroLoopGuards
 from lightning_dcp.runtime.executor import StepExecutor
@@ -73,7 +75,7 @@ from lightning_dcp.runtime.sharding.launcher import ShardedSpawnLauncher
 from lightning_dcp.runtime.step import LoadedStep
 from lightning_dcp.runtime.support import support_message
 from lightning_dcp.runtime.train_loader import (build_loader, build_sampler, check_not_empty, global_batch,
-                                                map_style_dataset, sample_namer, train_lengths)
+                                                global_batch_source, map_style_dataset, sample_namer, train_lengths)
 from lightning_dcp.sp.groups import SPGroups
 from lightning_dcp.runtime.watchdog import ShutdownWatchdog, rank_watchdog
 from lightning_dcp.sp.contract import ModelContract, read_model
@@ -105,7 +107,8 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             the model at fit start). ``None``: only when no cost model or planner is given and
             the profiler is importable.
         global_batch_size: samples per optimizer step, over all ranks. Default: the train
-            DataLoader's ``batch_size`` times the world size (what DDP would train on).
+            DataLoader's ``batch_size`` times the world size (what DDP would train on). Either is multiplied by
+            ``Trainer(accumulate_grad_batches=N)`` (:mod:`~lightning_dcp.runtime.accumulation`).
         global_batch_tokens: alternatively, a token budget per step.
         loss_reduction: ``"token"`` (mean over all real tokens of the global batch) or
             ``"sample"`` (mean over samples of each sample's token mean); see
@@ -230,6 +233,9 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         self.calibration: RunCalibration | None = None
         """The fit's calibration (predicted vs measured, refits; ``None`` with ``calibration="off"``)."""
         self.executor: StepExecutor | None = None
+        self.accumulation = Accumulation()
+        """``Trainer(accumulate_grad_batches=N)``, taken over at fit start
+        (:mod:`~lightning_dcp.runtime.accumulation`)."""
         self.shards: Shards | None = None
         """The sharding mode's runtime (:class:`~lightning_dcp.runtime.sharding.protocol.Shards`), from setup on."""
         self._sharding = RunSharding(self.settings)
@@ -332,8 +338,9 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         self.oom = None  # dcp/oom_replans counts this fit's re-plans
         with fit_start(self.global_rank):  # before the profiler (on_fit_start); printed once
             check_fit(trainer, self.lightning_module)
+            self.accumulation.take_over(trainer)  # accumulate_grad_batches=N: a global batch N times larger
             self.fit_start_loader = train_dataset(trainer)  # the profiler reads its samples from it
-            check_train_data(self.fit_start_loader, self.settings, self.world_size)
+            check_train_data(self.fit_start_loader, self.settings, self.world_size, self.accumulation.factor)
         message = support_message(self._model_contract)
         if message:
             rank_zero_info(message)
@@ -381,7 +388,11 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             return dataloader
         dataset = map_style_dataset(dataloader)
         lengths, names, per_rank = self.train_lengths(dataset), sample_namer(dataset), dataloader.batch_size or 1
-        gbs, gbt = global_batch(self.settings, per_rank, self.world_size)
+        n = self.accumulation.factor
+        gbs, gbt = global_batch(self.settings, per_rank, self.world_size, n)
+        if self.accumulation.say_once():
+            rank_zero_info(accumulation_message(n, global_batch_size=gbs, global_batch_tokens=gbt,
+                                                source=global_batch_source(self.settings, per_rank, self.world_size)))
         planners = PlannerFactory(self.settings, self.world_size, self.sp_cap, self.num_heads, self.support,
                                   states=self.model_states(),
                                   prices=RunSharding.prices(self.root_device, self.num_processes), sample_name=names)
@@ -436,6 +447,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         if self.executor is None:
             raise RuntimeError("DCPStrategy.training_step ran before the train dataloader was built "
                                "(process_dataloader); train through Trainer.fit")
+        self.accumulation.check_unchanged(self.lightning_module.trainer)
         result = self.executor.run_step(batch, batch_idx)
         self.batch_sampler.mark_consumed(result.step.epoch, result.step.index)  # the resume position
         self.last_step_metrics, self.last_step_plan = result.metrics, result.plan.to_dict()
@@ -503,6 +515,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         if self.batch_sampler is not None:
             self.batch_sampler.shutdown()
         self.executor = None
+        self.accumulation.restore()
         self._oom_resume = None  # an out-of-memory checkpoint's entry lives for the one fit that loaded it
         if self.oom is not None:
             self.oom.clear()

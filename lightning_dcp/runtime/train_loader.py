@@ -20,8 +20,8 @@ from lightning_dcp.runtime.sampler import DCPBatchSampler
 from lightning_dcp.runtime.settings import DCPSettings
 from lightning_dcp.runtime.support import uniform_lengths
 
-__all__ = ["DatasetNames", "build_loader", "build_sampler", "check_not_empty", "global_batch", "map_style_dataset",
-           "sample_namer", "train_lengths"]
+__all__ = ["DatasetNames", "build_loader", "build_sampler", "check_not_empty", "global_batch", "global_batch_source",
+           "map_style_dataset", "sample_namer", "train_lengths"]
 
 
 def map_style_dataset(dataloader: DataLoader) -> Any:
@@ -66,12 +66,23 @@ def train_lengths(dataset: Any, settings: DCPSettings, support: str | None) -> l
     return uniform_lengths(dataset)
 
 
-def global_batch(settings: DCPSettings, per_rank: int, world_size: int) -> tuple[int | None, int | None]:
-    """(samples, tokens) per optimizer step: the settings', else the DataLoader's ``batch_size`` times the world."""
+def global_batch(settings: DCPSettings, per_rank: int, world_size: int,
+                 accumulate: int = 1) -> tuple[int | None, int | None]:
+    """(samples, tokens) per optimizer step: the settings', else the DataLoader's ``batch_size`` times the world;
+    times ``accumulate`` (``Trainer(accumulate_grad_batches=...)``, :mod:`~lightning_dcp.runtime.accumulation`)."""
     gbs, gbt = settings.global_batch_size, settings.global_batch_tokens
     if gbs is None and gbt is None:
         gbs = per_rank * world_size
-    return gbs, gbt
+    return (gbs * accumulate if gbs is not None else None), (gbt * accumulate if gbt is not None else None)
+
+
+def global_batch_source(settings: DCPSettings, per_rank: int, world_size: int) -> str:
+    """Where :func:`global_batch` came from (before any ``x accumulate_grad_batches``), for messages."""
+    if settings.global_batch_size is not None:
+        return f"DCPStrategy(global_batch_size={settings.global_batch_size})"
+    if settings.global_batch_tokens is not None:
+        return f"DCPStrategy(global_batch_tokens={settings.global_batch_tokens})"
+    return f"the DataLoader's batch_size {per_rank} x {world_size} ranks (DCPStrategy's default global batch)"
 
 
 def build_sampler(lengths: list[int], planner: Any, settings: DCPSettings, *, global_batch_size: int | None,
