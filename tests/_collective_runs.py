@@ -4,7 +4,9 @@
 (``start_method="popen"``) whose ``training_step`` makes the world collective ``CALL`` (``dist`` -- a direct
 ``torch.distributed.all_reduce``, ``all_gather`` -- ``self.all_gather``, ``metric`` -- a torchmetrics
 ``MeanMetric(dist_sync_on_step=True)``) from step 1 on, under plans where the ranks run different numbers of
-micro-batches (an SP-2 item on ranks 0-1, then 1, 3 and -- on 3 processes -- 0 SP-1 items). Every rank
+micro-batches (an SP-2 item on ranks 0-1, then 1, 3 and -- on 3 processes -- 0 SP-1 items). ``caught-CALL``
+makes the same call inside ``try: ... except CollectiveInLoopError: pass`` (user code that swallows the error:
+the refused call still stops every rank at the step end). Every rank
 writes the exception that stopped it to ``OUT_DIR/error_rank{r}.txt``, the wall time of its first call to
 ``OUT_DIR/call_rank{r}.txt`` and of its stop to ``OUT_DIR/stop_rank{r}.txt``.
 
@@ -31,8 +33,10 @@ import torch.distributed as dist  # noqa: E402
 from _dcp_helpers import TinyLM, make_trainer  # noqa: E402
 from lightning_dcp import DCPStrategy  # noqa: E402
 from lightning_dcp.planning.plan import StepPlan, WorkItem  # noqa: E402
+from lightning_dcp.runtime.collective_guard import CollectiveInLoopError  # noqa: E402
 
 CALLS = ("dist", "all_gather", "metric")
+CAUGHT = tuple(f"caught-{call}" for call in CALLS)
 
 
 class UnevenPlanner:
@@ -54,12 +58,14 @@ class UnevenPlanner:
 
 
 class CallingLM(TinyLM):
-    """From step 1 on, every micro-batch's training_step makes the world collective ``call`` after its forward."""
+    """From step 1 on, every micro-batch's training_step makes the world collective ``call`` after its forward
+    (``caught-CALL``: and swallows the :class:`CollectiveInLoopError`)."""
 
     def __init__(self, call: str, out_dir: str) -> None:
         super().__init__()
-        self.call, self.out_dir = call, out_dir
-        if call == "metric":
+        self.caught = call.startswith("caught-")
+        self.call, self.out_dir = call.removeprefix("caught-"), out_dir
+        if self.call == "metric":
             from torchmetrics import MeanMetric
 
             self.train_mean = MeanMetric(dist_sync_on_step=True)
@@ -71,14 +77,20 @@ class CallingLM(TinyLM):
             if not os.path.exists(path):
                 with open(path, "w") as f:
                     f.write(repr(time.time()))
-            value = loss.detach().reshape(1)
-            if self.call == "dist":
-                dist.all_reduce(value)
-            elif self.call == "all_gather":
-                self.all_gather(value)
-            else:
-                self.train_mean(value)
+            try:
+                self._collective(loss.detach().reshape(1))
+            except CollectiveInLoopError:
+                if not self.caught:
+                    raise
         return loss
+
+    def _collective(self, value: torch.Tensor) -> None:
+        if self.call == "dist":
+            dist.all_reduce(value)
+        elif self.call == "all_gather":
+            self.all_gather(value)
+        else:
+            self.train_mean(value)
 
 
 class StopRecord(pl.Callback):
@@ -112,7 +124,11 @@ def measure(call: str, world: int) -> None:
     try:
         code = subprocess.run([sys.executable, os.path.abspath(__file__), call, str(world), out],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600).returncode
-        print(f"{call} on {world} processes: exit {code}, stopped {stop_seconds(out, world):.2f} s after the first call")
+        stops = [r for r in range(world) if os.path.exists(os.path.join(out, f"stop_rank{r}.txt"))]
+        if len(stops) < world:
+            print(f"{call} on {world} processes: exit {code}, ranks {stops} stopped (not every rank)")
+        else:
+            print(f"{call} on {world} processes: exit {code}, stopped {stop_seconds(out, world):.2f} s after the first call")
     finally:
         shutil.rmtree(out, ignore_errors=True)
 

@@ -87,7 +87,8 @@ def _guard_rules(rank: int, world: int) -> None:
 
 
 def _report(rank: int, world: int) -> None:
-    """Rank 1 alone tripped: both ranks raise rank 1's message after the step-end flags."""
+    """Rank 1 alone tripped -- its user code caught the error and went on: the guard recorded the refused call
+    anyway, and both ranks raise rank 1's message after the step-end flags."""
     from lightning_dcp.runtime.collective_guard import CollectiveInLoopError, LoopCollectiveGuard
 
     guard = LoopCollectiveGuard(None, rank, world)
@@ -95,8 +96,8 @@ def _report(rank: int, world: int) -> None:
         if rank == 1:
             try:
                 dist.all_reduce(torch.ones(1))
-            except CollectiveInLoopError as err:
-                guard.trip(err)
+            except CollectiveInLoopError:
+                pass  # swallowed: nothing tells the executor
     assert guard.flag == int(rank == 1)
 
     def gather(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,7 @@ def test_the_strategys_own_collectives_raise_the_guard_error_inside_the_loop():
     the executor reports to every rank; ``reduce`` (``self.log(..., sync_dist=True)``) keeps the local value."""
     from types import SimpleNamespace
 
-    from lightning_dcp.runtime.collective_guard import CollectiveInLoopError
+    from lightning_dcp.runtime.collective_guard import CollectiveInLoopError, LoopCollectiveGuard
     from lightning_dcp.runtime.guards import MicroLoopGuards
 
     class Base:
@@ -147,6 +148,21 @@ def test_the_strategys_own_collectives_raise_the_guard_error_inside_the_loop():
             call()
     with pytest.warns(UserWarning, match="on-step values are not synced"):
         assert strategy.reduce(t) is t
+    guard = LoopCollectiveGuard(None, 0, 1)
+    with guard.loop():  # inside the executor's loop the running guard records the refusal, caught or not
+        try:
+            strategy.all_gather(t)
+        except CollectiveInLoopError:
+            pass
+        try:
+            strategy.barrier()  # a second refusal: the first is the one reported
+        except CollectiveInLoopError:
+            pass
+    assert guard.flag == 1
+    with pytest.raises(CollectiveInLoopError, match=r"^self\.all_gather on the world group .*Every rank stopped at "
+                                                    r"the end of this step \(rank 0 made such a call\)$"):
+        guard.stop_if_tripped([1.0], lambda _: pytest.fail("no gather on one process"))
+    assert guard.flag == 0
     strategy.executor.in_micro_loop = False
     assert strategy.all_gather(t) == "ddp" and strategy.reduce(t) == "ddp"
 
@@ -178,10 +194,13 @@ _EXPECTED = {
     ("dist", 3), ("metric", 2),
     pytest.param("dist", 2, marks=pytest.mark.slow), pytest.param("all_gather", 2, marks=pytest.mark.slow),
     pytest.param("all_gather", 3, marks=pytest.mark.slow), pytest.param("metric", 3, marks=pytest.mark.slow),
+    ("caught-all_gather", 2),
+    pytest.param("caught-dist", 3, marks=pytest.mark.slow), pytest.param("caught-metric", 2, marks=pytest.mark.slow),
 ])
 def test_world_collective_in_training_step_stops_every_rank_with_uneven_counts(tmp_path, call, world):
     """Ranks run 2, 4 (and on 3 processes 0) micro-batches per step; from step 1 every training_step makes the
-    call: every rank stops in that step with the same error, naming the call and the fix -- no time-out."""
+    call: every rank stops in that step with the same error, naming the call and the fix -- no time-out.
+    ``caught-CALL``: the user's training_step catches the error and returns its loss; the stop is the same."""
     code = _fit(call, world, str(tmp_path))
     assert code != 0
     output = open(tmp_path / "output.txt").read()
@@ -191,7 +210,7 @@ def test_world_collective_in_training_step_stops_every_rank_with_uneven_counts(t
     assert len(set(messages)) == 1, messages
     msg = messages[0]
     assert msg.startswith("CollectiveInLoopError: "), msg
-    assert all(m in msg for m in _EXPECTED[call]), msg
+    assert all(m in msg for m in _EXPECTED[call.removeprefix("caught-")]), msg
     assert "step 1 of epoch 0, item 0 (samples [" in msg and "SP 2" in msg
     assert msg.endswith("Every rank stopped at the end of this step (ranks [0, 1] made such a call)"), msg
     assert "Timed out" not in output and "CollectiveError" not in output

@@ -12,6 +12,8 @@ an error at the first such call:
   groups (its group, a ring item's Ulysses subgroup and ring) -- the world above all -- raises
   :class:`CollectiveInLoopError` at once, before anything is sent. The strategy's own ``all_gather``,
   ``barrier``, ``broadcast`` and ``reduce_boolean_decision`` raise it too (:mod:`~lightning_dcp.runtime.guards`).
+  The guard records the refused call as it raises, so user code that catches the error (``try: ... except``)
+  still stops at the step end like code that lets it propagate.
   In a lockstep round (``sharding="hsdp"``) the shard mesh's groups are allowed as well (FSDP's per-layer
   collectives). The SP groups' collectives, point-to-point ops and other threads' calls pass;
 - **the other ranks**: the executor keeps the error, skips this rank's other SP-1 items (it still runs its
@@ -120,6 +122,13 @@ class LoopCollectiveGuard:
         if self.tripped is None:
             self.tripped = err
 
+    def refuse(self, call: str, group_desc: str, fix: str | None = None) -> CollectiveInLoopError:
+        """:meth:`error`, recorded with :meth:`trip` before the caller raises it: caught by user code, it still
+        stops every rank at the step end."""
+        err = self.error(call, group_desc, fix)
+        self.trip(err)
+        return err
+
     @property
     def flag(self) -> int:
         """1 when a call was refused in this rank's loop this step (the step-end row's ``loop_collective``)."""
@@ -148,7 +157,7 @@ class LoopCollectiveGuard:
         """Raise :class:`CollectiveInLoopError` unless ``group`` is one of the active SP groups (or allowed)."""
         if not creation and self._allowed(group):
             return
-        raise self.error(f"torch.distributed.{name}", "a collective of the world" if creation else _describe_group(group))
+        raise self.refuse(f"torch.distributed.{name}", "a collective of the world" if creation else _describe_group(group))
 
     def _allowed(self, group: Any) -> bool:
         from lightning_dcp.sp.context import active_context
@@ -201,11 +210,13 @@ class LoopCollectiveGuard:
 
 def strategy_call_error(call: str) -> CollectiveInLoopError:
     """The error for the strategy's own world collective (``"self.all_gather"``, ``"barrier"``, ``"broadcast"``,
-    ``"reduce_boolean_decision"``) called inside the loop."""
+    ``"reduce_boolean_decision"``) called inside the loop; recorded by the running loop's guard (a caught one
+    still stops every rank at the step end)."""
     name = call if call.startswith("self.") else f"trainer.strategy.{call}"
     fix = _FIX_STRATEGY.get(call)
-    guard = _ACTIVE if _ACTIVE is not None else LoopCollectiveGuard()
-    return guard.error(name, "the world group", fix)
+    if _ACTIVE is not None:
+        return _ACTIVE.refuse(name, "the world group", fix)
+    return LoopCollectiveGuard().error(name, "the world group", fix)
 
 
 @functools.lru_cache(maxsize=None)
