@@ -44,6 +44,7 @@ _EXPORTS = {
     "StepLossLogging": "lightning_dcp.step_loss",
     "StepMetrics": "lightning_dcp.runtime.metrics",
     "active_context": "lightning_dcp.sp.context",
+    "micro_batches": "lightning_dcp.runtime.manual",
     "pack_samples": "lightning_dcp.sp.packing",
     "profile_module": "lightning_dcp.profiling",
     "seq_all_to_all": "lightning_dcp.sp.ulysses",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_dcp.sp.attention import varlen_attention
     from lightning_dcp.sp.context import SPContext, active_context, sp_context
     from lightning_dcp.sp.groups import SPGroups
+    from lightning_dcp.runtime.manual import micro_batches
     from lightning_dcp.runtime.metrics import StepMetrics
     from lightning_dcp.sp.packing import pack_samples
     from lightning_dcp.profiling import DCPProfiler, profile_module

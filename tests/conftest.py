@@ -77,6 +77,7 @@ SLOW = {
     "test_any_sp_size.py::test_ring_at_sp4_on_a_two_head_model_is_exact[contiguous]",
     "test_any_sp_size.py::test_hf_twelve_heads_on_three_processes_sp3_and_ring_is_exact",
     "test_any_sp_size.py::test_diffusers_wan_six_heads_on_three_processes_sp3_and_ring_is_exact",
+    "test_manual_optimization.py::test_two_optimizers_equal_ddp[zero1]",
 }
 """Test ids (file::name[params]) marked ``slow``."""
 

@@ -15,6 +15,8 @@ One concept per module:
   :class:`~lightning_dcp.runtime.sharding.protocol.Shards` per sharding mode (step start, rounds, gradient
   reduction, resting state, the bytes it measured), sharded checkpoints;
 - :mod:`~lightning_dcp.runtime.oom`: out-of-memory recovery, one object;
+- :mod:`~lightning_dcp.runtime.accumulation`, :mod:`~lightning_dcp.runtime.manual`: ``accumulate_grad_batches`` as
+  a larger global batch, and manual optimization driving the step's micro-batches (``micro_batches``);
 - :mod:`~lightning_dcp.runtime.sampler`, :mod:`~lightning_dcp.runtime.loader`,
   :mod:`~lightning_dcp.runtime.lengths`: steps, their micro-batches, and the sample lengths;
 - :mod:`~lightning_dcp.runtime.planner_factory`, :mod:`~lightning_dcp.runtime.model`,

@@ -86,6 +86,25 @@ class GradBuckets:
                 self.has_grad[i] = 1.0
             p.grad = None
 
+    def set_aside(self) -> list[Tensor | None]:
+        """The gradients the parameters hold now (copies of those that are views of the buckets, which the next
+        :meth:`begin` zeroes), to be added back after the next :meth:`reduce` with :meth:`add_back` (manual
+        optimization: a loop over the micro-batches starts on top of gradients an earlier loop left;
+        :mod:`~lightning_dcp.runtime.manual`)."""
+        kept: list[Tensor | None] = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None and g.data_ptr() == self._view(i).data_ptr():
+                g = g.clone()
+            kept.append(g)
+        return kept
+
+    def add_back(self, kept: list[Tensor | None]) -> None:
+        """Add :meth:`set_aside`'s gradients to the reduced ones (linear: as if they had been reduced together)."""
+        for p, g in zip(self.params, kept):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+
     def reduce(self, world_has_grad: Tensor | None, group: Any = None, world: int = 1, scale: float = 1.0) -> None:
         if world > 1:
             handles = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True) for buf in self.buffers]

@@ -22,14 +22,18 @@ SYNC_IN_LOOP_WARNING = ("self.log(..., sync_dist=True) inside training_step unde
                         "numbers of micro-batches, so on-step values are not synced (each rank logs its own); "
                         "epoch-level values are still synced at epoch end")
 
-def check_fit(trainer: Any, module: Any) -> None:
-    """The module optimizes automatically, and the Trainer's gradient accumulation is fixed for the fit (a fixed
-    ``accumulate_grad_batches`` becomes a larger global batch: :mod:`~lightning_dcp.runtime.accumulation`)."""
-    if not module.automatic_optimization:
+def check_fit(trainer: Any, module: Any, sharding: str = DEFAULT_MODE) -> None:
+    """The Trainer's gradient accumulation is fixed for the fit (a fixed ``accumulate_grad_batches`` becomes a larger
+    global batch: :mod:`~lightning_dcp.runtime.accumulation`); manual optimization runs with a ``sharding`` mode that
+    keeps full weights (:mod:`~lightning_dcp.runtime.manual`)."""
+    if not module.automatic_optimization and MODES[sharding].shards_weights:
         raise ValueError(
-            "DCPStrategy runs the micro-batch accumulation loop itself and needs automatic optimization; "
-            f"{type(module).__name__}.automatic_optimization is False. Let training_step return the loss "
-            "(the strategy does backward, gradient reduction and the optimizer step)")
+            f"DCPStrategy(sharding={sharding!r}) with manual optimization "
+            f"({type(module).__name__}.automatic_optimization is False): the mode shards the weights, and its weight "
+            "gathers and gradient reduce-scatter belong to the strategy's own optimizer step, which manual "
+            "optimization replaces. Use a mode that keeps full weights "
+            f"with manual optimization ({', '.join(repr(m) for m, c in MODES.items() if not c.shards_weights)}: the "
+            f"optimizer state can still be sharded), or automatic optimization with sharding={sharding!r}")
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     scheduler = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)

@@ -26,6 +26,10 @@ The sharding mode's runtime (the :class:`~lightning_dcp.runtime.sharding.protoco
 reduction do: ``"zero2"`` / ``"fsdp"`` start with the weights' all-gather (before step 2; a no-op where
 they are already full) and step 4 is a SUM reduce-scatter per bucket into the sharded gradients.
 
+Manual optimization (:meth:`StepExecutor.run_manual_step`): steps 2 and 4 are the module's, driven through
+:func:`~lightning_dcp.micro_batches` (:mod:`~lightning_dcp.runtime.manual`: a reduction at each loop's end);
+step 3 runs after its ``training_step``, for the metrics and the plan hashes.
+
 :meth:`StepExecutor.run_step` returns a :class:`~lightning_dcp.runtime.step.StepResult` (the exact
 global loss, the metrics row, the plan that ran); the strategy logs it. The executor holds no
 strategy: it is built from a :class:`~lightning_dcp.runtime.rank.RankRuntime`.
@@ -45,7 +49,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -63,6 +67,9 @@ from lightning_dcp.runtime.rank import RankRuntime
 from lightning_dcp.runtime.row import GatheredStep, StepRow
 from lightning_dcp.runtime.sharding.protocol import GradReduction, Round
 from lightning_dcp.runtime.step import LoadedStep, MicroBatch, PreparedStep, Step, StepResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_dcp.runtime.manual import ManualResult
 from lightning_dcp.sp.context import sp_context
 from lightning_dcp.sp.contract import local_batch, read_model
 from lightning_dcp.sp.tokens import count_weighted_calls, is_weighted
@@ -122,6 +129,9 @@ class StepExecutor:
         self.buckets: GradReduction | None = None
         self.grads_parked = False
         self.in_micro_loop = False
+        self.manual: Any = None
+        """The running manual-optimization step's :class:`~lightning_dcp.runtime.manual.ManualDriver` (else
+        ``None``)."""
         timeout = self.settings.timeout
         self.guard = LoopCollectiveGuard(runtime.module, runtime.rank, runtime.world_size,
                                          timeout.total_seconds() if timeout is not None else None)
@@ -224,6 +234,40 @@ class StepExecutor:
             planned = max(gathered.column("planned_upto"))
             prediction = self.calibration.after_step(gathered.measurements, prepared.step, planned)
         return self._finish(gathered, prepared.step, step_s, prediction)
+
+    def run_manual_step(self, batch: LoadedStep | PreparedStep, batch_idx: int) -> "ManualResult":
+        """Manual optimization: the module's ``training_step`` once, with a
+        :class:`~lightning_dcp.runtime.manual.ManualStep` to loop over (:func:`~lightning_dcp.micro_batches`); each
+        loop's end reduces the gradients (:class:`~lightning_dcp.runtime.manual.ManualDriver`). Then the step-end
+        gather (metrics, the next plan's hash, a refused collective)."""
+        from lightning_dcp.runtime.manual import ManualDriver, ManualResult, ManualStep
+
+        prepared = self.ready(batch)
+        step = prepared.step
+        self.validate(step)
+        self.check_plan_before_loop(step)
+        now = time.perf_counter()
+        step_s = now - self._last_step_start if self._last_step_start is not None else 0.0
+        self._last_step_start = now
+        self._begin_step()
+        self._ensure_groups(step)
+        runtime = self.runtime
+        results = getattr(runtime.trainer, "_results", None)
+        if results is not None:  # self.log outside the loops: this rank's samples of the step
+            results.batch, results.batch_size = None, max(1, sum(len(mb.item.samples) for mb in prepared.micro_batches))
+        driver = self.manual = ManualDriver(self, prepared)
+        try:
+            with runtime.train_step_context():
+                output = runtime.module.training_step(ManualStep(prepared, driver), batch_idx)
+            driver.end()
+        except CollectiveInLoopError as err:  # raised in a loop's body: every rank stops at that loop's end
+            driver.report_trip(err)
+            raise
+        finally:
+            driver.abort()
+            self.manual = None
+        gathered = self.gather(prepared, driver.busy_s, 0.0)
+        return ManualResult(output, self._metrics(gathered.rows, step, step_s, float("nan")), step)
 
     def _begin_step(self) -> None:
         """The mode's step start (``"fsdp"``: the weights' all-gather, before any micro-batch); the buckets once."""

@@ -24,6 +24,9 @@ What each hook does (the work is done by the runtime's other rooms):
   strategy logs its metrics and hands Lightning the exact global loss (detached; ``backward`` skips it).
 - ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients (the
   mode's reduction); then clipping, the optimizer step, the mode's ``after_step``, the calibration's timing.
+- manual optimization: ``training_step`` calls the module's once with a step to drive
+  (:mod:`~lightning_dcp.runtime.manual`); ``backward`` (``manual_backward``) weights each micro-batch's loss, each
+  loop's end reduces, ``optimizer_step`` steps.
 - checkpoints and evaluation: the mode's (:mod:`~lightning_dcp.runtime.sharded_state`). World collectives from
   user code inside the micro-batch loop: :mod:`~lightning_dcp.runtime.guards`. Exactness, agreement,
   time-outs, out-of-memory recovery: :mod:`~lightning_dcp.runtime.executor`, ``agreement``, ``faults``, ``oom``.
@@ -95,6 +98,10 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
     strategy hands back to Lightning -- ``outputs["loss"]`` in ``on_train_batch_end`` -- is the step's
     global mean loss, the value plain data-parallel training would report (log it there; the shipped
     modules do, as ``train/loss``, through :class:`~lightning_dcp.step_loss.StepLossLogging`).
+
+    Manual optimization (``automatic_optimization = False``, several optimizers): ``training_step`` runs once per
+    step and loops over this rank's micro-batches with :func:`~lightning_dcp.micro_batches`, once per optimizer; each
+    loop's end reduces the gradients, so ``opt.step()`` after it sees DDP's (:mod:`~lightning_dcp.runtime.manual`).
 
     Args:
         policy: planner policy name for :class:`lightning_dcp.planning.planner.Planner`
@@ -337,7 +344,7 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         bars, the profiler."""
         self.oom = None  # dcp/oom_replans counts this fit's re-plans
         with fit_start(self.global_rank):  # before the profiler (on_fit_start); printed once
-            check_fit(trainer, self.lightning_module)
+            check_fit(trainer, self.lightning_module, self.sharding)
             self.accumulation.take_over(trainer)  # accumulate_grad_batches=N: a global batch N times larger
             self.fit_start_loader = train_dataset(trainer)  # the profiler reads its samples from it
             check_train_data(self.fit_start_loader, self.settings, self.world_size, self.accumulation.factor)
@@ -400,9 +407,11 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             self._cost_model = planners.cost_model(self._cost_model, lengths, self._model_contract.num_layers, per_rank)
         planner = planners.planner(self._cost_model, lengths)
         resume, self._calibration_resume = self._calibration_resume, None
-        planned_by, self.calibration = build_calibration(self.settings, planners, planner, self._cost_model, lengths,
-                                                         world_size=self.world_size, rank=self.global_rank,
-                                                         device=self.root_device, resume=resume)
+        planned_by, self.calibration = planner, None  # manual optimization: the fit-start cost model throughout
+        if self.lightning_module.automatic_optimization:
+            planned_by, self.calibration = build_calibration(self.settings, planners, planner, self._cost_model, lengths,
+                                                             world_size=self.world_size, rank=self.global_rank,
+                                                             device=self.root_device, resume=resume)
         self.batch_sampler = build_sampler(lengths, planned_by, self.settings, global_batch_size=gbs,
                                            global_batch_tokens=gbt, world_size=self.world_size, rank=self.global_rank)
         self._check_setup_agreement(lengths, planner, global_batch_size=gbs, global_batch_tokens=gbt)
@@ -443,29 +452,39 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
     @override
     def training_step(self, batch: Any = None, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
         """Run this rank's micro-batches of one optimizer step, log its metrics; return the step's global loss
-        (detached)."""
+        (detached). Manual optimization: the module's ``training_step`` once, driving the micro-batches
+        (:mod:`~lightning_dcp.runtime.manual`); return what it returned."""
         if self.executor is None:
             raise RuntimeError("DCPStrategy.training_step ran before the train dataloader was built "
                                "(process_dataloader); train through Trainer.fit")
         self.accumulation.check_unchanged(self.lightning_module.trainer)
-        result = self.executor.run_step(batch, batch_idx)
+        manual = not self.lightning_module.automatic_optimization
+        result = self.executor.run_manual_step(batch, batch_idx) if manual else self.executor.run_step(batch, batch_idx)
         self.batch_sampler.mark_consumed(result.step.epoch, result.step.index)  # the resume position
         self.last_step_metrics, self.last_step_plan = result.metrics, result.plan.to_dict()
         self.metrics_tracker.record(result.metrics)
         if self.settings.log_metrics:
             log_step_metrics(self.lightning_module, result.metrics, self.oom_replans)
-        return result.loss
+        return result.output if manual else result.loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Skipped for the loss a DCP ``training_step`` returned (backward already ran per micro-batch)."""
+        """Skipped for the loss a DCP ``training_step`` returned (backward already ran per micro-batch). Manual
+        optimization (``manual_backward`` inside a loop over ``micro_batches(batch)``): the micro-batch's loss as a
+        sum over its loss units, then Lightning's backward."""
         if self.executor is not None and self.executor.grads_parked:
             return closure_loss
+        manual = self.executor.manual if self.executor is not None else None
+        if manual is not None:
+            closure_loss = manual.scaled(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Reduce the parked gradients right after the closure, before clipping and the step."""
+        """Reduce the parked gradients right after the closure, before clipping and the step. (Manual
+        optimization: each loop over ``micro_batches(batch)`` reduced its gradients when it ended.)"""
+        if self.executor is not None and self.executor.manual is not None:
+            self.executor.manual.check_step()
 
         def dcp_closure() -> Any:
             result = closure()
