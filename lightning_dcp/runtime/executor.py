@@ -252,10 +252,10 @@ class StepExecutor:
         self._begin_step()
         self._ensure_groups(step)
         runtime = self.runtime
+        driver = self.manual = ManualDriver(self, prepared)
         results = getattr(runtime.trainer, "_results", None)
         if results is not None:  # self.log outside the loops: this rank's samples of the step
-            results.batch, results.batch_size = None, max(1, sum(len(mb.item.samples) for mb in prepared.micro_batches))
-        driver = self.manual = ManualDriver(self, prepared)
+            results.batch, results.batch_size = None, driver.batch_size
         try:
             with runtime.train_step_context():
                 output = runtime.module.training_step(ManualStep(prepared, driver), batch_idx)

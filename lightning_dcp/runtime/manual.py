@@ -151,6 +151,8 @@ class ManualDriver:
         self.busy_s = 0.0
         self.broken: str | None = None
         self.ended = False
+        self.batch_size = max(1, sum(len(mb.item.samples) for mb in prepared.micro_batches))
+        """What ``self.log`` reads outside the loops: this rank's samples of the step (at least 1)."""
         self._active: weakref.ref | None = None  # the running loop (weak: a loop left by `break` is closed at once)
 
     @property
@@ -199,6 +201,8 @@ class ManualDriver:
             done = True
         finally:
             ex.in_micro_loop = False
+            if results is not None:  # self.log after the loop: this rank's samples of the step again
+                results.batch, results.batch_size = None, self.batch_size
             self.busy_s += time.perf_counter() - t0
             self._active = None
             if not done:
