@@ -11,6 +11,9 @@
 - :data:`EXTERNAL`: other programs, named here so that a new kind of command must be added on purpose.
 
 Relative links in the same files must name files that exist, and ``#anchors`` headings that exist.
+
+The "Lightning features" table of docs/strategy.md: every row names the tests that back it
+(``tests/FILE.py::test_name``), and each named test is a test function of that file.
 """
 
 from __future__ import annotations
@@ -174,4 +177,42 @@ def test_relative_links_point_at_files_and_headings_that_exist(path):
             bad.append(f"{source}: {target} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             bad.append(f"{source}: {target} (no heading #{anchor} in {dest.name})")
+    assert bad == []
+
+
+FEATURES_DOC = ROOT / "docs" / "strategy.md"
+_NAMED_TEST = re.compile(r"`(tests/[\w/]+\.py)::(test_\w+)`")
+
+
+def _feature_rows() -> list[list[str]]:
+    """The cells of each body row of the "Lightning features" table."""
+    text = FEATURES_DOC.read_text()
+    assert "\n## Lightning features\n" in text, f"{FEATURES_DOC.name} has no 'Lightning features' section"
+    section = text.split("\n## Lightning features\n", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    assert table[0].replace(" ", "") == "|Feature|WorksasinDDP|Notes|" and set(table[1]) <= set("|-"), table[:2]
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in table[2:]]
+
+
+@cache
+def _test_functions(rel: str) -> frozenset[str]:
+    tree = ast.parse((ROOT / rel).read_text())
+    return frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and node.name.startswith("test_"))
+
+
+def test_every_lightning_feature_row_names_tests_that_exist():
+    rows = _feature_rows()
+    assert len(rows) >= 20, [r[0] for r in rows]  # the features of issue #35, one row each
+    bad = []
+    for cells in rows:
+        assert len(cells) == 3 and all(cells), cells
+        named = _NAMED_TEST.findall(cells[2])
+        if not named:
+            bad.append(f"{cells[0]}: names no test")
+        for rel, name in named:
+            if not (ROOT / rel).is_file():
+                bad.append(f"{cells[0]}: {rel} does not exist")
+            elif name not in _test_functions(rel):
+                bad.append(f"{cells[0]}: {rel} has no test function {name}")
     assert bad == []

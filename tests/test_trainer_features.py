@@ -6,6 +6,11 @@ processes are started by ``run_distributed`` and every Trainer call runs inside 
   (the ``dcp/*`` step metrics land in ``metrics.csv``), a tqdm progress bar (``rich`` is not
   installed here) and a val dataloader; then ``validate``, ``test`` and ``predict``.
 - ZeRO-1 (``DCPStrategy(zero1=True)``, AdamW): weights after 3 steps equal ``zero1=False``.
+- Against ``DDPStrategy`` on the same data order, in one spawn (issue #35; the rows of docs/strategy.md's
+  "Lightning features" table name these tests): a LightningDataModule, ``limit_*_batches``, an epoch LR
+  scheduler with LearningRateMonitor, EarlyStopping, a best-``val_loss`` ModelCheckpoint, CSV and TensorBoard
+  loggers, a callback reading ``x, y = batch``, the gradients ``on_before_optimizer_step`` and
+  ``on_after_backward`` see; then a second fit of each under ``precision="bf16-mixed"``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from _dcp_helpers import RandomPlanner, TinyLM, make_dataset, max_rel_err
 from _dist import run_distributed
@@ -122,3 +127,171 @@ def _zero1(rank: int, world: int) -> None:
 def test_zero1_equals_plain_adamw():
     """ZeRO-1 (sharded AdamW state) after 3 steps gives the same weights as unsharded AdamW."""
     run_distributed(_zero1, 2)
+
+
+# ---------------------------------------------------------------- the features the issue checked against DDP (#35)
+PER = 3  # DDP's batch per rank: global batches of 6 on 2 ranks; 48 samples, 8 steps per epoch, 4 of them run
+
+
+class FeatureData(pl.LightningDataModule):
+    """A DataModule; for DDP the train loader deals the samples in order (``DistributedSampler(shuffle=False)``:
+    rank r gets r, r + 2, ...), the data order of DCPStrategy(shuffle=False)'s global batches."""
+
+    def __init__(self, ordered_ddp: bool) -> None:
+        super().__init__()
+        self.ordered_ddp = ordered_ddp
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(64, 6, generator=g)
+        self.train_set = torch.utils.data.TensorDataset(x[:48], x[:48].sum(1) * 0.3 + x[:48, 0] ** 2)
+        self.val_set = torch.utils.data.TensorDataset(x[48:], x[48:].sum(1) * 0.3 + x[48:, 0] ** 2)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.ordered_ddp:
+            sampler = DistributedSampler(self.train_set, self.trainer.world_size, self.trainer.global_rank, shuffle=False)
+            return DataLoader(self.train_set, batch_size=PER, sampler=sampler)
+        return DataLoader(self.train_set, batch_size=PER)
+
+    def val_dataloader(self) -> DataLoader:  # the same ranks' halves under both strategies
+        sampler = DistributedSampler(self.val_set, self.trainer.world_size, self.trainer.global_rank, shuffle=False)
+        return DataLoader(self.val_set, batch_size=4, sampler=sampler)
+
+
+class FeatureRegressor(pl.LightningModule):
+    """An ordinary module (safe mode under DCP): MLP, mean MSE, SGD with momentum, an epoch StepLR."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.autocast: list[bool] = []
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x).squeeze(-1)
+        self.autocast.append(out.dtype == torch.bfloat16)
+        return F.mse_loss(out.float(), y)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x).squeeze(-1).float(), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.6)}
+
+
+def _grad_norm(module: pl.LightningModule) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()])))
+
+
+class HookRecord(pl.Callback):
+    """Per step on this rank: the labels of the batch a callback reads (``x, y = batch``), the calls of
+    ``on_after_backward`` and the last grad norm it saw, the grad norm ``on_before_optimizer_step`` sees."""
+
+    def __init__(self) -> None:
+        self.labels: list[list[float]] = []
+        self.after_backward: list[tuple[int, float]] = []
+        self.before_step: list[float] = []
+        self._calls, self._last = 0, 0.0
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._calls, self._last = self._calls + 1, _grad_norm(pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.before_step.append(_grad_norm(pl_module))
+        self.after_backward.append((self._calls, self._last))
+        self._calls = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        x, y = batch  # what a sample logger does
+        assert x.shape == (len(y), 6)
+        self.labels.append(y.tolist())
+
+
+def _feature_fit(strategy, out_dir: str, tag: str, ddp: bool, epochs: int = 12, **kw) -> tuple[pl.Trainer, FeatureRegressor, dict]:
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    stop = EarlyStopping(monitor="val_loss", min_delta=0.02, patience=1)
+    best = ModelCheckpoint(dirpath=os.path.join(out_dir, tag, "ckpt"), monitor="val_loss", save_top_k=1)
+    loggers = [CSVLogger(out_dir, name=tag, version=0), TensorBoardLogger(out_dir, name=f"{tag}_tb", version=0)]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, limit_train_batches=4,
+                         limit_val_batches=2, log_every_n_steps=1, logger=loggers, use_distributed_sampler=not ddp,
+                         callbacks=[stop, best, LearningRateMonitor(logging_interval="step"), HookRecord()],
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
+    module = FeatureRegressor()
+    trainer.fit(module, datamodule=FeatureData(ordered_ddp=ddp))
+    hooks = next(c for c in trainer.callbacks if isinstance(c, HookRecord))
+    ranks = [None] * trainer.world_size
+    dist.all_gather_object(ranks, (hooks.labels, hooks.after_backward, hooks.before_step))
+    labels = [sorted(sum((r[0][k] for r in ranks), [])) for k in range(len(hooks.labels))]  # the step's union
+    seen = {"labels": labels, "after_backward": [r[1] for r in ranks], "before_step": [r[2] for r in ranks]}
+    seen |= {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "stopped_epoch": stop.stopped_epoch,
+            "best": os.path.basename(best.best_model_path), "best_score": float(best.best_model_score)}
+    return trainer, module, seen
+
+
+def _scalars(out_dir: str, tag: str) -> dict:
+    """``{name: [(step, value), ...]}`` from the CSV and the TensorBoard logs of run ``tag`` (rank 0 writes them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(os.path.join(out_dir, tag, "version_0", "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    csv_series = {k: [(int(r["step"]), float(r[k])) for r in rows if r.get(k)] for k in ("lr-SGD", "val_loss")}
+    events = EventAccumulator(os.path.join(out_dir, f"{tag}_tb", "version_0"))
+    events.Reload()
+    tb_series = {k: [(e.step, e.value) for e in events.Scalars(k)] for k in ("lr-SGD", "val_loss")}
+    return {"csv": csv_series, "tb": tb_series}
+
+
+def _close(a: dict, b: dict, tol: float) -> None:
+    for name in b:
+        assert max_rel_err(a[name], b[name]) < tol, name
+
+
+def _against_ddp(rank: int, world: int, out_dir: str) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    ddp = lambda: DDPStrategy(process_group_backend="gloo")  # noqa: E731
+    dcp = lambda: DCPStrategy(shuffle=False, seed=0)  # noqa: E731
+    _, m_ddp, s_ddp = _feature_fit(ddp(), out_dir, "ddp", ddp=True)
+    trainer, m_dcp, s_dcp = _feature_fit(dcp(), out_dir, "dcp", ddp=False)
+    assert s_dcp["best_score"] == pytest.approx(s_ddp.pop("best_score"), rel=1e-5)
+    for r in range(world):  # grad norms a callback logs: DDP's in on_before_optimizer_step
+        assert s_dcp["before_step"][r] == pytest.approx(s_ddp["before_step"][r], rel=1e-5)
+    # on_after_backward (#35 item 4): DDP's runs once per step on the reduced gradients; DCP's after each of the
+    # rank's micro-batches, on this rank's partial sum (docs/strategy.md, Lightning features)
+    assert all(n == 1 for r in s_ddp["after_backward"] for n, _ in r)
+    assert [n for n, _ in s_ddp["after_backward"][0]] != [] and all(
+        b == pytest.approx(a) for r in range(world) for (_, a), b in zip(s_ddp["after_backward"][r], s_ddp["before_step"][r]))
+    assert any(a != pytest.approx(b, rel=1e-3) for r in range(world)
+               for (_, a), b in zip(s_dcp["after_backward"][r], s_dcp["before_step"][r]))
+    for key in ("before_step", "after_backward"):
+        s_ddp.pop(key), s_dcp.pop(key)
+    assert s_dcp == dict(s_ddp, best_score=s_dcp["best_score"])  # each step's samples, the stop, the best checkpoint
+    assert s_dcp["stopped_epoch"] < 11 and s_dcp["global_step"] == 4 * (s_dcp["epoch"]), s_dcp  # stopped early
+    assert s_dcp["labels"][0] == sorted(FeatureData(True).train_set.tensors[1][:6].tolist())
+    _close(m_dcp.state_dict(), m_ddp.state_dict(), 1e-5)
+    if rank == 0:
+        logs_ddp, logs_dcp = _scalars(out_dir, "ddp"), _scalars(out_dir, "dcp")
+        lrs = [v for _, v in logs_dcp["csv"]["lr-SGD"]]
+        assert len(lrs) == s_dcp["global_step"] and lrs[0] == pytest.approx(0.05) and lrs[-1] < lrs[0], lrs
+        for kind in ("csv", "tb"):
+            for name, series in logs_ddp[kind].items():
+                got = logs_dcp[kind][name]
+                assert [s for s, _ in got] == [s for s, _ in series], (kind, name)
+                assert [v for _, v in got] == pytest.approx([v for _, v in series], rel=1e-5), (kind, name)
+    # a second fit in the same processes, under bf16-mixed: the autocast runs on every micro-batch, as DDP's
+    _, b_ddp, _ = _feature_fit(ddp(), out_dir, "ddp16", ddp=True, precision="bf16-mixed", epochs=1)
+    _, b_dcp, _ = _feature_fit(dcp(), out_dir, "dcp16", ddp=False, precision="bf16-mixed", epochs=1)
+    assert all(b_ddp.autocast) and all(b_dcp.autocast) and b_dcp.autocast and not any(m_dcp.autocast)
+    _close(b_dcp.state_dict(), b_ddp.state_dict(), 2e-2)
+
+
+def test_datamodule_schedulers_early_stopping_checkpoint_loggers_and_bf16_match_ddp(tmp_path):
+    """One 2-process spawn, DDPStrategy and DCPStrategy on the same data order: a LightningDataModule,
+    ``limit_train_batches``/``limit_val_batches``, an epoch StepLR with LearningRateMonitor, EarlyStopping and a
+    best-``val_loss`` ModelCheckpoint, CSV and TensorBoard loggers give the same weights (1e-5), the same stop,
+    the same best checkpoint and the same logged series; then a second fit of each in the same processes under
+    ``precision="bf16-mixed"``."""
+    run_distributed(_against_ddp, 2, str(tmp_path), timeout=300)
