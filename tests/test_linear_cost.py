@@ -91,7 +91,8 @@ def test_the_shared_form_gives_the_old_values(name, lengths, sp, ring, r, parts,
     assert cm.item_time(lengths, sp, r, ring) == time  # the planner's fast path: the very same numbers
     assert cm.item_memory(lengths, sp, r, ring) == (memory if name.startswith("a:") else pytest.approx(memory, rel=1e-14))
     assert cm.min_recompute(lengths, sp, ring) == min_rec
-    assert cm.item_time_lower(lengths, sp, r, ring) == lower
+    # a profiled model's coefficients come from a least-squares fit, whose last digits follow the machine's BLAS
+    assert cm.item_time_lower(lengths, sp, r, ring) == (lower if name.startswith("a:") else pytest.approx(lower, rel=1e-12))
 
 
 @settings(max_examples=60, deadline=None)
