@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--hide-planning", action="store_true",
                         help="do not charge planning time (default: a step lasts at least the next step's planning)")
+    parser.add_argument("--tp", type=int, nargs="?", const=0, default=None, metavar="T",
+                        help="price tensor parallelism inside SP items: dcp may give an item any TP degree up to T "
+                             "(default: a node's GPUs) whose TP groups stay inside a node (Planner(max_tp_size=T)); "
+                             "planning and simulation only, the runtime does not run TP items")
     from lightning_dcp.planning.speeds import RANK_SPEED_SYNTAX
 
     parser.add_argument("--rank-speed", default=None, metavar="SPEC",
@@ -130,7 +134,8 @@ def draw_run(lengths_pool: list[int], global_batch_tokens: int, num_steps: int) 
 def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: list[int], policies: list[str], *,
             global_batch_tokens: int, seed: int = 0, timeline: bool = False,
             progress: Progress | None = None, rank_speeds: Any = None,
-            speed_aware: bool = True, charge_planning: bool = True, ring: bool = True) -> list[dict[str, Any]]:
+            speed_aware: bool = True, charge_planning: bool = True, ring: bool = True,
+            max_tp_size: int = 1) -> list[dict[str, Any]]:
     """Plan and simulate ``run_lengths`` with each policy; one dict per policy (plus its plan and result).
 
     ``charge_planning``: each global batch's planning seconds (``time.perf_counter`` around it; a
@@ -142,7 +147,9 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     ``progress``: where to report each policy as it finishes (and slow planning as it goes).
     ``rank_speeds``: the ranks' true speeds: the simulation (and the run's step bound) uses them; the
     planners see them only when ``speed_aware``. ``ring``: the planners may use ring sizes (the step
-    bound counts them either way).
+    bound counts them either way). ``max_tp_size``: the planners may give items tensor-parallel splits up to that
+    degree (only dcp chooses a split per item; the step bound counts them too); each row then has ``tp_share``,
+    the share of its tokens per TP degree.
     The run's step bound and every simulation share one cached
     :class:`~lightning_dcp.planning.bound.StepBounder` (:func:`~lightning_dcp.planning.bound.step_bound`).
     """
@@ -152,12 +159,15 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
     from lightning_dcp.planning.simulator import simulate
 
     batches = [[run_lengths[i] for i in b] for b in cut_batches(run_lengths, global_batch_tokens=global_batch_tokens)]
-    bound_time = sum(step_bound(b, cost_model, world_size, rank_speeds=rank_speeds) for b in batches)
+    bound_time = sum(step_bound(b, cost_model, world_size, rank_speeds=rank_speeds, max_tp_size=max_tp_size)
+                     for b in batches)
     plan_speeds = rank_speeds if speed_aware or rank_speeds is None else [1.0] * world_size
     rows = []
     for k, name in enumerate(policies):
         tag = f"[{k + 1}/{len(policies)}] {name}"
         opts = {"tune_tokens": global_batch_tokens} if "tune_tokens" in POLICIES[name].option_names() else {}
+        if max_tp_size > 1:
+            opts["max_tp_size"] = max_tp_size
         planner = Planner(world_size, cost_model, name, seed=seed, dataset_lengths=dataset, rank_speeds=plan_speeds,
                           ring=ring, **opts)
         planner.prepare(batches)  # a peer tunes on the run's batches here, before the run: not planning time
@@ -174,7 +184,7 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
         n_steps = max(len(plan.steps), 1)
         planning = per_batch if len(per_batch) == len(plan.steps) else [elapsed / n_steps] * len(plan.steps)
         sim = simulate(plan, cost_model, timeline=timeline, rank_speeds=rank_speeds,
-                       planning_times=planning if charge_planning else None)
+                       planning_times=planning if charge_planning else None, max_tp_size=max_tp_size)
         if progress is not None:
             progress.line(f"{tag}: {len(plan.steps)} steps planned in {elapsed:.2f} s, simulated in "
                           f"{time.perf_counter() - t0 - elapsed:.2f} s")
@@ -186,13 +196,31 @@ def compare(world_size: int, cost_model: Any, dataset: list[int], run_lengths: l
             "mean_step_bound_fraction": sim.mean_step_bound_fraction,
             "planner_ms_per_step": 1e3 * elapsed / n_steps, "step_s": sum(sim.step_times) / n_steps,
             "planning_wait_s": sim.planning_wait,
-            "solver_s_per_step": sum(getattr(planner.policy, "solve_log", [])) / n_steps, **{f"icc_{k}": v for k, v in sim.icc.items()},
-            "_plan": plan, "_sim": sim,
+            "solver_s_per_step": sum(getattr(planner.policy, "solve_log", [])) / n_steps,
+            **{f"icc_{k}": v for k, v in sim.icc.items()}, "_plan": plan, "_sim": sim,
         })
+        if max_tp_size > 1:
+            rows[-1]["tp_share"] = tp_share(plan)
     base = next((r["tokens_per_s"] for r in rows if r["policy"] == "bucket"), rows[0]["tokens_per_s"] if rows else 1.0)
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base if base > 0 else math.nan
     return rows
+
+
+def tp_share(plan: Any) -> dict[int, float]:
+    """Share of the plan's tokens per tensor-parallel degree of their items (``{1: 1.0}`` without TP)."""
+    tokens: dict[int, int] = {}
+    for step in plan.steps:
+        for item in step.items:
+            tokens[item.tp] = tokens.get(item.tp, 0) + item.tokens
+    total = sum(tokens.values()) or 1
+    return {t: n / total for t, n in sorted(tokens.items())}
+
+
+def tp_note(row: dict[str, Any]) -> str:
+    """``dcp: tokens by TP degree: 1 62.0%, 8 38.0%`` (``--tp``)."""
+    share = row.get("tp_share") or {1: 1.0}
+    return f"{row['policy']}: tokens by TP degree: " + ", ".join(f"{t} {100 * v:.1f}%" for t, v in share.items())
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -437,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise CLIError(f"--plot writes a PNG; give a path ending in .png, got {args.plot}")
     speeds = rank_speeds_arg(args)
+    if args.tp is not None and args.tp < 0:
+        raise CLIError(f"--tp takes a positive TP degree (or none: a node's GPUs), got {args.tp}")
     if defaults:
         print(f"using defaults {' '.join(defaults)} (pass them to change)")
     progress = Progress(enabled=not args.quiet)
@@ -462,10 +492,12 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "shard_group_size", None) == "auto":
         cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress)
     progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
+    max_tp = 1 if args.tp is None else (args.tp or int(cost_model.gpus_per_node or 1))
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
                        seed=args.seed, timeline=args.plot is not None, progress=progress, rank_speeds=speeds,
-                       speed_aware=args.speed_aware, charge_planning=not args.hide_planning, ring=args.ring)
+                       speed_aware=args.speed_aware, charge_planning=not args.hide_planning, ring=args.ring,
+                       max_tp_size=max_tp)
     except PlanningError as err:
         raise CLIError(str(err)) from None
     model = (args.model or "transformer-1d") if args.profile is None else args.profile
@@ -473,6 +505,8 @@ def run(args: argparse.Namespace) -> int:
         model = f"{model} with {args.num_heads} heads"
     if not args.ring:
         model += ", no ring"
+    if max_tp > 1:
+        model += f", TP up to {max_tp}"
     print(f"{source}: {len(run_lengths)} samples, {sum(run_lengths):,} tokens, {rows[0]['global_batches']} global batches of "
           f"{gbt:,} tokens, {args.world_size} GPUs, model {model}{_sharding_note(args, cost_model)}"
           + (f", rank speeds {args.rank_speed} (planner {'aware' if args.speed_aware else 'blind'})" if speeds else ""))
@@ -481,6 +515,9 @@ def run(args: argparse.Namespace) -> int:
         note = steps_note(r)
         if note:
             print(textwrap.fill(note, 100, initial_indent="  ", subsequent_indent="    "))
+    if max_tp > 1:
+        for r in rows:
+            print("  " + tp_note(r))
     _write_outputs(args, rows, source, gbt, len(run_lengths), progress)
     return 0
 

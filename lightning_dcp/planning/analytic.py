@@ -19,6 +19,7 @@ from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import StateParts
 from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 from lightning_dcp.planning.sp_sizes import kv_repeat, ulysses_sizes
+from lightning_dcp.planning.tensor_parallel import TPTerms
 
 ATTN_BWD_RATIO = 2.5
 """FlashAttention's backward does 2.5x the forward FLOPs (5 matmuls against 2; Dao 2023, §3.1/§4)."""
@@ -126,6 +127,7 @@ class AnalyticCostModel(LinearCostModel):
         self._spatial = float(model.spatial_tokens)
         self.prices_ring = model.kind != "2d"  # rings split full self-attention (1d, 3d)
         self.no_ring_reason = f"no ring pricing for the 2d model {model.name!r}; plan it with ring=1"
+        self.prices_tp = True  # Megatron TP + sequence parallelism inside an item, at the hardware's collective prices
         LinearCostModel.__init__(self)
         self._init_layer_times()
         self._init_head_times()
@@ -285,6 +287,14 @@ class AnalyticCostModel(LinearCostModel):
         m = self.model
         kv = 2.0 * m.hidden_size * self._kv_fraction * kv_repeat(m.num_heads, m.num_kv_heads, u) / u
         return m.blocks_per_layer * kv * self.dtype_bytes
+
+    def tp_terms(self) -> TPTerms:
+        """TP collectives of this shape: per layer forward an all-gather + reduce-scatter pair per attention and per
+        MLP of each block (and one for 3d cross-attention), of ``hidden_size x dtype_bytes`` per token, at the
+        hardware's all-reduce bus bandwidth (:mod:`~lightning_dcp.planning.tensor_parallel`)."""
+        m = self.model
+        pairs = 2 * m.blocks_per_layer + (1 if m.cross_attention else 0)
+        return TPTerms(float(m.hidden_size * self.dtype_bytes), pairs, self.collective_prices(), self.num_layers)
 
     def ring_transfer(self, lengths: Sequence[int], p: int, recompute: int) -> float:
         """:meth:`ring_cost`'s estimated exposed transfers on a pure ring of ``p`` ranks: per layer forward ``p - 1`` steps

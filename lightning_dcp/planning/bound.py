@@ -84,7 +84,7 @@ class StepBounder:
     """
 
     def __init__(self, cost_model: CostModel, world_size: int, max_sp_size: int | None = None, *,
-                 view: CostView | None = None, rank_speeds: Sequence[float] | None = None):
+                 view: CostView | None = None, rank_speeds: Sequence[float] | None = None, max_tp_size: int = 1):
         if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if max_sp_size is not None and (not isinstance(max_sp_size, (int, np.integer)) or max_sp_size <= 0):
@@ -95,7 +95,7 @@ class StepBounder:
             max_sp = min(max_sp, int(max_sp_size))
         self.cost_model = cost_model
         self.view = view if view is not None and view.cm is cost_model and view.sp_sizes[-1] <= max_sp \
-            else CostView(cost_model, max_sp, world_size=self.world_size)
+            else CostView(cost_model, max_sp, world_size=self.world_size, max_tp=max_tp_size)
         self.overhead = float(cost_model.step_overhead(self.world_size))
         speeds = rank_speeds if rank_speeds is not None else (view.speeds if view is not None else None)
         self.speeds = None if uniform(speeds) else tuple(float(x) for x in speeds)  # type: ignore[union-attr]
@@ -112,8 +112,8 @@ class StepBounder:
         work = np.array([self.view.work(n) for n in lengths], dtype=np.float64)
         best = np.full(len(L), np.inf)
         for p in self.view.sp_sizes:
-            for ring in self.view.item_rings[p]:  # every split an item may take
-                caps = self.view.capacities(p, ring)
+            for ring, tp in self.view.splits_of(p):  # every split an item may take
+                caps = self.view.capacities(p, ring, tp)
                 rs = [r for r, c in enumerate(caps) if c > 0 and (r == 0 or c != caps[r - 1])]  # same cap: never better
                 if not rs:
                     continue
@@ -121,16 +121,17 @@ class StepBounder:
                 count = cap / L[None, :]  # a full micro-batch of length-l samples (fractional count)
                 tokens = np.broadcast_to(cap, count.shape).ravel()
                 rr = np.broadcast_to(np.array(rs, dtype=np.float64)[:, None], count.shape).ravel()
-                t = self._times(tokens, (work[None, :] * count).ravel(), count.ravel(), p, rr, ring).reshape(count.shape)
+                t = self._times(tokens, (work[None, :] * count).ravel(), count.ravel(), p, rr, ring,
+                                tp).reshape(count.shape)
                 share = np.where(L[None, :] <= cap, t * (L[None, :] / cap) * p, np.inf)
                 best = np.minimum(best, share.min(axis=0))
         for n, v in zip(lengths, best.tolist()):
             self._gpu_s[n] = v
 
     def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray,
-               ring: int) -> np.ndarray:
+               ring: int, tp: int = 1) -> np.ndarray:
         if self.view.fast_time is not None:
-            return self.view.time_many(tokens, sq, n, p, r, lower=True, ring=ring)
+            return self.view.time_many(tokens, sq, n, p, r, lower=True, ring=ring, tp=tp)
         # generic cost model (no item_time_sum): whole micro-batches of k = floor(cap / l) equal
         # samples (k <= 4096), scaled to the full count -- within ~1% of the linear form
         out = []
@@ -147,10 +148,10 @@ class StepBounder:
         if got is None:
             got = np.full(len(self.view.sp_sizes), np.inf)
             for k, p in enumerate(self.view.sp_sizes):
-                for ring in self.view.item_rings[p]:
-                    r = self.view.min_recompute(length, p, ring)
+                for ring, tp in self.view.splits_of(p):
+                    r = self.view.min_recompute(length, p, ring, tp)
                     if r is not None:
-                        got[k] = min(got[k], self.view.time([length], p, r, ring))
+                        got[k] = min(got[k], self.view.time([length], p, r, ring, tp))
             self._alone[length] = got
         return got
 
@@ -189,28 +190,30 @@ _BOUNDERS: "weakref.WeakKeyDictionary[CostModel, dict[tuple, StepBounder]]" = we
 
 
 def _bounder(cost_model: CostModel, world_size: int, max_sp_size: int | None,
-             rank_speeds: Sequence[float] | None = None) -> StepBounder:
+             rank_speeds: Sequence[float] | None = None, max_tp_size: int | None = None) -> StepBounder:
     speeds = None if uniform(rank_speeds) else tuple(float(x) for x in rank_speeds)  # type: ignore[union-attr]
+    tp = int(max_tp_size or 1)
     try:
         per = _BOUNDERS.setdefault(cost_model, {})
     except TypeError:  # not weak-referenceable: no cache
-        return StepBounder(cost_model, world_size, max_sp_size, rank_speeds=speeds)
-    key = (int(world_size), max_sp_size, speeds)
+        return StepBounder(cost_model, world_size, max_sp_size, rank_speeds=speeds, max_tp_size=tp)
+    key = (int(world_size), max_sp_size, speeds) if tp == 1 else (int(world_size), max_sp_size, speeds, tp)
     b = per.get(key)
     if b is None:
-        b = per[key] = StepBounder(cost_model, world_size, max_sp_size, rank_speeds=speeds)
+        b = per[key] = StepBounder(cost_model, world_size, max_sp_size, rank_speeds=speeds, max_tp_size=tp)
     return b
 
 
 def step_bound(lengths: Sequence[int], cost_model: CostModel, world_size: int, max_sp_size: int | None = None,
-               rank_speeds: Sequence[float] | None = None) -> float:
+               rank_speeds: Sequence[float] | None = None, max_tp_size: int | None = None) -> float:
     """Lower bound (seconds) on the time of one step running ``lengths``, all-reduce included.
 
     ``max(work / W, heaviest) + step_overhead(W)`` (see the module docstring); with ``rank_speeds``
-    ``max(work / sum(speeds), heaviest / max(speeds)) + step_overhead(W)``. Cached per cost
-    model, world size, ``max_sp_size`` and speeds, so calling it every step costs little.
+    ``max(work / sum(speeds), heaviest / max(speeds)) + step_overhead(W)``; ``max_tp_size``: items may also take
+    tensor-parallel splits up to that degree (:class:`~lightning_dcp.planning.view.CostView`). Cached per cost
+    model, world size, ``max_sp_size``, speeds and TP degree, so calling it every step costs little.
     """
-    return _bounder(cost_model, world_size, max_sp_size, rank_speeds).seconds(lengths)
+    return _bounder(cost_model, world_size, max_sp_size, rank_speeds, max_tp_size).seconds(lengths)
 
 
 def step_bound_parts(lengths: Sequence[int], cost_model: CostModel, world_size: int,

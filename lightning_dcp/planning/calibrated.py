@@ -68,6 +68,15 @@ class CalibratedCostModel(DelegatingCostModel):
                       ring_exposed: bool = True) -> Num:
         return self.base.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed) * self.factors.scale(sp)
 
+    def tp_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> ItemCost:
+        c = self.base.tp_cost(lengths, sp, recompute, ring, tp)
+        f = self.scale(sp)
+        return replace(c, compute=c.compute * f, recompute=c.recompute * f, comm=c.comm * f, overhead=c.overhead * f)
+
+    def tp_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1,
+                    ring_exposed: bool = True) -> Num:
+        return self.base.tp_time_sum(tokens, sq_sum, n, sp, recompute, ring, tp, ring_exposed) * self.factors.scale(sp)
+
     def step_overhead(self, world_size: int) -> float:
         """The measured step overhead where the run measured one, else the base's estimate."""
         measured = self.factors.step_overhead_s

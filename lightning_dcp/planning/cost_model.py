@@ -91,6 +91,10 @@ class CostModel(abc.ABC):
     """Whether ``item_memory`` and ``memory_limit`` are bytes (the fallback and safe-mode models count tokens)."""
     rounds: RoundPlan = FREE_RUNNING
     """How a step's items run (:mod:`~lightning_dcp.planning.rounds`): free-running, or lockstep rounds of a shard group."""
+    prices_tp: bool = False
+    """Whether :meth:`tp_cost`, :meth:`tp_memory` and their fast paths price ``tp > 1`` (tensor parallelism inside
+    an SP item, :mod:`~lightning_dcp.planning.tensor_parallel`); the planner offers TP splits only then, and only when
+    asked (``Planner(max_tp_size=...)``)."""
 
     @abc.abstractmethod
     def item_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1) -> ItemCost:
@@ -199,6 +203,38 @@ class CostModel(abc.ABC):
         return sp_splits(self.num_heads, limit, self.gpus_per_node, ring=ring and self.prices_ring,
                          usable=set(self.sp_sizes(limit)))
 
+    # -- tensor parallelism inside an item (prices_tp): tp == 1 is the item's ring (or Ulysses) answer -------------
+    def tp_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> ItemCost:
+        """:meth:`ring_cost` of an item whose ``sp / ring`` subgroups run ``tp``-way tensor parallelism
+        (``WorkItem.tp``); ``ValueError`` for ``tp > 1`` on a model that prices none (:attr:`prices_tp`)."""
+        if tp <= 1:
+            return self.ring_cost(lengths, sp, recompute, ring)
+        raise ValueError(self._no_tp(tp))
+
+    def tp_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> float:
+        """:meth:`ring_memory` of a ``tp``-way tensor-parallel item (see :meth:`tp_cost`)."""
+        if tp <= 1:
+            return self.ring_memory(lengths, sp, recompute, ring)
+        raise ValueError(self._no_tp(tp))
+
+    def tp_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1,
+                    ring_exposed: bool = True) -> Num:
+        """:meth:`item_time_sum` of a ``tp``-way tensor-parallel item (fast paths)."""
+        if tp <= 1:
+            return self.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed)
+        raise ValueError(self._no_tp(tp))
+
+    def tp_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1) -> Num:
+        """:meth:`item_memory_tokens` of a ``tp``-way tensor-parallel item (fast paths)."""
+        if tp <= 1:
+            return self.item_memory_tokens(tokens, sp, recompute, ring)
+        raise ValueError(self._no_tp(tp))
+
+    def _no_tp(self, tp: int) -> str:
+        return (f"{type(self).__name__} prices no tensor parallelism (prices_tp is False), so an item with tp={tp} has "
+                "no cost; plan with max_tp_size=1, or price TP with an AnalyticCostModel (or a ProfiledCostModel with "
+                "hardware= and the profile's model.hidden_size)")
+
     # -- any ring degree: the model's own pricing, or the generic estimate for a model without it -----
     def ring_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int) -> ItemCost:
         """:meth:`item_cost` at any ring degree. On a model that prices no ring, a pure ring (``ring == sp``) is
@@ -269,9 +305,11 @@ class _FromBase:
 
 class DelegatingCostModel(CostModel):
     """A view of ``base``: every interface attribute and every primitive answer (the abstract methods, the fast paths,
-    :meth:`sp_sizes`, :meth:`collective_prices`, :meth:`describe_limit`, :meth:`ring_transfer`) is the base's; the
-    derived answers (:meth:`item_time`, :meth:`fits`, :meth:`min_recompute`, :meth:`max_length`, ...) follow from them.
-    A subclass overrides what it changes (the attribute, the primitive); a closed form of its own is an option."""
+    :meth:`sp_sizes`, :meth:`collective_prices`, :meth:`describe_limit`, :meth:`ring_transfer`, the ``tp > 1`` answers of
+    :meth:`tp_cost` and its kin) is the base's; the derived answers (:meth:`item_time`, :meth:`fits`,
+    :meth:`min_recompute`, :meth:`max_length`, ...) follow from them. A subclass overrides what it changes (the
+    attribute, the primitive: a view that changes times or memory changes its TP answers too, or sets ``prices_tp``
+    False); a closed form of its own is an option."""
 
     num_layers = _FromBase()  # type: ignore[assignment]
     memory_limit = _FromBase()  # type: ignore[assignment]
@@ -284,6 +322,7 @@ class DelegatingCostModel(CostModel):
     state_bytes = _FromBase()  # type: ignore[assignment]
     memory_in_bytes = _FromBase()  # type: ignore[assignment]
     rounds = _FromBase()  # type: ignore[assignment]
+    prices_tp = _FromBase()  # type: ignore[assignment]
 
     def __init__(self, base: CostModel) -> None:
         self.base = base
@@ -321,3 +360,20 @@ class DelegatingCostModel(CostModel):
 
     def ring_transfer(self, lengths: Sequence[int], p: int, recompute: int) -> float:
         return self.base.ring_transfer(lengths, p, recompute)
+
+    def tp_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> ItemCost:
+        return self.base.tp_cost(lengths, sp, recompute, ring, tp) if tp > 1 else \
+            CostModel.tp_cost(self, lengths, sp, recompute, ring, tp)
+
+    def tp_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> float:
+        return self.base.tp_memory(lengths, sp, recompute, ring, tp) if tp > 1 else \
+            CostModel.tp_memory(self, lengths, sp, recompute, ring, tp)
+
+    def tp_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1,
+                    ring_exposed: bool = True) -> Num:
+        return self.base.tp_time_sum(tokens, sq_sum, n, sp, recompute, ring, tp, ring_exposed) if tp > 1 else \
+            self.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed)
+
+    def tp_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1) -> Num:
+        return self.base.tp_memory_tokens(tokens, sp, recompute, ring, tp) if tp > 1 else \
+            self.item_memory_tokens(tokens, sp, recompute, ring)

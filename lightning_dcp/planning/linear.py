@@ -9,19 +9,21 @@ recomputed layers ``r``::
 
 (a :class:`Terms` at ``(W, T, n)`` is ``work * W + tokens * T + const + samples * n``). Each model fills one :class:`LinearCost`
 per SP size; :class:`LinearCostModel` answers the whole :class:`~lightning_dcp.planning.cost_model.CostModel`
-interface from it, rings included (:mod:`~lightning_dcp.planning.ring`). The evaluators take numpy arrays as well
-(the planner's vectorized fast path). Pure Python.
+interface from it, rings included (:mod:`~lightning_dcp.planning.ring`), and tensor parallelism inside an item when the
+model says what its collectives move (:mod:`~lightning_dcp.planning.tensor_parallel`). The evaluators take numpy
+arrays as well (the planner's vectorized fast path). Pure Python.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.ring import RingTerms, hardware_ring_terms, ring_buffer_bytes, ring_exposed, ring_steps, \
     ring_steps_compute
+from lightning_dcp.planning.tensor_parallel import TPTerms, a2a_share, tp_buffer_bytes, tp_collective_time
 
 __all__ = ["LinearCost", "LinearCostModel", "Terms"]
 
@@ -129,7 +131,9 @@ class LinearCostModel(CostModel):
     """A cost model whose Ulysses answers are one :class:`LinearCost` per SP size (:meth:`linear_cost`, cached by
     :meth:`linear`), and whose rings (``sp = ring x u``, when :attr:`prices_ring`) are the ``u``-rank item on ``T /
     ring`` tokens plus the ring's steps and buffers (:mod:`~lightning_dcp.planning.ring`, needs ``hardware`` and
-    :meth:`kv_bytes_per_token`)."""
+    :meth:`kv_bytes_per_token`), and whose tensor-parallel items (``tp > 1``, when :attr:`prices_tp`) are the same
+    item on Ulysses ``sp / ring`` with its all-to-all scaled and the TP collectives added
+    (:mod:`~lightning_dcp.planning.tensor_parallel`, needs :meth:`tp_terms`)."""
 
     fast_paths = True
     hardware: HardwareSpec | None = None
@@ -144,9 +148,14 @@ class LinearCostModel(CostModel):
         """Key and value bytes one rank of a ``u``-rank Ulysses group holds per token after its all-to-all."""
         raise NotImplementedError
 
+    def tp_terms(self) -> TPTerms:  # pragma: no cover - provided by a model that prices TP
+        """What the model's TP collectives move and at what prices (:class:`~lightning_dcp.planning.tensor_parallel.TPTerms`)."""
+        raise NotImplementedError
+
     def __init__(self) -> None:
         self._linear: dict[int, LinearCost] = {}
         self._ring_terms: dict[tuple[int, int], RingTerms] = {}
+        self._tp_terms: TPTerms | None = None
 
     def linear(self, sp: int) -> LinearCost:
         """:meth:`linear_cost`, cached."""
@@ -217,6 +226,47 @@ class LinearCostModel(CostModel):
         if ring != 1:
             return CostModel.max_length(self, sp, recompute, ring)
         return self.linear(sp).max_length(self.memory_limit, self.num_layers if recompute is None else recompute, sp)
+
+    # -- tensor parallelism inside an item ----------------------------------------------------------
+    def tp_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> ItemCost:
+        cost = self.item_cost(lengths, sp, recompute, ring)
+        if tp <= 1:
+            return cost
+        return replace(cost, comm=cost.comm + self._tp_extra(float(sum(lengths)), sp, recompute, ring, tp))
+
+    def tp_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> float:
+        return self.tp_memory_tokens(sum(lengths), sp, recompute, ring, tp)
+
+    def tp_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1,
+                    ring_exposed: bool = True) -> Num:
+        time = self.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed)
+        return time if tp <= 1 else time + self._tp_extra(tokens, sp, recompute, ring, tp)
+
+    def tp_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1) -> Num:
+        mem = self.item_memory_tokens(tokens, sp, recompute, ring)
+        if tp <= 1:
+            return mem
+        return mem + tp_buffer_bytes(self._tp(tp), tokens, ring, self._ulysses(sp, ring), tp)
+
+    def _tp(self, tp: int) -> TPTerms:
+        """:meth:`tp_terms`, cached; ``ValueError`` naming the fix on a model that prices no TP."""
+        if not self.prices_tp:
+            raise ValueError(self._no_tp(tp))
+        if self._tp_terms is None:
+            self._tp_terms = self.tp_terms()
+        return self._tp_terms
+
+    def _tp_extra(self, tokens: Num, sp: int, recompute: Num, ring: int, tp: int) -> Num:
+        """What ``tp``-way TP adds to the item on Ulysses ``q = sp / ring``: its all-to-all scaled by
+        :func:`~lightning_dcp.planning.tensor_parallel.a2a_share` (no latency left at ``u = 1``) and the TP
+        collectives."""
+        terms = self._tp(tp)
+        q = self._ulysses(sp, ring)
+        c = self.linear(q)
+        a2a = (c.comm.tokens + recompute * c.comm_per_layer.tokens) * (tokens / ring)
+        latency = c.comm.const + recompute * c.comm_per_layer.const
+        extra = (a2a_share(q, tp) - 1.0) * a2a - (latency if tp == q else 0.0)
+        return extra + tp_collective_time(terms, tokens, ring, q, tp, recompute)
 
     # -- rings ------------------------------------------------------------------------------------
     def ring_terms(self, sp: int, ring: int) -> RingTerms:

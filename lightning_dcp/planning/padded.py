@@ -42,7 +42,7 @@ class PaddedCostModel(DelegatingCostModel):
         self.max_padded_tokens = max(1, int(max_padded_tokens))
         self.memory_limit = float(self.max_padded_tokens)
         self.memory_limit_source = ""
-        self.prices_ring = self.fast_paths = self.memory_in_bytes = False
+        self.prices_ring = self.prices_tp = self.fast_paths = self.memory_in_bytes = False
         self.sharding, self.state_bytes, self.rounds = None, None, FREE_RUNNING
 
     def describe_limit(self) -> str:
@@ -106,5 +106,6 @@ class PaddedPlanner:
             if cur and (len(cur) + 1) * cur[0][0] > self.limit:  # sorted: cur[0] is its longest
                 pieces.append([])
             pieces[-1].append((n, s))
-        return [WorkItem(item.ranks, tuple(s for _, s in p), tuple(n for n, _ in p), item.recompute, item.ring)
+        return [WorkItem(item.ranks, tuple(s for _, s in p), tuple(n for n, _ in p), item.recompute, item.ring,
+                         item.tp)
                 for p in pieces]

@@ -35,7 +35,11 @@ class WorkItem:
     ``samples``: dataset indices in packing order, ``lengths`` their tokens; ``recompute``: repeated layers run with
     activation checkpointing; ``ring``: the ring-attention degree ``r`` (1: Ulysses only, the JSON default). The group
     is an ``r x u`` grid: ``ranks[j*u:(j+1)*u]`` is Ulysses subgroup ``j``, and position ``i`` of subgroup ``j``
-    exchanges key/value blocks with position ``i`` of subgroups ``j +- 1``.
+    exchanges key/value blocks with position ``i`` of subgroups ``j +- 1``. ``tp``: the tensor-parallel degree ``t``
+    inside each subgroup (1: none, the JSON default; written only when ``t > 1``): consecutive runs of ``t`` ranks of
+    a subgroup are TP groups, the ranks at one position of them its Ulysses group; the subgroup's ``u`` ranks (``t``
+    x its Ulysses positions) divide the heads, as a Ulysses group's do.
+    Planned and simulated only (``Planner(max_tp_size=...)``); the runtime refuses such items.
     """
 
     ranks: tuple[int, ...]
@@ -43,6 +47,7 @@ class WorkItem:
     lengths: tuple[int, ...]
     recompute: int = 0
     ring: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
@@ -50,9 +55,14 @@ class WorkItem:
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
         object.__setattr__(self, "recompute", int(self.recompute))
         object.__setattr__(self, "ring", int(self.ring))
+        object.__setattr__(self, "tp", int(self.tp))
         if self.ring < 1 or len(self.ranks) % self.ring:
             raise PlanError(f"ring degree {self.ring} must be >= 1 and divide the SP size {len(self.ranks)} "
                             f"(ranks {list(self.ranks)})")
+        if self.tp < 1 or (len(self.ranks) // self.ring) % self.tp:
+            raise PlanError(f"tensor-parallel degree {self.tp} must be >= 1 and divide the Ulysses subgroup of "
+                            f"{len(self.ranks) // self.ring} ranks (SP {len(self.ranks)}, ring {self.ring}; ranks "
+                            f"{list(self.ranks)})")
 
     @property
     def sp_size(self) -> int:
@@ -76,6 +86,8 @@ class WorkItem:
         }
         if self.ring > 1:
             out["ring"] = self.ring
+        if self.tp > 1:
+            out["tp"] = self.tp
         return out
 
     @classmethod
@@ -84,7 +96,7 @@ class WorkItem:
         if missing:
             raise PlanError(f"work item {dict(data)!r} lacks the field(s) {missing}; v1 items need ranks, samples, lengths, recompute")
         return cls(tuple(data["ranks"]), tuple(data["samples"]), tuple(data["lengths"]), data["recompute"],
-                   int(data.get("ring", 1)))
+                   int(data.get("ring", 1)), int(data.get("tp", 1)))
 
 
 @dataclass(frozen=True)
@@ -306,9 +318,11 @@ def validate_step(step: StepPlan, world_size: int, cost_model: "CostModel | None
     for idx, item in enumerate(step.items):
         if item.ranks[-1] >= world_size or item.ranks[0] < 0:
             raise PlanError(f"item {idx} names rank {max(item.ranks)} but the world has {world_size} ranks")
-        problem = group_problem(item.ranks, item.ring, topo, heads)
+        problem = group_problem(item.ranks, item.ring, topo, heads, tp=item.tp)
         if problem:
-            raise PlanError(f"item {idx} (ranks {list(item.ranks)}, ring {item.ring}) is not a valid SP group: {problem}")
+            tp = f", tp {item.tp}" if item.tp > 1 else ""
+            raise PlanError(f"item {idx} (ranks {list(item.ranks)}, ring {item.ring}{tp}) is not a valid SP group: "
+                            f"{problem}")
         if not item.samples or len(item.samples) != len(item.lengths):
             raise PlanError(f"item {idx} has {len(item.samples)} samples and {len(item.lengths)} lengths; both must match and be non-empty")
         if min(item.lengths) <= 0:
@@ -316,10 +330,12 @@ def validate_step(step: StepPlan, world_size: int, cost_model: "CostModel | None
         if item.recompute < 0 or (cost_model is not None and item.recompute > cost_model.num_layers):
             raise PlanError(f"item {idx} recomputes {item.recompute} layers; allowed is 0..{getattr(cost_model, 'num_layers', '?')}")
         if cost_model is not None:
-            need = cost_model.ring_memory(item.lengths, item.sp_size, item.recompute, item.ring)
+            need = (cost_model.tp_memory(item.lengths, item.sp_size, item.recompute, item.ring, item.tp) if item.tp > 1
+                    else cost_model.ring_memory(item.lengths, item.sp_size, item.recompute, item.ring))
             if need > cost_model.memory_limit:
+                tp = f", tp {item.tp}" if item.tp > 1 else ""
                 raise PlanError(
-                    f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, ring {item.ring}, recompute {item.recompute}) "
+                    f"item {idx} (lengths {list(item.lengths)}, sp {item.sp_size}, ring {item.ring}{tp}, recompute {item.recompute}) "
                     f"needs {format_bytes(need)} per device; the budget is {describe_limit(cost_model)}"
                 )
     check_deadlock_free(step, world_size)

@@ -30,6 +30,7 @@ every one a plan of this planner may use.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import numbers
@@ -38,6 +39,7 @@ from typing import Any, Callable, Sequence
 from lightning_dcp.planning.batches import cut_batches, step_key
 from lightning_dcp.planning.cost_model import CostModel
 from lightning_dcp.planning.errors import PlanningError
+from lightning_dcp.planning.item_pricing import item_memory_of
 from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.sp_cap import cap_limits
@@ -175,6 +177,10 @@ class Planner:
             else none; all 1.0 plans exactly as without speeds. The other policies ignore them.
         ring: offer ring sizes (ring attention past the head count, Ulysses x ring across nodes) when
             the cost model prices them (default True; False: Ulysses sizes only).
+        max_tp_size: the largest tensor-parallel degree an item may take inside its SP group (default 1: none).
+            Above 1, dcp chooses per item among Ulysses x ring x TP splits whose TP groups stay inside a node
+            (:mod:`~lightning_dcp.planning.tensor_parallel`); the cost model must price TP (``prices_tp``). For
+            planning and simulation only: ``DCPStrategy`` refuses it (its runtime runs no TP items yet).
         sample_name: names a dataset index in errors, e.g. a sample too long for any setting (the train dataset's
             ``sample_name``: ``sample 17 (clips/cat.mp4)``; ``None``: the index alone).
         **policy_options: per-policy knobs (see each policy class), e.g. ``trials=`` for dcp,
@@ -188,7 +194,7 @@ class Planner:
     def __init__(self, world_size: int, cost_model: CostModel, policy: str = "dcp", *, seed: int = 0,
                  dataset_lengths: Sequence[int] | None = None, max_sp_size: int | None = None,
                  sp_cap_reason: str | None = None, rank_speeds: Sequence[float] | None = None, ring: bool = True,
-                 sample_name: SampleNamer | None = None, **policy_options: Any):
+                 max_tp_size: int | None = None, sample_name: SampleNamer | None = None, **policy_options: Any):
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size <= 0:
             raise PlanningError(f"world size must be a positive integer, got {world_size!r}")
         if policy not in POLICIES:
@@ -211,7 +217,10 @@ class Planner:
                                              self.world_size)
         """The speeds the planner plans with (None: every rank at the cost model's pace)."""
         self.ring = bool(ring)
-        self.view = CostView(cost_model, self.max_sp, self.rank_speeds, world_size=self.world_size, ring=self.ring)
+        self.max_tp_size = self._check_tp(max_tp_size, cost_model)
+        """The largest tensor-parallel degree an item may take (1: none)."""
+        self.view = CostView(cost_model, self.max_sp, self.rank_speeds, world_size=self.world_size, ring=self.ring,
+                             max_tp=self.max_tp_size)
         self.max_sp = max(self.view.sp_sizes)
         if self.view.longest_fitting() <= 0:
             why, more = self._cap()
@@ -228,6 +237,27 @@ class Planner:
             self.policy: Policy = POLICIES[policy](self.world_size, self.view, seed=self.seed, dataset_lengths=ds, **policy_options)
         except TypeError as err:
             raise PlanningError(str(err)) from None
+
+    @staticmethod
+    def _check_tp(max_tp_size: Any, cost_model: CostModel) -> int:
+        """``max_tp_size`` as an int (None: 1); :class:`PlanningError` naming the fix for a bad value or a cost model
+        that prices no tensor parallelism."""
+        if max_tp_size is None:
+            return 1
+        if isinstance(max_tp_size, bool) or not isinstance(max_tp_size, numbers.Integral) or max_tp_size < 1:
+            raise PlanningError(f"max_tp_size must be a positive integer (a TP degree; 1: no tensor parallelism), "
+                                f"got {max_tp_size!r}")
+        if max_tp_size > 1 and not (cost_model.prices_tp and cost_model.fast_paths):
+            raise PlanningError(
+                f"max_tp_size={max_tp_size}: the cost model ({type(cost_model).__name__}) prices no tensor parallelism "
+                "(prices_tp, with fast paths); use an AnalyticCostModel or a ProfiledCostModel with hardware= and the "
+                "profile's model.hidden_size, or max_tp_size=1")
+        return int(max_tp_size)
+
+    @property
+    def item_splits(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Every SP size -> the ``(ring, tp)`` splits an item of that size may take (dcp chooses per item)."""
+        return dict(self.view.item_splits)
 
     @property
     def ring_degrees(self) -> dict[int, int]:
@@ -313,7 +343,7 @@ class Planner:
         cm = self.cost_model
         items = []
         for item in step.items:
-            fits = lambda r, it=item: cm.ring_memory(it.lengths, it.sp_size, r, it.ring) <= cm.memory_limit  # noqa: E731
+            fits = lambda r, it=item: item_memory_of(cm, dataclasses.replace(it, recompute=r)) <= cm.memory_limit  # noqa: E731
             if not fits(item.recompute):
                 r = next((x for x in range(item.recompute, cm.num_layers + 1) if fits(x)), None)
                 if r is None:
@@ -321,7 +351,7 @@ class Planner:
                         f"the {self.policy_name} policy built a micro-batch (lengths {list(item.lengths)}, SP {item.sp_size}) "
                         f"that the cost model says fits no recompute setting; the cost model's max_length and item_memory disagree"
                     )
-                item = WorkItem(item.ranks, item.samples, item.lengths, r, item.ring)
+                item = dataclasses.replace(item, recompute=r)
             items.append(item)
         return StepPlan(tuple(items), step.notes)
 

@@ -24,6 +24,7 @@ from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import StateParts
 from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 from lightning_dcp.planning.sp_sizes import kv_repeat
+from lightning_dcp.planning.tensor_parallel import TPTerms
 
 FALLBACK_ALLREDUCE_BW = 45e9
 """All-reduce bus bandwidth a one-device profile (it measured none) predicts a larger world's with: the h100
@@ -117,7 +118,8 @@ class ProfiledCostModel(LinearCostModel):
     times (``ItemCost.comm`` is 0); only measured SP sizes are usable (:meth:`sp_sizes`). Under ``zero1``/``zero2``/
     ``fsdp`` the mode's states replace the profile's replica (:attr:`freed_bytes`; a sharded mode needs
     ``constant.optimizer_bytes``, zero2/fsdp also ``weight_bytes``, or ``state_parts``). Rings need ``hardware`` and
-    ``model.hidden_size`` (:attr:`prices_ring`).
+    ``model.hidden_size`` (:attr:`prices_ring`); tensor-parallel items need ``model.hidden_size`` and the profile's
+    measured all-reduce or ``hardware`` (:attr:`prices_tp`, :meth:`tp_terms`).
 
     Args:
         profile: a v1 profile dict (:mod:`lightning_dcp.planning.profile`).
@@ -190,7 +192,8 @@ class ProfiledCostModel(LinearCostModel):
         self._linear.update({p: self._fitted(p) for p in self.measured_sp})
 
     def _init_ring(self, hardware: HardwareSpec | str | None) -> None:
-        """Ring pricing from ``hardware`` and the profile's model shape (see the class docstring)."""
+        """Ring and TP pricing from ``hardware`` (TP: or the profile's all-reduce) and the profile's model shape (see
+        the class docstring)."""
         model, key = self.profile["model"], self.profile.get("key", {})
         hidden = model.get("hidden_size")
         if isinstance(hardware, str):
@@ -203,6 +206,21 @@ class ProfiledCostModel(LinearCostModel):
             size = 4 if "32" in dtype else 1 if "8" in dtype else 2
             self._kv_bytes = 2.0 * hidden * self.num_kv_heads / self.num_heads * size
         self.prices_ring = self.hardware is not None and self._kv_bytes > 0
+        self._act_bytes = float(hidden * size) if isinstance(hidden, int) and hidden > 0 else 0.0
+        self.prices_tp = self._act_bytes > 0 and self._tp_prices() is not None
+
+    def _tp_prices(self) -> CollectivePrices | None:
+        """The TP collectives' prices: the profile's measured all-reduce, else the hardware's."""
+        got = self.collective_prices()
+        if got is None and self.hardware is not None:
+            got = CollectivePrices.from_hardware(self.hardware)
+        return got
+
+    def tp_terms(self) -> TPTerms:
+        """TP collectives of the profiled model: two all-gather + reduce-scatter pairs per layer forward (attention,
+        MLP) of ``model.hidden_size x dtype`` bytes per token, at :meth:`_tp_prices`. The measured times keep the
+        measured all-to-all of Ulysses ``sp / ring`` (its share is not separable from the fit): an upper bound."""
+        return TPTerms(self._act_bytes, 2, self._tp_prices(), self.num_layers)  # type: ignore[arg-type]
 
     def _fitted(self, p: int) -> LinearCost:
         """The :class:`LinearCost` of measured SP size ``p`` from its fits."""

@@ -30,9 +30,10 @@ class LanePacker(Protocol):
     topology: Topology
     """Where an SP group may go (``topology.legal(start, size)``)."""
 
-    def setting(self, lengths: Sequence[int], sp: int) -> tuple[int, int, float] | None:
-        """``(ring degree, recomputed layers, time at the cost model's pace)`` of the fastest split that holds a
-        micro-batch of ``lengths`` on ``sp`` ranks; None if none does."""
+    def setting(self, lengths: Sequence[int], sp: int) -> Any:
+        """The fastest split that holds a micro-batch of ``lengths`` on ``sp`` ranks, as a
+        :class:`~lightning_dcp.planning.view.Setting` (``ring``, ``recompute``, ``time`` at the cost model's pace,
+        ``tp``); None if none does."""
 
     def item_capacities(self, sp: int) -> list[int]:
         """``caps[r]``: the most tokens a micro-batch on ``sp`` ranks holds with ``r`` layers recomputed (any split)."""

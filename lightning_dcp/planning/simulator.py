@@ -80,12 +80,13 @@ class SimulationResult:
 
 def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check: bool = True,
              max_sp_size: int | None = None, rank_speeds: Sequence[float] | None = None,
-             planning_times: Sequence[float] | None = None) -> SimulationResult:
+             planning_times: Sequence[float] | None = None, max_tp_size: int | None = None) -> SimulationResult:
     """Run ``plan`` on ``cost_model`` (module docstring). ``check`` verifies the item order first.
 
     ``max_sp_size``: the SP cap the plan was made under, for the step bounds (default: the world).
     ``rank_speeds``: the ranks' true speeds (:mod:`~lightning_dcp.planning.speeds`; default: the cost model's,
     else all 1.0); the step bounds spread the work over their sum. ``planning_times``: one per step of ``plan``.
+    ``max_tp_size``: the TP degree the plan was made under, for the step bounds (default 1: no TP).
     """
     W = plan.world_size
     speeds = check_rank_speeds(rank_speeds if rank_speeds is not None else rank_speeds_of(cost_model), W)
@@ -126,7 +127,8 @@ def simulate(plan: Plan, cost_model: CostModel, *, timeline: bool = True, check:
         "allreduce_fraction": overhead * len(step_times) / total if total > 0 else 0.0,
     }
     # step_bound keeps one StepBounder per (cost model, world size, SP cap), shared by every policy simulated on it
-    bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size, speeds) if W else 0.0
+    bounds = [step_bound([n for it in st.items for n in it.lengths], cost_model, W, max_sp_size, speeds, max_tp_size)
+              if W else 0.0
               for st in plan.steps]
     bound_time = sum(bounds)
     per_step = [b / t for b, t in zip(bounds, charged) if t > 0]

@@ -153,8 +153,11 @@ class Topology:
         return True
 
 
-def group_problem(ranks: Sequence[int], ring: int, topology: Topology, num_heads: int | None = None) -> str | None:
-    """Why ``ranks`` (with ``ring``) may not be an SP group under ``topology``'s rule, or None if it may."""
+def group_problem(ranks: Sequence[int], ring: int, topology: Topology, num_heads: int | None = None, *,
+                  tp: int = 1) -> str | None:
+    """Why ``ranks`` (with ``ring``, and ``tp``-way tensor parallelism in each subgroup) may not be an SP group under
+    ``topology``'s rule, or None if it may. A TP group (``tp`` consecutive ranks of a subgroup) stays inside a node:
+    ``tp`` divides a node's GPUs and a group larger than a node starts at a multiple of ``tp``."""
     ranks = list(ranks)
     s = len(ranks)
     if not s or ranks != list(range(ranks[0], ranks[0] + s)):
@@ -170,6 +173,14 @@ def group_problem(ranks: Sequence[int], ring: int, topology: Topology, num_heads
         return f"the SP group of {s} ranks crosses a node boundary (nodes of {g} GPUs); a group of at most a node stays in one"
     if ring > 1 and a % u:
         return f"the ring group starts at rank {a}, not a multiple of its Ulysses size {u}"
+    if tp > 1:
+        if u % tp:
+            return f"its tensor-parallel degree {tp} does not divide its Ulysses subgroup of {u} ranks (SP {s}, ring {ring})"
+        if g and g % tp:
+            return f"its tensor-parallel degree {tp} does not divide a node's {g} GPUs: a TP group stays inside a node"
+        if g and s > g and a % tp:
+            return (f"the group of {s} ranks starts at rank {a}, not a multiple of its tensor-parallel degree {tp}: "
+                    "its TP groups would cross a node boundary")
     if d and a // d != ranks[-1] // d:
         return f"ranks {ranks} span two shard groups of {d} ranks"
     return None

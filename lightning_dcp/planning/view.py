@@ -7,9 +7,12 @@ it has them (else every item is checked with ``item_memory`` at the end, :class:
 
 **Splits.** An SP group of ``sp`` ranks runs an item as ``ring x ulysses``. Each size has a *default* split
 (:meth:`ring_of`: the faster of its candidates for the longest sample both hold), what the baselines and Algorithm 1
-run. dcp chooses the split per item (:meth:`setting`) among :attr:`item_rings`: every Ulysses size the model prices
-(dividing the heads) times any ring degree, pure rings included, when the model prices rings; a group larger than a
-node only takes splits whose Ulysses subgroups its placement keeps inside nodes.
+run. dcp chooses the split per item (:meth:`setting`) among :attr:`item_splits`: every Ulysses size the model prices
+(dividing the heads) times any ring degree (:attr:`item_rings`), pure rings included, when the model prices rings; a
+group larger than a node only takes splits whose Ulysses subgroups its placement keeps inside nodes. With ``max_tp >
+1`` (and a cost model that prices it) a split may also run ``tp``-way tensor parallelism inside each subgroup
+(:mod:`~lightning_dcp.planning.tensor_parallel`): ``tp`` divides a node's GPUs and the subgroup, and a group larger
+than a node starts at a multiple of every ``tp`` it may take (its TP groups stay inside nodes).
 
 Pure Python + numpy.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -28,10 +31,19 @@ from lightning_dcp.planning.sp_sizes import divisors
 from lightning_dcp.planning.speeds import group_speed, uniform
 from lightning_dcp.planning.topology import Topology
 
-__all__ = ["CostView", "Setting"]
+__all__ = ["CostView", "Setting", "Split"]
 
-Setting = tuple[int, int, float]
-"""An item's split and recompute: ``(ring degree, recomputed layers, time)``."""
+Split = tuple[int, int]
+"""An item's split of its SP group: ``(ring degree, tensor-parallel degree)``."""
+
+
+class Setting(NamedTuple):
+    """An item's split and recompute, with its time at the cost model's pace."""
+
+    ring: int
+    recompute: int
+    time: float
+    tp: int = 1
 
 Estimator = Callable[[np.ndarray], np.ndarray]
 
@@ -45,10 +57,12 @@ class CostView:
         rank_speeds: per-rank speeds the speed-aware policies plan with (None or all 1.0: the cost model's pace).
         world_size: ranks of the world, for :attr:`topology` (default ``max_sp``).
         ring: offer ring splits when the cost model prices them.
+        max_tp: the largest tensor-parallel degree a split may take (1: none; more only where the cost model
+            prices TP with fast paths).
     """
 
     def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None, *,
-                 world_size: int | None = None, ring: bool = True):
+                 world_size: int | None = None, ring: bool = True, max_tp: int = 1):
         self.cm = cost_model
         self.max_sp = int(max_sp)
         """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer)."""
@@ -71,11 +85,20 @@ class CostView:
             if len(cands) > 1:
                 self.ring[p] = self._faster_split(p, cands)
         g = int(cost_model.gpus_per_node or 0) or None
-        self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model),
-                                 {p: p // r for p, r in self.ring.items() if r > 1})
+        self.max_tp = int(max_tp) if cost_model.prices_tp and self._fast and g else 1
+        """The largest tensor-parallel degree a split may take (1: none)."""
+        tps = self._tp_degrees(ring, g)
+        align = {p: p // r for p, r in self.ring.items() if r > 1}
+        for p, ts in tps.items():  # a group larger than a node keeps its TP groups inside nodes
+            if g and p > g and ts:
+                align[p] = math.lcm(align.get(p, 1), *ts)
+        self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model), align)
         """Where SP groups may go (:mod:`~lightning_dcp.planning.topology`)."""
         self.item_rings: dict[int, tuple[int, ...]] = {p: self._item_rings(p, ring) for p in self.sp_sizes}
-        """Every ring degree an item on ``p`` ranks may take (dcp's per-item split), the default first."""
+        """Every ring degree an item on ``p`` ranks may take without TP, the default first."""
+        self.item_splits: dict[int, tuple[Split, ...]] = {p: self._item_splits(p, tps.get(p, ())) for p in self.sp_sizes}
+        """Every ``(ring, tp)`` split an item on ``p`` ranks may take (dcp's per-item split), the default first: the
+        rings of :attr:`item_rings` without TP, then the TP splits."""
         self._contains: dict[tuple, object] = {}
 
     def _faster_split(self, p: int, cands: Sequence[int]) -> int:
@@ -88,6 +111,35 @@ class CostView:
         times = [self._time([ell], p, self.min_recompute(ell, p, r), r) if cap >= ell else math.inf
                  for r, cap in zip(cands, caps)]
         return cands[times.index(min(times))]
+
+    def _ring_candidates(self, p: int, ring: bool) -> list[int]:
+        """Ring degrees whose subgroup the model prices, default first, before the placement rule."""
+        default = self.ring[p]
+        if not (ring and self.cm.prices_ring) or p == 1:
+            return [default]
+        usable = set(self.cm.sp_sizes(p))
+        return [default] + [r for r in divisors(p) if r != default and p // r in usable]
+
+    def _tp_degrees(self, ring: bool, node: int | None) -> dict[int, tuple[int, ...]]:
+        """Per SP size, the TP degrees (2 .. :attr:`max_tp`, dividing a node's GPUs) some split of it may take."""
+        if self.max_tp <= 1 or not node:
+            return {}
+        degrees = [t for t in divisors(node) if 2 <= t <= self.max_tp]
+        out = {}
+        for p in self.sp_sizes:
+            ts = tuple(t for t in degrees if any((p // r) % t == 0 for r in self._ring_candidates(p, ring)))
+            if ts:
+                out[p] = ts
+        return out
+
+    def _item_splits(self, p: int, tps: Sequence[int]) -> tuple[Split, ...]:
+        out: list[Split] = [(r, 1) for r in self.item_rings[p]]
+        node, align = self.topology.node_size, self.topology.align.get(p, 1)
+        for t in tps:
+            if node and p > node and align % t:
+                continue
+            out.extend((r, t) for r in self.item_rings[p] if (p // r) % t == 0)
+        return tuple(out)
 
     def _item_rings(self, p: int, ring: bool) -> tuple[int, ...]:
         default = self.ring[p]
@@ -124,6 +176,11 @@ class CostView:
         """The default ring degree of a group of ``sp`` ranks."""
         return self.ring.get(sp, 1)
 
+    def splits_of(self, sp: int) -> tuple[Split, ...]:
+        """:attr:`item_splits` of ``sp`` (the default split alone for a size the view does not list)."""
+        got = self.item_splits.get(sp)
+        return got if got is not None else ((self.ring_of(sp), 1),)
+
     def fill_ok(self, count: int) -> np.ndarray:
         """``ok[k, c]`` for the first ``count`` SP sizes: :meth:`contains` of size ``k`` and size ``c``."""
         got = self._contains.get(("matrix", count))
@@ -142,13 +199,13 @@ class CostView:
         return bool(got)
 
     # -- capacity ------------------------------------------------------------------------
-    def capacities(self, sp: int, ring: int | None = None) -> list[int]:
+    def capacities(self, sp: int, ring: int | None = None, tp: int = 1) -> list[int]:
         """``caps[r]``: most tokens one micro-batch on ``sp`` ranks holds with ``r`` recomputed layers, at ring degree
-        ``ring`` (default: the size's default split)."""
-        key = (sp, self.ring_of(sp) if ring is None else int(ring))
+        ``ring`` (default: the size's default split) and tensor-parallel degree ``tp``."""
+        key = (sp, self.ring_of(sp) if ring is None else int(ring), int(tp))
         caps = self._cap.get(key)
         if caps is None:
-            caps = [self._max_tokens(sp, r, key[1]) for r in range(self.num_layers + 1)]
+            caps = [self._max_tokens(sp, r, key[1], key[2]) for r in range(self.num_layers + 1)]
             for r in range(1, len(caps)):  # more recompute never holds less
                 caps[r] = max(caps[r], caps[r - 1])
             self._cap[key] = caps
@@ -159,13 +216,15 @@ class CostView:
         key = ("any", sp)
         got = self._est.get(key)
         if got is None:
-            got = self._est[key] = [max(c) for c in zip(*(self.capacities(sp, r) for r in self.item_rings[sp]))]
+            got = self._est[key] = [max(c) for c in zip(*(self.capacities(sp, r, t) for r, t in self.splits_of(sp)))]
         return got  # type: ignore[return-value]
 
-    def _max_tokens(self, sp: int, r: int, ring: int) -> int:
+    def _max_tokens(self, sp: int, r: int, ring: int, tp: int = 1) -> int:
         if not self._fast:
             return int(self.cm.max_length(sp, r, ring))
-        limit, mem = self.cm.memory_limit, self.cm.item_memory_tokens
+        limit = self.cm.memory_limit
+        mem = self.cm.item_memory_tokens if tp == 1 else (
+            lambda tokens, p, rec, rg: self.cm.tp_memory_tokens(tokens, p, rec, rg, tp))
         if mem(sp, sp, r, ring) > limit:
             return 0
         lo, hi = sp, sp * 2
@@ -181,13 +240,13 @@ class CostView:
                 hi = mid
         return lo
 
-    def max_len(self, sp: int, ring: int | None = None) -> int:
+    def max_len(self, sp: int, ring: int | None = None, tp: int = 1) -> int:
         """Longest micro-batch (tokens) ``sp`` ranks hold at full recompute."""
-        return self.capacities(sp, ring)[-1]
+        return self.capacities(sp, ring, tp)[-1]
 
-    def min_recompute(self, tokens: int, sp: int, ring: int | None = None) -> int | None:
+    def min_recompute(self, tokens: int, sp: int, ring: int | None = None, tp: int = 1) -> int | None:
         """Fewest recomputed layers for a micro-batch of ``tokens`` on ``sp`` ranks; None if none fits."""
-        caps = self.capacities(sp, ring)
+        caps = self.capacities(sp, ring, tp)
         if tokens > caps[-1]:
             return None
         return bisect.bisect_left(caps, tokens)
@@ -207,38 +266,42 @@ class CostView:
 
     def item_time(self, item: WorkItem) -> float:
         """Time of a plan item at its slowest member's pace."""
-        return self.time(item.lengths, item.sp_size, item.recompute, item.ring) / self.speed(item.ranks)
+        return self.time(item.lengths, item.sp_size, item.recompute, item.ring, item.tp) / self.speed(item.ranks)
 
-    def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None) -> float:
-        """Time of one packed micro-batch (on ``ring`` x Ulysses; default the size's default split)."""
-        return self._time(lengths, sp, recompute, self.ring_of(sp) if ring is None else ring)
+    def time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int | None = None, tp: int = 1) -> float:
+        """Time of one packed micro-batch (on ``ring`` x Ulysses, default the size's default split; ``tp``-way tensor
+        parallel inside)."""
+        return self._time(lengths, sp, recompute, self.ring_of(sp) if ring is None else ring, tp=tp)
 
-    def _time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int, work: float | None = None) -> float:
+    def _time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int, work: float | None = None,
+              tp: int = 1) -> float:
         if self._fast:
             w = float(sum(self.work(n) for n in lengths)) if work is None else work
+            if tp > 1:
+                return self.cm.tp_time_sum(sum(lengths), w, len(lengths), sp, recompute, ring, tp)
             return self.cm.item_time_sum(sum(lengths), w, len(lengths), sp, recompute, ring)
         return self.cm.item_time(lengths, sp, recompute, ring)
 
     def setting(self, lengths: Sequence[int], sp: int, work: float | None = None) -> Setting | None:
-        """The fastest split (:attr:`item_rings`) and its fewest recomputed layers for a micro-batch of ``lengths`` on
-        ``sp`` ranks, with its time (``work``: its attention work, when the caller has it); None if none holds it.
-        A ring split is tried only where its attention per token is high enough that it can win
-        (:meth:`_ring_threshold`); ties keep the default split."""
-        rings = self.item_rings[sp]
+        """The fastest split (:attr:`item_splits`) and its fewest recomputed layers for a micro-batch of ``lengths``
+        on ``sp`` ranks, with its time (``work``: its attention work, when the caller has it); None if none holds it.
+        A ring split without TP is tried only where its attention per token is high enough that it can win
+        (:meth:`_ring_threshold`); ties keep the earlier split (the default first)."""
+        splits = self.splits_of(sp)
         tokens = sum(lengths)
-        if work is None and (self._fast or len(rings) > 1):
+        if work is None and (self._fast or len(splits) > 1):
             work = float(sum(self.work(n) for n in lengths))
         best = None
-        for ring in rings:
-            if best is not None and work < self._ring_threshold(sp, ring) * tokens:
+        for ring, tp in splits:
+            if best is not None and tp == 1 and work < self._ring_threshold(sp, ring) * tokens:
                 continue
-            caps = self.capacities(sp, ring)
+            caps = self.capacities(sp, ring, tp)
             if tokens > caps[-1]:
                 continue
             rec = bisect.bisect_left(caps, tokens)
-            t = self._time(lengths, sp, rec, ring, work)
-            if best is None or t < best[2] * (1 - 1e-12):
-                best = (ring, rec, t)
+            t = self._time(lengths, sp, rec, ring, work, tp)
+            if best is None or t < best.time * (1 - 1e-12):
+                best = Setting(ring, rec, t, tp)
         return best
 
     def _ring_threshold(self, sp: int, ring: int) -> float:
@@ -261,14 +324,15 @@ class CostView:
         return got  # type: ignore[return-value]
 
     def time_many(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, sp: int, recompute: np.ndarray,
-                  lower: bool = False, ring: int | None = None) -> np.ndarray:
+                  lower: bool = False, ring: int | None = None, tp: int = 1) -> np.ndarray:
         """Times of many micro-batches on ``sp`` ranks from their sums (token sums ``tokens``, attention-work sums
         ``sq``, sample counts ``n``, recomputed layers), one vectorized ``item_time_sum`` call where the model takes
         arrays. ``lower``: on a ring, the lower bound with its transfers hidden (the step bound's)."""
         if not self._fast:
             raise TypeError("time_many needs a cost model with fast paths (item_time_sum); use time() per micro-batch")
         r = self.ring_of(sp) if ring is None else ring
-        t = self.cm.item_time_sum
+        t = self.cm.item_time_sum if tp == 1 else (
+            lambda a, q, k, p, rc, rg, exposed=True: self.cm.tp_time_sum(a, q, k, p, rc, rg, tp, exposed))
         tokens = np.asarray(tokens, dtype=np.float64)
         if self._vector_ok is not False:
             try:
@@ -284,41 +348,46 @@ class CostView:
                          for a, q, k, rc in zip(tokens.tolist(), np.asarray(sq).tolist(), np.asarray(n).tolist(),
                                                 np.asarray(recompute).tolist())], dtype=np.float64)
 
-    def min_recompute_many(self, tokens: np.ndarray, sp: int, ring: int | None = None) -> np.ndarray:
+    def min_recompute_many(self, tokens: np.ndarray, sp: int, ring: int | None = None, tp: int = 1) -> np.ndarray:
         """:meth:`min_recompute` of many micro-batches; ``-1`` where none fits."""
-        caps = np.asarray(self.capacities(sp, ring), dtype=np.int64)
+        caps = np.asarray(self.capacities(sp, ring, tp), dtype=np.int64)
         tokens = np.asarray(tokens, dtype=np.int64)
         r = np.searchsorted(caps, tokens, side="left")
         r[tokens > caps[-1]] = -1
         return r
 
-    def time_uniform(self, length: float, count: float, sp: int, recompute: int, ring: int | None = None) -> float:
+    def time_uniform(self, length: float, count: float, sp: int, recompute: int, ring: int | None = None,
+                     tp: int = 1) -> float:
         """Time of a micro-batch of ``count`` samples of ``length`` tokens (count may be fractional)."""
         ring = self.ring_of(sp) if ring is None else ring
         if self._fast:
+            if tp > 1:
+                return self.cm.tp_time_sum(length * count, self.work(length) * count, count, sp, recompute, ring, tp)
             return self.cm.item_time_sum(length * count, self.work(length) * count, count, sp, recompute, ring)
         k = max(1, int(round(count)))
         return self.cm.item_time([int(length)] * k, sp, recompute, ring) * (count / k)
 
-    def constant(self, sp: int, recompute: int, ring: int | None = None) -> float:
+    def constant(self, sp: int, recompute: int, ring: int | None = None, tp: int = 1) -> float:
         """Per-micro-batch constant on ``sp`` ranks: the time of an empty micro-batch (fast path), else ``2 t([1]) -
         t([1, 1])`` (exact for costs linear in the samples, never negative)."""
         ring = self.ring_of(sp) if ring is None else ring
         if self._fast:
+            if tp > 1:
+                return float(self.cm.tp_time_sum(0, 0.0, 0, sp, recompute, ring, tp))
             return float(self.cm.item_time_sum(0, 0.0, 0, sp, recompute, ring))
         t = self.cm.item_time
         return max(0.0, 2.0 * t([1], sp, recompute, ring) - t([1, 1], sp, recompute, ring))
 
     def split_costs(self, lengths: np.ndarray, sp: int, work: np.ndarray | None = None,
-                    ring: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    ring: int | None = None, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """``(own, const)`` per sample on ``sp`` ranks: its own time in a well-packed micro-batch and the
         per-micro-batch constant it pays when it opens one (the recompute of a micro-batch of ``max(l,
         pack_target)`` tokens, or of ``l`` alone when that does not fit); ``inf`` own time where it does not fit.
         ``ring=None``: over every split an item may take, the one of least own + constant."""
-        if ring is None and len(self.item_rings[sp]) > 1:
+        if ring is None and len(self.splits_of(sp)) > 1:
             best = None
-            for r in self.item_rings[sp]:
-                own, const = self.split_costs(lengths, sp, work, r)
+            for r, t in self.splits_of(sp):
+                own, const = self.split_costs(lengths, sp, work, r, t)
                 if best is None:
                     best = (own, const)
                     continue
@@ -327,65 +396,65 @@ class CostView:
             return best  # type: ignore[return-value]
         ring = self.ring_of(sp) if ring is None else ring
         L = np.asarray(lengths, dtype=np.int64)
-        r = self.min_recompute_many(np.maximum(L, self.pack_target(sp, ring=ring)), sp, ring)
+        r = self.min_recompute_many(np.maximum(L, self.pack_target(sp, ring=ring, tp=tp)), sp, ring, tp)
         alone = r < 0
         if alone.any():
-            r[alone] = self.min_recompute_many(L[alone], sp, ring)
+            r[alone] = self.min_recompute_many(L[alone], sp, ring, tp)
         ok = r >= 0
         own, const = np.full(len(L), np.inf), np.zeros(len(L))
         if not ok.any():
             return own, const
-        consts = {int(x): self.constant(sp, int(x), ring) for x in np.unique(r[ok]).tolist()}
+        consts = {int(x): self.constant(sp, int(x), ring, tp) for x in np.unique(r[ok]).tolist()}
         const[ok] = [consts[x] for x in r[ok].tolist()]
         if self._fast:
             w = (np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64) if work is None
                  else np.asarray(work, dtype=np.float64)[ok])
-            t = self.time_many(L[ok], w, np.ones(int(ok.sum())), sp, r[ok], ring=ring)
+            t = self.time_many(L[ok], w, np.ones(int(ok.sum())), sp, r[ok], ring=ring, tp=tp)
         else:
             t = np.array([self._time([int(n)], sp, int(x), ring) for n, x in zip(L[ok].tolist(), r[ok].tolist())])
         own[ok] = np.maximum(t - const[ok], 0.0)
         return own, const
 
     # -- amortized per-sample estimates used for dispatch ---------------------------------
-    def pack_target(self, sp: int, recompute_free: bool = False, ring: int | None = None) -> int:
+    def pack_target(self, sp: int, recompute_free: bool = False, ring: int | None = None, tp: int = 1) -> int:
         """Token budget of a well-packed micro-batch on ``sp`` ranks: the recompute threshold ``caps[r]`` of lowest
         time per token (reference samples of 2,048 tokens or the budget); ``recompute_free``: ``r = 0``."""
         ring = self.ring_of(sp) if ring is None else ring
-        key = ("target", sp, recompute_free, ring)
+        key = ("target", sp, recompute_free, ring) if tp == 1 else ("target", sp, recompute_free, ring, tp)
         got = self._est.get(key)
         if got is None:
-            caps = self.capacities(sp, ring)
+            caps = self.capacities(sp, ring, tp)
             best, best_t = caps[0], math.inf
             for r in range(1 if recompute_free else len(caps)):
                 T = caps[r]
                 if T <= 0 or (r > 0 and T == caps[r - 1]):
                     continue
                 ell = min(T, 2048)
-                per_tok = self.time_uniform(ell, T / ell, sp, r, ring) / T
+                per_tok = self.time_uniform(ell, T / ell, sp, r, ring, tp) / T
                 if per_tok < best_t * (1 - 1e-9):
                     best, best_t = T, per_tok
             got = self._est[key] = max(best, 1)
         return got  # type: ignore[return-value]
 
-    def estimator(self, sp: int, full_recompute: bool = False, ring: int | None = None) -> Estimator:
+    def estimator(self, sp: int, full_recompute: bool = False, ring: int | None = None, tp: int = 1) -> Estimator:
         """Per-sample amortized time on ``sp`` ranks, vectorized over lengths: a sample of length ``l`` is charged its
         share ``l / P`` of a micro-batch of ``P = max(l, pack_target)`` tokens of length-``l`` samples, with the
         recompute that needs (all layers when ``full_recompute``); tabulated on a log grid once, then interpolated;
         ``inf`` over the capacity."""
         ring = self.ring_of(sp) if ring is None else ring
-        key = ("est", sp, full_recompute, ring)
+        key = ("est", sp, full_recompute, ring) if tp == 1 else ("est", sp, full_recompute, ring, tp)
         table = self._est.get(key)
         if table is None:
-            cap, target = self.max_len(sp, ring), self.pack_target(sp, ring=ring)
+            cap, target = self.max_len(sp, ring, tp), self.pack_target(sp, ring=ring, tp=tp)
             grid = np.unique(np.round(np.geomspace(1, max(cap, 2), 96)).astype(np.int64))
             grid = grid[grid <= cap] if cap >= 1 else grid[:0]
             vals = []
             for ell in grid.tolist():
                 P = max(ell, target)
-                r = self.num_layers if full_recompute else self.min_recompute(P, sp, ring)
+                r = self.num_layers if full_recompute else self.min_recompute(P, sp, ring, tp)
                 if r is None:
-                    P, r = ell, self.min_recompute(ell, sp, ring)
-                vals.append(self.time_uniform(ell, P / ell, sp, r, ring) * ell / P)
+                    P, r = ell, self.min_recompute(ell, sp, ring, tp)
+                vals.append(self.time_uniform(ell, P / ell, sp, r, ring, tp) * ell / P)
             table = self._est[key] = (np.log(grid.astype(np.float64)) if len(grid) else np.zeros(0),
                                       np.array(vals, dtype=np.float64), cap)
         logx, vals, cap = table  # type: ignore[misc]
@@ -401,7 +470,7 @@ class CostView:
 
     def item_estimator(self, sp: int) -> Estimator:
         """:meth:`estimator` over every split an item on ``sp`` ranks may take: the least of them."""
-        parts = [self.estimator(sp, ring=r) for r in self.item_rings[sp]]
+        parts = [self.estimator(sp, ring=r, tp=t) for r, t in self.splits_of(sp)]
         if len(parts) == 1:
             return parts[0]
         return lambda lengths: np.minimum.reduce([e(lengths) for e in parts])

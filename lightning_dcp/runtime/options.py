@@ -14,7 +14,12 @@ import inspect
 import numbers
 from typing import Any, Iterable, Mapping
 
-__all__ = ["check_bool", "check_choice", "check_options", "check_planner_options", "did_you_mean"]
+__all__ = ["TP_REFUSAL", "check_bool", "check_choice", "check_options", "check_planner_options", "did_you_mean"]
+
+TP_REFUSAL = ("{what}: DCPStrategy cannot train tensor-parallel items yet (its runtime runs Ulysses and ring items "
+              "only); tensor parallelism is priced for planning and simulation (Planner(max_tp_size=...), "
+              "`lightning-dcp simulate --tp`): train with max_tp_size=1 (the default)")
+"""The error for a tensor-parallel plan that reached the runtime (``{what}``: the option or item that asked for it)."""
 
 def did_you_mean(value: Any, choices: Iterable[str]) -> str:
     """`` (did you mean 'dcp'?)`` for the closest of ``choices`` to ``value`` (``""`` when none is close)."""
@@ -115,3 +120,6 @@ def check_options(settings: Any) -> None:
                          f"{type(s.planner_options).__name__}")
     if s.planner is None:
         check_planner_options(s.policy, s.planner_options)
+        tp = s.planner_options.get("max_tp_size")
+        if tp is not None and not isinstance(tp, bool) and isinstance(tp, numbers.Integral) and tp > 1:
+            raise ValueError(TP_REFUSAL.format(what=f"planner_options['max_tp_size']={tp}"))

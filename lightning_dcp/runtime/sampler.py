@@ -27,6 +27,7 @@ from lightning_dcp.planning.lengths import check_lengths
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.units import describe_limit
+from lightning_dcp.runtime.options import TP_REFUSAL
 from lightning_dcp.runtime.step import Step
 
 __all__ = ["DCPBatchSampler", "epoch_order"]
@@ -214,6 +215,10 @@ class DCPBatchSampler:
                 validate_step(st, self.num_replicas)
             except PlanError as err:
                 raise PlanningError(f"epoch {epoch}, global batch {index}: invalid step plan: {err}") from err
+            tp = next((it for it in st.items if it.tp > 1), None)
+            if tp is not None:
+                raise PlanningError(f"epoch {epoch}, global batch {index}: " + TP_REFUSAL.format(
+                    what=f"the plan's item on ranks {list(tp.ranks)} has tp={tp.tp} (Planner(max_tp_size=...))"))
         return steps
 
     def _epoch_plan(self, epoch: int) -> list[StepPlan]:

@@ -40,8 +40,8 @@ class Pricer:
         got = self.packer.setting(lengths, len(ranks))
         if got is None:
             return None
-        ring, rec, t = got
-        return WorkItem(ranks, tuple(samples), tuple(lengths), rec, ring), float(t) / self.packer.speed(ranks)
+        return (WorkItem(ranks, tuple(samples), tuple(lengths), got.recompute, got.ring, got.tp),
+                float(got.time) / self.packer.speed(ranks))
 
 
 @dataclass

@@ -175,7 +175,7 @@ class DCPPolicy(Policy):
         interleaved."""
         samples, Ll = problem.samples, problem.lengths
         per_group = [[WorkItem(it.ranks, tuple(samples[i] for i in it.members), tuple(Ll[i] for i in it.members),
-                               it.recompute, it.ring) for it in grp] for grp in groups]
+                               it.recompute, it.ring, it.tp) for it in grp] for grp in groups]
         if notes.schedule == "buddy-tree":
             return StepPlan(tuple(it for level in per_group for it in level), notes)
         return StepPlan(tuple(interleave_items(per_group)), notes)

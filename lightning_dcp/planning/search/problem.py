@@ -34,22 +34,24 @@ GROUP_TREES = 8
 
 class Pack(NamedTuple):
     """One micro-batch of a group: step-local sample indices, recomputed layers, time at the cost model's pace, and
-    its split's ring degree."""
+    its split's ring and tensor-parallel degrees."""
 
     members: list[int]
     recompute: int
     time: float
     ring: int = 1
+    tp: int = 1
 
 
 class Placed(NamedTuple):
     """One planned micro-batch: its SP group's ranks, step-local sample (or unit) indices, recomputed layers, ring
-    degree."""
+    and tensor-parallel degrees."""
 
     ranks: tuple[int, ...]
     members: list[int]
     recompute: int
     ring: int = 1
+    tp: int = 1
 
 
 @dataclass
@@ -219,8 +221,7 @@ class StepProblem:
             got_ = view.setting(pl, sp, None if work is None else float(sum([work[i] for i in members])))
             if got_ is None:
                 raise ValueError(f"a micro-batch of {sum(pl)} tokens does not fit {sp} ranks even with full recompute")
-            ring, rec, t = got_
-            out.append(Pack(members, rec, t, ring))
+            out.append(Pack(members, got_.recompute, got_.time, got_.ring, got_.tp))
         self.packs[key] = out
         return out
 

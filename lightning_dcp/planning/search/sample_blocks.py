@@ -68,7 +68,7 @@ class SampleBlocks(Blocks):
         t, c, pk = best
         ranks = place((c,), self.view.topology, offset, size)
         assert ranks is not None
-        return BlockPlan([[Placed(ranks[0], pk.members, pk.recompute, pk.ring)]], t, (c,))
+        return BlockPlan([[Placed(ranks[0], pk.members, pk.recompute, pk.ring, pk.tp)]], t, (c,))
 
     def prefer(self, Es: np.ndarray, ids: np.ndarray, size: int, offset: int, classes: list[int], top: bool,
                barred: bool) -> Preference:
@@ -155,7 +155,7 @@ class SampleBlocks(Blocks):
         speed = self.view.speed(ranks)
         items, t = [], 0.0
         for pk in self.problem.pack([int(ids[j]) for j in units], len(ranks)):
-            items.append(Placed(ranks, pk.members, pk.recompute, pk.ring))
+            items.append(Placed(ranks, pk.members, pk.recompute, pk.ring, pk.tp))
             t += pk.time / speed
         return GroupPlan(items, t)
 

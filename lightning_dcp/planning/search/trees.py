@@ -146,5 +146,6 @@ class TreeSearch:
         nodes = sorted(sched.packs, key=lambda u: (-tree.size[u], tree.offset[u]))
         for v in nodes:
             ranks = tree.ranks(v)
-            levels.setdefault(tree.size[v], []).append([Placed(ranks, pk.members, pk.recompute, pk.ring) for pk in sched.packs[v]])
+            levels.setdefault(tree.size[v], []).append([Placed(ranks, pk.members, pk.recompute, pk.ring, pk.tp)
+                                                      for pk in sched.packs[v]])
         return [interleave_items(levels[p]) for p in sorted(levels, reverse=True)], sched.span, [tree.size[v] for v in nodes]

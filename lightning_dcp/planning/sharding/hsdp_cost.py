@@ -7,6 +7,10 @@ Memory per rank: the base's, its one replica of states replaced by the mode's ``
 2R + 4L``; a base whose memory is not bytes keeps its own). A dummy round (:mod:`lightning_dcp.runtime.sharding.dummy`)
 holds the states and the units in flight, below any item's peak.
 
+A tensor-parallel item (``WorkItem.tp``) holds ``1 / t`` of each layer in flight and pulls and pushes ``1 / t`` of
+it per rank (:mod:`~lightning_dcp.planning.tensor_parallel`); a round lasts as long as its slowest item, so a round
+whose items all run TP gathers less (a dummy rank pulls no more than the round's items).
+
 Time: a shard group's rounds run in lockstep (:class:`~lightning_dcp.planning.rounds.Lockstep`), each as long as its
 slowest item, plus per layer an all-gather of the weights before the forward and the backward and a reduce-scatter
 of the gradients (``(K - 1) / K`` of the bytes each, at the hardware's or the profile's
@@ -15,13 +19,15 @@ running layer, so ``round(t) = max(t, layers * c) + c`` with ``c`` one layer's c
 :meth:`ShardGroupCostModel.item_cost` charges an item (a round of dummies: ``round(0)``). Per step: the replicas'
 all-reduce of ``G / K``, the optimizer over one shard. With ``offload`` the shards live in host memory (FSDP2's
 ``CPUOffloadPolicy``): every round copies them at :data:`HOST_BANDWIDTH`, the optimizer steps on the CPU at
-:data:`HOST_ADAM_PARAMS_PER_S` (estimates). Pure Python.
+:data:`HOST_ADAM_PARAMS_PER_S` (estimates). Pure Python (numpy for the planner's vectorized round times).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel, DelegatingCostModel, ItemCost
 from lightning_dcp.planning.prices import CollectivePrices
@@ -64,6 +70,7 @@ class ShardGroupCostModel(DelegatingCostModel):
         self.state_bytes_at_rest = mode.state_bytes(parts, at_rest=True)
         """Model-state bytes per rank between steps."""
         self.workspace_bytes = float(getattr(base, "workspace_bytes", 0.0))  # the analytic model's
+        self._collective_s: dict[int, float] = {}
         self.rounds = Lockstep(self.shard_group_size, dummy_round_s=self.round_time(0.0))
         self._shift = self.state_bytes - base.state_bytes if base.memory_in_bytes else 0.0
 
@@ -76,6 +83,18 @@ class ShardGroupCostModel(DelegatingCostModel):
 
     def item_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1) -> Num:
         return self.base.item_memory_tokens(tokens, sp, recompute, ring) + self._shift
+
+    def tp_memory(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> float:
+        return self.base.tp_memory(lengths, sp, recompute, ring, tp) + self._tp_shift(tp)
+
+    def tp_memory_tokens(self, tokens: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1) -> Num:
+        return self.base.tp_memory_tokens(tokens, sp, recompute, ring, tp) + self._tp_shift(tp)
+
+    def _tp_shift(self, tp: int) -> float:
+        """The states' shift for a ``tp``-way TP item: its layers in flight (``4L``) are ``1 / tp`` of a layer."""
+        if not self.base.memory_in_bytes:
+            return 0.0
+        return self._shift - 4.0 * self.layer_bytes * (1.0 - 1.0 / max(int(tp), 1))
 
     def dummy_memory(self) -> float:
         """Peak bytes of a dummy round (the collectives only, no activation): the states with the units in flight
@@ -100,22 +119,38 @@ class ShardGroupCostModel(DelegatingCostModel):
                       ring_exposed: bool = True) -> Num:
         return self.round_time(self.base.item_time_sum(tokens, sq_sum, n, sp, recompute, ring, ring_exposed))
 
+    def tp_cost(self, lengths: Sequence[int], sp: int, recompute: int, ring: int = 1, tp: int = 1) -> ItemCost:
+        """:meth:`item_cost` of a ``tp``-way TP item: each rank pulls and pushes ``1 / tp`` of every layer."""
+        cost = self.base.tp_cost(lengths, sp, recompute, ring, tp)
+        return replace(cost, comm=cost.comm + self.round_time(cost.total, tp) - cost.total)
+
+    def tp_time_sum(self, tokens: Num, sq_sum: Num, n: Num, sp: int, recompute: Num, ring: int = 1, tp: int = 1,
+                    ring_exposed: bool = True) -> Num:
+        return self.round_time(self.base.tp_time_sum(tokens, sq_sum, n, sp, recompute, ring, tp, ring_exposed), tp)
+
     def sp_sizes(self, world_size: int) -> list[int]:
         """SP groups stay inside a shard group: the base's sizes up to ``shard_group_size``."""
         return [p for p in self.base.sp_sizes(world_size) if p <= self.shard_group_size]
 
-    def layer_collective_s(self) -> float:
+    def layer_collective_s(self, tp: int = 1) -> float:
         """One layer's collectives in one round: two all-gathers of its weights, one reduce-scatter of its
-        gradients, plus host copies of the shards with ``offload``."""
-        k = self.shard_group_size
-        comm = 3.0 * self.prices.ring(self.layer_bytes, k) if self.prices is not None else 0.0
-        if self.offload:  # the weight shard to the device twice, the gradient shard back once
-            comm += 3.0 * self.layer_bytes / k / HOST_BANDWIDTH
-        return comm
+        gradients, plus host copies of the shards with ``offload``. A rank of a ``tp``-way TP item pulls and pushes
+        only its ``1 / tp`` slice of the layer (its TP group's other ranks hold the rest)."""
+        got = self._collective_s.get(tp)
+        if got is None:
+            k, layer = self.shard_group_size, self.layer_bytes / max(int(tp), 1)
+            got = 3.0 * self.prices.ring(layer, k) if self.prices is not None else 0.0
+            if self.offload:  # the weight shard to the device twice, the gradient shard back once
+                got += 3.0 * layer / k / HOST_BANDWIDTH
+            self._collective_s[tp] = got
+        return got
 
-    def round_time(self, slowest_item_s: float) -> float:
-        """A lockstep round whose slowest item takes ``slowest_item_s`` (a round of dummies only: 0 compute)."""
-        c = self.layer_collective_s()
+    def round_time(self, slowest_item_s: Num, tp: int = 1) -> Num:
+        """A lockstep round whose slowest item takes ``slowest_item_s`` (a round of dummies only: 0 compute; an array:
+        each its own round); ``tp``: that item's TP degree (its ranks pull ``1 / tp`` of each layer)."""
+        c = self.layer_collective_s(tp)
+        if isinstance(slowest_item_s, np.ndarray):
+            return np.maximum(slowest_item_s, self.num_layers * c) + c
         return max(slowest_item_s, self.num_layers * c) + c
 
     def step_overhead(self, world_size: int) -> float:
