@@ -38,14 +38,15 @@ def test_select_lengths_takes_quantiles_that_exist():
         select_lengths([], 4)
 
 
-def test_grid_puts_required_points_first_and_drops_empty_shards():
+def test_grid_puts_each_sp_sizes_cheapest_point_first_then_the_shortest_lengths():
     grid = build_grid([4, 16, 64, 256], [1, 2], [1, 2, 8])
-    required = [p for p in grid.points if p.required]
-    assert grid.points[: len(required)] == required
-    for sp in (1, 2):  # smallest + largest length at b=1 and smallest at b=2 for every SP size
-        assert {(p.seq_len, p.micro_batch) for p in required if p.sp == sp} == {(4, 1), (256, 1), (4, 2)}
+    required = [(p.seq_len, p.micro_batch, p.sp) for p in grid.points if p.required]
+    assert required == [(4, 1, 1), (4, 1, 2), (4, 2, 8)]  # (4, 1, 8) would give a rank no token
+    assert all(p.required for p in grid.points[:3]) and not any(p.required for p in grid.points[3:])
+    rest = [(p.seq_len, p.micro_batch, p.sp) for p in grid.points[3:]]
+    assert rest == sorted(rest) and rest[-1] == (256, 2, 8)  # a budget that stops early skips the long ones
     assert all(p.seq_len * p.micro_batch >= p.sp for p in grid.points)
-    assert (4, 1, 8) not in {(p.seq_len, p.micro_batch, p.sp) for p in grid.points}
+    assert len(grid.points) == 4 * 2 * 3 - 1
 
 
 # --------------------------------------------------------------------------------- profile_module
@@ -73,15 +74,84 @@ def test_profile_module_writes_a_loadable_profile_and_leaves_the_module_alone():
     assert cm.item_time([300], 1, 4) > cm.item_time([300], 1, 0) > cm.item_time([30], 1, 0)
 
 
-def test_time_budget_keeps_only_required_points_and_explicit_lengths_snap_to_data():
+def test_explicit_lengths_snap_to_the_data():
     module = DCPTransformerModule("tiny-2d")
     data = SyntheticVideoDataset(num_samples=16)
-    profile = profile_module(module, data, time_budget_s=0.0, lengths=[1, 10_000])
-    assert profile["meta"]["grid"] == 3 and profile["meta"]["skipped"] == 1  # (max length, b=2) was optional
-    lengths = {e["seq_len"] for e in profile["entries"]}
-    assert lengths == {min(data.lengths), max(data.lengths)}  # nearest lengths the data has
+    profile = profile_module(module, data, time_budget_s=None, lengths=[1, 10_000], micro_batch_sizes=[1])
+    assert {e["seq_len"] for e in profile["entries"]} == {min(data.lengths), max(data.lengths)}  # the nearest it has
+    assert profile["meta"]["skipped"] == 0 and profile["meta"]["skipped_points"] == []
+
+
+def test_a_zero_time_budget_measures_the_cheapest_point_fits_it_and_names_what_it_skipped():
+    from lightning_dcp.profiling import skipped_line
+
+    module = DCPTransformerModule("tiny-2d")
+    data = SyntheticVideoDataset(num_samples=16)
     profile = profile_module(module, data, time_budget_s=0.0)
-    assert profile["meta"]["grid"] == 3 and profile["meta"]["skipped"] == 5
+    meta = profile["meta"]
+    lengths = meta["lengths"]
+    assert meta["grid"] == 1 and [(e["seq_len"], e["micro_batch"]) for e in profile["entries"]] == [(lengths[0], 1)]
+    skipped = {(s["seq_len"], s["micro_batch"], s["sp"]) for s in meta["skipped_points"]}
+    assert skipped == {(n, b, 1) for n in lengths for b in (1, 2)} - {(lengths[0], 1, 1)} and meta["skipped"] == 7
+    line = skipped_line(meta)
+    assert line.startswith("DCP profiling stopped at its 0 s budget") and "skipped 7 of 8 grid points" in line
+    for n in lengths[1:]:
+        assert f"{n} tokens (micro-batch 1/2, SP 1)" in line
+    assert f"measured lengths [{lengths[0]}]" in line and "DCPProfiler(time_budget_s=...)" in line
+    assert "would measure them all" in line  # every skipped point has a forecast
+    cm = ProfiledCostModel(profile)  # one point still fits: the cost model extrapolates to the longest
+    assert cm.item_time([lengths[-1]], 1, 0) > cm.item_time([lengths[0]], 1, 0) > 0
+
+
+class _FakeClock:
+    """Seconds that pass only when a repeated layer runs: ``scale * tokens**2`` per forward call."""
+
+    def __init__(self, scale):
+        self.now, self.scale, self.calls = 0.0, scale, []
+
+    def __call__(self):
+        return self.now
+
+    def tick(self, _module, args):
+        tokens = int(args[0].shape[0])
+        self.calls.append(tokens)
+        self.now += self.scale * tokens ** 2
+
+
+def _fake_clock_profile(budget):
+    from lightning_dcp.profiling import ProfileDeadline
+    from lightning_dcp.profiling.layers import layer_stack
+    from lightning_dcp.sp.contract import read_model
+
+    torch.manual_seed(0)
+    module = DCPTransformerModule("tiny-2d")
+    clock = _FakeClock(1e-4)
+    stack = layer_stack(read_model(module))
+    for layer in (stack.warmup_layer, stack.measured_layer):
+        layer.register_forward_pre_hook(clock.tick)
+    data = SyntheticVideoDataset([(1, 8, 8), (2, 8, 8), (4, 8, 8), (16, 8, 8)] * 2)  # 64, 128, 256, 1024 tokens
+    deadline = ProfileDeadline(budget, clock=clock)
+    return profile_module(module, data, deadline=deadline, micro_batch_sizes=[1, 2]), clock
+
+
+def test_the_time_budget_covers_the_whole_profile_on_a_fake_clock():
+    """The long points would take far past the budget (on a clock that moves only when a layer runs): they are
+    skipped before they start or after their first pass, the rest is measured, and the whole profile ends within
+    the budget plus at most one first pass."""
+    full, _ = _fake_clock_profile(None)
+    assert full["meta"]["grid"] == 8 and full["meta"]["skipped_points"] == []
+    assert full["meta"]["profiling_s"] > 1000  # every point, 1024 tokens among them, on the fake clock
+    budget = 150.0
+    profile, clock = _fake_clock_profile(budget)
+    meta = profile["meta"]
+    measured = {(e["seq_len"], e["micro_batch"]) for e in profile["entries"]}
+    skipped = {(s["seq_len"], s["micro_batch"]) for s in meta["skipped_points"] if s["what"] == "point"}
+    assert measured | skipped == {(n, b) for n in (64, 128, 256, 1024) for b in (1, 2)} and not measured & skipped
+    assert {(64, 1), (64, 2), (128, 1)} <= measured and {(1024, 1), (1024, 2)} <= skipped
+    one_pass = max(clock.scale * n ** 2 for n in clock.calls)
+    assert meta["profiling_s"] <= budget + one_pass and meta["time_budget_s"] == budget
+    assert 1024 not in clock.calls or clock.calls.count(1024) + clock.calls.count(2048) <= 2  # at most a first pass
+    ProfiledCostModel(profile).item_time([1024], 1, 0)
 
 
 def _load_benchmark():
@@ -154,6 +224,33 @@ def test_callback_misses_on_another_key_and_replaces_a_corrupt_file(tmp_path):
         again = _fit(tmp_path)
     assert again.cache_status == "corrupt"
     validate_profile(json.loads(Path(first.cache_file).read_text()))  # replaced by a valid profile
+
+
+def test_callback_stopped_by_its_budget_says_what_it_skipped_and_a_larger_budget_measures_again(tmp_path, monkeypatch):
+    import lightning_dcp.profiling.callback as callback_mod
+
+    said = []  # Lightning's logger may not propagate to caplog: record the calls
+    monkeypatch.setattr(callback_mod, "rank_zero_info", lambda msg, *a, **k: said.append(str(msg)))
+    short = _fit(tmp_path, time_budget_s=0.0, time_budget_source="--profile-seconds")
+    out = "\n".join(said)
+    assert short.profile["meta"]["grid"] == 1 and short.profile["meta"]["skipped"] == 1
+    lines = [line for line in out.splitlines() if line.startswith("DCP profiling stopped")]
+    longest = short.profile["meta"]["lengths"][-1]  # 64 asked, the data's nearest
+    assert len(lines) == 1 and f"{longest} tokens (micro-batch 1, SP 1)" in lines[0] and "--profile-seconds" in lines[0]
+    assert "budget 0 s for the whole profile" in out
+    again = _fit(tmp_path, time_budget_s=0.0)  # the same budget: the cached profile is all it would measure
+    assert again.cache_status == "hit"
+    more = _fit(tmp_path, time_budget_s=None)  # more time: measured again, and the full profile replaces it
+    assert more.cache_status == "partial" and more.profile["meta"]["grid"] == 2
+    assert _fit(tmp_path, time_budget_s=0.0).cache_status == "hit"
+
+
+def test_callback_names_the_setting_that_changes_the_memory_budget(tmp_path):
+    default = _fit(tmp_path)
+    assert default.cost_model.describe_limit().endswith("set DCPProfiler(memory_limit_bytes=...) to change it)")
+    named = _fit(tmp_path, memory_limit_setting="--budget MiB")  # e.g. a command's flag: train-video's --budget
+    limit = named.cost_model.describe_limit()
+    assert "set --budget MiB to change it" in limit and "memory_limit_bytes" not in limit
 
 
 def test_callback_disabled_does_nothing(tmp_path):
@@ -232,6 +329,25 @@ def test_three_ranks_profile_sp2_on_the_block_that_fits():
     from _dist import run_distributed
 
     run_distributed(_profile_sp2, 3, timeout=240)
+
+
+def _profile_no_time(rank, world_size):
+    torch.manual_seed(0)
+    module = DCPTransformerModule("tiny-1d")
+    profile = profile_module(module, SyntheticTokenDataset(num_samples=32), lengths=[16, 64], micro_batch_sizes=[1, 2],
+                             time_budget_s=0.0)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, profile["entries"])
+    assert all(p == everyone[0] for p in everyone), "ranks measured different points"
+    assert [(e["seq_len"], e["micro_batch"], e["sp"]) for e in profile["entries"]] == [(16, 1, 1), (16, 1, 2)]
+    assert profile["meta"]["skipped"] == 6  # each SP size keeps its cheapest point: both stay plannable
+    assert ProfiledCostModel(profile).sp_sizes(world_size) == [1, 2]
+
+
+def test_two_ranks_stop_at_a_zero_budget_together():
+    from _dist import run_distributed
+
+    run_distributed(_profile_no_time, 2, timeout=240)
 
 
 # ------------------------------------------------------------- generic layer stacks (no RecomputeLayers)

@@ -66,6 +66,37 @@ def test_clips_to_a_generated_video_offline(tmp_path, capsys, monkeypatch):
     assert frames.shape == (5, 32, 32, 3)
 
 
+def test_train_video_profiles_within_its_time_and_names_its_own_flags(tmp_path):
+    """The profiler train-video adds keeps --profile-seconds as its whole-profile budget and names train-video's
+    flags (--budget, --profile-seconds) in the planning line and in what a stopped profile says."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from lightning_dcp.diffusers.recipe import build_run
+    from lightning_dcp.diffusers.tiny import tiny_transformer
+    from lightning_dcp.profiling import DCPProfiler
+    from lightning_dcp.profiling.budget import resolve_budget
+
+    model = tiny_transformer("tiny-wan")
+    channels, text_dim = int(model.config.out_channels), int(model.config.text_dim)
+    data = _encoded_folder(tmp_path / "encoded", channels, text_dim, (1, 2, 2), [(1, 2, 2), (2, 1, 2)], [3, 5])
+    args = ["--model", "tiny-wan", "--data", str(data), "--out", str(tmp_path / "run"), "--devices", "1"]
+    from lightning_dcp.commands.train_video import _overrides, add_arguments
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = load_config(None, _overrides(parser.parse_args([*args, "--profile-seconds", "12"])))
+    assert config.profile_seconds == 12.0 and load_config(None, {"model": "m", "data": "d"}).profile_seconds == 60.0
+    with pytest.raises(ValueError, match="profile_seconds: -1.0 must be seconds >= 0"):
+        load_config(None, {"model": "m", "data": "d", "profile_seconds": -1.0})
+    run = build_run(config)
+    profiler = next(c for c in run.trainer.callbacks if isinstance(c, DCPProfiler))
+    assert profiler.time_budget_s == 12.0 and "--profile-seconds" in profiler.time_budget_source
+    _, source = resolve_budget("cpu", profiler.memory_limit_bytes, profiler.memory_limit_source,
+                               profiler.memory_limit_setting)
+    assert "train-video's --budget MiB" in source and "DCPProfiler(" not in source
+
+
 def _encoded_folder(root: Path, channels: int, text_dim: int, patch, shapes, text_lens) -> Path:
     """An encode output folder written directly (meta.json, one shard, index.jsonl), as `lightning-dcp encode` lays it out."""
     import math

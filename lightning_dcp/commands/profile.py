@@ -190,4 +190,9 @@ def run(args: argparse.Namespace) -> int:
         meta = profile["meta"]
         print(f"wrote {out}: {meta['grid']} grid points ({meta['skipped']} skipped) in {meta['profiling_s']:.1f} s on "
               f"{key['device']} ({precision}, world {world}); lengths {meta['lengths']}")
+        from lightning_dcp.profiling.deadline import skipped_line
+
+        line = skipped_line(meta, "--time-budget SECONDS")
+        if line:
+            print(line)
     return 0

@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None,
                         help="per-device memory in MiB the planner may use, measured at fit start; auto (default): "
                              "the device's; none: no profile")
+    parser.add_argument("--profile-seconds", type=float, default=None,
+                        help="wall seconds for the whole profile at fit start (default 60); a profile that would take "
+                             "longer skips its longest points and says which")
     parser.add_argument("--no-ema", action="store_true", help="no EMA of the trained weights")
     parser.add_argument("--ema-decay", type=float, default=None, help="EMA decay (default 0.999)")
     parser.add_argument("--prompt", action="append", default=None, help="a validation prompt (repeat for more)")
@@ -60,7 +63,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             raise CLIError(f"--budget {budget!r}: MiB per device (a number), auto or none") from None
     flags = {"model": args.model, "family": args.family, "data": args.data, "out": args.out,
              "lora.rank": args.lora_rank, "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
-             "train.lr": args.lr, "budget": budget, "ema.decay": args.ema_decay, "validation.prompts": args.prompt,
+             "train.lr": args.lr, "budget": budget, "profile_seconds": args.profile_seconds, "ema.decay": args.ema_decay, "validation.prompts": args.prompt,
              "validation.every_n_steps": args.validate_every, "logger": args.logger, "train.sharding": args.sharding,
              "train.precision": args.precision, "train.devices": args.devices}
     if args.no_ema:

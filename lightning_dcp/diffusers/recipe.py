@@ -29,6 +29,9 @@ __all__ = ["CHECKPOINTS", "VideoRun", "build_run", "train_video"]
 
 #: The checkpoints' folder under ``out``.
 CHECKPOINTS = "checkpoints"
+#: How the profiler's messages name train-video's settings: the memory budget and the profile's time.
+BUDGET_SETTING = "train-video's --budget MiB (budget: in the config)"
+PROFILE_SECONDS_SETTING = "train-video's --profile-seconds S (profile_seconds: in the config)"
 
 
 @dataclass
@@ -119,7 +122,9 @@ def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progre
 
         limit = config.memory_limit_mib
         callbacks.append(DCPProfiler(memory_limit_bytes=None if limit is None else limit * 2**20,
-                                     memory_limit_source=None if limit is None else f"budget: {limit:g} MiB"))
+                                     memory_limit_source=None if limit is None else f"budget: {limit:g} MiB",
+                                     memory_limit_setting=BUDGET_SETTING, time_budget_s=config.profile_seconds,
+                                     time_budget_source=PROFILE_SECONDS_SETTING))
     if progress_bar:
         from lightning.pytorch.callbacks import TQDMProgressBar
 

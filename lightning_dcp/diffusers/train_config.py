@@ -12,6 +12,7 @@ command-line flag or ``--set section.key=value`` overrides the file::
             devices: auto, accelerator: auto, precision: auto, sharding: none, checkpoint_every: 100,
             drop_last: false}        # false: an epoch's remainder trains as a smaller last step
     budget: auto                 # per-device memory in MiB the planner may use; auto: the device's; none: no profile
+    profile_seconds: 60          # wall seconds for the whole profile at fit start (null: no limit)
     ema: {enabled: true, decay: 0.999}
     validation: {prompts: [], seeds: [0], every_n_steps: 100, num_frames: 17, height: 256, width: 256,
                  num_inference_steps: 30, guidance_scale: null, fps: 16}
@@ -95,6 +96,7 @@ class VideoTrainConfig:
     lora: LoRASettings = field(default_factory=LoRASettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     budget: float | str = "auto"
+    profile_seconds: float | None = 60.0
     ema: EMASettings = field(default_factory=EMASettings)
     validation: ValidationSettings = field(default_factory=ValidationSettings)
     logger: str = "csv"
@@ -132,6 +134,9 @@ class VideoTrainConfig:
             bad.append(f"budget: {self.budget!r} must be MiB per device (a number), auto or none")
         elif not isinstance(self.budget, str) and float(self.budget) <= 0:
             bad.append(f"budget: {self.budget!r} MiB must be > 0")
+        if self.profile_seconds is not None and (isinstance(self.profile_seconds, bool) or not isinstance(
+                self.profile_seconds, (int, float)) or self.profile_seconds < 0):
+            bad.append(f"profile_seconds: {self.profile_seconds!r} must be seconds >= 0, or null (no limit)")
         if not 0.0 <= float(self.ema.decay) < 1.0:
             bad.append(f"ema.decay: {self.ema.decay!r} must be in [0, 1)")
         if self.logger not in LOGGERS:

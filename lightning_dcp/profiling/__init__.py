@@ -11,6 +11,8 @@ Rooms:
 * :mod:`~lightning_dcp.profiling.harness` — driving a user's module without changing it;
 * :mod:`~lightning_dcp.profiling.assemble` — :func:`profile_module`, the sequence and the v1 dict;
 * :mod:`~lightning_dcp.profiling.callback` — :class:`DCPProfiler`, the Lightning callback;
+* :mod:`~lightning_dcp.profiling.deadline` — the time budget of the whole profile, what it skipped (pure Python);
+* :mod:`~lightning_dcp.profiling.forecast` — how long a grid point will take, from those measured;
 * :mod:`~lightning_dcp.profiling.cache` — the on-disk cache (pure Python);
 * :mod:`~lightning_dcp.profiling.budget` — :func:`measure_budget`: profile, then report the memory
   budget per SP size and the dataset's thresholds (:mod:`lightning_dcp.planning.budget`).
@@ -108,9 +110,11 @@ _EXPORTS = {
     "DCPProfiler": "callback",
     # cache
     "CACHE_ENV": "cache", "CacheLookup": "cache", "ProfileCacheWarning": "cache", "ProfileKey": "cache",
-    "default_cache_dir": "cache", "device_name": "cache", "load_cached": "cache", "model_signature": "cache",
+    "default_cache_dir": "cache", "device_name": "cache", "load_cached": "cache", "more_time": "cache", "model_signature": "cache",
     "profile_path": "cache", "resolve_cache_dir": "cache", "store": "cache", "describe_sample": "cache",
     "inputs_signature": "cache",
+    # the time budget and the forecast it is kept with
+    "ProfileDeadline": "deadline", "skipped_line": "deadline", "PointForecast": "forecast",
     # the budget helper
     "measure_budget": "budget", "resolve_budget": "budget",
     # the cost model a profile is read with (defined by the planner, which stays free of torch)

@@ -24,6 +24,8 @@ from torch import nn
 from lightning_dcp.sp.context import SPContext, sp_context
 from lightning_dcp.planning.profile import PROFILE_SCHEMA, validate_profile
 from lightning_dcp.profiling import harness, measure
+from lightning_dcp.profiling.deadline import ProfileDeadline, Skip, skipped_line
+from lightning_dcp.profiling.forecast import PASSES_AFTER_WARMUP, PointForecast
 from lightning_dcp.profiling.grid import (DENSITIES, GridPoint, ProfileGrid, Samples, build_grid, check_sp_sizes,
                                           default_sp_sizes, select_lengths)
 from lightning_dcp.profiling.layers import LayerStack, layer_stack
@@ -90,8 +92,10 @@ def _plan_grid(run: _Run, lengths: Sequence[int] | None, micro_batch_sizes: Sequ
 _MEASURED = ("forward_s", "backward_s", "recompute_s", "activation_bytes", "input_bytes", "peak_bytes")
 
 
-def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tuple[int, dict[str, float]]:
-    """(length actually run, this rank's measurement) for one grid point on its SP group."""
+def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None,
+                 proceed: Callable[[float], bool]) -> tuple[int, dict[str, float] | None]:
+    """(length actually run, this rank's measurement, ``None`` when ``proceed`` abandoned the point after its
+    warm-up pass) for one grid point on its SP group. ``proceed`` is a world collective: every rank calls it once."""
     from lightning_dcp.sp.packing import pack_samples
 
     p = point.sp
@@ -99,40 +103,61 @@ def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None) -> tup
     sp_rank = run.rank - block
     seq_len, idx = run.samples.pick(point.seq_len, point.micro_batch)
     if block + p > run.world_size:  # no aligned block of p ranks holds this rank (W=3: rank 2 at SP 2)
-        return seq_len, dict.fromkeys(_MEASURED, 0.0)  # it sits the point out; the MAX over ranks ignores it
+        # it sits the point out; the MAX over ranks ignores it
+        return seq_len, dict.fromkeys(_MEASURED, 0.0) if proceed(0.0) else None
     group = group_for(list(range(block, block + p))) if p > 1 else None
     batch = pack_samples([run.samples[i] for i in idx], pad_to_multiple=p, sample_indices=idx)
     batch = harness.to_device(local_batch(run.contract, batch, sp_rank, p, "token").data, run.device)
     with sp_context(SPContext(group=group, size=p, rank=sp_rank, recompute=0)):
         args, kwargs = measure.capture(run.module, run.stack, batch, run.step_fn, run.autocast)
-        m = measure.measure_point(run.stack, args, kwargs, run.device, run.autocast, run.exclude, group)
+        m = measure.measure_point(run.stack, args, kwargs, run.device, run.autocast, run.exclude, group, proceed)
     return seq_len, m
 
 
-def _measure_grid(run: _Run, grid: ProfileGrid, group_for: Callable | None, time_budget_s: float | None,
-                  t_start: float) -> tuple[list[dict], list[GridPoint]]:
-    """Every grid point in order (optional ones skipped once over budget); entries agreed by MAX over ranks."""
+def _agreed_elapsed(deadline: ProfileDeadline, run: _Run) -> float:
+    return measure.allreduce_max([deadline.elapsed()], run.device)[0]
+
+
+def _measure_grid(run: _Run, grid: ProfileGrid, group_for: Callable | None, deadline: ProfileDeadline,
+                  forecast: PointForecast, after_first: Callable[[], None]) -> list[dict]:
+    """The grid's entries, agreed by MAX over ranks. Required points always run; any other point only when its
+    forecast (and, after its warm-up pass, the forecast of its remaining passes), plus the constant parts still
+    to measure, ends within the budget; the others are recorded in ``deadline.skipped``. Every decision is taken
+    on values agreed over the ranks, so every rank measures the same points. ``after_first()`` runs once the first
+    point is measured (the constants at the shortest length: a bypassed layer must know what a layer returns)."""
     entries: list[dict] = []
-    skipped: list[GridPoint] = []
-    over_budget = False
+    elapsed = _agreed_elapsed(deadline, run)
     for point in grid.points:
-        if over_budget and not point.required:
-            skipped.append(point)
+        longest = max([point.seq_len, *(e["seq_len"] for e in entries)])
+        reserve = forecast.constant(longest) if longest > grid.lengths[0] else 0.0  # the constants at the end
+        ahead = forecast.point(point.seq_len, point.micro_batch, point.sp)
+        if not point.required and ahead is not None and not deadline.allows(ahead + reserve, elapsed):
+            deadline.skip(Skip(point.seq_len, point.micro_batch, point.sp, ahead))
             continue
-        seq_len, m = _measure_one(run, point, group_for)
-        elapsed = time.perf_counter() - t_start
+        began = elapsed
+        probe: dict[str, float] = {}
+
+        def proceed(warmup_s: float) -> bool:
+            warm, now = measure.allreduce_max([warmup_s, deadline.elapsed()], run.device)
+            probe["rest"] = warm * PASSES_AFTER_WARMUP
+            return point.required or deadline.allows(probe["rest"] + reserve, now)
+
+        seq_len, m = _measure_one(run, point, group_for, proceed)
+        if m is None:  # abandoned after its warm-up pass: its forecast is the pass so far plus the passes left
+            elapsed = _agreed_elapsed(deadline, run)
+            deadline.skip(Skip(point.seq_len, point.micro_batch, point.sp, elapsed - began + probe.get("rest", 0.0)))
+            continue
         fwd, bwd, rec, act, inp, peak, elapsed = measure.allreduce_max(
             [m["forward_s"], m["backward_s"], m["recompute_s"], m["activation_bytes"], m["input_bytes"], m["peak_bytes"],
-             elapsed], run.device)
+             deadline.elapsed()], run.device)
+        forecast.record(seq_len, point.micro_batch, point.sp, elapsed - began)
         entries.append({"seq_len": seq_len, "micro_batch": point.micro_batch, "sp": point.sp, "forward_s": fwd,
                         "backward_s": bwd, "recompute_s": rec, "activation_bytes": int(act), "input_bytes": int(inp),
                         "peak_bytes": int(peak) if run.device.type == "cuda" else None})
-        if time_budget_s is not None and elapsed > time_budget_s:
-            over_budget = True
-    if skipped:
-        log.info("profiling went over its %.0f s budget: skipped %d of %d grid points (%s)", time_budget_s, len(skipped),
-                 len(grid.points), ", ".join(f"l={q.seq_len} b={q.micro_batch} sp={q.sp}" for q in skipped[:8]))
-    return entries, skipped
+        if len(entries) == 1:
+            after_first()
+            elapsed = _agreed_elapsed(deadline, run)
+    return entries
 
 
 @dataclass
@@ -163,30 +188,33 @@ def _model_states(module: nn.Module, states_module: nn.Module | None, optimizer:
                    optimizer_bytes=measure.optimizer_state_estimate(getattr(optimizer, "optim", optimizer), param_bytes))
 
 
-def _measure_constants(run: _Run, grid: ProfileGrid, optimizer: Any, states: _States) -> dict[str, float]:
-    """The ``constant`` section's measured fields: a two-point line ``c0 + c1 * tokens`` of the step
-    with the layers bypassed (smallest and largest grid length, SP 1), optimizer and all-reduce time."""
+def _constant_at(run: _Run, n: int) -> tuple[int, float, float, float]:
+    """``(length run, seconds of the step with the layers bypassed, bytes it saves, host seconds)`` at SP 1."""
     from lightning_dcp.sp.packing import pack_samples
 
-    const, host = [], []
-    for n in sorted({grid.lengths[0], grid.lengths[-1]}):
-        seq_len, idx = run.samples.pick(n, 1)
-        host.append((seq_len, _host_time(run, idx)))
-        packed = pack_samples([run.samples[i] for i in idx], sample_indices=idx)
-        batch = harness.to_device(local_batch(run.contract, packed, 0, 1, "token").data, run.device)
-        with sp_context(SPContext()):
-            t, saved = measure.measure_constant_run(run.module, run.stack, batch, run.step_fn, run.device, run.autocast,
-                                                    run.exclude)
-        const.append((seq_len, t, saved))
-    (n0, t0, s0), (n1, t1, s1) = const[0], const[-1]
+    seq_len, idx = run.samples.pick(n, 1)
+    host = _host_time(run, idx)
+    packed = pack_samples([run.samples[i] for i in idx], sample_indices=idx)
+    batch = harness.to_device(local_batch(run.contract, packed, 0, 1, "token").data, run.device)
+    with sp_context(SPContext()):
+        t, saved = measure.measure_constant_run(run.module, run.stack, batch, run.step_fn, run.device, run.autocast,
+                                                run.exclude)
+    return seq_len, t, saved, host
+
+
+def _constant_line(run: _Run, const: list[tuple[int, float, float, float]], optimizer: Any,
+                   states: _States) -> dict[str, float]:
+    """The ``constant`` section's measured fields: a line ``c0 + c1 * tokens`` through the step with the layers
+    bypassed at the shortest and the longest length measured (SP 1; flat when only one was), the host's line
+    likewise, optimizer and all-reduce time."""
+    (n0, t0, s0, h0), (n1, t1, s1, h1) = const[0], const[-1]
     slope = max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
     c0 = max(0.0, t0 - slope * n0)
     act_per_token = max(s0 / n0, s1 / n1)
     opt_s = measure.optimizer_time(optimizer, run.stack.measured_layer, states.trainable_numel)
     allreduce_s = measure.allreduce_time(states.param_bytes, states.grad_dtype, run.device)
-    (h_n0, h0), (h_n1, h1) = host[0], host[-1]
-    host_slope = max(0.0, (h1 - h0) / (h_n1 - h_n0)) if h_n1 > h_n0 else 0.0
-    host_c = max(0.0, h0 - host_slope * h_n0)
+    host_slope = max(0.0, (h1 - h0) / (n1 - n0)) if n1 > n0 else 0.0
+    host_c = max(0.0, h0 - host_slope * n0)
     c0, slope, act_per_token, opt_s, allreduce_s, host_c, host_slope = measure.allreduce_max(
         [c0, slope, act_per_token, opt_s, allreduce_s, host_c, host_slope], run.device)
     return {"time_s": c0, "time_per_token_s": slope, "optimizer_s": opt_s, "allreduce_s": allreduce_s,
@@ -225,9 +253,9 @@ def default_key(module: nn.Module, device: torch.device, precision: str, world_s
     return ProfileKey(model_signature(module), device_name(device), precision, world_size, __version__).to_dict()
 
 
-def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[GridPoint], constant: dict[str, float],
+def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], deadline: ProfileDeadline, constant: dict[str, float],
               states: _States, *, key: Mapping[str, Any], num_layers: int | None, memory_limit_bytes: float,
-              density: str, time_budget_s: float | None, profiling_s: float) -> dict:
+              density: str, profiling_s: float) -> dict:
     hidden = run.contract.hidden_size
     device = run.device
     return {
@@ -243,8 +271,11 @@ def _assemble(run: _Run, grid: ProfileGrid, entries: list[dict], skipped: list[G
                      "optimizer_bytes": float(states.optimizer_bytes)},
         "entries": entries,
         "meta": {"created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                 "profiling_s": round(profiling_s, 3), "grid": len(entries), "skipped": len(skipped),
-                 "density": density, "time_budget_s": time_budget_s, "host": platform.node(),
+                 "profiling_s": round(profiling_s, 3), "grid": len(entries),
+                 "skipped": sum(s.what == "point" for s in deadline.skipped),
+                 "skipped_points": [s.to_dict() for s in deadline.skipped], "time_budget_s": deadline.budget_s,
+                 "time_budget_source": deadline.source, "measured_lengths": sorted({e["seq_len"] for e in entries}),
+                 "density": density, "host": platform.node(),
                  "lengths": grid.lengths, "micro_batch_sizes": grid.micro_batch_sizes, "sp_sizes": grid.sp_sizes,
                  "profiled_layers": len(run.stack)},
     }
@@ -274,6 +305,7 @@ def profile_module(
     states_module: nn.Module | None = None,
     cpu_clock: str = "wall",
     contract: ModelContract | None = None,
+    deadline: ProfileDeadline | None = None,
 ) -> dict:
     """Measure a dual-layer profile of ``module`` on ``data``; return a valid v1 profile dict.
 
@@ -296,8 +328,13 @@ def profile_module(
         micro_batch_sizes: default ``(1, 2)`` coarse, ``(1, 2, 4)`` fine.
         sp_sizes: default every size up to the world size that divides ``num_heads`` (powers of two when unknown).
         density: ``"coarse"`` or ``"fine"``.
-        time_budget_s: after this many seconds of profiling, points not ``required`` are skipped
-            (logged); ``None``: no budget.
+        time_budget_s: wall seconds for the whole profile, from this call (or ``deadline``'s start) to its end,
+            the constant parts included: the cheapest point of each SP size always runs; every other point runs only
+            when it is forecast to end within the budget, else it is skipped and the cost model extrapolates
+            (``meta.skipped_points``; :func:`~lightning_dcp.profiling.deadline.skipped_line` says it in one line).
+            ``None``: no budget, every point.
+        deadline: the budget as a :class:`~lightning_dcp.profiling.deadline.ProfileDeadline` (its start, clock and
+            the setting messages name); it replaces ``time_budget_s``. :class:`DCPProfiler` starts it at fit start.
         memory_limit_bytes: ``device.memory_limit_bytes`` (default: CUDA total x ``memory_fraction``, CPU 8 GiB).
         layers_attr: dotted attribute path to the repeated layers when the module has several stacks
             (see :mod:`lightning_dcp.sp.contract`); ignored with ``contract``.
@@ -312,22 +349,24 @@ def profile_module(
         contract: what to read off ``module`` (the strategy's ``model_contract`` under the profiler
             callback); default :func:`~lightning_dcp.sp.contract.read_model` with ``layers_attr``.
     """
-    t_start = time.perf_counter()
+    deadline = deadline if deadline is not None else ProfileDeadline(time_budget_s)
     _check_options(cpu_clock, density)
     contract = contract if contract is not None else read_model(module, layers_attr)
     run = _prepare(module, data, device, autocast, step_fn, contract, num_heads)
     _refuse_safe_mode(contract)
     grid = _plan_grid(run, lengths, micro_batch_sizes, sp_sizes, density)
     states = _model_states(module, states_module, optimizer)
-    entries, skipped, constant = _measure_all(module, run, grid, group_for, optimizer, states, cpu_clock,
-                                              time_budget_s, t_start)
+    entries, constant = _measure_all(module, run, grid, group_for, optimizer, states, cpu_clock, deadline)
     profile = _assemble(
-        run, grid, entries, skipped, constant, states,
+        run, grid, entries, deadline, constant, states,
         key=key if key is not None else default_key(module, run.device, precision, run.world_size),
-        num_layers=num_layers, density=density, time_budget_s=time_budget_s,
+        num_layers=num_layers, density=density,
         memory_limit_bytes=memory_limit_bytes if memory_limit_bytes is not None else default_memory_limit(run.device, memory_fraction),
-        profiling_s=time.perf_counter() - t_start,
+        profiling_s=deadline.elapsed(),
     )
+    line = skipped_line(profile["meta"])
+    if line:
+        log.info(line)
     profile = measure.broadcast(profile)  # rank 0's copy everywhere (profiling_s and host may differ per rank)
     return validate_profile(profile)
 
@@ -347,19 +386,35 @@ def _refuse_safe_mode(contract: ModelContract) -> None:
 
 
 def _measure_all(module: nn.Module, run: Any, grid: Any, group_for: Any, optimizer: Any, states: Any, cpu_clock: str,
-                 time_budget_s: float | None, t_start: float) -> tuple[Any, Any, Any]:
-    """The grid's entries, the skipped points and the constant parts; SP groups this creates (no
-    ``group_for`` given on several ranks) are destroyed before it returns (none left alive at exit)."""
+                 deadline: ProfileDeadline) -> tuple[Any, Any]:
+    """The grid's entries and the constant parts: the constants at the shortest length after the first point
+    (always; the forecast of the last step scales them), the grid, then the constants at the longest length measured, when
+    they are forecast to fit the budget (else the constant line stays flat and that is recorded as skipped). SP
+    groups this creates (no ``group_for`` given on several ranks) are destroyed before it returns."""
     own_groups = None
     if group_for is None and run.world_size > 1 and any(p > 1 for p in grid.sp_sizes):
         own_groups = harness.make_sp_groups(run.world_size, grid.sp_sizes)
         group_for = own_groups.group_for
+    forecast = PointForecast()
     try:
         with measure.cpu_clock(cpu_clock), harness.preserved_state(module), harness.muted_logging(module):
             module.train()
-            entries, skipped = _measure_grid(run, grid, group_for, time_budget_s, t_start)
-            constant = _measure_constants(run, grid, optimizer, states)
+            const: list[tuple[int, float, float, float]] = []
+
+            def shortest_constant() -> None:
+                began = _agreed_elapsed(deadline, run)
+                const.append(_constant_at(run, grid.lengths[0]))
+                forecast.record_constant(const[0][0], _agreed_elapsed(deadline, run) - began)
+
+            entries = _measure_grid(run, grid, group_for, deadline, forecast, shortest_constant)
+            longest = max(e["seq_len"] for e in entries if e["sp"] == min(grid.sp_sizes))
+            if longest > const[0][0]:
+                if deadline.allows(forecast.constant(longest), _agreed_elapsed(deadline, run)):
+                    const.append(_constant_at(run, longest))
+                else:
+                    deadline.skip(Skip(longest, 1, 1, forecast.constant(longest), what="constant"))
+            constant = _constant_line(run, const, optimizer, states)
     finally:
         if own_groups is not None:
             own_groups.destroy()
-    return entries, skipped, constant
+    return entries, constant

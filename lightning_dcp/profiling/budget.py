@@ -24,18 +24,21 @@ __all__ = ["measure_budget", "resolve_budget"]
 
 
 def resolve_budget(device: torch.device | str, memory_limit_bytes: float | None = None,
-                   source: str | None = None) -> tuple[float, str]:
+                   source: str | None = None, setting: str | None = None) -> tuple[float, str]:
     """This run's memory budget and where it came from: ``memory_limit_bytes`` (named by ``source``,
-    default ``"DCPProfiler(memory_limit_bytes=...)"``), else the documented default (CUDA total x 0.9,
-    CPU 8 GiB). Never a cached profile's stored limit: the cache holds measurements, not budgets."""
+    default ``setting``), else the documented default (CUDA total x 0.9, CPU 8 GiB) and the ``setting`` that
+    changes it (default ``"DCPProfiler(memory_limit_bytes=...)"``; ``lightning-dcp train-video`` names its
+    ``--budget``). Never a cached profile's stored limit: the cache holds measurements, not budgets."""
     device = torch.device(device)
+    owner = "the default" if setting else "DCPProfiler's default"
+    setting = setting or "DCPProfiler(memory_limit_bytes=...)"
     if memory_limit_bytes is not None:
         if not memory_limit_bytes > 0:
             raise ValueError(f"memory_limit_bytes must be positive (bytes per device), got {memory_limit_bytes!r}")
-        return float(memory_limit_bytes), source or "DCPProfiler(memory_limit_bytes=...)"
+        return float(memory_limit_bytes), source or setting
     limit = default_memory_limit(device)
     what = "0.9 x the CUDA device's total memory" if device.type == "cuda" else f"{format_bytes(CPU_MEMORY_LIMIT)} on CPU"
-    return limit, f"DCPProfiler's default, {what}; set DCPProfiler(memory_limit_bytes=...) to change it"
+    return limit, f"{owner}, {what}; set {setting} to change it"
 
 
 def measure_budget(module: nn.Module, samples: Any, *, world_size: int = 1, lengths: Sequence[int] | None = None,

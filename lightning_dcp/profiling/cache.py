@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 #: Environment variable that overrides the default cache directory.
 CACHE_ENV = "LIGHTNING_DCP_CACHE"
 
-HIT, MISS, CORRUPT, FOREIGN = "hit", "miss", "corrupt", "foreign"
+HIT, MISS, CORRUPT, FOREIGN, PARTIAL = "hit", "miss", "corrupt", "foreign", "partial"
 
 
 class ProfileCacheWarning(UserWarning):
@@ -89,7 +89,8 @@ class ProfileKey:
 
 @dataclass
 class CacheLookup:
-    """Result of :func:`load_cached`: ``status`` is ``"hit"``, ``"miss"``, ``"corrupt"`` or ``"foreign"``."""
+    """Result of :func:`load_cached`: ``status`` is ``"hit"``, ``"miss"``, ``"corrupt"``, ``"foreign"`` or
+    ``"partial"`` (a profile its time budget stopped, and this run gives more time: measured again)."""
 
     status: str
     path: Path
@@ -205,8 +206,20 @@ def _ignore(status: str, path: Path, reason: str) -> CacheLookup:
     return CacheLookup(status, path, None, reason)
 
 
-def load_cached(key: ProfileKey, cache_dir: str | Path | None = None) -> CacheLookup:
-    """Look ``key`` up. Returns a hit only for a valid v1 profile whose stored key equals ``key``."""
+def more_time(profile: Mapping[str, Any], time_budget_s: float | None) -> bool:
+    """Whether a run with ``time_budget_s`` (``None``: none) would measure more of ``profile`` than it holds: its
+    time budget skipped points, and this budget is larger."""
+    meta = profile.get("meta") or {}
+    if not meta.get("skipped_points"):
+        return False
+    stored = meta.get("time_budget_s")
+    return time_budget_s is None or (isinstance(stored, (int, float)) and time_budget_s > stored)
+
+
+def load_cached(key: ProfileKey, cache_dir: str | Path | None = None, time_budget_s: float | None | str = "any") -> CacheLookup:
+    """Look ``key`` up. Returns a hit only for a valid v1 profile whose stored key equals ``key`` and, given this
+    run's ``time_budget_s``, that a larger budget would not measure further (:func:`more_time`; else ``"partial"``,
+    a miss)."""
     path = profile_path(key, cache_dir)
     if not path.exists():
         return CacheLookup(MISS, path)
@@ -221,6 +234,10 @@ def load_cached(key: ProfileKey, cache_dir: str | Path | None = None) -> CacheLo
     stored = data.get("key")
     if not isinstance(stored, Mapping) or dict(stored) != key.to_dict():
         return _ignore(FOREIGN, path, f"its key {stored!r} is not the expected {key.to_dict()!r}")
+    if time_budget_s != "any" and more_time(data, time_budget_s):  # type: ignore[arg-type]
+        meta = data.get("meta", {})
+        return CacheLookup(PARTIAL, path, None, f"its {meta.get('time_budget_s')} s budget skipped "
+                                                f"{len(meta['skipped_points'])} measurements; this run gives more time")
     return CacheLookup(HIT, path, data)
 
 

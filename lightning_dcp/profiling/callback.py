@@ -15,6 +15,7 @@ from torch import nn
 from lightning_dcp.profiling import cache as profile_cache
 from lightning_dcp.profiling.assemble import profile_module
 from lightning_dcp.profiling.budget import resolve_budget
+from lightning_dcp.profiling.deadline import DEFAULT_TIME_SOURCE, ProfileDeadline, skipped_line
 from lightning_dcp.profiling.grid import DENSITIES, Samples
 from lightning_dcp.profiling.layers import LayerStack, NoRepeatedLayersError, layer_stack
 from lightning_dcp.sp.contract import ModelContract, read_model
@@ -50,7 +51,13 @@ class DCPProfiler(Callback):
 
     Args:
         cache_dir: cache directory (default ``$LIGHTNING_DCP_CACHE`` or ``~/.cache/lightning-dcp/profiles``).
-        time_budget_s: seconds after which optional grid points are skipped (``None``: no budget).
+        time_budget_s: wall seconds for the whole profile, from the start of ``on_fit_start`` (reading the samples,
+            the cache lookup, every grid point and the constant parts): each SP size's cheapest point always runs,
+            every other one only when it is forecast to end within the budget; what is skipped is said in one line
+            (the lengths and settings, and how to give more time) and the cost model extrapolates from what was
+            measured (``None``: no budget, every point).
+        time_budget_source: how that line names the setting that gives more time (default
+            ``"DCPProfiler(time_budget_s=...)"``; e.g. a command-line flag).
         density: ``"coarse"`` (4 lengths x micro-batch {1, 2}) or ``"fine"`` (8 x {1, 2, 4}).
         lengths: explicit grid lengths (default: quantiles of the dataset's lengths).
         micro_batch_sizes: explicit micro-batch sizes (default by density).
@@ -61,6 +68,8 @@ class DCPProfiler(Callback):
             is never used).
         memory_limit_source: how errors name where ``memory_limit_bytes`` came from (default
             ``"DCPProfiler(memory_limit_bytes=...)"``; e.g. a command-line flag).
+        memory_limit_setting: how messages name the setting that changes the budget, the default's too (default
+            ``"DCPProfiler(memory_limit_bytes=...)"``; ``lightning-dcp train-video``: its ``--budget``).
         enabled: ``False`` turns the callback into a no-op.
         layers_attr: dotted attribute path to the repeated layers when the model has several stacks (see
             :mod:`lightning_dcp.sp.contract`). Under :class:`~lightning_dcp.DCPStrategy` the profiler
@@ -77,7 +86,8 @@ class DCPProfiler(Callback):
                  sp_sizes: Sequence[int] | None = None, memory_limit_bytes: float | None = None, enabled: bool = True,
                  layers_attr: str | None = None, dataset: Any = None,
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, use_cache: bool = True,
-                 memory_limit_source: str | None = None):
+                 memory_limit_source: str | None = None, time_budget_source: str | None = None,
+                 memory_limit_setting: str | None = None):
         if density not in DENSITIES:
             raise ValueError(f"density must be one of {sorted(DENSITIES)}, got {density!r}")
         if time_budget_s is not None and time_budget_s < 0:
@@ -92,6 +102,8 @@ class DCPProfiler(Callback):
             raise ValueError(f"memory_limit_bytes must be positive (bytes per device), got {memory_limit_bytes!r}")
         self.memory_limit_bytes = memory_limit_bytes
         self.memory_limit_source = memory_limit_source
+        self.time_budget_source = time_budget_source
+        self.memory_limit_setting = memory_limit_setting
         self.enabled = enabled
         self.layers_attr = layers_attr
         self.dataset = dataset
@@ -164,10 +176,11 @@ class DCPProfiler(Callback):
                 "time_budget_s": self.time_budget_s, "use_cache": self.use_cache}
 
     def _measure(self, trainer: Any, pl_module: Any, key: profile_cache.ProfileKey, stack: LayerStack, data: Any,
-                 contract: ModelContract) -> dict:
+                 contract: ModelContract, deadline: ProfileDeadline) -> dict:
         strategy = trainer.strategy
         path = profile_cache.profile_path(key, self.cache_dir) if self.use_cache else None
-        budget = "no time budget" if self.time_budget_s is None else f"budget {self.time_budget_s:g} s"
+        budget = ("no time budget" if self.time_budget_s is None
+                  else f"budget {self.time_budget_s:g} s for the whole profile ({deadline.elapsed():.1f} s spent)")
         rank_zero_info(f"DCP profiling {stack.name} ({len(stack)} layers) on {key.device}, {budget}; "
                        + (f"cache {self.cache_status}, will write {path}" if path else "cache off"))
         optimizers = getattr(trainer, "optimizers", None) or [None]
@@ -177,7 +190,7 @@ class DCPProfiler(Callback):
             group_for=getattr(getattr(strategy, "sp_groups", None), "group_for", None), lengths=self.lengths,
             micro_batch_sizes=self.micro_batch_sizes, sp_sizes=self._sp_sizes(strategy, contract), density=self.density,
             # the file records the device's own limit: a run's budget is applied when planning, not cached
-            time_budget_s=self.time_budget_s, memory_limit_bytes=None, key=key.to_dict(), contract=contract,
+            deadline=deadline, memory_limit_bytes=None, key=key.to_dict(), contract=contract,
         )
         if self.use_cache and trainer.is_global_zero:
             profile_cache.store(profile, self.cache_dir)
@@ -193,6 +206,9 @@ class DCPProfiler(Callback):
             where = f"written to {self.cache_file}" if self.cache_file else "not cached"
             rank_zero_info(f"DCP profiling done: {meta.get('grid')} grid points ({meta.get('skipped', 0)} skipped over "
                            f"budget) in {self.profiling_s:.1f} s; {where}")
+            line = skipped_line(meta, self.time_budget_source)
+            if line:
+                rank_zero_info(line)
         logger = getattr(trainer, "logger", None)
         if logger is not None:
             try:
@@ -231,24 +247,27 @@ class DCPProfiler(Callback):
                            "(which measures packed micro-batches) skipped")
             return
         t0 = time.perf_counter()
+        deadline = ProfileDeadline(self.time_budget_s, start=t0, source=self.time_budget_source or DEFAULT_TIME_SOURCE)
         strategy = trainer.strategy
         data = self._dataset(trainer)
         key = self._key(trainer, pl_module, data)
         agree = getattr(strategy, "check_agreement_before_profiling", None)
         if callable(agree):  # before any collective: ranks that disagree stop with one clear error
             agree(data, self._inputs(key))
-        lookup = profile_cache.load_cached(key, self.cache_dir) if self.use_cache and trainer.is_global_zero else None
+        lookup = (profile_cache.load_cached(key, self.cache_dir, self.time_budget_s)
+                  if self.use_cache and trainer.is_global_zero else None)
         status, profile = strategy.broadcast((lookup.status, lookup.profile) if lookup else ("off", None), src=0)
         self.cache_status = status
         self.cache_file = str(profile_cache.profile_path(key, self.cache_dir)) if self.use_cache else None
         if profile is None:
-            profile = self._measure(trainer, pl_module, key, stack, data, contract)
+            profile = self._measure(trainer, pl_module, key, stack, data, contract, deadline)
         self.profiling_s = time.perf_counter() - t0
         self.profile = profile
         from lightning_dcp.planning.profiled import ProfiledCostModel
 
         # The budget is this run's (argument or documented default), on a cache hit too.
-        limit, source = resolve_budget(strategy.root_device, self.memory_limit_bytes, self.memory_limit_source)
+        limit, source = resolve_budget(strategy.root_device, self.memory_limit_bytes, self.memory_limit_source,
+                                       self.memory_limit_setting)
         self.cost_model = ProfiledCostModel(profile, memory_limit=limit, memory_limit_source=source)
         set_cost_model = getattr(strategy, "set_cost_model", None)
         if callable(set_cost_model):

@@ -22,9 +22,9 @@ DENSITIES = {"coarse": (4, (1, 2)), "fine": (8, (1, 2, 4))}
 class GridPoint:
     """One measurement: ``micro_batch`` samples of ``seq_len`` tokens on an SP group of ``sp`` ranks.
 
-    ``required`` points (smallest and largest length at the smallest micro-batch size, and the
-    smallest length at the next one) run even past the time budget, so every SP size gets enough
-    points to fit ``a*sum(l^2) + b*tokens + c``.
+    ``required`` points (each SP size's cheapest: its shortest length at its smallest micro-batch size) run even
+    past the time budget, so every SP size the strategy has groups for gets a fit; every other point is measured
+    only when it is forecast to end within the budget (:mod:`lightning_dcp.profiling.deadline`).
     """
 
     seq_len: int
@@ -35,7 +35,8 @@ class GridPoint:
 
 @dataclass
 class ProfileGrid:
-    """The ordered grid (required points first) plus what was asked for, for logs and ``meta``."""
+    """The ordered grid (required points first, then the cheapest first) plus what was asked for, for logs and
+    ``meta``."""
 
     points: list[GridPoint]
     lengths: list[int]
@@ -78,7 +79,9 @@ def check_sp_sizes(sp_sizes: Sequence[int], world_size: int, num_heads: int | No
 
 
 def build_grid(lengths: Sequence[int], micro_batch_sizes: Sequence[int], sp_sizes: Sequence[int]) -> ProfileGrid:
-    """Order the grid: required points of every SP size first, then the rest by SP size and length.
+    """Order the grid: the required point of every SP size first (its shortest length at its smallest micro-batch
+    size), then the rest shortest length first (then micro-batch size, then SP size), so that a profile stopped by
+    its time budget has measured the cheap points and skipped the long ones.
 
     Points whose per-rank token count would be below 1 (``l * b < p``) are left out.
     """
@@ -89,16 +92,12 @@ def build_grid(lengths: Sequence[int], micro_batch_sizes: Sequence[int], sp_size
         raise ValueError(f"empty profile grid: lengths={lengths}, micro_batch_sizes={mbs}, sp_sizes={sps}")
     if min(lengths) < 1 or min(mbs) < 1 or min(sps) < 1:
         raise ValueError(f"grid values must be positive: lengths={lengths}, micro_batch_sizes={mbs}, sp_sizes={sps}")
-    required_keys = {(lengths[0], mbs[0]), (lengths[-1], mbs[0])}
-    if len(mbs) > 1:
-        required_keys.add((lengths[0], mbs[1]))
-    required, optional = [], []
-    for p in sps:
-        for b in mbs:
-            for n in lengths:
-                if n * b < p:
-                    continue
-                (required if (n, b) in required_keys else optional).append(GridPoint(n, b, p, (n, b) in required_keys))
+    points = [(n, b, p) for n in lengths for b in mbs for p in sps if n * b >= p]
+    first = {}
+    for n, b, p in points:  # in order: each SP size's first point is its cheapest
+        first.setdefault(p, (n, b, p))
+    required = [GridPoint(*first[p], True) for p in sps if p in first]
+    optional = [GridPoint(n, b, p) for n, b, p in points if first.get(p) != (n, b, p)]
     return ProfileGrid(required + optional, lengths, mbs, sps)
 
 

@@ -209,9 +209,13 @@ def _agree(group: Any, device: torch.device) -> Callable[[list[float]], bool]:
 
 
 def measure_point(stack: LayerStack, args: tuple, kwargs: dict, device: torch.device,
-                  autocast: Callable[[], ContextManager], exclude: set[int], group: Any = None) -> dict[str, float]:
+                  autocast: Callable[[], ContextManager], exclude: set[int], group: Any = None,
+                  proceed: Callable[[float], bool] | None = None) -> dict[str, float] | None:
     """Warm up on ``layers[0]``, then measure ``layers[1]``: activation bytes, forward / backward
-    seconds, the extra seconds of running it checkpointed, input bytes and (CUDA) peak bytes."""
+    seconds, the extra seconds of running it checkpointed, input bytes and (CUDA) peak bytes.
+
+    ``proceed(warmup_s)``, when given, is asked after the warm-up pass (its seconds, this rank's) whether to go on:
+    ``False`` returns ``None`` (the point is abandoned: it would not end within the profile's time budget)."""
     timer, more = Timer(device), _agree(group, device)
     x0, rest = args[0], args[1:]
     exclude = set(exclude) | storage_ptrs(args, set()) | storage_ptrs(kwargs, set())
@@ -226,10 +230,17 @@ def measure_point(stack: LayerStack, args: tuple, kwargs: dict, device: torch.de
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _, y = fwd(stack.warmup_layer)  # warm-up: layer 0 forward + backward
-    grad = torch.randn_like(y)
-    torch.autograd.backward(y, grad)
-    del y
+    def warmup() -> torch.Tensor:  # layer 0 forward + backward
+        _, y = fwd(stack.warmup_layer)
+        g = torch.randn_like(y)
+        torch.autograd.backward(y, g)
+        return g
+
+    grad, warmup_s = timer(warmup)
+    if proceed is not None and not proceed(warmup_s):
+        for p in stack.parameters():
+            p.grad = None
+        return None
     counter = SavedBytes(exclude | {x0.untyped_storage().data_ptr()})  # layer 1, untimed: bytes saved for backward
     x, y = fwd(stack.measured_layer, counter)
     counter.seen.pop(x.untyped_storage().data_ptr(), None)
