@@ -286,3 +286,39 @@ def test_captions_from_json_mapping_and_jsonl(tmp_path):
     (tmp_path / "bad.csv").write_text("clip,words\none.mkv,a\n")
     with pytest.raises(ValueError, match=r"bad\.csv, row 1: no video path column"):
         find_sources(tmp_path, tmp_path / "bad.csv")
+
+
+def test_encode_says_what_each_clip_becomes_and_names_max_area_for_a_clip_far_larger_than_the_rest(data, tmp_path,
+                                                                                                     capsys):
+    """Each sample's line (source size -> frames -> latent grid -> tokens) matches what the index records; a clip
+    16x the median tokens gets one warning naming --max-area with a value, and that value brings it in line."""
+    import re
+
+    _, models, _ = data
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for i, name in enumerate(("a", "b", "c")):
+        write_video(folder / f"{name}.mkv", 5, 32, 32, seed=i)
+    write_video(folder / "big.mkv", 5, 128, 128, seed=3)
+    (folder / "captions.csv").write_text("video,caption\n" + "".join(f"{n}.mkv,a cat\n" for n in ("a", "b", "c", "big")))
+    args = ["encode", "--videos", str(folder), "--model", str(models), "--captions", str(folder / "captions.csv"),
+            "--text-len", str(TEXT_LEN), "--no-progress"]
+    assert cli_main([*args, "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    lines = {m.group(1): m for m in re.finditer(
+        r"^  (\S+): (\d+)x(\d+), (\d+) frames at 8 fps -> (\d+) frames at 8 fps, (\d+)x(\d+) -> latent (\d+)x(\d+)x(\d+) "
+        r"-> (\d+) tokens$",
+        out, re.M)}
+    records = {s.name: s for r in read_index(tmp_path / "out") for s in r.samples}
+    assert set(lines) == set(records) == {"a.mkv", "b.mkv", "c.mkv", "big.mkv"}
+    for name, m in lines.items():
+        assert tuple(int(v) for v in m.group(8, 9, 10)) == tuple(records[name].latent_shape[1:])
+        assert int(m.group(11)) == records[name].tokens
+    assert lines["big.mkv"].group(2, 3, 4) == ("128", "128", "5") and records["big.mkv"].tokens == 16 * 8
+    assert "tokens per sample: min 8, median 8, max 128 (4 samples)" in out
+    warned = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "big.mkv makes 128-token samples, 16x the median 8" in warned[0]
+    area = int(re.search(r"--max-area (\d+)", warned[0]).group(1))
+    assert cli_main([*args, "--out", str(tmp_path / "capped"), "--max-area", str(area)]) == 0
+    out = capsys.readouterr().out
+    assert "warning:" not in out and "max 32 (4 samples)" in out  # 64x64 pixels: 4x the median, no longer far larger

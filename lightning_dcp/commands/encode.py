@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         vae, text_encoder, tokenizer = load_models(args)
         result = encode_videos(Path(args.videos), Path(args.out), vae=vae, text_encoder=text_encoder,
                                tokenizer=tokenizer, captions=args.captions, settings=settings, device=args.device,
-                               progress=not args.no_progress, preflight=pre)
+                               progress=not args.no_progress, preflight=pre, report=print)
     except (VideoDecodeError, ValueError, FileNotFoundError) as err:
         raise CLIError(str(err)) from None
     resumed = f", {result.resumed_shards} resumed" if result.resumed_shards else ""

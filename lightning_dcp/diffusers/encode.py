@@ -33,11 +33,13 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from lightning_dcp.diffusers.encoder import VideoEncoder, config_hash
 from lightning_dcp.diffusers.frames import FrameSampling
@@ -46,6 +48,8 @@ from lightning_dcp.diffusers.shards import (
     INDEX, SampleRecord, ShardRecord, append_index, atomic_write_bytes, read_index, read_meta, shard_name, write_meta,
 )
 from lightning_dcp.diffusers.video_io import CROPS, FrameGeometry, VideoDecodeError, read_video
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT", "EncodeResult", "EncodeSettings", "encode_videos", "meta_differences", "stop_for_problems"]
 
@@ -271,9 +275,25 @@ def stop_for_problems(problems: Sequence[EncodeProblem], total: int, settings: E
     raise PreflightError(problems, total)
 
 
+def _report(items: Sequence[EncodeItem], geometry: FrameGeometry, settings: EncodeSettings,
+            report: Callable[[str], None] | None) -> None:
+    from lightning_dcp.diffusers.clip_report import clip_rows, report_lines
+
+    lines, warned = report_lines(clip_rows(items, geometry, settings.fps))
+    if report is not None:
+        for line in lines + warned:
+            report(line)
+        return
+    for line in lines:
+        log.info(line)
+    for line in warned:
+        warnings.warn(line.removeprefix("warning: "), stacklevel=3)
+
+
 def encode_videos(videos: str | Path, out: str | Path, *, vae: Any, text_encoder: Any, tokenizer: Any,
                   captions: str | Path | Mapping[str, str] | None = None, settings: EncodeSettings | None = None,
-                  device: str = "cpu", progress: bool = True, preflight: Preflight | None = None) -> EncodeResult:
+                  device: str = "cpu", progress: bool = True, preflight: Preflight | None = None,
+                  report: Callable[[str], None] | None = None) -> EncodeResult:
     """Encode the videos of a folder or list file into ``out`` (see the module docstring); resumes a killed run.
 
     Args:
@@ -287,6 +307,9 @@ def encode_videos(videos: str | Path, out: str | Path, *, vae: Any, text_encoder
         progress: show progress bars.
         preflight: the :func:`~lightning_dcp.diffusers.preflight.probe_sources` of ``videos`` and ``captions``, when
             already done (``lightning-dcp encode`` probes before it loads the models).
+        report: called with each line of what the encode makes of each clip, before it encodes
+            (:mod:`~lightning_dcp.diffusers.clip_report`: source size -> frames -> latent grid -> tokens, then a
+            warning per sample far larger than the rest); default: the lines are logged and the warnings warned.
 
     Raises:
         PreflightError: videos without a caption, that cannot be decoded, or too small or short
@@ -304,6 +327,7 @@ def encode_videos(videos: str | Path, out: str | Path, *, vae: Any, text_encoder
     geometry = settings.geometry(encoder.info.spatial_stride, encoder.info.temporal_stride)
     items, problems = plan_items(pre, geometry, settings.sampling, settings.crops)
     stop_for_problems(problems, len(pre.names), settings, out)
+    _report(items, geometry, settings, report)
     done = _start(out, _meta(settings, encoder, pre, problems))
     per = settings.samples_per_shard
     total = math.ceil(len(items) / per)

@@ -50,6 +50,7 @@ class EncodeItem:
     segment: int
     crop: str
     frames: tuple[int, ...]
+    probe: VideoProbe | None = None  # the clip's probe (its size, frames and rate), for the encode's report
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def plan_items(preflight: Preflight, geometry: FrameGeometry, sampling: FrameSam
             continue
         for segment, frames in enumerate(windows):
             for crop in _distinct_crops(probe, geometry, crops):
-                items.append(EncodeItem(source, segment, crop, tuple(frames)))
+                items.append(EncodeItem(source, segment, crop, tuple(frames), probe))
     order = {name: k for k, name in enumerate(preflight.names)}
     problems.sort(key=lambda p: order[p.name])
     return items, problems
