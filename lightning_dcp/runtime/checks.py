@@ -15,12 +15,8 @@ from torch import Tensor
 
 from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES
 
-__all__ = ["SYNC_IN_LOOP_WARNING", "check_fit", "check_precision", "check_sharding", "check_sharding_agreement"]
+__all__ = ["check_fit", "check_precision", "check_sharding", "check_sharding_agreement"]
 
-#: Warned once when ``self.log(..., sync_dist=True)`` runs inside ``training_step`` (the value stays local).
-SYNC_IN_LOOP_WARNING = ("self.log(..., sync_dist=True) inside training_step under DCPStrategy: ranks run different "
-                        "numbers of micro-batches, so on-step values are not synced (each rank logs its own); "
-                        "epoch-level values are still synced at epoch end")
 
 def check_fit(trainer: Any, module: Any, sharding: str = DEFAULT_MODE) -> None:
     """The Trainer's gradient accumulation is fixed for the fit (a fixed ``accumulate_grad_batches`` becomes a larger

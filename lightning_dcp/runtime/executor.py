@@ -67,6 +67,7 @@ from lightning_dcp.runtime.rank import RankRuntime
 from lightning_dcp.runtime.row import GatheredStep, StepRow
 from lightning_dcp.runtime.sharding.protocol import GradReduction, Round
 from lightning_dcp.runtime.step import LoadedStep, MicroBatch, PreparedStep, Step, StepResult
+from lightning_dcp.runtime.step_logs import StepLogs
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_dcp.runtime.manual import ManualResult
@@ -136,6 +137,9 @@ class StepExecutor:
         self.guard = LoopCollectiveGuard(runtime.module, runtime.rank, runtime.world_size,
                                          timeout.total_seconds() if timeout is not None else None)
         """Refuses world collectives from user code inside the loop (:mod:`~lightning_dcp.runtime.collective_guard`)."""
+        self.step_logs = StepLogs(lambda: getattr(runtime.trainer, "_results", None))
+        """The step's ``self.log(..., sync_dist=True)`` values, reduced after the step-end gather
+        (:mod:`~lightning_dcp.runtime.step_logs`)."""
         self._world_has_grad: Tensor | None = None
         self._loss_divisor = 1.0
         self._verified_next: tuple[int, int] | None = None  # (epoch, step) whose plan all ranks already compared
@@ -296,6 +300,7 @@ class StepExecutor:
         """Forward and backward of this rank's items. Returns (busy seconds, summed loss, 1 + the plan
         index of an SP-1 item that ran out of memory or 0; see :mod:`lightning_dcp.runtime.oom`)."""
         self.buckets.begin()
+        self.step_logs.begin()
         clock = self._clock
         if clock is not None:
             clock.begin()
@@ -388,6 +393,7 @@ class StepExecutor:
         results = getattr(trainer, "_results", None)
         if results is not None:  # what Lightning's self.log reads for the batch size
             results.batch, results.batch_size = local, len(it.samples)
+        self.step_logs.weight = mb.log_weight
         with sp_context(it.sp_context(runtime.sp_groups, self._ring_layout() or "contiguous")):
             count_weighted_calls(reset=True)
             with runtime.train_step_context():
@@ -431,9 +437,11 @@ class StepExecutor:
         nxt = self.sampler.next_plan(epoch, index + 1) if self.sampler is not None else None
         next_hash = plan_fingerprint(nxt.to_dict(), epoch, index + 1) if nxt is not None else 0.0
         upto = getattr(self.sampler, "planned_upto", -1) if self.sampler is not None else -1
+        logs, logs_hash = self.step_logs.signature()
         row = StepRow(busy_s=busy, loss=local_loss, tokens=prepared.real_tokens, items=len(prepared.micro_batches),
                       loss_units=prepared.loss_units, plan_hash=step.plan_hash, next_plan_hash=next_hash,
-                      oom_item=failed, planned_upto=upto, loop_collective=self.guard.flag)
+                      oom_item=failed, planned_upto=upto, loop_collective=self.guard.flag, sync_logs=logs,
+                      sync_logs_hash=logs_hash)
         rows = self.calibration.rows(step) if self.calibration is not None else None
         width = 0 if rows is None else rows.numel()
         gathered = GatheredStep(self._gather(row.to_tensor(self.buckets.has_grad, rows), step), width)
@@ -444,7 +452,26 @@ class StepExecutor:
         self._verified_next = (epoch, index + 1) if next_hash else None
         self.guard.stop_if_tripped(gathered.column("loop_collective"),
                                    lambda t: self._gather(t, step, "the report of a collective inside training_step"))
+        if not gathered.failed_items:  # an attempt that is re-run logs again
+            self.step_logs.finish(gathered.column("sync_logs"), gathered.column("sync_logs_hash"),
+                                  lambda t: self._gather(t, step, "the reduction of the step's sync_dist values"),
+                                  lambda obj: self._gather_objects(obj, step))
         return gathered
+
+    def _gather_objects(self, obj: Any, step: Step) -> list[Any]:
+        """``obj`` of every rank, in rank order (an all-gather of picklable objects over the world)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj)
+        except Exception as err:
+            if not is_collective_failure(err):
+                raise
+            raise collective_error(err, epoch=step.epoch, step=step.index, what="the reduction of the step's "
+                                   "sync_dist values", group=f"the world ({self.world_size} ranks)",
+                                   timeout=self.settings.timeout) from err
+        return out
 
     def check_plan_before_loop(self, step: Step) -> None:
         """Compare this step's plan hash across ranks before its first micro-batch, unless the previous
@@ -457,15 +484,17 @@ class StepExecutor:
                      "before the step's first micro-batch")
 
     # ------------------------------------------------------------------ 4. the reduction
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self) -> bool:
         """SUM all-reduce the parked gradients over the world and restore them as ``.grad`` (once per step);
-        with sharded weights, SUM reduce-scatter them into the sharded gradients instead."""
+        with sharded weights, SUM reduce-scatter them into the sharded gradients instead. ``False``: nothing was
+        parked (nothing to reduce)."""
         if not self.grads_parked or self.buckets is None:
-            return
+            return False
         self.grads_parked = False
         self.buckets.reduce(self._world_has_grad, world=self.world_size if dist.is_initialized() else 1,
                             scale=1.0 / self._loss_divisor)
         self.runtime.shards.after_reduce()
+        return True
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, rows: list[StepRow], step: Step, step_s: float, loss: float, prediction: Any = None) -> StepMetrics:

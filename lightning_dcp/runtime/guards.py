@@ -1,30 +1,30 @@
 """What user code may not do inside the micro-batch loop: world collectives (ranks run different numbers
 of micro-batches there, so a world collective would hang). A mixin of :class:`~lightning_dcp.DCPStrategy`
 before Lightning's ``DDPStrategy``: it reads the strategy's ``executor``. The ``torch.distributed`` calls
-themselves are guarded by :mod:`~lightning_dcp.runtime.collective_guard`, which also stops every rank."""
+themselves are guarded by :mod:`~lightning_dcp.runtime.collective_guard`, which also stops every rank. ``self.log(...,
+sync_dist=True)`` goes through ``reduce``: its values are reduced once, at the step end
+(:mod:`~lightning_dcp.runtime.step_logs`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dcp.runtime.checks import SYNC_IN_LOOP_WARNING
 from lightning_dcp.runtime.collective_guard import strategy_call_error
 
 __all__ = ["MicroLoopGuards"]
 
 
 class MicroLoopGuards:
-    """``reduce`` returns the local value inside the loop (with one warning); ``barrier``, ``all_gather``,
+    """``reduce`` inside the loop defers the value to the step end (``self.log(..., sync_dist=True)``:
+    :class:`~lightning_dcp.runtime.step_logs.StepLogs`) and returns it unchanged; ``barrier``, ``all_gather``,
     ``broadcast`` and ``reduce_boolean_decision`` raise
     :class:`~lightning_dcp.runtime.collective_guard.CollectiveInLoopError` there, naming the fix (every rank
     stops at the step's end). Outside the loop they are DDP's."""
 
     executor: Any = None
-    _warned_sync: bool = False
 
     @property
     def _in_micro_loop(self) -> bool:
@@ -32,13 +32,11 @@ class MicroLoopGuards:
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a
-        world collective would hang; return the local value (on-step sync is deferred, epoch-end sync still happens)."""
+        """As DDP's, except inside the micro-batch loop: there ranks run different item counts, so a world
+        collective would hang; the value is kept for the step's one reduction at its end and returned unchanged
+        (:meth:`~lightning_dcp.runtime.step_logs.StepLogs.defer`)."""
         if self._in_micro_loop:
-            if not self._warned_sync:
-                self._warned_sync = True
-                rank_zero_warn(SYNC_IN_LOOP_WARNING)
-            return tensor
+            return self.executor.step_logs.defer(tensor, reduce_op=reduce_op, group=group)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override

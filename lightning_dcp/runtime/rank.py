@@ -30,9 +30,10 @@ def _no_move(batch: Any) -> Any:
 
 @dataclass(frozen=True)
 class PrecisionBackward:
-    """Backward of one micro-batch's loss through Lightning's precision plugin (its ``pre_backward``,
-    ``backward`` -- the module's ``backward`` and the ``on_before/after_backward`` hooks -- and
-    ``post_backward``), as ``Strategy.backward`` runs it for automatic optimization."""
+    """Backward of one micro-batch's loss through Lightning's precision plugin: its ``pre_backward`` (loss scaling,
+    the ``on_before_backward`` hooks) and ``backward`` (the module's ``backward``), as ``Strategy.backward`` runs
+    them for automatic optimization. Its ``post_backward`` (the ``on_after_backward`` hooks) runs once per step,
+    on the reduced gradients, as under DDP (the strategy's ``optimizer_step``, after the reduction)."""
 
     precision_plugin: Any
     module: Any
@@ -41,7 +42,6 @@ class PrecisionBackward:
     def __call__(self, loss: Tensor) -> None:
         loss = self.precision_plugin.pre_backward(loss, self.module)
         self.precision_plugin.backward(loss, self.module, self.optimizer)
-        self.precision_plugin.post_backward(loss, self.module)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,11 @@ class StepRow:
     loop_collective: int = 0
     """1 when this rank's loop refused a world collective from user code this step
     (:mod:`~lightning_dcp.runtime.collective_guard`): every rank then stops with its message."""
+    sync_logs: int = 0
+    """How many names this rank logged with ``self.log(..., sync_dist=True)`` inside the loop this step
+    (:mod:`~lightning_dcp.runtime.step_logs`: reduced over the world once, after this gather)."""
+    sync_logs_hash: float = 0.0
+    """Fingerprint of those names and their reductions (0: none)."""
 
     @classmethod
     def width(cls) -> int:

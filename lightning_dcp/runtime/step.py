@@ -234,6 +234,16 @@ class MicroBatch:
     def with_data(self, data: Any) -> "MicroBatch":
         return replace(self, data=data)
 
+    @property
+    def log_weight(self) -> float:
+        """The weight of a value this micro-batch logs with ``sync_dist=True`` in the step's value
+        (:mod:`~lightning_dcp.runtime.step_logs`): its item's samples, split over an SP item's shards by their loss
+        tokens (an item without loss tokens: evenly)."""
+        samples = len(self.item.samples)
+        if self.item_loss_tokens > 0:
+            return samples * self.local_loss_tokens / self.item_loss_tokens
+        return samples / self.item.sp_size
+
 
 @dataclass(frozen=True)
 class PreparedStep:

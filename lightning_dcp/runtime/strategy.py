@@ -23,7 +23,8 @@ What each hook does (the work is done by the runtime's other rooms):
   runs them and the step-end gather, and returns a :class:`~lightning_dcp.runtime.step.StepResult`; the
   strategy logs its metrics and hands Lightning the exact global loss (detached; ``backward`` skips it).
 - ``optimizer_step`` wraps the closure: right after it, the executor reduces the parked gradients (the
-  mode's reduction); then clipping, the optimizer step, the mode's ``after_step``, the calibration's timing.
+  mode's reduction) and ``on_after_backward`` runs, once, on them; then clipping, the optimizer step, the mode's
+  ``after_step``, the calibration's timing.
 - manual optimization: ``training_step`` calls the module's once with a step to drive
   (:mod:`~lightning_dcp.runtime.manual`); ``backward`` (``manual_backward``) weights each micro-batch's loss, each
   loop's end reduces, ``optimizer_step`` steps.
@@ -481,15 +482,16 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Reduce the parked gradients right after the closure, before clipping and the step. (Manual
-        optimization: each loop over ``micro_batches(batch)`` reduced its gradients when it ended.)"""
+        """Reduce the parked gradients right after the closure, then ``on_after_backward`` once, on them (as DDP's
+        after its all-reduce); then clipping and the step. (Manual optimization: each loop over
+        ``micro_batches(batch)`` reduced its gradients when it ended.)"""
         if self.executor is not None and self.executor.manual is not None:
             self.executor.manual.check_step()
 
         def dcp_closure() -> Any:
             result = closure()
-            if self.executor is not None:
-                self.executor.reduce_gradients()
+            if self.executor is not None and self.executor.reduce_gradients():
+                self._after_backward(result)
             return result
 
         out = super().optimizer_step(optimizer, dcp_closure, model, **kwargs)
@@ -497,6 +499,13 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         if self.calibration is not None:
             self.calibration.step_done()
         return out
+
+    def _after_backward(self, loss: Any) -> None:
+        """Lightning's ``on_after_backward`` hooks (the precision plugin's ``post_backward``) once per step, on the
+        reduced gradients -- under ``"zero2"`` / ``"fsdp"`` / ``"hsdp"`` this rank's shards of them, as under
+        Lightning's FSDP strategy (the micro-batches' backwards ran ``on_before_backward`` each)."""
+        loss = loss if isinstance(loss, Tensor) else torch.zeros((), device=self.root_device)
+        self.precision_plugin.post_backward(loss, self.lightning_module)
 
     # ------------------------------------------------------------------ checkpoints (the mode's: ShardedStateHooks)
     @override
