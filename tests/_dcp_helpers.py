@@ -165,6 +165,29 @@ class Dump(pl.Callback):
         self.on_train_end(trainer, pl_module)  # the steps that did run
 
 
+class AfterBackward(pl.Callback):
+    """Per call of ``on_after_backward``: (global step, every gradient a DTensor shard, their global norm).
+    :meth:`check`: once per step, sharded, and at step 0 the norm of :func:`reference_run`'s gradients."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool, float]] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        sharded = bool(grads) and all(isinstance(g, DTensor) for g in grads)
+        full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]  # every rank runs this hook once
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in full]))
+        self.calls.append((trainer.global_step, sharded, float(norm)))
+
+    def check(self, plans: list[dict], steps: int, **reference_kw: Any) -> None:
+        assert [(step, sharded) for step, sharded, _ in self.calls] == [(k, True) for k in range(steps)], self.calls
+        grads0, _ = reference_run(plans, 1, **reference_kw)
+        want = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads0.values() if g is not None])))
+        assert abs(self.calls[0][2] - want) <= 1e-5 * want, (self.calls[0], want)
+
+
 def reference_run(plans: list[dict], steps: int, lr: float = 0.05, dataset: Any = None, reduction: str = "token",
                   optimizer: str = "sgd", clip: float | None = None, module: Any = None) -> tuple[dict, dict]:
     """Single process, every sample alone at SP 1: grads of step 0 and weights after ``steps`` steps.

@@ -125,6 +125,7 @@ def test_the_strategys_own_collectives_raise_the_guard_error_inside_the_loop():
 
     from lightning_dcp.runtime.collective_guard import CollectiveInLoopError, LoopCollectiveGuard
     from lightning_dcp.runtime.guards import MicroLoopGuards
+    from lightning_dcp.runtime.step_logs import StepLogs
 
     class Base:
         def all_gather(self, tensor, group=None, sync_grads=False):
@@ -137,7 +138,7 @@ def test_the_strategys_own_collectives_raise_the_guard_error_inside_the_loop():
         pass
 
     strategy = Strategy()
-    strategy.executor = SimpleNamespace(in_micro_loop=True)
+    strategy.executor = SimpleNamespace(in_micro_loop=True, step_logs=StepLogs(lambda: None))
     t = torch.ones(1)
     for call, name, fix in [(lambda: strategy.all_gather(t), "self.all_gather", "gather in on_train_batch_end"),
                             (strategy.barrier, "trainer.strategy.barrier", "move the barrier"),
@@ -146,8 +147,9 @@ def test_the_strategys_own_collectives_raise_the_guard_error_inside_the_loop():
                              "call it outside training_step")]:
         with pytest.raises(CollectiveInLoopError, match=rf"^{name} on the world group inside training_step .*Fix: {fix}"):
             call()
-    with pytest.warns(UserWarning, match="on-step values are not synced"):
-        assert strategy.reduce(t) is t
+    assert strategy.reduce(t) is t  # kept for the step's reduction at its end (tests/test_step_logs.py)
+    with pytest.warns(UserWarning, match=r"trainer.strategy.reduce\(\.\.\.\) inside training_step"):
+        strategy.executor.step_logs.signature()  # no self.log name took it: this rank's own value, warned
     guard = LoopCollectiveGuard(None, 0, 1)
     with guard.loop():  # inside the executor's loop the running guard records the refusal, caught or not
         try:

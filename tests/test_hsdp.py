@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from _dcp_helpers import SPEC, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
+from _dcp_helpers import SPEC, AfterBackward, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
 from _dist import run_distributed
 from lightning_dcp import DCPStrategy
 from lightning_dcp.data import plain_collate
@@ -193,8 +193,10 @@ def _skewed(rank: int, world: int, k: int, offload: bool = False) -> None:
 
 def _mixed_and_resume(rank: int, world: int, k: int, tmp: str, resume: bool) -> None:
     planner = RandomPlanner(world, seed=11, max_sp=k, force_mix=True)
-    module, _, record = _fit(world, k, planner, 2 * K_STEPS)
+    after = AfterBackward()
+    module, _, record = _fit(world, k, planner, 2 * K_STEPS, [after])
     plans = record.plans
+    after.check(plans, 2 * K_STEPS, lr=LR, optimizer="momentum")  # once per step, on the reduced gradients' shards
     full = _full_weights(module)
     sizes = sorted({len(it["ranks"]) for p in plans for it in p["items"]})
     assert sizes == [s for s in (1, 2, 4) if s <= k], sizes

@@ -9,7 +9,8 @@ Two process launches (``run_distributed``; every Trainer runs inside them), each
   In every run of the file, the module's weights between steps are sharded DTensors under
   ``"fsdp"`` and full tensors under ``"zero2"``.
 - **2 processes**: (a) 2K steps with gradient clipping equal the reference clipped the same way (the
-  norm of sharded gradients is global); (b) K steps writing a sharded checkpoint directory, resumed
+  norm of sharded gradients is global), ``on_after_backward`` running once per step on the shards of the reduced
+  gradients (their global norm: the reference's, before clipping); (b) K steps writing a sharded checkpoint directory, resumed
   to 2K, equal (a) (1e-6); (c) a planner that gives rank 0 one micro-batch and rank 1 seven, every
   step: the steps finish -- the launch's hard time-out is what would catch a hang -- and equal the
   reference, with validation inside the fit and validate / predict after it; (e) an out-of-memory error in an SP-1 micro-batch is re-planned in process and stays
@@ -33,7 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-from _dcp_helpers import RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
+from _dcp_helpers import AfterBackward, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
 from _dist import run_distributed
 from lightning_dcp import DCPStrategy
 from lightning_dcp.data import plain_collate
@@ -217,10 +218,13 @@ def _two_processes(rank: int, world: int, tmp: str) -> None:
     for mode in MODES:
         planner = RandomPlanner(world, seed=11, force_mix=True)
         # (a) uninterrupted, clipped
-        module, _, plans = _fit(world, mode, planner, 2 * K, gradient_clip_val=clip)
+        after = AfterBackward()
+        module, _, plans = _fit(world, mode, planner, 2 * K, [after], gradient_clip_val=clip)
         full = _full_weights(module)
         assert all(sorted({len(it["ranks"]) for it in p["items"]}) == [1, 2] for p in plans)
         _check_reference(rank, full, plans, 2 * K, f"{mode} clipped", clip=clip)
+        # on_after_backward: once per step, on this rank's shards of the reduced (unclipped) gradients
+        after.check(plans, 2 * K, lr=LR, optimizer="momentum")
         # (b) K steps, sharded checkpoint, resume to 2K
         ckdir = os.path.join(tmp, mode)
         ckpt = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=K, save_top_k=-1, save_last=False)

@@ -139,11 +139,11 @@ class StepLogs:
             logged = self._logged[key]
             values = torch.stack(logged.values).double().cpu()
             weights = torch.tensor(logged.weights, dtype=torch.float64)
-            counted = weights > 0
-            weighted = (values[counted] * weights[counted]).sum() if bool(counted.any()) else torch.zeros((), dtype=torch.float64)
-            rows.append(torch.stack([weighted, weights.sum(), values.sum(), torch.tensor(float(len(values)), dtype=torch.float64),
-                                     values.max(), values.min()]))
-        table = torch.stack(rows) if rows else torch.zeros((0, _WIDTH), dtype=torch.float64)
+            counted = weights > 0  # a shard without loss tokens (its mean may be NaN) does not count in a mean
+            weighted = float((values[counted] * weights[counted]).sum()) if bool(counted.any()) else 0.0
+            rows.append([weighted, float(weights.sum()), float(values.sum()), float(len(values)), float(values.max()),
+                         float(values.min())])
+        table = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), _WIDTH)
         return keys, [self._logged[k].op for k in keys], table
 
     def signature(self) -> tuple[int, float]:
