@@ -59,7 +59,7 @@ _MESSAGE_BYTES = 4096  # one rank's message on the report all-gather (utf-8, zer
 
 _FIX_DIRECT = ("move the collective out of training_step, into on_train_batch_end (every rank runs it once per step) "
                "or an epoch-end hook; for a number to log, self.log(name, value, sync_dist=True) inside training_step "
-               "(synced at epoch end); inside a micro-batch only the active SP group may communicate "
+               "(reduced over the whole step at its end); inside a micro-batch only the active SP group may communicate "
                "(lightning_dcp.sp.context.active_context().group)")
 _FIX_STRATEGY = {
     "self.all_gather": "gather in on_train_batch_end or an epoch-end hook instead (every rank runs those once per step)",

@@ -17,9 +17,12 @@ Per optimizer step (one DataLoader item, a :class:`~lightning_dcp.runtime.step.L
    :class:`~lightning_dcp.runtime.row.StepRow` per rank plus a has-gradient flag per parameter: the
    metrics, the exact global loss and its divisor, the plan hashes of this step and the next
    (:mod:`lightning_dcp.runtime.agreement`) and the out-of-memory flags
-   (:class:`~lightning_dcp.runtime.oom.OOMRecovery`);
+   (:class:`~lightning_dcp.runtime.oom.OOMRecovery`); then, in steps where some rank logged a value with
+   ``self.log(..., sync_dist=True)`` in the loop, one more world all-gather reduces them
+   (:class:`~lightning_dcp.runtime.step_logs.StepLogs`);
 4. the strategy's ``optimizer_step`` then calls :meth:`StepExecutor.reduce_gradients`: one SUM
-   all-reduce per bucket over the world, scaled by ``1 / global loss units``.
+   all-reduce per bucket over the world, scaled by ``1 / global loss units``; then the strategy runs Lightning's
+   ``on_after_backward`` once, on the reduced gradients.
 
 The sharding mode's runtime (the :class:`~lightning_dcp.runtime.sharding.protocol.Shards` of the
 :class:`~lightning_dcp.runtime.rank.RankRuntime`) decides what the step start, the rounds and the
