@@ -192,6 +192,7 @@ class ManualDriver:
                         with sp_context(mb.item.sp_context(runtime.sp_groups, layout)):
                             if results is not None:  # what Lightning's self.log reads for the batch size
                                 results.batch, results.batch_size = mb.data, len(mb.item.samples)
+                            ex.step_logs.weight = mb.log_weight  # a sync_dist value's weight in the step's value
                             count_weighted_calls(reset=True)
                             self.current = mb
                             try:
