@@ -489,10 +489,10 @@ def run(args: argparse.Namespace) -> int:
         pool = dataset
         source = str(args.lengths)
     run_lengths = draw_run(pool, gbt, args.num_steps)
-    if getattr(args, "shard_group_size", None) == "auto":
-        cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress)
-    progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     max_tp = 1 if args.tp is None else (args.tp or int(cost_model.gpus_per_node or 1))
+    if getattr(args, "shard_group_size", None) == "auto":
+        cost_model = best_shard_group(args, cost_model, dataset, run_lengths, gbt, progress, max_tp)
+    progress.line(f"{len(policies)} policies on {len(run_lengths)} samples ({sum(run_lengths):,} tokens), {args.world_size} GPUs")
     try:
         rows = compare(args.world_size, cost_model, dataset, run_lengths, policies, global_batch_tokens=gbt,
                        seed=args.seed, timeline=args.plot is not None, progress=progress, rank_speeds=speeds,
@@ -568,9 +568,9 @@ def _sharding_note(args: argparse.Namespace, cost_model: Any) -> str:
 
 
 def best_shard_group(args: argparse.Namespace, cost_model: Any, dataset: list[int], run_lengths: list[int], gbt: int,
-                     progress: Progress) -> Any:
+                     progress: Progress, max_tp_size: int = 1) -> Any:
     """``--shard-group-size auto``: simulate dcp with every power-of-two shard group size dividing the world and
-    return the cost model of the fastest (printing each one's figure)."""
+    return the cost model of the fastest (printing each one's figure); ``max_tp_size``: with ``--tp``'s splits."""
     from lightning_dcp.commands.plan import mode_view
     from lightning_dcp.planning.errors import PlanningError
     from lightning_dcp.planning.sharding.shard_group_size import shard_group_candidates
@@ -581,7 +581,7 @@ def best_shard_group(args: argparse.Namespace, cost_model: Any, dataset: list[in
         candidate = mode_view(args, base, k)
         try:
             (row,) = compare(args.world_size, candidate, dataset, run_lengths, ["dcp"], global_batch_tokens=gbt,
-                             seed=args.seed)
+                             seed=args.seed, max_tp_size=max_tp_size)
         except PlanningError as err:
             print(f"shard group {k}: does not run ({str(err).split(':')[0]})")
         else:
