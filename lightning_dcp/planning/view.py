@@ -64,6 +64,8 @@ class CostView:
     def __init__(self, cost_model: CostModel, max_sp: int, rank_speeds: Sequence[float] | None = None, *,
                  world_size: int | None = None, ring: bool = True, max_tp: int = 1):
         self.cm = cost_model
+        self._args = (max_sp, rank_speeds, world_size, ring)
+        self._plain: CostView | None = None
         self.max_sp = int(max_sp)
         """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer)."""
         self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
@@ -175,6 +177,20 @@ class CostView:
     def ring_of(self, sp: int) -> int:
         """The default ring degree of a group of ``sp`` ranks."""
         return self.ring.get(sp, 1)
+
+    @property
+    def has_tp(self) -> bool:
+        """Whether some split of some size runs tensor parallelism."""
+        return any(t > 1 for splits in self.item_splits.values() for _, t in splits)
+
+    def without_tp(self) -> "CostView":
+        """This view without TP splits (itself when it has none): the same model, sizes, speeds and rings."""
+        if not self.has_tp:
+            return self
+        if self._plain is None:
+            max_sp, speeds, world, ring = self._args
+            self._plain = CostView(self.cm, max_sp, speeds, world_size=world, ring=ring)
+        return self._plain
 
     def splits_of(self, sp: int) -> tuple[Split, ...]:
         """:attr:`item_splits` of ``sp`` (the default split alone for a size the view does not list)."""

@@ -15,7 +15,8 @@
    plan refined as a tree too. The fastest plan wins (the layout plan on ties).
 
 *At scale* (more than 8 samples per rank and 8,192 samples): the buddy tree first, the layout plan only when the
-tree is more than 1.5% above the bound. *Lockstep rounds* (``sharding="hsdp"``): every candidate gets its rounds
+tree is more than 1.5% above the bound. *Tensor parallelism* (a view with TP splits, ``Planner(max_tp_size=...)``):
+each step is also planned without them, and the TP plan is kept only when it is faster. *Lockstep rounds* (``sharding="hsdp"``): every candidate gets its rounds
 planned (:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with the policy's cost view) and candidates
 are compared by the rounds' span. *Safety net*: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``
 (:mod:`~lightning_dcp.planning.policies.algorithm_one`), on small steps. Every limit counts samples and packs,
@@ -89,6 +90,10 @@ class DCPPolicy(Policy):
         self._work_cache: dict[int, float] = {}  # attention work per length (recurs across steps)
         if self.dataset_lengths:
             self.space.candidates = self._propose(self.dataset_lengths)
+        self._plain: DCPPolicy | None = None
+        if view.has_tp:  # TP is one more option: each step also planned without it, the faster kept
+            self._plain = DCPPolicy(world_size, view.without_tp(), seed=self.seed, dataset_lengths=self.dataset_lengths,
+                                    **opts)
 
     def _propose(self, lengths: Sequence[int]) -> dict[int, list[Layout]]:
         """The dataset's candidate layouts per largest SP size (Hydraulis §7): the GPU-seconds per preferred size of
@@ -123,7 +128,17 @@ class DCPPolicy(Policy):
             plan = self._layout_or_tree(problem, lengths, self.tree and n <= TREE_MAX_SAMPLES_PER_RANK * W)
         if self.fallback:
             plan = self._best_of_parts(samples, lengths, step, plan)
+        if self._plain is not None:
+            plain = self._plain.plan_batch(samples, lengths, step)[0]
+            if not improves(self._span(plan), self._span(plain)):
+                plan = plain
         return [plan]
+
+    def _span(self, plan: StepPlan) -> float:
+        """A candidate's span: its planned rounds' under lockstep rounds, else the step's with the view's times."""
+        if self.space.lockstep and plan.notes.estimated_time is not None:
+            return plan.notes.estimated_time
+        return step_span(plan, self.view)
 
     def _layout(self, problem: StepProblem):
         return SampleBlocks(self.space, problem).solve(np.arange(len(problem.L)), self.world_size, 0,
