@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="price tensor parallelism inside SP items: dcp may give an item any TP degree up to T "
                              "(default: a node's GPUs) whose TP groups stay inside a node (Planner(max_tp_size=T)); "
                              "planning and simulation only, the runtime does not run TP items")
+    parser.add_argument("--pp", type=int, nargs="?", const=16, default=None, metavar="MAX",
+                        help="also price pipeline parallelism on the same global batches: for each PP degree up to "
+                             "MAX (default 16) the fastest <TP, PP> pipelines (TP inside a node) as Hydraulis assigns "
+                             "them, against dcp's tokens/s; priced only, no runtime runs pipelines")
     from lightning_dcp.planning.speeds import RANK_SPEED_SYNTAX
 
     parser.add_argument("--rank-speed", default=None, metavar="SPEC",
@@ -467,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
     speeds = rank_speeds_arg(args)
     if args.tp is not None and args.tp < 0:
         raise CLIError(f"--tp takes a positive TP degree (or none: a node's GPUs), got {args.tp}")
+    if args.pp is not None and args.pp < 2:
+        raise CLIError(f"--pp takes the largest PP degree to price (at least 2), got {args.pp}")
     if defaults:
         print(f"using defaults {' '.join(defaults)} (pass them to change)")
     progress = Progress(enabled=not args.quiet)
@@ -518,16 +524,21 @@ def run(args: argparse.Namespace) -> int:
     if max_tp > 1:
         for r in rows:
             print("  " + tp_note(r))
-    _write_outputs(args, rows, source, gbt, len(run_lengths), progress)
+    pipes = None
+    if args.pp is not None:
+        pipes = pipeline_rows(rows, cost_model, args.world_size, run_lengths, gbt, args.pp, args.seed, progress)
+        print(format_pipelines(pipes, rows))
+    _write_outputs(args, rows, source, gbt, len(run_lengths), progress, pipes)
     return 0
 
 
 def _write_outputs(args: argparse.Namespace, rows: list[dict], source: str, gbt: int, samples: int,
-                   progress: Progress) -> None:
-    """The files ``--json``, ``--csv`` and ``--plot`` ask for."""
+                   progress: Progress, pipes: list[dict] | None = None) -> None:
+    """The files ``--json``, ``--csv`` and ``--plot`` ask for (``pipes``: ``--pp``'s rows, in the JSON)."""
     if args.json is not None:
+        extra = {} if pipes is None else {"pipelines": pipes}
         write_atomic(args.json, json.dumps({"source": source, "world_size": args.world_size, "global_batch_tokens": gbt,
-                                             "samples": samples, "rows": public(rows)}, indent=2) + "\n")
+                                             "samples": samples, "rows": public(rows), **extra}, indent=2) + "\n")
     if args.csv is not None:
         out = io.StringIO()
         pub = public(rows)
@@ -541,6 +552,58 @@ def _write_outputs(args: argparse.Namespace, rows: list[dict], source: str, gbt:
         bars = plot_gantt(rows, args.plot, f"{source}, {args.world_size} GPUs")
         progress.line(f"drew {bars:,} bars in {time.perf_counter() - t0:.1f} s")
         print(f"wrote {args.plot}")
+
+
+def reference_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row pipelines are compared with: dcp's when it ran, else the fastest."""
+    return next((r for r in rows if r["policy"] == "dcp"), None) or max(rows, key=lambda r: r["tokens_per_s"])
+
+
+def pipeline_rows(rows: list[dict[str, Any]], cost_model: Any, world_size: int, run_lengths: list[int], gbt: int,
+                  max_pp: int, seed: int, progress: Progress) -> list[dict[str, Any]]:
+    """``--pp``: per PP degree the fastest homogeneous ``<TP, PP>`` pipelines on the run's global batches
+    (:func:`~lightning_dcp.planning.pipeline_estimate.estimate_pipelines`), against :func:`reference_row`."""
+    from lightning_dcp.planning.batches import cut_batches
+    from lightning_dcp.planning.pipeline_estimate import estimate_pipelines, pipeline_degrees, replica_cost_model
+
+    batches = [[run_lengths[i] for i in b] for b in cut_batches(run_lengths, global_batch_tokens=gbt)]
+    ref = reference_row(rows)
+    out = []
+    for pp in pipeline_degrees(replica_cost_model(cost_model), world_size, max_pp):
+        t0 = time.perf_counter()
+        est = estimate_pipelines(batches, cost_model, world_size, pp, seed=seed)
+        progress.line(f"pipelines PP {pp}: priced in {time.perf_counter() - t0:.1f} s")
+        if est is None:
+            out.append({"pp": pp, "scheme": None})
+            continue
+        out.append({"pp": pp, "scheme": str(est.scheme), "tp": est.scheme.tp, "pipelines": est.pipelines,
+                    "tokens_per_s": est.tokens_per_s, "step_s": est.total_time / max(len(est.step_times), 1),
+                    "idle": est.idle, "vs_policy": ref["policy"],
+                    "speedup": est.tokens_per_s / ref["tokens_per_s"] if ref["tokens_per_s"] > 0 else math.nan})
+    return out
+
+
+def format_pipelines(pipes: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """``--pp``'s report: a line per PP degree, then whether the best would win."""
+    ref = reference_row(rows)
+    lines = [f"pipeline parallelism (priced; no runtime runs it): the same global batches on homogeneous <TP, PP> "
+             f"pipelines, TP inside a node, as Hydraulis assigns them; vs {ref['policy']} {ref['tokens_per_s']:,.0f} "
+             f"tokens/s, step {ref['step_s']:.3g} s"]
+    for p in pipes:
+        if p["scheme"] is None:
+            lines.append(f"  PP {p['pp']}: no TP degree's pipelines tile the world and hold the longest sample")
+            continue
+        lines.append(f"  PP {p['pp']}: {p['pipelines']} x {p['scheme']}: {p['tokens_per_s']:,.0f} tokens/s, step "
+                     f"{p['step_s']:.3g} s, idle {100 * p['idle']:.1f}%: {p['speedup']:.2f}x {ref['policy']}")
+    priced = [p for p in pipes if p["scheme"] is not None]
+    if not priced:
+        lines.append("  no PP degree holds this run")
+        return "\n".join(lines)
+    best = max(priced, key=lambda p: p["tokens_per_s"])
+    verdict = "pipelines would win here" if best["speedup"] > 1.0 else "pipelines would not win here"
+    lines.append(f"  best: PP {best['pp']} ({best['pipelines']} x {best['scheme']}), {best['speedup']:.2f}x "
+                 f"{ref['policy']}: {verdict}")
+    return "\n".join(lines)
 
 
 def rank_speeds_arg(args: argparse.Namespace) -> tuple[float, ...] | None:

@@ -35,6 +35,10 @@ over the pipeline's micro-batch stage times ``t_j`` (Hydraulis eq. 2's bound, eq
 micro-batches): the warm-up and cool-down bubble is ``pp - 1`` slowest micro-batches long, during
 which a stage idles. The simulator adds it after a pipeline's last micro-batch, as idle time.
 
+**Step end** (:func:`pipeline_step_overhead`): each rank's ``1 / (tp pp)`` of the gradients all-reduced over the
+``world / (tp pp)`` replicas (a distributed optimizer's reduce-scatter and all-gather move the same bytes), then
+the optimizer over the rank's ``1 / world`` of the fp32 states.
+
 **Memory** (:func:`scheme_memory`, Hydraulis App. B.1): activations of a micro-batch of ``T``
 tokens are those of SP ``tp`` (``T / tp`` tokens per rank through every layer: with 1F1B the first
 stage holds ``pp`` micro-batches of ``L / pp`` layers); the model states are Hydraulis' own: fp32
@@ -58,7 +62,7 @@ from lightning_dcp.planning.cost_model import CostModel, ItemCost
 from lightning_dcp.planning.plan import Pipeline, Scheme
 
 __all__ = ["Scheme", "Pipeline", "schemes_for", "scheme_cost", "scheme_memory", "scheme_capacities",
-           "pipeline_time", "tp_comm_time", "p2p_time"]
+           "pipeline_time", "pipeline_step_overhead", "tp_comm_time", "p2p_time"]
 
 
 def schemes_for(cost_model: CostModel, size: int) -> list[Scheme]:
@@ -171,3 +175,17 @@ def pipeline_time(stage_times: Iterable[float], pp: int) -> float:
     if not ts:
         return 0.0
     return sum(ts) + (pp - 1) * max(ts)
+
+
+def pipeline_step_overhead(cost_model: CostModel, scheme: Scheme, world_size: int) -> float:
+    """Step end of ``world_size / scheme.size`` pipelines of ``scheme`` (see the module docstring); a cost model
+    without a model and hardware description keeps its own :meth:`~CostModel.step_overhead`."""
+    W = int(world_size)
+    if not _analytic(cost_model):
+        return float(cost_model.step_overhead(W))
+    replicas = max(W // scheme.size, 1)
+    comm = 0.0
+    if replicas > 1:
+        comm = cost_model.collective_prices().allreduce(cost_model.full_state_parts["gradients"] / scheme.size,
+                                                         replicas, extent=W)
+    return comm + float(cost_model.step_overhead(1)) / W  # one rank's optimizer step over all states, shared by W

@@ -40,6 +40,7 @@ mean global batch in tokens (``tune_tokens`` when planning starts before the run
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any, Sequence
 
@@ -226,21 +227,31 @@ class HydraulisPolicy(TunedPolicy):
 
     @staticmethod
     def _lpt(idx: list[int], L: np.ndarray, t: np.ndarray, V: int, budget: int) -> list[list[int]]:
+        """Longest first, each to the least-loaded micro-batch with room (ties: the first), a new one when none
+        has room. The micro-batches wait in a heap by ``(load, index)``: the first with room is that one."""
         order = sorted(idx, key=lambda i: (-t[i], i))
         loads = [0.0] * V
         room = [budget] * V
         bins: list[list[int]] = [[] for _ in range(V)]
+        heap = [(0.0, b) for b in range(V)]  # sorted, so a heap; one entry per micro-batch, always current
         for i in order:
-            fit = [b for b in range(len(bins)) if room[b] >= L[i]]
-            if not fit:
+            need = int(L[i])
+            skipped = []
+            while heap and room[heap[0][1]] < need:
+                skipped.append(heapq.heappop(heap))
+            if heap:
+                b = heapq.heappop(heap)[1]
+            else:
+                b = len(bins)
                 bins.append([])
                 loads.append(0.0)
                 room.append(budget)
-                fit = [len(bins) - 1]
-            b = min(fit, key=lambda x: (loads[x], x))
+            for entry in skipped:
+                heapq.heappush(heap, entry)
             bins[b].append(i)
             loads[b] += t[i]
-            room[b] -= int(L[i])
+            room[b] -= need
+            heapq.heappush(heap, (loads[b], b))
         return [b for b in bins if b]
 
     def _mb_time(self, s: Scheme, lengths: list[int]) -> float:
