@@ -71,3 +71,37 @@ def test_train_command_runs_two_processes_end_to_end(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "DCP training done: 2 steps on 2 CPU processes, policy=dcp, SP sizes used" in proc.stdout
+
+
+def test_step_progress_bar_counts_the_runs_steps_across_short_epochs_with_loss_and_time_left():
+    """train-video's bar: Lightning's tqdm bar, one bar for the run (max_steps), not one per 2-step epoch."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    from lightning_dcp.callbacks import StepProgressBar
+
+    class Logged(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("train/loss", out["loss"], prog_bar=True)
+            return out
+
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, *_):
+            bar = next(c for c in trainer.callbacks if isinstance(c, StepProgressBar)).train_progress_bar
+            seen.append((bar.n, bar.total, bar.desc))
+
+    bar = StepProgressBar()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, callbacks=[bar, Watch()])
+    torch.manual_seed(0)
+    trainer.fit(Logged(), DataLoader(RandomDataset(32, 2), batch_size=1))  # an epoch of 2 steps
+    assert [n for n, _, _ in seen] == [1, 2, 3, 4, 5] and {t for _, t, _ in seen} == {5}
+    assert [d for _, _, d in seen][-1].startswith("train (epoch 2)")
+    shown = str(bar.train_progress_bar)
+    assert "5/5" in shown and "train/loss=" in shown and "<" in shown  # steps done of max_steps, loss, elapsed<left
+    assert "v_num" not in shown

@@ -46,15 +46,31 @@ def test_clips_to_a_generated_video_offline(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_videos(Path("clips"))
     assert main(["encode", "--videos", "clips", "--captions", "clips/captions.csv", "--model", "tiny-wan", "--out",
-                 "encoded", "--no-progress"]) == 0
+                 "encoded", "--no-progress", "--fps", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert len([line for line in printed.splitlines() if line.startswith("  ") and line.endswith(" tokens")]) == 5
+    assert "tokens per sample: min" in printed  # what each clip becomes
     args = ["train-video", "--model", "tiny-wan", "--data", "encoded", "--out", "runs/tiny", "--steps", "3",
             "--global-batch-size", "2", "--devices", "1", "--prompt", "a red ball", "--validate-every", "2",
             "--budget", "none", "--set", "validation={num_frames: 5, height: 32, width: 32, num_inference_steps: 2}"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "DCP training done: 3 steps" in printed and "export: lightning-dcp export" in printed
+    assert "logs: runs/tiny/logs/version_0/" in printed
+    assert "train (epoch" in printed and "3/3" in printed and "train/loss=" in printed  # the run's steps bar
     videos = sorted(Path("runs/tiny/logs/version_0/validation_videos").glob("*.mp4"))
     assert [v.name for v in videos] == ["step0000002-prompt0-seed0.mp4", "step0000003-prompt0-seed0.mp4"]
+    for v in videos:  # a line per video, at the encoded set's 8 fps (not 16)
+        assert f"validation video: runs/tiny/logs/version_0/validation_videos/{v.name} (5 frames at 8 fps, 32x32" in printed
+
+    # a resumed run continues the checkpoint and logs into the next version (Lightning's convention), and says so
+    assert main([*args[:args.index("--steps")], "--steps", "4", *args[args.index("--steps") + 2:],
+                 "--resume", "last"]) == 0
+    printed = capsys.readouterr().out
+    assert "resumed from runs/tiny/checkpoints/last.ckpt at step 3; this run logs into runs/tiny/logs/version_1/" in printed
+    assert [v.name for v in Path("runs/tiny/logs/version_1/validation_videos").glob("*.mp4")] == [
+        "step0000004-prompt0-seed0.mp4"]
+    assert "DCP training done: 4 steps" in printed
     ckpt = torch.load("runs/tiny/checkpoints/last.ckpt", weights_only=False)
     assert all(".lora_" in k for k in ckpt["state_dict"]) and any(k.startswith("EMA") for k in ckpt["callbacks"])
 
@@ -64,6 +80,19 @@ def test_clips_to_a_generated_video_offline(tmp_path, capsys, monkeypatch):
     frames = pipe(prompt="a red ball", num_frames=5, height=32, width=32, num_inference_steps=2, output_type="np",
                   generator=torch.Generator().manual_seed(0)).frames[0]
     assert frames.shape == (5, 32, 32, 3)
+
+
+def test_validation_fps_defaults_to_the_encoded_sets(tmp_path):
+    from lightning_dcp.diffusers.recipe import DEFAULT_VALIDATION_FPS, validation_fps
+    from lightning_dcp.diffusers.shards import write_meta
+
+    for fps, want in ((12.0, 12.0), (None, DEFAULT_VALIDATION_FPS)):
+        folder = tmp_path / f"enc{fps}"
+        folder.mkdir()
+        write_meta(folder, {"settings": {"fps": fps}})
+        config = load_config(None, {"model": "tiny-wan", "data": str(folder)})
+        assert config.validation.fps is None and validation_fps(config) == want
+    assert validation_fps(load_config(None, {"model": "m", "data": str(folder), "validation.fps": 24})) == 24.0
 
 
 def test_train_video_profiles_within_its_time_and_names_its_own_flags(tmp_path):

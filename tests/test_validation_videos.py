@@ -87,7 +87,7 @@ class _BoardLogger(pl.loggers.Logger):
 
 
 @pytest.mark.parametrize("use_ema", [False, True])
-def test_videos_every_n_steps_are_the_pipelines_output_and_are_logged(tmp_path, use_ema):
+def test_videos_every_n_steps_are_the_pipelines_output_and_are_logged(tmp_path, use_ema, capsys):
     model = tiny_transformer("tiny-wan")
     module = VideoDiffusionModule(model, lr=1e-2, lora=4)
     videos = ValidationVideos("tiny-wan", ["a red ball", "a cat"], seeds=[3], every_n_steps=2, **CALL, fps=8)
@@ -105,6 +105,10 @@ def test_videos_every_n_steps_are_the_pipelines_output_and_are_logged(tmp_path, 
     with open(folder / INDEX_FILE, newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["path"] for r in rows] == [v.path for v in videos.videos]
+    assert {(r["frames"], r["fps"], r["width"], r["height"]) for r in rows} == {("5", "8.0", "32", "32")}
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("validation video: ")]
+    assert said == [v.line() for v in videos.videos] and len(said) == 4  # a line per video written
+    assert f"validation video: {videos.videos[0].path} (5 frames at 8 fps, 32x32, step 2, " in said[0]
     for v in videos.videos:
         frames = _frames(v.path)
         assert len(frames) == 5 and frames[0].shape == (32, 32, 3)

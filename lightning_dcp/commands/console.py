@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 
 from lightning_dcp.runtime.metrics import format_plan
 
-__all__ = ["PlanPrinter", "calibration_summary", "training_summary"]
+__all__ = ["LogDirPrinter", "PlanPrinter", "calibration_summary", "training_summary"]
 
 
 class PlanPrinter(pl.Callback):
@@ -44,6 +44,28 @@ class PlanPrinter(pl.Callback):
         plan = batch.step.plan
         pl_module.print(f"step {trainer.global_step:3d}: {format_plan(plan, trainer.world_size)} "
                         f"imbalance={m.imbalance:.3f} time={m.step_s:.2f}s loss={m.loss:.4f}")
+
+
+class LogDirPrinter(pl.Callback):
+    """Prints, on rank 0 when training starts, where this run logs (the logger's version folder: metrics, validation
+    videos) and, for a resumed run, that it continues from the checkpoint into a new version -- Lightning's
+    convention: every fit logs into its own ``version_N`` (a CSV logger given an existing version would delete its
+    ``metrics.csv``), while checkpoints continue in their own folder."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        log_dir = trainer.log_dir
+        if log_dir is None or not trainer.loggers or not trainer.is_global_zero:
+            return
+        if trainer.ckpt_path:
+            line = (f"resumed from {trainer.ckpt_path} at step {trainer.global_step}; this run logs into {log_dir}/ "
+                    "(each fit logs into its own version, as Lightning does)")
+        else:
+            line = f"logs: {log_dir}/"
+        bar = getattr(trainer.progress_bar_callback, "_train_progress_bar", None)
+        if bar is not None:  # the bar is drawn already: print above it
+            pl_module.print(line)
+        else:  # a progress bar with no bar yet would swallow it (it prints through its active bar)
+            print(line, flush=True)
 
 
 def _policy(strategy: Any) -> str:

@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from, or `last`")
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings as YAML and stop")
     parser.add_argument("--quiet-plans", action="store_true", help="do not print every step's plan")
-    parser.add_argument("--progress-bar", action="store_true")
+    parser.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True,
+                        help="Lightning's progress bar over the run's steps: done of --steps, loss, time left (default "
+                             "on; --no-progress-bar: off)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*`validation_step` but have no `val_dataloader`")
-    from lightning_dcp.commands.console import PlanPrinter, training_summary
+    from lightning_dcp.commands.console import LogDirPrinter, PlanPrinter, training_summary
     from lightning_dcp.diffusers.recipe import train_video
 
     try:  # a model that cannot be loaded (PretrainedError), data that does not fit the model: one message
-        run_ = train_video(config, resume=args.resume, callbacks=[PlanPrinter(args.quiet_plans)],
+        run_ = train_video(config, resume=args.resume, callbacks=[PlanPrinter(args.quiet_plans), LogDirPrinter()],
                            progress_bar=args.progress_bar)
     except (ValueError, FileNotFoundError) as err:
         if not _rank_zero():  # every rank meets it; rank 0 tells it

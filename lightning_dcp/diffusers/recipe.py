@@ -29,6 +29,8 @@ __all__ = ["CHECKPOINTS", "VideoRun", "build_run", "train_video"]
 
 #: The checkpoints' folder under ``out``.
 CHECKPOINTS = "checkpoints"
+#: The validation videos' frame rate when neither ``validation.fps`` nor the encode folder names one.
+DEFAULT_VALIDATION_FPS = 16.0
 #: How the profiler's messages name train-video's settings: the memory budget and the profile's time.
 BUDGET_SETTING = "train-video's --budget MiB (budget: in the config)"
 PROFILE_SECONDS_SETTING = "train-video's --profile-seconds S (profile_seconds: in the config)"
@@ -72,7 +74,22 @@ def _devices(config: VideoTrainConfig) -> tuple[str, int, str]:
     return accelerator, devices, precision
 
 
-def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progress_bar: bool = False) -> VideoRun:
+def validation_fps(config: VideoTrainConfig) -> float:
+    """The validation videos' frame rate: ``validation.fps``, else the rate the data was encoded at (``lightning-dcp
+    encode --fps``, in the encode folder's ``meta.json``), else :data:`DEFAULT_VALIDATION_FPS`."""
+    if config.validation.fps is not None:
+        return float(config.validation.fps)
+    from lightning_dcp.diffusers.shards import read_meta
+
+    try:
+        meta = read_meta(Path(config.data)) or {}
+    except (OSError, ValueError):  # the dataset itself reports an unreadable folder
+        meta = {}
+    fps = (meta.get("settings") or {}).get("fps")
+    return float(fps) if isinstance(fps, (int, float)) and fps > 0 else DEFAULT_VALIDATION_FPS
+
+
+def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progress_bar: bool = True) -> VideoRun:
     """The module, Trainer and DataLoader of ``config`` (nothing trains yet); ``callbacks`` go first in the Trainer's
     (``lightning-dcp train-video`` adds its plan printer).
 
@@ -116,7 +133,7 @@ def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progre
         callbacks.append(ValidationVideos(config.model, v.prompts, seeds=v.seeds, every_n_steps=v.every_n_steps,
                                           num_frames=v.num_frames, height=v.height, width=v.width,
                                           num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
-                                          fps=v.fps))
+                                          fps=validation_fps(config)))
     if config.profile:
         from lightning_dcp.profiling import DCPProfiler
 
@@ -126,9 +143,9 @@ def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progre
                                      memory_limit_setting=BUDGET_SETTING, time_budget_s=config.profile_seconds,
                                      time_budget_source=PROFILE_SECONDS_SETTING))
     if progress_bar:
-        from lightning.pytorch.callbacks import TQDMProgressBar
+        from lightning_dcp.callbacks.progress import StepProgressBar
 
-        callbacks.append(TQDMProgressBar())
+        callbacks.append(StepProgressBar())
     accelerator, devices, precision = _devices(config)
     strategy = DCPStrategy(global_batch_size=t.global_batch_size, seed=t.seed, sharding=t.sharding,
                            profile=config.profile, drop_last=t.drop_last)
@@ -141,7 +158,7 @@ def build_run(config: VideoTrainConfig, *, callbacks: Sequence[Any] = (), progre
 
 
 def train_video(config: VideoTrainConfig, *, resume: str | None = None, callbacks: Sequence[Any] = (),
-                progress_bar: bool = False) -> VideoRun:
+                progress_bar: bool = True) -> VideoRun:
     """Build and fit the run of ``config``; ``resume``: a checkpoint path, or ``"last"`` (``<out>/checkpoints/last.ckpt``)."""
     run = build_run(config, callbacks=callbacks, progress_bar=progress_bar)
     ckpt = str(run.checkpoints / "last.ckpt") if resume == "last" else resume

@@ -15,7 +15,7 @@ command-line flag or ``--set section.key=value`` overrides the file::
     profile_seconds: 60          # wall seconds for the whole profile at fit start (null: no limit)
     ema: {enabled: true, decay: 0.999}
     validation: {prompts: [], seeds: [0], every_n_steps: 100, num_frames: 17, height: 256, width: 256,
-                 num_inference_steps: 30, guidance_scale: null, fps: 16}
+                 num_inference_steps: 30, guidance_scale: null, fps: null}   # fps null: the encoded set's (else 16)
     logger: csv                  # csv, tensorboard, wandb or none
 
 Pure Python (no torch): a misspelled key is an error naming the closest valid one.
@@ -82,7 +82,7 @@ class ValidationSettings:
     width: int = 256
     num_inference_steps: int = 30
     guidance_scale: float | None = None
-    fps: float = 16.0
+    fps: float | None = None  # None: the frame rate the data was encoded at (meta.json's settings.fps), else 16
 
 
 @dataclass(frozen=True)

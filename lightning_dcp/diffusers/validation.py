@@ -55,13 +55,22 @@ INDEX_FILE = "videos.csv"
 @dataclass(frozen=True)
 class ValidationVideo:
     """One generated video: the step after which it was made, its prompt and seed, the weights (``"ema"`` or
-    ``"raw"``) and the mp4 file."""
+    ``"raw"``), the mp4 file, and its frames, frame rate and size."""
 
     step: int
     prompt: str
     seed: int
     weights: str
     path: str
+    frames: int = 0
+    fps: float = 0.0
+    width: int = 0
+    height: int = 0
+
+    def line(self) -> str:
+        """What :class:`ValidationVideos` prints when it writes the video."""
+        return (f"validation video: {self.path} ({self.frames} frames at {self.fps:g} fps, {self.width}x{self.height}, "
+                f"step {self.step}, {self.weights} weights, prompt {self.prompt!r}, seed {self.seed})")
 
 
 class ValidationVideos(pl.Callback):
@@ -79,7 +88,8 @@ class ValidationVideos(pl.Callback):
         ema: use the EMA callback's averages (``None``: when an :class:`~lightning_dcp.callbacks.EMA` callback runs).
         num_frames, height, width, num_inference_steps, guidance_scale: the pipeline call's (``guidance_scale``
             ``None``: the pipeline's default).
-        fps: the mp4's frame rate.
+        fps: the mp4's frame rate (``lightning-dcp train-video``: the encoded set's, by default).
+        verbose: rank 0 prints a line per video written (:meth:`ValidationVideo.line`: path, frames, fps).
         out_dir: the videos folder (default: see the module docstring).
         pipeline_kwargs: more keyword arguments of the pipeline call (``negative_prompt``, ``frame_rate``, ...)
             or, for a folder or hub id, of ``from_pretrained`` under the key ``"from_pretrained"``.
@@ -89,7 +99,7 @@ class ValidationVideos(pl.Callback):
                  seeds: Sequence[int] = (0,), every_n_steps: int = 100, at_end: bool = True, ema: bool | None = None,
                  num_frames: int = 17, height: int = 256, width: int = 256, num_inference_steps: int = 30,
                  guidance_scale: float | None = None, fps: float = 16.0, out_dir: str | Path | None = None,
-                 pipeline_kwargs: dict[str, Any] | None = None) -> None:
+                 pipeline_kwargs: dict[str, Any] | None = None, verbose: bool = True) -> None:
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise ValueError(f"ValidationVideos needs one or more prompts (strings), got {prompts!r}")
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
@@ -104,6 +114,7 @@ class ValidationVideos(pl.Callback):
         self.load_kwargs = dict(extra.pop("from_pretrained", {}))
         self.call.update(extra)
         self.fps, self.out_dir = float(fps), None if out_dir is None else Path(out_dir)
+        self.verbose = bool(verbose)
         self.videos: list[ValidationVideo] = []
         """Every video generated so far (on rank 0: all ranks' videos)."""
         self._pipeline: Any = None
@@ -155,6 +166,9 @@ class ValidationVideos(pl.Callback):
             self.videos.extend(videos)
             _write_index(self.out_dir, videos)
             _log(trainer, videos, self.fps)
+            if self.verbose:
+                for video in videos:
+                    pl_module.print(video.line())
         return videos
 
     def _ema_callback(self, trainer: pl.Trainer) -> EMA | None:
@@ -199,7 +213,8 @@ class ValidationVideos(pl.Callback):
             frames = pipe(prompt=prompt, generator=generator, output_type="np", **self.call).frames[0]
         path = self.out_dir / f"step{step:07d}-prompt{self.prompts.index(prompt)}-seed{seed}.mp4"
         write_mp4(frames, path, fps=self.fps)
-        return job, ValidationVideo(step, prompt, seed, weights, str(path))
+        count, height, width = (int(v) for v in frames.shape[:3])
+        return job, ValidationVideo(step, prompt, seed, weights, str(path), count, self.fps, width, height)
 
     def _pipe(self, transformer: nn.Module, device: torch.device) -> Any:
         """The pipeline (built once on each rank that generates) around ``transformer``, its other components on
