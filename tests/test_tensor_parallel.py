@@ -269,3 +269,19 @@ def test_a_tp_plan_from_any_planner_stops_before_it_runs():
                               plan_ahead=False)
     with pytest.raises(PlanningError, match=r"has tp=2 \(Planner\(max_tp_size=\.\.\.\)\): DCPStrategy cannot train"):
         sampler.step_plan(0, 0)
+
+
+def test_a_profile_prices_tp_from_its_hidden_size_and_the_hardware():
+    """A profiled model prices TP with the profile's ``model.hidden_size`` at the hardware's (or its measured
+    all-reduce's) prices, keeping its measured all-to-all (not separable from the fit): TP only adds."""
+    from lightning_dcp.planning.profiled import ProfiledCostModel
+    from test_cost_model import make_profile
+
+    cm = ProfiledCostModel(make_profile(), hardware="h100")
+    assert cm.prices_tp and 4 in cm.measured_sp
+    plain, tp = cm.item_cost([4000], 4, 1), cm.tp_cost([4000], 4, 1, 1, 2)
+    assert tp.compute == plain.compute and tp.comm > plain.comm
+    assert cm.tp_memory([4000], 4, 1, 1, 2) > cm.item_memory([4000], 4, 1)
+    profile = make_profile()
+    profile["model"].pop("hidden_size", None)
+    assert not ProfiledCostModel(profile, hardware="h100").prices_tp  # no width: no TP price
