@@ -68,6 +68,7 @@ _WHERE = {
     **dict.fromkeys(("HIDDEN_STATES", "TIMESTEP"), "forward"),
     "VideoDiffusionModule": "module",
     "write_mp4": "mp4",
+    **dict.fromkeys(("PretrainedError", "load_transformer"), "pretrained"),
     **dict.fromkeys(("add_lora", "lora_config", "lora_state_dict", "save_lora"), "lora"),
     "ValidationVideos": "validation",
     **dict.fromkeys(("ExportResult", "export_checkpoint"), "export"),
@@ -98,6 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs read
     from lightning_dcp.diffusers.checks import ModelInputs, VideoShape, check_video_shapes
     from lightning_dcp.diffusers.dispatch import adapt, is_adapted, packed_forward
     from lightning_dcp.diffusers.encode import EncodeResult, EncodeSettings, encode_videos
+    from lightning_dcp.diffusers.pretrained import PretrainedError, load_transformer
     from lightning_dcp.diffusers.encoded import EncodedVideoDataset
     from lightning_dcp.diffusers.export import ExportResult, export_checkpoint
     from lightning_dcp.diffusers.families.cogvideox import cogvideox_sample
