@@ -93,9 +93,10 @@ _MEASURED = ("forward_s", "backward_s", "recompute_s", "activation_bytes", "inpu
 
 
 def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None,
-                 proceed: Callable[[float], bool]) -> tuple[int, dict[str, float] | None]:
+                 proceed: Callable[[float], bool] | None) -> tuple[int, dict[str, float] | None]:
     """(length actually run, this rank's measurement, ``None`` when ``proceed`` abandoned the point after its
-    warm-up pass) for one grid point on its SP group. ``proceed`` is a world collective: every rank calls it once."""
+    warm-up pass) for one grid point on its SP group. ``proceed`` is a world collective: every rank calls it once
+    (or none does: ``None``, a point that runs whatever it costs)."""
     from lightning_dcp.sp.packing import pack_samples
 
     p = point.sp
@@ -104,7 +105,7 @@ def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None,
     seq_len, idx = run.samples.pick(point.seq_len, point.micro_batch)
     if block + p > run.world_size:  # no aligned block of p ranks holds this rank (W=3: rank 2 at SP 2)
         # it sits the point out; the MAX over ranks ignores it
-        return seq_len, dict.fromkeys(_MEASURED, 0.0) if proceed(0.0) else None
+        return seq_len, dict.fromkeys(_MEASURED, 0.0) if proceed is None or proceed(0.0) else None
     group = group_for(list(range(block, block + p))) if p > 1 else None
     batch = pack_samples([run.samples[i] for i in idx], pad_to_multiple=p, sample_indices=idx)
     batch = harness.to_device(local_batch(run.contract, batch, sp_rank, p, "token").data, run.device)
@@ -112,6 +113,10 @@ def _measure_one(run: _Run, point: GridPoint, group_for: Callable | None,
         args, kwargs = measure.capture(run.module, run.stack, batch, run.step_fn, run.autocast)
         m = measure.measure_point(run.stack, args, kwargs, run.device, run.autocast, run.exclude, group, proceed)
     return seq_len, m
+
+
+#: A point forecast to fit the budget this many times over skips the probe after its first pass.
+PROBE_MARGIN = 10.0
 
 
 def _agreed_elapsed(deadline: ProfileDeadline, run: _Run) -> float:
@@ -123,7 +128,8 @@ def _measure_grid(run: _Run, grid: ProfileGrid, group_for: Callable | None, dead
     """The grid's entries, agreed by MAX over ranks. Required points always run; any other point only when its
     forecast (and, after its warm-up pass, the forecast of its remaining passes), plus the constant parts still
     to measure, ends within the budget; the others are recorded in ``deadline.skipped``. Every decision is taken
-    on values agreed over the ranks, so every rank measures the same points. ``after_first()`` runs once the first
+    on values agreed over the ranks, so every rank measures the same points (a point forecast to fit
+    :data:`PROBE_MARGIN` times over is not probed). ``after_first()`` runs once the first
     point is measured (the constants at the shortest length: a bypassed layer must know what a layer returns)."""
     entries: list[dict] = []
     elapsed = _agreed_elapsed(deadline, run)
@@ -140,9 +146,13 @@ def _measure_grid(run: _Run, grid: ProfileGrid, group_for: Callable | None, dead
         def proceed(warmup_s: float) -> bool:
             warm, now = measure.allreduce_max([warmup_s, deadline.elapsed()], run.device)
             probe["rest"] = warm * PASSES_AFTER_WARMUP
-            return point.required or deadline.allows(probe["rest"] + reserve, now)
+            return deadline.allows(probe["rest"] + reserve, now)
 
-        seq_len, m = _measure_one(run, point, group_for, proceed)
+        # no collective to ask after the first pass: a point that runs whatever it costs, or one whose forecast fits
+        # the budget PROBE_MARGIN times over (a probe syncs the ranks mid-point: on a loaded machine that costs)
+        no_probe = point.required or deadline.budget_s is None or (
+            ahead is not None and deadline.allows(PROBE_MARGIN * ahead + reserve, elapsed))
+        seq_len, m = _measure_one(run, point, group_for, None if no_probe else proceed)
         if m is None:  # abandoned after its warm-up pass: its forecast is the pass so far plus the passes left
             elapsed = _agreed_elapsed(deadline, run)
             deadline.skip(Skip(point.seq_len, point.micro_batch, point.sp, elapsed - began + probe.get("rest", 0.0)))

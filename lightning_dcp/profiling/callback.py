@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_dcp.planning.profiled import ProfiledCostModel
 from lightning_dcp.profiling import cache as profile_cache
 from lightning_dcp.profiling.assemble import profile_module
 from lightning_dcp.profiling.budget import resolve_budget
@@ -263,8 +264,6 @@ class DCPProfiler(Callback):
             profile = self._measure(trainer, pl_module, key, stack, data, contract, deadline)
         self.profiling_s = time.perf_counter() - t0
         self.profile = profile
-        from lightning_dcp.planning.profiled import ProfiledCostModel
-
         # The budget is this run's (argument or documented default), on a cache hit too.
         limit, source = resolve_budget(strategy.root_device, self.memory_limit_bytes, self.memory_limit_source,
                                        self.memory_limit_setting)
