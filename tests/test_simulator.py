@@ -65,7 +65,7 @@ def test_overlapping_groups_run_in_list_order():
 def test_chart_bars_merge_back_to_back_micro_batches_and_keep_busy_time():
     import numpy as np
 
-    from lightning_dcp.commands.simulate import _run_bars, _runs, steps_note
+    from lightning_dcp.commands.simulate_plot import _run_bars, _runs, steps_note
 
     r, s, e = _runs(np.array([0, 0, 0, 1]), np.array([2.0, 0.0, 1.0, 0.0]), np.array([3.0, 1.0, 1.5, 1.0]), 1e-9)
     assert (r.tolist(), s.tolist(), e.tolist()) == ([0, 0, 1], [0.0, 2.0, 0.0], [1.5, 3.0, 1.0])

@@ -338,26 +338,18 @@ def profile_module(
         micro_batch_sizes: default ``(1, 2)`` coarse, ``(1, 2, 4)`` fine.
         sp_sizes: default every size up to the world size that divides ``num_heads`` (powers of two when unknown).
         density: ``"coarse"`` or ``"fine"``.
-        time_budget_s: wall seconds for the whole profile, from this call (or ``deadline``'s start) to its end,
-            the constant parts included: the cheapest point of each SP size always runs; every other point runs only
-            when it is forecast to end within the budget, else it is skipped and the cost model extrapolates
-            (``meta.skipped_points``; :func:`~lightning_dcp.profiling.deadline.skipped_line` says it in one line).
-            ``None``: no budget, every point.
-        deadline: the budget as a :class:`~lightning_dcp.profiling.deadline.ProfileDeadline` (its start, clock and
-            the setting messages name); it replaces ``time_budget_s``. :class:`DCPProfiler` starts it at fit start.
+        time_budget_s: wall seconds for the whole profile (``None``: every point); see
+            :class:`~lightning_dcp.profiling.deadline.ProfileDeadline` for what runs and what is skipped.
+        deadline: the budget as a ``ProfileDeadline`` (start, clock, the setting messages name); replaces
+            ``time_budget_s``. :class:`DCPProfiler` starts it at fit start.
         memory_limit_bytes: ``device.memory_limit_bytes`` (default: CUDA total x ``memory_fraction``, CPU 8 GiB).
-        layers_attr: dotted attribute path to the repeated layers when the module has several stacks
-            (see :mod:`lightning_dcp.sp.contract`); ignored with ``contract``.
+        layers_attr: dotted path to the repeated layers of a module with several stacks; ignored with ``contract``.
         num_layers: ``model.num_layers`` to record (default: the repeated layers'; the CLI's full count).
-        num_heads: attention heads (default: the contract's, ``dcp_num_heads`` or ``num_heads`` in the
-            module; SP sizes must divide it).
-        key: the ``key`` section (a :class:`~lightning_dcp.profiling.cache.ProfileKey` dict); default
-            computed from the module, device, precision and world size.
+        num_heads: attention heads, which SP sizes divide (default: the contract's, else the module's).
+        key: the ``key`` section (a ``ProfileKey`` dict); default from the module, device, precision, world size.
         states_module: whose parameters set ``param_bytes``, ``memory_bytes``, optimizer scaling (default ``module``).
-        cpu_clock: ``"wall"`` (default) or ``"process"`` (``time.process_time``: immune to other processes
-            on a shared machine; one torch thread and SP 1 only, e.g. for accuracy benchmarks).
-        contract: what to read off ``module`` (the strategy's ``model_contract`` under the profiler
-            callback); default :func:`~lightning_dcp.sp.contract.read_model` with ``layers_attr``.
+        cpu_clock: ``"wall"`` (default) or ``"process"`` (``time.process_time``; one torch thread, SP 1 only).
+        contract: what to read off ``module`` (default :func:`~lightning_dcp.sp.contract.read_model`).
     """
     deadline = deadline if deadline is not None else ProfileDeadline(time_budget_s)
     _check_options(cpu_clock, density)

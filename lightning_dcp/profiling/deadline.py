@@ -42,6 +42,10 @@ class Skip:
 class ProfileDeadline:
     """A budget of ``budget_s`` wall seconds (``None``: no budget) counted from ``start`` on ``clock``.
 
+    The budget covers the whole profile, its constant parts included: the cheapest point of each SP size always
+    runs; every other point runs only when it is forecast to end within the budget, else it is skipped and the
+    cost model extrapolates (``meta.skipped_points``; :func:`skipped_line` says it in one line).
+
     Args:
         budget_s: seconds for the whole profile; ``None`` measures every point.
         clock: seconds, monotonic (default ``time.perf_counter``).
