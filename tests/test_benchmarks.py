@@ -190,3 +190,16 @@ def test_planner_speed_rows_have_the_step_beside_the_planning_time():
     assert {w for w, _ in planner_speed.SETTINGS} == {32, 256, 1024}
     r = planner_speed.measure(8, 8 * 65536, "balanced", "transformer-1d", 1, "dcp")
     assert r["samples"] > 0 and r["cpu_median_ms"] >= 0.0 and r["step_s"] > 0.0 and 0.0 < r["bound"] <= 1.0 + 1e-9
+
+
+def test_plan_digests_prints_each_step_and_is_a_function_of_the_code(capsys):
+    from benchmarks import plan_digests
+
+    args = ["--cells", "w8-long-zero1,w8-long-none", "--policies", "static,flexsp", "--steps", "1"]
+    plan_digests.main(args)
+    first = capsys.readouterr().out.splitlines()
+    plan_digests.main(args)
+    assert capsys.readouterr().out.splitlines() == first
+    assert any(line.startswith("w8-long-zero1 static step 0 items ") and " full " in line for line in first)
+    assert any(line.startswith("w8-long-zero1 flexsp tokens/s ") for line in first)
+    assert any(line.startswith("w8-long-none static refused PlanningError: ") for line in first)
