@@ -23,7 +23,8 @@ Cells (``--cells``, comma-separated, default all): ``w{8,32}-{video,code,long,sh
 analytic Transformer-1D on H100 under ``--sharding none``, ``zero1`` (simulate's default) or ``hsdp`` with its
 default shard group; the model does not fit some ``none`` cells, whose policies print their refusal), plus a few
 that reach other code paths: ``w32-long-speeds`` (ranks 0-7 at 0.7x, the planner aware), ``w32-code-noring``
-(``--no-ring``) and ``w16-video-heads28`` (``--num-heads 28``: rings past the heads). ``--policies`` (default:
+(``--no-ring``), ``w16-video-heads28`` (``--num-heads 28``: rings past the heads), ``w16-video-tp`` (``--tp``:
+tensor parallelism up to a node's GPUs) and ``w16-code-hsdp-tp4`` (``--sharding hsdp --tp 4``). ``--policies`` (default:
 every policy of :data:`~lightning_dcp.planning.planner.POLICIES`) and ``--steps`` (default 2) narrow or widen it.
 To keep the run short and its output a function of the code alone, the peers tune on a coarser grid than their
 default (:data:`PEER_GRID_SCALE`) and flexsp's MILP is held to its root node (:data:`MILP_NODE_LIMIT`). Not a test (minutes on two cores).
@@ -51,6 +52,8 @@ EXTRA_CELLS = {
     "w32-long-speeds": ["--world-size", "32", "--dataset", "long", "--rank-speed", "0-7:0.7"],
     "w32-code-noring": ["--world-size", "32", "--dataset", "code", "--no-ring"],
     "w16-video-heads28": ["--world-size", "16", "--dataset", "video", "--num-heads", "28"],
+    "w16-video-tp": ["--world-size", "16", "--dataset", "video", "--tp"],
+    "w16-code-hsdp-tp4": ["--world-size", "16", "--dataset", "code", "--sharding", "hsdp", "--tp", "4"],
 }
 """Cells beside the grid: name -> ``lightning-dcp simulate`` arguments."""
 
@@ -86,12 +89,15 @@ def run_cell(name: str, argv: list[str], policies: list[str], steps: int, out) -
     run = draw_run(pool, gbt, args.num_steps)
     batches = [[run[i] for i in b] for b in cut_batches(run, global_batch_tokens=gbt)]
     speeds = parse_rank_speeds(args.rank_speed, args.world_size) if args.rank_speed else None
+    max_tp = 1 if args.tp is None else (args.tp or int(cost_model.gpus_per_node or 1))  # as simulate reads --tp
     for policy in policies:
         t0 = time.perf_counter()
         names = POLICIES[policy].option_names()
         opts = {"tune_tokens": gbt, "grid_scale": PEER_GRID_SCALE} if "grid_scale" in names else {}
         if "node_limit" in names:
             opts.update(node_limit=MILP_NODE_LIMIT, time_limit=3600.0, recompute=cost_model.num_layers)
+        if max_tp > 1:
+            opts["max_tp_size"] = max_tp
         try:
             planner = Planner(args.world_size, cost_model, policy, seed=args.seed, dataset_lengths=dataset,
                               rank_speeds=speeds, ring=args.ring, **opts)
@@ -103,7 +109,7 @@ def run_cell(name: str, argv: list[str], policies: list[str], steps: int, out) -
         for k, step in enumerate(plan.steps):
             full = hashlib.sha256(json.dumps(step.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
             print(f"{name} {policy} step {k} items {step.digest()} full {full}", file=out)
-        sim = simulate(plan, cost_model, timeline=False, rank_speeds=speeds)
+        sim = simulate(plan, cost_model, timeline=False, rank_speeds=speeds, max_tp_size=max_tp)
         print(f"{name} {policy} tokens/s {sim.tokens_per_s!r} steps {len(plan.steps)}", file=out, flush=True)
         print(f"plan_digests: {name} {policy} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
