@@ -130,7 +130,7 @@ class StepBounder:
 
     def _times(self, tokens: np.ndarray, sq: np.ndarray, n: np.ndarray, p: int, r: np.ndarray,
                ring: int, tp: int = 1) -> np.ndarray:
-        if self.view.fast_time is not None:
+        if self.view.fast_paths:
             return self.view.time_many(tokens, sq, n, p, r, lower=True, ring=ring, tp=tp)
         # generic cost model (no item_time_sum): whole micro-batches of k = floor(cap / l) equal
         # samples (k <= 4096), scaled to the full count -- within ~1% of the linear form

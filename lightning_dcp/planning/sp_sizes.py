@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MAX_RING", "best_split", "divisors", "kv_repeat", "node_ulysses", "sp_splits", "ulysses_sizes"]
+__all__ = ["MAX_RING", "best_split", "divisors", "item_rings", "item_splits", "kv_repeat", "node_ulysses", "ring_candidates",
+           "sp_splits", "tp_degrees", "ulysses_sizes"]
 
 MAX_RING = 8
 """The largest ring degree of the ring sizes the planner adds (64 ranks on 8-GPU nodes): longer rings would multiply
@@ -92,3 +93,43 @@ def sp_splits(num_heads: int | None, limit: int, gpus_per_node: int, *, ring: bo
         out.setdefault(r * u, (r,))
         r *= 2
     return dict(sorted(out.items()))
+
+
+# -- the splits one item on ``p`` ranks may take (dcp's per-item split, :class:`~lightning_dcp.planning.view.CostView`) --
+def ring_candidates(p: int, default: int, usable: "set[int] | None") -> list[int]:
+    """Ring degrees of a group of ``p`` ranks whose Ulysses subgroup is in ``usable`` (the sizes the cost model prices;
+    None: no rings), the default first, before the placement rule."""
+    if usable is None or p == 1:
+        return [default]
+    return [default] + [r for r in divisors(p) if r != default and p // r in usable]
+
+
+def item_rings(p: int, candidates: "list[int]", node: int | None, align: int) -> tuple[int, ...]:
+    """The ``candidates`` an item on ``p`` ranks may take: a group larger than a node only the splits whose Ulysses
+    subgroups its start alignment ``align`` keeps inside nodes."""
+    return (candidates[0],) + tuple(r for r in candidates[1:] if not node or p <= node or align % (p // r) == 0)
+
+
+def tp_degrees(candidates: "dict[int, list[int]]", node: int, max_tp: int) -> dict[int, tuple[int, ...]]:
+    """Per SP size (``candidates``: its ring degrees), the TP degrees (2 .. ``max_tp``, dividing a node's GPUs) some
+    of its splits may take: those dividing a Ulysses subgroup."""
+    degrees = [t for t in divisors(node) if 2 <= t <= max_tp]
+    out = {}
+    for p, rings in candidates.items():
+        ts = tuple(t for t in degrees if any((p // r) % t == 0 for r in rings))
+        if ts:
+            out[p] = ts
+    return out
+
+
+def item_splits(p: int, rings: "tuple[int, ...]", tps: "tuple[int, ...]", node: int | None,
+                align: int) -> tuple[tuple[int, int], ...]:
+    """Every ``(ring, tp)`` split of an item on ``p`` ranks, the default first: ``rings`` without TP, then each TP
+    degree of ``tps`` on the rings whose subgroup it divides (a group larger than a node: the degrees its start
+    alignment ``align`` keeps inside nodes)."""
+    out = [(r, 1) for r in rings]
+    for t in tps:
+        if node and p > node and align % t:
+            continue
+        out.extend((r, t) for r in rings if (p // r) % t == 0)
+    return tuple(out)

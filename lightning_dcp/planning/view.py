@@ -27,7 +27,7 @@ import numpy as np
 
 from lightning_dcp.planning.cost_model import CostModel, shard_domain
 from lightning_dcp.planning.plan import WorkItem
-from lightning_dcp.planning.sp_sizes import divisors
+from lightning_dcp.planning.sp_sizes import item_rings, item_splits, ring_candidates, tp_degrees
 from lightning_dcp.planning.speeds import group_speed, uniform
 from lightning_dcp.planning.topology import Topology
 
@@ -76,10 +76,11 @@ class CostView:
         """Usable SP sizes, ascending (Ulysses sizes, and ring sizes where the cost model prices them)."""
         self.ring: dict[int, int] = {p: c[0] for p, c in splits.items()}
         """The default ring degree of every size (1: Ulysses)."""
-        self._fast = bool(cost_model.fast_paths)
+        self.fast_paths = bool(cost_model.fast_paths)
+        """Whether the cost model answers from a micro-batch's sums (``item_time_sum``, ``item_memory_tokens``)."""
         self.work = cost_model.attention_work
         """Attention work of one sample (``l**2`` for 1d; the model's own measure for 2d)."""
-        self.exact_memory = self._fast
+        self.exact_memory = self.fast_paths
         self._cap: dict[tuple[int, int], list[int]] = {}
         self._est: dict[tuple, object] = {}
         self._vector_ok: bool | None = None
@@ -87,18 +88,24 @@ class CostView:
             if len(cands) > 1:
                 self.ring[p] = self._faster_split(p, cands)
         g = int(cost_model.gpus_per_node or 0) or None
-        self.max_tp = int(max_tp) if cost_model.prices_tp and self._fast and g else 1
+        self.max_tp = int(max_tp) if cost_model.prices_tp and self.fast_paths and g else 1
         """The largest tensor-parallel degree a split may take (1: none)."""
-        tps = self._tp_degrees(ring, g)
+        priced = ring and cost_model.prices_ring
+        cands = {p: ring_candidates(p, self.ring[p], set(cost_model.sp_sizes(p)) if priced else None)
+                 for p in self.sp_sizes}
+        tps = tp_degrees(cands, g, self.max_tp) if self.max_tp > 1 and g else {}
         align = {p: p // r for p, r in self.ring.items() if r > 1}
         for p, ts in tps.items():  # a group larger than a node keeps its TP groups inside nodes
             if g and p > g and ts:
                 align[p] = math.lcm(align.get(p, 1), *ts)
         self.topology = Topology(int(world_size or max_sp), g, shard_domain(cost_model), align)
         """Where SP groups may go (:mod:`~lightning_dcp.planning.topology`)."""
-        self.item_rings: dict[int, tuple[int, ...]] = {p: self._item_rings(p, ring) for p in self.sp_sizes}
+        node, al = self.topology.node_size, self.topology.align
+        self.item_rings: dict[int, tuple[int, ...]] = {p: item_rings(p, cands[p], node, al.get(p, 1))
+                                                        for p in self.sp_sizes}
         """Every ring degree an item on ``p`` ranks may take without TP, the default first."""
-        self.item_splits: dict[int, tuple[Split, ...]] = {p: self._item_splits(p, tps.get(p, ())) for p in self.sp_sizes}
+        self.item_splits: dict[int, tuple[Split, ...]] = {
+            p: item_splits(p, self.item_rings[p], tps.get(p, ()), node, al.get(p, 1)) for p in self.sp_sizes}
         """Every ``(ring, tp)`` split an item on ``p`` ranks may take (dcp's per-item split), the default first: the
         rings of :attr:`item_rings` without TP, then the TP splits."""
         self._contains: dict[tuple, object] = {}
@@ -113,66 +120,6 @@ class CostView:
         times = [self._time([ell], p, self.min_recompute(ell, p, r), r) if cap >= ell else math.inf
                  for r, cap in zip(cands, caps)]
         return cands[times.index(min(times))]
-
-    def _ring_candidates(self, p: int, ring: bool) -> list[int]:
-        """Ring degrees whose subgroup the model prices, default first, before the placement rule."""
-        default = self.ring[p]
-        if not (ring and self.cm.prices_ring) or p == 1:
-            return [default]
-        usable = set(self.cm.sp_sizes(p))
-        return [default] + [r for r in divisors(p) if r != default and p // r in usable]
-
-    def _tp_degrees(self, ring: bool, node: int | None) -> dict[int, tuple[int, ...]]:
-        """Per SP size, the TP degrees (2 .. :attr:`max_tp`, dividing a node's GPUs) some split of it may take."""
-        if self.max_tp <= 1 or not node:
-            return {}
-        degrees = [t for t in divisors(node) if 2 <= t <= self.max_tp]
-        out = {}
-        for p in self.sp_sizes:
-            ts = tuple(t for t in degrees if any((p // r) % t == 0 for r in self._ring_candidates(p, ring)))
-            if ts:
-                out[p] = ts
-        return out
-
-    def _item_splits(self, p: int, tps: Sequence[int]) -> tuple[Split, ...]:
-        out: list[Split] = [(r, 1) for r in self.item_rings[p]]
-        node, align = self.topology.node_size, self.topology.align.get(p, 1)
-        for t in tps:
-            if node and p > node and align % t:
-                continue
-            out.extend((r, t) for r in self.item_rings[p] if (p // r) % t == 0)
-        return tuple(out)
-
-    def _item_rings(self, p: int, ring: bool) -> tuple[int, ...]:
-        default = self.ring[p]
-        if not (ring and self.cm.prices_ring) or p == 1:
-            return (default,)
-        usable = set(self.cm.sp_sizes(p))
-        node, align = self.topology.node_size, self.topology.align.get(p, 1)
-        out = [default]
-        for r in divisors(p):
-            u = p // r
-            if r != default and u in usable and (not node or p <= node or align % u == 0):
-                out.append(r)
-        return tuple(out)
-
-    @property
-    def fast_time(self) -> Callable | None:
-        """``item_time_sum(tokens, work_sum, count, sp, recompute)`` at each size's default split, or None without
-        fast paths."""
-        if not self._fast:
-            return None
-        got = self._est.get("fast")
-        if got is None:
-            t, rings = self.cm.item_time_sum, self.ring
-            got = self._est["fast"] = t if all(r == 1 for r in rings.values()) else (
-                lambda tokens, sq, n, sp, rec: t(tokens, sq, n, sp, rec, rings.get(sp, 1)))
-        return got  # type: ignore[return-value]
-
-    @property
-    def ulysses_sizes(self) -> list[int]:
-        """The usable SP sizes whose default split is plain Ulysses, ascending."""
-        return [p for p in self.sp_sizes if self.ring.get(p, 1) == 1]
 
     def ring_of(self, sp: int) -> int:
         """The default ring degree of a group of ``sp`` ranks."""
@@ -236,11 +183,9 @@ class CostView:
         return got  # type: ignore[return-value]
 
     def _max_tokens(self, sp: int, r: int, ring: int, tp: int = 1) -> int:
-        if not self._fast:
+        if not self.fast_paths:
             return int(self.cm.max_length(sp, r, ring))
-        limit = self.cm.memory_limit
-        mem = self.cm.item_memory_tokens if tp == 1 else (
-            lambda tokens, p, rec, rg: self.cm.tp_memory_tokens(tokens, p, rec, rg, tp))
+        limit, mem = self.cm.memory_limit, self._memory_sum(tp)
         if mem(sp, sp, r, ring) > limit:
             return 0
         lo, hi = sp, sp * 2
@@ -267,10 +212,6 @@ class CostView:
             return None
         return bisect.bisect_left(caps, tokens)
 
-    def min_sp(self, length: int) -> int | None:
-        """Smallest usable SP size that holds a sample of ``length`` tokens on some split, or None."""
-        return next((p for p in self.sp_sizes if self.item_capacities(p)[-1] >= length), None)
-
     def longest_fitting(self) -> int:
         """The longest sample any size and split holds."""
         return max(self.item_capacities(p)[-1] for p in self.sp_sizes)
@@ -291,12 +232,24 @@ class CostView:
 
     def _time(self, lengths: Sequence[int], sp: int, recompute: int, ring: int, work: float | None = None,
               tp: int = 1) -> float:
-        if self._fast:
+        if self.fast_paths:
             w = float(sum(self.work(n) for n in lengths)) if work is None else work
-            if tp > 1:
-                return self.cm.tp_time_sum(sum(lengths), w, len(lengths), sp, recompute, ring, tp)
-            return self.cm.item_time_sum(sum(lengths), w, len(lengths), sp, recompute, ring)
+            return self._time_sum(tp)(sum(lengths), w, len(lengths), sp, recompute, ring)
         return self.cm.item_time(lengths, sp, recompute, ring)
+
+    def _time_sum(self, tp: int) -> Callable:
+        """The fast path ``(tokens, work, n, sp, recompute, ring, ring_exposed=True)`` at ``tp``: ``item_time_sum``,
+        or ``tp_time_sum`` with ``tp`` bound."""
+        if tp == 1:
+            return self.cm.item_time_sum
+        return lambda a, q, k, p, rc, rg, exposed=True: self.cm.tp_time_sum(a, q, k, p, rc, rg, tp, exposed)
+
+    def _memory_sum(self, tp: int) -> Callable:
+        """``(tokens, sp, recompute, ring)`` at ``tp``: ``item_memory_tokens``, or ``tp_memory_tokens`` with ``tp``
+        bound."""
+        if tp == 1:
+            return self.cm.item_memory_tokens
+        return lambda tokens, p, rec, rg: self.cm.tp_memory_tokens(tokens, p, rec, rg, tp)
 
     def setting(self, lengths: Sequence[int], sp: int, work: float | None = None) -> Setting | None:
         """The fastest split (:attr:`item_splits`) and its fewest recomputed layers for a micro-batch of ``lengths``
@@ -305,7 +258,7 @@ class CostView:
         (:meth:`_ring_threshold`); ties keep the earlier split (the default first)."""
         splits = self.splits_of(sp)
         tokens = sum(lengths)
-        if work is None and (self._fast or len(splits) > 1):
+        if work is None and (self.fast_paths or len(splits) > 1):
             work = float(sum(self.work(n) for n in lengths))
         best = None
         for ring, tp in splits:
@@ -344,11 +297,10 @@ class CostView:
         """Times of many micro-batches on ``sp`` ranks from their sums (token sums ``tokens``, attention-work sums
         ``sq``, sample counts ``n``, recomputed layers), one vectorized ``item_time_sum`` call where the model takes
         arrays. ``lower``: on a ring, the lower bound with its transfers hidden (the step bound's)."""
-        if not self._fast:
+        if not self.fast_paths:
             raise TypeError("time_many needs a cost model with fast paths (item_time_sum); use time() per micro-batch")
         r = self.ring_of(sp) if ring is None else ring
-        t = self.cm.item_time_sum if tp == 1 else (
-            lambda a, q, k, p, rc, rg, exposed=True: self.cm.tp_time_sum(a, q, k, p, rc, rg, tp, exposed))
+        t = self._time_sum(tp)
         tokens = np.asarray(tokens, dtype=np.float64)
         if self._vector_ok is not False:
             try:
@@ -376,10 +328,8 @@ class CostView:
                      tp: int = 1) -> float:
         """Time of a micro-batch of ``count`` samples of ``length`` tokens (count may be fractional)."""
         ring = self.ring_of(sp) if ring is None else ring
-        if self._fast:
-            if tp > 1:
-                return self.cm.tp_time_sum(length * count, self.work(length) * count, count, sp, recompute, ring, tp)
-            return self.cm.item_time_sum(length * count, self.work(length) * count, count, sp, recompute, ring)
+        if self.fast_paths:
+            return self._time_sum(tp)(length * count, self.work(length) * count, count, sp, recompute, ring)
         k = max(1, int(round(count)))
         return self.cm.item_time([int(length)] * k, sp, recompute, ring) * (count / k)
 
@@ -387,10 +337,8 @@ class CostView:
         """Per-micro-batch constant on ``sp`` ranks: the time of an empty micro-batch (fast path), else ``2 t([1]) -
         t([1, 1])`` (exact for costs linear in the samples, never negative)."""
         ring = self.ring_of(sp) if ring is None else ring
-        if self._fast:
-            if tp > 1:
-                return float(self.cm.tp_time_sum(0, 0.0, 0, sp, recompute, ring, tp))
-            return float(self.cm.item_time_sum(0, 0.0, 0, sp, recompute, ring))
+        if self.fast_paths:
+            return float(self._time_sum(tp)(0, 0.0, 0, sp, recompute, ring))
         t = self.cm.item_time
         return max(0.0, 2.0 * t([1], sp, recompute, ring) - t([1, 1], sp, recompute, ring))
 
@@ -422,7 +370,7 @@ class CostView:
             return own, const
         consts = {int(x): self.constant(sp, int(x), ring, tp) for x in np.unique(r[ok]).tolist()}
         const[ok] = [consts[x] for x in r[ok].tolist()]
-        if self._fast:
+        if self.fast_paths:
             w = (np.array([self.work(int(n)) for n in L[ok].tolist()], dtype=np.float64) if work is None
                  else np.asarray(work, dtype=np.float64)[ok])
             t = self.time_many(L[ok], w, np.ones(int(ok.sum())), sp, r[ok], ring=ring, tp=tp)

@@ -137,7 +137,7 @@ class AlgorithmOnePolicy(Policy):
             if not ok.any():
                 continue
             recs[k, ok] = r[ok]
-            if self.view.fast_time is not None:
+            if self.view.fast_paths:
                 cost[k, ok] = self.view.time_many(tokens[ok], sq[ok], cnt[ok], q, r[ok])
             else:
                 for j in np.nonzero(ok)[0].tolist():

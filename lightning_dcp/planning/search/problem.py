@@ -178,7 +178,7 @@ class StepProblem:
         L = np.asarray(lengths, dtype=np.int64)
         E, G = space.costs(L)
         work = None
-        if space.view.fast_time:
+        if space.view.fast_paths:
             w = space.view.work
             work = tuple(work_cache[n] if n in work_cache else work_cache.setdefault(n, float(w(n))) for n in L.tolist())
         return cls(space, tuple(int(s) for s in samples), L, E, G, rng, work)
