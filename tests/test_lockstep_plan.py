@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _round_cases import best_sp1_span, sp1_step
+from _round_cases import align_rounds, best_sp1_span, sp1_step
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.item_pricing import item_cost_of
@@ -20,7 +20,7 @@ from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import StepPlan, WorkItem, check_deadlock_free, validate_step
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.view import CostView
-from lightning_dcp.planning.rounds import Lockstep, align_rounds, lockstep_rounds, round_span, shard_groups
+from lightning_dcp.planning.rounds import Lockstep, lockstep_rounds, round_span, shard_groups
 from lightning_dcp.planning.sharding.hsdp import hsdp_view
 from lightning_dcp.planning.simulator import simulate
 
@@ -176,7 +176,7 @@ def test_a_lane_fills_the_round_another_lanes_long_sample_holds_up():
     beside = next(planned.items[x][k] for x, k in tall if planned.lanes[x] == b)
     assert 200000 in beside.lengths and len(beside.samples) > 1
     assert planned.span == pytest.approx(max(sum(t) for t in planned.times), rel=1e-9)
-    assert sorted(s for it in planned.all_items() for s in it.samples) == sorted(s for it in items for s in it.samples)
+    assert sorted(s for it in (it for items in planned.items for it in items) for s in it.samples) == sorted(s for it in items for s in it.samples)
 
 
 @settings(max_examples=300, deadline=None)

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _round_cases import best_sp1_span, sp1_step
+from _round_cases import align_rounds, best_sp1_span, sp1_step
 from lightning_dcp import cli
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, check_deadlock_free
 from lightning_dcp.planning.planner import Planner
-from lightning_dcp.planning.rounds import align_rounds, check_shard_groups, lockstep_rounds, round_span, shard_groups
+from lightning_dcp.planning.rounds import check_shard_groups, lockstep_rounds, round_span, shard_groups
 from lightning_dcp.planning.sharding.hsdp import hsdp_view
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.simulator import simulate

@@ -225,13 +225,9 @@ class AnalyticCostModel(LinearCostModel):
         return length * length / fr + length * fr
 
     def _sums(self, lengths: Sequence[int]) -> tuple[int, float]:
-        tokens, work = 0, 0.0
         if self._square_work:
-            for n in lengths:
-                tokens += n
-                work += n * n
-            return tokens, work
-        s = self._spatial
+            return super()._sums(lengths)
+        tokens, work, s = 0, 0.0, self._spatial
         for n in lengths:
             tokens += n
             fr = n / s

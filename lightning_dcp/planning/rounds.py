@@ -5,8 +5,7 @@ micro-batches, in lockstep: a rank with no item in a round runs a *dummy* round 
 item runs in one round on all its ranks, and a round lasts as long as its slowest item plus its collectives
 (docs/sharding.md, "Per-layer sharding"). Across shard groups accumulation varies freely. :class:`Lockstep` plans
 the rounds (:mod:`lightning_dcp.planning.lockstep`); :func:`lockstep_rounds` is the assignment of a plan's items to
-rounds that the runtime executes; :func:`align_rounds`, the former alignment after dispatch, is the tests'
-yardstick. Pure Python.
+rounds that the runtime executes. Pure Python.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from lightning_dcp.planning.lockstep import plan_lockstep
 from lightning_dcp.planning.plan import PlanError, StepPlan
 from lightning_dcp.planning.round_plan import FREE_RUNNING, FreeRunning, ItemTime, LanePacker, RoundPlan
 
-__all__ = ["FREE_RUNNING", "FreeRunning", "Lockstep", "RoundPlan", "ShardGroupRounds", "align_rounds",
-           "check_shard_groups", "lockstep_rounds", "round_span", "shard_groups"]
+__all__ = ["FREE_RUNNING", "FreeRunning", "Lockstep", "RoundPlan", "ShardGroupRounds", "check_shard_groups",
+           "lockstep_rounds", "round_span", "shard_groups"]
 
 
 def shard_groups(world_size: int, shard_group_size: int) -> list[tuple[int, ...]]:
@@ -80,22 +79,6 @@ def lockstep_rounds(step: StepPlan, world_size: int, shard_group_size: int) -> l
         for r in item.ranks:
             next_round[r] = rnd + 1
     return [ShardGroupRounds(ranks, tuple(tuple(r) for r in rounds)) for ranks, rounds in zip(groups, assigned)]
-
-
-def align_rounds(step: StepPlan, world_size: int, shard_group_size: int, item_time: ItemTime) -> StepPlan:
-    """``step`` with each shard group's items reordered so that lockstep rounds pair items of similar cost.
-
-    Inside a group, SP items come first (largest SP, then costliest first), each starting a round on all its ranks;
-    then each rank's SP-1 items, costliest first: the ``i``-th costliest of every rank share round ``i``, which
-    minimises the sum of the rounds' slowest items when every round holds one SP-1 item per rank (the rearrangement
-    inequality). Only the order changes: same gradients.
-    """
-    check_shard_groups(step, world_size, shard_group_size)
-    costs = [float(item_time(item)) for item in step.items]
-    order = sorted(range(len(step.items)),
-                   key=lambda i: (step.items[i].ranks[0] // int(shard_group_size), step.items[i].sp_size == 1,
-                                  -step.items[i].sp_size, -costs[i], step.items[i].ranks[0], i))
-    return StepPlan(tuple(step.items[i] for i in order), step.notes)
 
 
 def round_span(rounds: ShardGroupRounds, item_times: Sequence[float]) -> float:

@@ -52,9 +52,6 @@ class GroupRounds:
     def samples(self) -> int:
         return sum(len(it.samples) for items in self.items for it in items)
 
-    def all_items(self) -> list[WorkItem]:
-        return [it for items in self.items for it in items]
-
     def ordered_items(self) -> list[WorkItem]:
         """The group's items round by round (lanes in order inside a round)."""
         return [self.items[lane][k] for rnd in self.rounds for lane, k in sorted(rnd)]
@@ -109,8 +106,8 @@ def _zip(lists: list[list[Round]]) -> list[Round]:
 
 
 def first_fit(items: Sequence[WorkItem], item_time: ItemTime) -> GroupRounds:
-    """Lanes that are not laminar: every item its own lane, in the rounds ``lockstep_rounds`` finds for
-    :func:`~lightning_dcp.planning.rounds.align_rounds`' order (SP items first, then costliest first)."""
+    """Lanes that are not laminar: every item its own lane, in the rounds ``lockstep_rounds`` finds for the items
+    ordered SP items first (largest SP first), then costliest first."""
     times = [float(item_time(it)) for it in items]
     order = sorted(range(len(items)), key=lambda i: (items[i].sp_size == 1, -items[i].sp_size, -times[i],
                                                      items[i].ranks[0], i))
