@@ -231,3 +231,18 @@ def make_trainer(devices: int, strategy: Any, callbacks: list, max_steps: int, *
         logger=False, enable_checkpointing=kw.pop("enable_checkpointing", False), enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, **kw,
     )
+
+
+def regression_loader(trainer: pl.Trainer, batch_size: int, ordered_ddp: bool) -> "torch.utils.data.DataLoader":
+    """48 samples of a small regression (6 features), for the tests against DDP. ``ordered_ddp``: DDP's loader
+    in order (Lightning shuffles DDP's train data), so rank r gets samples r, r + world, ...; else the plain
+    loader that DCPStrategy replaces with its own sampler."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(48, 6, generator=g)
+    data = TensorDataset(x, x.sum(1) * 0.3 + x[:, 0] ** 2)
+    if ordered_ddp:
+        sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)
+        return DataLoader(data, batch_size=batch_size, sampler=sampler)
+    return DataLoader(data, batch_size=batch_size)

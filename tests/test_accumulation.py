@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-from _dcp_helpers import make_trainer, max_rel_err
+from _dcp_helpers import make_trainer, max_rel_err, regression_loader
 from lightning_dcp import DCPStrategy
 from lightning_dcp.runtime.accumulation import Accumulation, accumulation_message
 from lightning_dcp.runtime.checks import check_fit
@@ -52,13 +52,7 @@ class AccumRegressor(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(4)
-        x = torch.randn(48, 6, generator=g)
-        data = TensorDataset(x, x.sum(1) * 0.3 + x[:, 0] ** 2)
-        if self.ordered_ddp:  # Lightning shuffles DDP's train data; in order, rank r gets samples r, r + world, ...
-            sampler = DistributedSampler(data, self.trainer.world_size, self.trainer.global_rank, shuffle=False)
-            return DataLoader(data, batch_size=PER_RANK, sampler=sampler)
-        return DataLoader(data, batch_size=PER_RANK)
+        return regression_loader(self.trainer, PER_RANK, self.ordered_ddp)
 
 
 class Final(pl.Callback):

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _dcp_helpers import regression_loader  # noqa: E402
 from lightning_dcp import DCPStrategy  # noqa: E402
 from lightning_dcp.planning.plan import StepPlan, WorkItem  # noqa: E402
 
@@ -92,13 +92,7 @@ class ParityModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(4)
-        x = torch.randn(48, 6, generator=g)
-        data = TensorDataset(x, x.sum(1) * 0.3 + x[:, 0] ** 2)
-        if self.ordered_ddp:  # Lightning shuffles DDP's train data; in order, rank r gets samples r, r + world, ...
-            sampler = DistributedSampler(data, self.trainer.world_size, self.trainer.global_rank, shuffle=False)
-            return DataLoader(data, batch_size=PER_RANK, sampler=sampler)
-        return DataLoader(data, batch_size=PER_RANK)
+        return regression_loader(self.trainer, PER_RANK, self.ordered_ddp)
 
 
 class Record(pl.Callback):
