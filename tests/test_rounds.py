@@ -163,6 +163,19 @@ def test_planned_hsdp_steps_stay_in_their_groups_and_pay_for_lockstep():
     assert all(a >= b for a, b in zip(sim.compute_spans, free_running.compute_spans))  # lockstep only adds
 
 
+@pytest.mark.parametrize("policy", ["verl", "megatron-hcp", "flexsp", "hydraulis"])
+def test_peers_under_hsdp_keep_sp_groups_inside_shard_groups(policy):
+    # their SP sizes stop at the shard group (CostView.max_sp): verl proposed SP 16 over groups of 8 and the
+    # round check's PlanError ended `simulate --sharding hsdp --policies verl` with a traceback
+    base = AnalyticCostModel(get_model("wan-14b"), H100, 16, sharding="none")
+    cm = hsdp_view(base, 8)
+    lengths = [5000, 20000, 45000, 30000] * 8  # 16 samples a global batch: verl's equal counts divide them
+    planner = Planner(16, cm, policy, dataset_lengths=lengths, tune_tokens=400_000)
+    assert planner.view.max_sp == 8
+    for step in planner.plan(lengths, global_batch_tokens=400_000).steps:
+        check_shard_groups(step, 16, 8)
+
+
 def test_presets_for_models_that_do_not_fit_one_gpu():
     llama = get_model("llama-70b")
     assert llama.params() == pytest.approx(68.98e9, rel=1e-3)  # grouped-query attention: 8 KV heads

@@ -66,7 +66,8 @@ class CostView:
         self.cm = cost_model
         self._args = (max_sp, rank_speeds, world_size, ring)
         self._plain: CostView | None = None
-        self.max_sp = int(max_sp)
+        max_sp = min(int(max_sp), shard_domain(cost_model) or int(max_sp))  # no SP group crosses a shard group
+        self.max_sp = max_sp
         """The largest group the world, ``max_sp_size`` and the shard group allow (the heads may allow fewer)."""
         self.speeds: tuple[float, ...] | None = None if uniform(rank_speeds) else tuple(float(s) for s in rank_speeds)
         """Per-rank speeds, or None when every rank runs at the cost model's pace."""
