@@ -135,3 +135,28 @@ def test_video_step_on_32_h100s_reaches_the_bound_the_layout_plan_missed():
     assert before < 0.8 and got > 0.9, (before, got)
     big = next(it for it in plan.steps[0].items if 93600 in it.lengths)
     assert big.sp_size == 16 and any(set(it.ranks) < set(big.ranks) for it in plan.steps[0].items)
+
+
+VIDEO_512K_STEP = [183600, 93600, 93288, 46800, 22880, 11440, 11440, 11440, 5265, 5265, 3640, 3588, 1820, 1610, 1590,
+                   1590, 880, 880, 405, 391, 144]
+"""Step 4 of ``lightning-dcp simulate --world-size 32 --dataset video --global-batch-tokens 524288 --num-steps 4``."""
+
+
+def test_video_step_whose_last_ranks_form_one_group():
+    """After the 183,600-token sample's 24-group only 8 ranks are left for the two ~93k-token samples, which prefer
+    SP 12: the layout plan split those ranks into 3 + 1s and the tree ran everything on all 32 (92.3% of the step
+    bound). The spilled allocation's (24, 8) runs one ~93k sample on the 8 ranks, the other after the longest."""
+    from lightning_dcp.planning.analytic import AnalyticCostModel
+    from lightning_dcp.planning.bound import step_bound
+    from lightning_dcp.planning.hardware import get_hardware
+    from lightning_dcp.planning.models import get_model
+    from lightning_dcp.planning.simulator import simulate
+
+    cm = AnalyticCostModel(get_model("transformer-1d"), get_hardware("h100"), 32, sharding="zero1")
+    samples = list(range(len(VIDEO_512K_STEP)))
+    plan = Planner(32, cm, "dcp").plan_batch(samples, VIDEO_512K_STEP)
+    validate_plan(plan, VIDEO_512K_STEP, cm, samples=samples)
+    got = step_bound(VIDEO_512K_STEP, cm, 32) / simulate(plan, cm, timeline=False).step_times[0]
+    assert got > 0.96, got
+    sizes = sorted({it.sp_size for it in plan.steps[0].items})
+    assert sizes == [8, 24], sizes

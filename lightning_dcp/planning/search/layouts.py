@@ -41,7 +41,7 @@ def place(layout: Sequence[int], world: "int | Topology", start: int = 0,
 
 def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Sequence[int], must: int,
              min_groups: Mapping[int, int] | None = None, max_groups: Mapping[int, int] | None = None,
-             bias: float = 0.0, start: int = 0, size: int | None = None) -> Layout:
+             bias: float = 0.0, start: int = 0, size: int | None = None, spill: bool = False) -> Layout:
     """A layout of the block ``[start, start + size)`` (default: the world) whose rank shares follow
     ``work`` (GPU-seconds per SP class).
 
@@ -52,7 +52,9 @@ def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Seque
     class takes the remaining ranks. Groups are placed as they are counted (largest first, first
     fit), so what is left for a class is what the placement rule still allows there, and
     :func:`place` puts the result in the same places. ``bias`` shifts the rounding (Hydraulis keeps
-    the nearby integer solutions as extra candidates).
+    the nearby integer solutions as extra candidates). ``spill``: the work of a class that gets no group (too few
+    ranks left for it) moves to the next smaller class, and no rank is kept for the smaller classes (their work
+    runs as fills): a block's last ranks become one group of the largest size the spilled work can use.
     """
     topo = Topology.of(world)
     total = sum(max(w, 0.0) for w in work.values())
@@ -67,13 +69,16 @@ def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Seque
         layout.extend([p] * got)
         return got
 
+    carry = 0.0
     for p in sizes:
         if p == smallest:
             break
+        w = max(work.get(p, 0.0), 0.0) + carry
+        carry = 0.0
         avail = topo.count(free, p) * p
         if avail <= 0:
+            carry = w if spill else 0.0
             continue
-        w = max(work.get(p, 0.0), 0.0)
         ranks_left = sum(hi - lo for lo, hi in free)
         share = ranks_left * (w / remaining_work) if remaining_work > 0 else 0.0
         count = int(math.floor(share / p + 0.5 + bias)) if w > 0 else 0
@@ -85,15 +90,16 @@ def allocate(work: Mapping[int, float], world: "int | Topology", sp_sizes: Seque
             count = min(count, max_groups[p])
         # keep room for the smaller classes that must exist (min_groups) or have work
         reserve = sum((min_groups or {}).get(q, 0) * q for q in sizes if q < p)
-        if reserve == 0 and any(work.get(q, 0.0) > 0 for q in sizes if q < p):
+        if reserve == 0 and not spill and any(work.get(q, 0.0) > 0 for q in sizes if q < p):
             reserve = min(q for q in sizes if q < p and work.get(q, 0.0) > 0)
         count = min(count, avail // p, max(0, (ranks_left - reserve) // p))
         if min_groups and p in min_groups:  # required groups win over a rank kept for smaller classes
             count = max(count, min(min_groups[p], avail // p))
         if p == must:
             count = max(count, 1)
-        take(p, count)
-        remaining_work -= w
+        if take(p, count) == 0 and spill:
+            carry = w
+        remaining_work -= w - carry
     take(smallest, topo.count(free, smallest))
     return tuple(layout)
 
