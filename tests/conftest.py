@@ -83,6 +83,12 @@ SLOW = {
     "test_faults.py::test_out_of_memory_at_sp2_stops_with_a_checkpoint_that_resumes_exactly",
     "test_any_sp_size.py::test_sp6_on_six_processes_with_ring_past_the_heads_is_exact",
     "test_exactness.py::test_exact_with_prompt_masked_labels[4-sample-False]",
+    # twin: [qwen2-dcp-intra-2] (a DCP policy's SP-2 and recompute plans on an HF model, 2 processes); llama
+    # itself trains exactly in [all-families-bucket-2]
+    "test_hf.py::test_dcp_trainer_equals_plain_training[llama-dcp-2]",
+    # twin: [encoder-2] (the same module in safe mode, on 2 processes); one process: test_exactness.py's
+    # test_exact_one_process
+    "test_safe_mode.py::test_unchanged_module_trains_exactly_in_safe_mode[encoder-1]",
 }
 """Test ids (file::name[params]) marked ``slow``."""
 
