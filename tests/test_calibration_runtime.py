@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _dist import run_distributed
 from _dcp_helpers import Dump, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
 from _fakes import FakeCostModel
 from lightning_dcp import DCPStrategy
@@ -208,11 +209,18 @@ CM = FakeCostModel(num_layers=3, num_heads=4, memory_limit=23.0, inp=0.02)  # <=
 
 def _fit(out, world: int, steps: int, mode: str, ckpt=None, **kw):
     strategy = DCPStrategy(cost_model=CM, global_batch_size=16, calibration=mode, calibrate_every=2, seed=1,
-                           start_method="spawn", profile=False, planner_options={"max_sp_size": 2})
+                           profile=False, planner_options={"max_sp_size": 2})
     dump = CalibrationDump(str(out), weights_at=(steps,))
     trainer = make_trainer(world, strategy, [dump], max_steps=steps, **kw)
     trainer.fit(TinyLM(), ckpt_path=ckpt)
-    return torch.load(os.path.join(out, "log_rank0.pt"))
+
+
+def _on_and_off(rank, world, on, off, steps):
+    """The calibrated fit with rank 1 slowed down, then the ``"off"`` fit, on the same processes (one spawn)."""
+    os.environ[SLOW_RANK_ENV] = "1:1.5"  # rank 1's rows differ from rank 0's
+    _fit(on, world, steps, "adaptive")
+    del os.environ[SLOW_RANK_ENV]
+    _fit(off, world, steps, "off")
 
 
 class CalibrationDump(Dump):
@@ -229,10 +237,9 @@ def test_two_processes_calibrated_weights_equal_off_and_ranks_agree(tmp_path, mo
     on, off = tmp_path / "on", tmp_path / "off"
     on.mkdir(), off.mkdir()
     steps = 9
-    monkeypatch.setenv(SLOW_RANK_ENV, "1:1.5")  # rank 1's rows differ from rank 0's
-    log_on = _fit(on, 2, steps, "adaptive")
-    monkeypatch.delenv(SLOW_RANK_ENV)
-    log_off = _fit(off, 2, steps, "off")
+    monkeypatch.delenv(SLOW_RANK_ENV, raising=False)
+    run_distributed(_on_and_off, 2, str(on), str(off), steps, timeout=600)
+    log_on, log_off = (torch.load(os.path.join(d, "log_rank0.pt")) for d in (on, off))
     states = [torch.load(os.path.join(on, f"calibration_rank{r}.pt")) for r in range(2)]
     assert states[0]["calibrator"]["refits"] >= 3
     assert states[0]["calibrator"]["factors"] == states[1]["calibrator"]["factors"]
