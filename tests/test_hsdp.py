@@ -85,6 +85,23 @@ class ShortSpPlanner:
         return [StepPlan(tuple(items))]
 
 
+class SpanningPlanner:
+    """4 ranks, shard groups of 2, every step: the longest sample at SP 4 over both groups (ring 2 in odd steps), two
+    packed at SP 2 on ranks 1-2 (across the groups), SP 2 inside the second group, and the rest at SP 1 on rank 0
+    (three micro-batches) and rank 3 (one): the groups' rounds meet twice, the second group pads to the first's
+    round count; recompute 0..2."""
+
+    one_step_per_batch = True
+
+    def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        (n0, s0), *rest = sorted(zip(lengths, samples), reverse=True)
+        (n1, s1), (n2, s2), (n3, s3), (n4, s4), (n5, s5), (n6, s6), (n7, s7) = rest
+        items = (WorkItem((0, 1, 2, 3), (s0,), (n0,), 1, ring=1 + step % 2), WorkItem((0,), (s1,), (n1,), 0),
+                 WorkItem((1, 2), (s2, s3), (n2, n3), 2), WorkItem((3,), (s4,), (n4,), 1),
+                 WorkItem((0,), (s5,), (n5,), 2), WorkItem((2, 3), (s6,), (n6,), 0), WorkItem((0,), (s7,), (n7,), 1))
+        return [StepPlan(items)]
+
+
 class PlanRecord(pl.Callback):
     """Keeps every step's plan and metrics (each rank, in memory)."""
 
@@ -309,6 +326,22 @@ def _four_processes(rank: int, world: int, tmp: str) -> None:
     for k in (2, 4):
         _skewed(rank, world, k)
         _mixed_and_resume(rank, world, k, tmp, resume=k == 2)
+
+
+def _spanning(rank: int, world: int) -> None:
+    module, _, record = _fit(world, 2, SpanningPlanner(), 2)
+    rounds = Lockstep(2, domain=4)
+    for p, m in zip(record.plans, record.metrics):
+        step = StepPlan.from_dict(p)
+        assert [len(rounds.rank_rounds(step, world, r)) for r in range(world)] == [4] * 4
+        assert m["dcp/dummy_rounds"] == rounds.dummy_rounds(step, world) == 16 - 12
+    _check_reference(rank, _full_weights(module), record.plans, 2, "hsdp K=2, SP groups across shard groups")
+
+
+def test_hsdp_sp_groups_across_shard_groups_are_exact(tmp_path):
+    """SP 4 over both shard groups of 2 (Ulysses, then ring 2), SP 2 across them and inside one, uneven micro-batch
+    counts: the groups' rounds meet where an item spans them, and two steps equal plain training within 1e-5."""
+    run_distributed(_spanning, 4, timeout=500)
 
 
 def test_hsdp_four_processes_shard_groups_of_two_and_world(tmp_path):

@@ -74,7 +74,7 @@ def test_options_belong_to_the_modes_that_take_them():
         get_mode("fsdp", 4, shard_group_size=2)
     with pytest.raises(ValueError, match="ZeRO-3 is 'fsdp'"):
         get_mode("zero3", 4)
-    assert get_mode("hsdp", 8).shard_group_size == 8 and get_mode("hsdp", 8).sp_cap() == 8
+    assert get_mode("hsdp", 8).shard_group_size == 8 and get_mode("hsdp", 8, shard_group_size=2).sp_domain == 8
     assert get_mode("hsdp", 8, shard_group_size=2).rounds.lockstep and not get_mode("fsdp", 8).rounds.lockstep
 
 
@@ -165,22 +165,20 @@ def test_device_names_find_their_hardware_and_the_cpu_none():
     assert hardware_named("Tesla T4") is None and RunSharding.prices(torch.device("cpu"), 8) is None
 
 
-# ----------------------------------------------------------------------------- the SP cap's cause
-def test_an_sp_cap_from_the_shard_group_names_the_shard_group():
-    """A sample that needs more SP than a shard group of 1 allows: the error names the shard group, not a
-    max_sp_size the user never set."""
+# ----------------------------------------------------------------------------- SP across shard groups
+def test_hsdp_sp_groups_may_span_shard_groups():
+    """Shard groups of 1 on 2 ranks: a sample that needs SP 2 plans on both ranks (their rounds meet), and the
+    planner's SP sizes are the model's over the world, not the shard group's."""
     settings = DCPSettings(sharding="hsdp", shard_group_size=1)
-    run = RunSharding(settings)
-    cap = run.cap_sp(SPCap(2), 2, lambda span: resolve_sp_cap(None, span, 4))
-    assert cap.size == 1 and "the shard group of 1 rank" in cap.reason
     base = AnalyticCostModel(get_model("tiny-1d"), H100, 2, sharding="none", memory_limit=2 * GiB)
     states = ModelStates(1e6, 0.0, 1e6, 2e6, sharding="hsdp", world_size=2, shard_group_size=1)
-    planners = PlannerFactory(settings, 2, cap, 4, "sp", states=states)
+    planners = PlannerFactory(settings, 2, resolve_sp_cap(None, 2, 4), 4, "sp", states=states)
     cm = planners.cost_model(base, [100], num_layers=2)
-    too_long = 2 * max(cm.max_length(p) for p in cm.sp_sizes(2))
-    with pytest.raises(PlanningError, match=r"capped by the shard group of 1 rank\(s\) \(shard_group_size=1") as err:
-        planners.planner(cm, [100, too_long])
-    assert "max_sp_size" not in str(err.value).split("capped by")[1].split(")")[0]
+    assert cm.rounds.shard_group_size == 1 and cm.rounds.domain == 2 and max(cm.sp_sizes(2)) == 2
+    longest = max(cm.max_length(p) for p in cm.sp_sizes(2))
+    assert longest > cm.max_length(1)  # more than one rank holds
+    plan = planners.planner(cm, [100, longest]).plan([100, longest], global_batch_tokens=100 + longest)
+    assert [len(it.ranks) for it in plan.steps[0].items if longest in it.lengths] == [2]
 
 
 # ----------------------------------------------------------------------------- what dummy rounds cost

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     Num = float | np.ndarray
     """A number, or a numpy array of them: the fast paths are vectorized."""
 
-__all__ = ["CostModel", "DelegatingCostModel", "ItemCost", "keep_class", "shard_domain"]
+__all__ = ["CostModel", "DelegatingCostModel", "ItemCost", "keep_class", "shard_domain", "with_rounds"]
 
 
 @dataclass(frozen=True)
@@ -281,6 +281,14 @@ class CostModel(abc.ABC):
 def shard_domain(cost_model: CostModel) -> int | None:
     """Ranks of the shard group no SP group may cross (lockstep rounds' shard group), else None."""
     return cost_model.rounds.domain
+
+
+def with_rounds(cost_model: CostModel, rounds: RoundPlan) -> CostModel:
+    """``cost_model`` with other ``rounds`` (e.g. lockstep rounds whose SP groups may span more shard groups), a shallow
+    copy: the same times and memory."""
+    new = copy.copy(cost_model)
+    new.rounds = rounds
+    return new
 
 
 def keep_class(original: CostModel, rebuilt: CostModel) -> CostModel:

@@ -32,7 +32,7 @@ def cap_limits(view: CostView, world_size: int, max_sp_size: int | None, reason:
     domain = cm.rounds.domain
     if domain and domain < limit:
         if not reason or "shard group" not in reason:
-            limits.append(f"SP groups stay inside a shard group of {domain} ranks (sharding='hsdp')")
+            limits.append(f"SP groups stay inside blocks of {domain} ranks (sharding='hsdp')")
             fixes.append("a larger shard_group_size")
         limit = domain
     if largest >= limit:

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from lightning_dcp.planning.cost_model import CostModel, shard_domain
+from lightning_dcp.planning.cost_model import CostModel, shard_domain, with_rounds
 from lightning_dcp.planning.plan import WorkItem
 from lightning_dcp.planning.sp_sizes import item_rings, item_splits, ring_candidates, tp_degrees
 from lightning_dcp.planning.speeds import group_speed, uniform
@@ -139,6 +139,13 @@ class CostView:
             max_sp, speeds, world, ring = self._args
             self._plain = CostView(self.cm, max_sp, speeds, world_size=world, ring=ring)
         return self._plain
+
+    def with_domain(self, domain: int) -> "CostView":
+        """This view with SP groups inside blocks of ``domain`` ranks (lockstep rounds: a multiple of the shard group),
+        the same model otherwise (:func:`~lightning_dcp.planning.cost_model.with_rounds`)."""
+        max_sp, speeds, world, ring = self._args
+        cm = with_rounds(self.cm, self.cm.rounds.with_domain(domain))
+        return CostView(cm, min(int(max_sp), int(domain)), speeds, world_size=world, ring=ring, max_tp=self.max_tp)
 
     def splits_of(self, sp: int) -> tuple[Split, ...]:
         """:attr:`item_splits` of ``sp`` (the default split alone for a size the view does not list)."""

@@ -1,8 +1,7 @@
 """Which sharding mode a run runs, on which shard group: the strategy's one handle on the mode registry.
 
 :class:`RunSharding` turns ``DCPStrategy(sharding=..., shard_group_size=..., offload=...)`` and the world
-into the mode's pure counterpart (:mod:`lightning_dcp.planning.sharding`), caps SP inside its shard group,
-and gives the collectives' prices of the device's hardware spec (a fallback: a cost model's own, from its
+into the mode's pure counterpart (:mod:`lightning_dcp.planning.sharding`) and gives the collectives' prices of the device's hardware spec (a fallback: a cost model's own, from its
 profile or hardware, come first).
 
 **The shard group a run picks** when ``sharding="hsdp"`` gets no ``shard_group_size``
@@ -30,7 +29,6 @@ from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import ShardingMode
 from lightning_dcp.planning.sharding.registry import DEFAULT_MODE, MODES, get_mode
 from lightning_dcp.planning.sharding.shard_group_size import ShardGroupChoice, choose_shard_group_size
-from lightning_dcp.runtime.model import SPCap
 from lightning_dcp.runtime.settings import DCPSettings
 from lightning_dcp.runtime.sharding.states import measure_model_states, plan_cost_model
 from lightning_dcp.runtime.sharding.units import shard_units
@@ -90,17 +88,6 @@ class RunSharding:
     def may_shard_weights(self) -> bool:
         """Whether the asked mode shards the weights on more than one rank (before the world is known)."""
         return MODES[self.settings.sharding].shards_weights
-
-    def cap_sp(self, sp_cap: SPCap, world_size: int, over: Callable[[int], SPCap]) -> SPCap:
-        """``sp_cap`` (the model's over the world) inside the mode's shard group once ``K`` is known: ``over(K)``,
-        the model's cap over ``K`` ranks, naming the shard group as the cause."""
-        if self.grouped(world_size) and self.shard_group_size(world_size) is None:
-            return sp_cap
-        cap = self.mode(world_size).sp_cap()
-        if cap is None or sp_cap.size <= cap:
-            return sp_cap
-        return replace(over(cap), reason=f"the shard group of {cap} rank(s) (shard_group_size={cap}: SP groups stay "
-                                         "inside a shard group; a larger shard_group_size raises it)")
 
     def pick(self, module: nn.Module, contract: ModelContract | None, world_size: int, device: torch.device, *,
              trainer: Any, cost_model: CostModel | None, lengths: Callable[[Any], Sequence[int]],

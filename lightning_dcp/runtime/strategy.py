@@ -128,7 +128,8 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             between steps. Every rank runs the same collectives whatever its micro-batch count: the
             weights are gathered once before the loop, the gradients reduce-scattered once after it.
             ``"hsdp"``: per-layer sharding inside the loop over shard groups of ``shard_group_size`` ranks
-            (lockstep rounds, :mod:`~lightning_dcp.runtime.sharding.hsdp`). Checkpoints of ``"zero2"`` /
+            (lockstep rounds, :mod:`~lightning_dcp.runtime.sharding.hsdp`; an SP group may span shard groups,
+            whose rounds then meet). Checkpoints of ``"zero2"`` /
             ``"fsdp"`` / ``"hsdp"`` are directories of shards. ``"16-mixed"`` (a GradScaler) is refused with them.
         shard_group_size, offload: ``"hsdp"`` only: ranks the states are sharded over (the world: ZeRO-3;
             default the smallest power of two whose states fit, said at fit start:
@@ -311,7 +312,6 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
             contract = read_model(module, self.settings.layers_attr, self.settings.support) if module is not None else None
             self._model_contract = contract
             self.num_heads, self.support, self.sp_cap = resolve_model_setup(contract, self.settings, self.world_size)
-        self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
         create = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if dist.is_available() and dist.is_initialized():
             destroy_at_exit()
@@ -320,9 +320,6 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
         if create and self.settings.sigterm_grace_s is not None and self._watchdog is None:
             self._watchdog = rank_watchdog(self.launcher, self.cluster_environment, self.settings.sigterm_grace_s,
                                            self.global_rank)
-
-    def _sp_cap_over(self, span: int) -> SPCap:  # the model's SP cap over a shard group's ranks
-        return resolve_model_setup(self._model_contract, self.settings, span)[2]
 
     @override
     def _configure_launcher(self) -> None:
@@ -372,10 +369,9 @@ class DCPStrategy(MicroLoopGuards, SetupAgreement, ShardedStateHooks, DDPStrateg
                 return
             _sync_module_states(self.model)
             trainer = self.lightning_module._trainer
-            if self._sharding.pick(self.model, self._model_contract, self.world_size, self.root_device, trainer=trainer,
-                                   cost_model=self._cost_model if self.settings.planner is None else None,
-                                   lengths=self.train_lengths, gpus_per_node=self.num_processes) is not None:
-                self.sp_cap = self._sharding.cap_sp(self.sp_cap, self.world_size, self._sp_cap_over)
+            self._sharding.pick(self.model, self._model_contract, self.world_size, self.root_device, trainer=trainer,
+                                cost_model=self._cost_model if self.settings.planner is None else None,
+                                lengths=self.train_lengths, gpus_per_node=self.num_processes)
             check_sharding_agreement(self.settings.sharding, self.shard_group_size, self._world_gather)
             self.shards = build_shards(self.mode, self.model, self.root_device, **contract_units(self._model_contract))
 

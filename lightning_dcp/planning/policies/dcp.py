@@ -18,7 +18,8 @@
 tree is more than 1.5% above the bound. *Tensor parallelism* (a view with TP splits, ``Planner(max_tp_size=...)``):
 each step is also planned without them, and the TP plan is kept only when it is faster. *Lockstep rounds* (``sharding="hsdp"``): every candidate gets its rounds
 planned (:meth:`~lightning_dcp.planning.round_plan.RoundPlan.plan_step` with the policy's cost view) and candidates
-are compared by the rounds' span. *Safety net*: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``
+are compared by the rounds' span; SP groups inside a shard group first, then (while the step is more than
+``WIDER_SLACK`` above the bound) inside blocks of 2, 4, ... shard groups whose rounds meet, the fastest kept. *Safety net*: dcp never loses to its own parts, ``dcp-intra`` and ``dcp-inter``
 (:mod:`~lightning_dcp.planning.policies.algorithm_one`), on small steps. Every limit counts samples and packs,
 never seconds, so every rank plans the same step.
 """
@@ -43,7 +44,7 @@ from lightning_dcp.planning.view import CostView
 
 __all__ = ["DCPPolicy", "AlgorithmOnePolicy", "DCPInterPolicy", "DCPIntraPolicy", "FALLBACK_MAX_SAMPLES_PER_RANK",
            "FALLBACK_MAX_WORLD", "TREE_MAX_SAMPLES_PER_RANK", "TREE_FIRST_SAMPLES_PER_RANK", "TREE_FIRST_MIN_SAMPLES",
-           "LAYOUT_SKIP", "TREE_SLACK"]
+           "LAYOUT_SKIP", "TREE_SLACK", "WIDER_GAIN", "WIDER_SLACK"]
 
 FALLBACK_MAX_SAMPLES_PER_RANK = 8
 """The safety net runs for batches of at most this many samples per rank ..."""
@@ -62,6 +63,13 @@ TREE_FIRST_MIN_SAMPLES = 8192
 
 LAYOUT_SKIP = 0.015
 """... and skip the layout plan when the tree is within this fraction of the step bound's compute part."""
+
+WIDER_SLACK = 0.01
+"""SP groups across shard groups are tried while the step is more than this fraction above the bound's compute part
+..."""
+
+WIDER_GAIN = 0.005
+"""... on blocks whose larger SP sizes lower the bound by more than this fraction."""
 
 
 class DCPPolicy(Policy):
@@ -91,9 +99,11 @@ class DCPPolicy(Policy):
         if self.dataset_lengths:
             self.space.candidates = self._propose(self.dataset_lengths)
         self._plain: DCPPolicy | None = None
+        self._narrower: list[DCPPolicy] | None = None
         if view.has_tp:  # TP is one more option: each step also planned without it, the faster kept
             self._plain = DCPPolicy(world_size, view.without_tp(), seed=self.seed, dataset_lengths=self.dataset_lengths,
                                     **opts)
+            self._plain._narrower = []  # this policy tries the narrower domains itself
 
     def _propose(self, lengths: Sequence[int]) -> dict[int, list[Layout]]:
         """The dataset's candidate layouts per largest SP size (Hydraulis §7): the GPU-seconds per preferred size of
@@ -118,8 +128,51 @@ class DCPPolicy(Policy):
             class_work[m] = {space.classes[j]: float(w[j]) for j in range(k + 1)}
         return propose_layouts(class_work, self.view.topology, space.classes, int(self.options.get("max_candidates", 3)))
 
+    def _narrower_domains(self) -> list["DCPPolicy"]:
+        """Under lockstep rounds whose SP groups may span shard groups: the policies planning SP groups inside blocks
+        of the shard group, twice it, ... (below this policy's domain), narrowest first; else none."""
+        if self._narrower is None:
+            self._narrower = []
+            rounds = self.view.cm.rounds
+            if rounds.lockstep and rounds.domain > rounds.shard_group_size:
+                d = rounds.shard_group_size
+                while d < rounds.domain:
+                    if rounds.domain % d == 0:
+                        other = DCPPolicy(self.world_size, self.view.with_domain(d), seed=self.seed,
+                                          dataset_lengths=self.dataset_lengths, **self.options)
+                        other._narrower = []
+                        self._narrower.append(other)
+                    d *= 2
+        return self._narrower
+
     # -- per step -------------------------------------------------------------------------
     def plan_batch(self, samples: Sequence[int], lengths: Sequence[int], step: int = 0) -> list[StepPlan]:
+        narrower = self._narrower_domains()
+        if not narrower:
+            return [self._plan_step(samples, lengths, step)]
+        # SP groups may span shard groups: SP inside a shard group first; a wider block where the step is faster
+        # (exact spans, the groups' rounds meeting where an item spans them), tried while the plan is over the bound
+        # and only where the block's larger SP sizes lower the bound
+        longest = max(lengths, default=0)
+        first, *wider = [p for p in narrower + [self] if p.space.maxlens[-1] >= longest]  # the blocks that hold it
+        best = first._plan_step(samples, lengths, step)
+        best_span = step_span(best, self.view)
+        floor = self.space.bound_span(lengths)
+        prev = first.space.bound_span(lengths)
+        for other in wider:
+            if best_span <= floor * (1 + WIDER_SLACK):
+                break
+            bound = other.space.bound_span(lengths)
+            if bound >= prev * (1 - WIDER_GAIN):
+                continue
+            prev = bound
+            cand = other._plan_step(samples, lengths, step)
+            span = step_span(cand, self.view)
+            if improves(span, best_span):
+                best, best_span = cand, span
+        return [best.with_notes(estimated_time=best_span)]  # the span its shard groups' rounds run in
+
+    def _plan_step(self, samples: Sequence[int], lengths: Sequence[int], step: int) -> StepPlan:
         problem = StepProblem.build(self.space, samples, lengths, self.rng(step, 2), self._work_cache)
         n, W = len(problem.L), self.world_size
         if self.tree and n > max(TREE_FIRST_SAMPLES_PER_RANK * W, TREE_FIRST_MIN_SAMPLES):
@@ -132,7 +185,7 @@ class DCPPolicy(Policy):
             plain = self._plain.plan_batch(samples, lengths, step)[0]
             if not improves(self._span(plan), self._span(plain)):
                 plan = plain
-        return [plan]
+        return plan
 
     def _span(self, plan: StepPlan) -> float:
         """A candidate's span: its planned rounds' under lockstep rounds, else the step's with the view's times."""

@@ -132,10 +132,6 @@ class ShardingMode(abc.ABC):
         """How a step's items run: each rank its own items in plan order (no lockstep)."""
         return FREE_RUNNING
 
-    def sp_cap(self) -> int | None:
-        """The largest SP size the mode allows (``None``: no limit of its own)."""
-        return None
-
     def plan_with(self, cost_model: "CostModel", parts: StateParts | None, prices: CollectivePrices | None = None,
                   measured: Mapping[str, Any] | None = None) -> "CostModel":
         """The cost model to plan with when the runtime runs this mode with ``parts``: ``cost_model.with_sharding(

@@ -4,7 +4,7 @@ loop, ``(W + G + O)/K + B`` between steps; with ``offload`` (the shards on the h
 
 ``R`` is gathered for the whole micro-batch with its gradients, ``L`` twice over (the running and the prefetched
 layer, weights and gradients). Each layer's collectives run inside the loop, so a group's ranks run lockstep rounds
-(:class:`~lightning_dcp.planning.rounds.Lockstep`) and SP groups stay inside a shard group. Time:
+(:class:`~lightning_dcp.planning.rounds.Lockstep`); an SP group may span shard groups, whose rounds then meet. Time:
 :class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel`. Pure Python.
 """
 
@@ -43,6 +43,9 @@ class HsdpMode(ShardingMode):
             raise ValueError(f"shard_group_size={shard_group_size} must be a positive divisor of the world size "
                              f"({self.world_size}); use e.g. the GPUs of one node, or the world for plain ZeRO-3")
         self.shard_group_size = k
+        self.sp_domain = self.world_size
+        """SP groups lie inside blocks of this many ranks: the world (an SP group may span shard groups; the rounds of
+        the groups it spans meet, :mod:`~lightning_dcp.planning.rounds`)."""
 
     def __repr__(self) -> str:
         return f"HsdpMode(world_size={self.world_size}, shard_group_size={self.shard_group_size}, offload={self.offload})"
@@ -61,11 +64,7 @@ class HsdpMode(ShardingMode):
 
     @property
     def rounds(self) -> RoundPlan:
-        return Lockstep(self.shard_group_size)
-
-    def sp_cap(self) -> int | None:
-        """SP groups stay inside a shard group (their per-layer collectives are the group's)."""
-        return self.shard_group_size
+        return Lockstep(self.shard_group_size, domain=self.sp_domain)
 
     def describe(self) -> str:
         return f"sharding hsdp over shard groups of {self.shard_group_size}" + (", offload" if self.offload else "")

@@ -71,7 +71,7 @@ class ShardGroupCostModel(DelegatingCostModel):
         """Model-state bytes per rank between steps."""
         self.workspace_bytes = float(getattr(base, "workspace_bytes", 0.0))  # the analytic model's
         self._collective_s: dict[int, float] = {}
-        self.rounds = Lockstep(self.shard_group_size, dummy_round_s=self.round_time(0.0))
+        self.rounds = Lockstep(self.shard_group_size, dummy_round_s=self.round_time(0.0), domain=mode.sp_domain)
         self._shift = self.state_bytes - base.state_bytes if base.memory_in_bytes else 0.0
 
     def collective_prices(self) -> CollectivePrices | None:
@@ -129,8 +129,9 @@ class ShardGroupCostModel(DelegatingCostModel):
         return self.round_time(self.base.tp_time_sum(tokens, sq_sum, n, sp, recompute, ring, tp, ring_exposed), tp)
 
     def sp_sizes(self, world_size: int) -> list[int]:
-        """SP groups stay inside a shard group: the base's sizes up to ``shard_group_size``."""
-        return [p for p in self.base.sp_sizes(world_size) if p <= self.shard_group_size]
+        """SP groups stay inside a block of the rounds' ``domain`` (:attr:`HsdpMode.sp_domain`, the world: an SP group
+        may span shard groups, whose rounds then meet): the base's sizes up to it."""
+        return [p for p in self.base.sp_sizes(world_size) if p <= self.rounds.domain]
 
     def layer_collective_s(self, tp: int = 1) -> float:
         """One layer's collectives in one round: two all-gathers of its weights, one reduce-scatter of its

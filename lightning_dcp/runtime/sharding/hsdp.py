@@ -25,6 +25,11 @@ where it has none, a dummy round that runs only the collectives
   the earlier rounds' reduce-scatter outputs and adds them in), and ``set_is_last_backward`` says which
   round is the last.
 
+An SP item may span shard groups: it runs in the same round of every group it touches (its ranks run their own
+group's per-layer collectives and the item's all-to-all), and a step with such an item gives every group the same
+round count, so the last round, whose backward all-reduces across the replicas layer by layer, is every group's
+(:func:`~lightning_dcp.planning.rounds.lockstep_rounds`).
+
 Lightning's closure calls ``zero_grad`` after ``training_step`` (where every backward ran): the
 accumulated sharded gradients are parked (:class:`HsdpGrads`) after the loop and put back, scaled by
 ``1 / global loss units`` (the step-end gather's divisor), right after the closure, before clipping
