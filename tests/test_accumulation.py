@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _dist import run_distributed
 from _dcp_helpers import make_trainer, max_rel_err, regression_loader
 from lightning_dcp import DCPStrategy
 from lightning_dcp.runtime.accumulation import Accumulation, accumulation_message
@@ -82,12 +83,17 @@ def _fit(strategy, out_dir: str, tag: str, ddp: bool = False) -> pl.Trainer:
     return trainer
 
 
-def test_accumulate_grad_batches_equals_ddp(tmp_path):
+def _ddp_then_dcp(rank, world, out_dir):
+    """The DDP fit, then the DCP fit, on the same processes (one spawn for both)."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    _fit(DDPStrategy(start_method="spawn", process_group_backend="gloo"), str(tmp_path), "ddp", ddp=True)
-    trainer = _fit(DCPStrategy(start_method="spawn", shuffle=False, seed=0), str(tmp_path), "dcp")
+    _fit(DDPStrategy(process_group_backend="gloo"), out_dir, "ddp", ddp=True)
+    trainer = _fit(DCPStrategy(shuffle=False, seed=0), out_dir, "dcp")
     assert trainer.accumulate_grad_batches == N  # the Trainer's own value again after the fit
+
+
+def test_accumulate_grad_batches_equals_ddp(tmp_path):
+    run_distributed(_ddp_then_dcp, WORLD, str(tmp_path), timeout=600)
     worst = 0.0
     for r in range(WORLD):
         ddp = torch.load(os.path.join(tmp_path, f"ddp{r}.pt"))

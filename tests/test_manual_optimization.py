@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from _dist import run_distributed
 from _dcp_helpers import make_trainer, max_rel_err
 from lightning_dcp import DCPStrategy, micro_batches
 from lightning_dcp.planning.plan import StepPlan, WorkItem
@@ -124,14 +125,17 @@ def _fit(strategy, out_dir: str, tag: str, ddp: bool = False, devices: int = WOR
     return trainer
 
 
-@pytest.mark.parametrize("sharding", ["none", "zero1"])  # zero1: slow (tests/conftest.py SLOW)
-def test_two_optimizers_equal_ddp(tmp_path, sharding):
+def _ddp_then_dcp(rank, world, out_dir, sharding):
+    """The DDP fit, then the DCP fit, on the same processes (one spawn for both)."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    _fit(DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True), str(tmp_path),
-         "ddp", ddp=True)
-    _fit(DCPStrategy(start_method="spawn", planner=UnevenPlanner(), shuffle=False, sharding=sharding), str(tmp_path),
-         "dcp")
+    _fit(DDPStrategy(process_group_backend="gloo", find_unused_parameters=True), out_dir, "ddp", ddp=True)
+    _fit(DCPStrategy(planner=UnevenPlanner(), shuffle=False, sharding=sharding), out_dir, "dcp")
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1"])  # zero1: slow (tests/conftest.py SLOW)
+def test_two_optimizers_equal_ddp(tmp_path, sharding):
+    run_distributed(_ddp_then_dcp, WORLD, str(tmp_path), sharding, timeout=600)
     worst = 0.0
     for r in range(WORLD):
         ddp = torch.load(os.path.join(tmp_path, f"ddp{r}.pt"))
