@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _dcp_helpers import regression_loader  # noqa: E402
+from _dist import run_distributed  # noqa: E402
 from lightning_dcp import DCPStrategy  # noqa: E402
 from lightning_dcp.planning.plan import StepPlan, WorkItem  # noqa: E402
 
@@ -128,13 +129,17 @@ def csv_rows(out_dir: str, tag: str) -> dict[int, dict[str, float]]:
     return rows
 
 
-def run_both(out_dir: str) -> dict[str, Any]:
-    """DDP and DCP on the same global batches; what each rank's hooks saw and the CSV rows of each."""
+def _ddp_then_dcp(rank: int, world: int, out_dir: str) -> None:
+    """The DDP fit, then the DCP fit, on the same processes (one spawn for both)."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    fit(DDPStrategy(start_method="spawn", process_group_backend="gloo"), out_dir, "ddp", ddp=True)
-    fit(DCPStrategy(start_method="spawn", planner=UnevenPlanner(), shuffle=False, seed=0, log_metrics=False),
-        out_dir, "dcp")
+    fit(DDPStrategy(process_group_backend="gloo"), out_dir, "ddp", ddp=True)
+    fit(DCPStrategy(planner=UnevenPlanner(), shuffle=False, seed=0, log_metrics=False), out_dir, "dcp")
+
+
+def run_both(out_dir: str) -> dict[str, Any]:
+    """DDP and DCP on the same global batches; what each rank's hooks saw and the CSV rows of each."""
+    run_distributed(_ddp_then_dcp, WORLD, out_dir, timeout=600)
     hooks = {tag: [torch.load(os.path.join(out_dir, f"{tag}{r}.pt")) for r in range(WORLD)] for tag in ("ddp", "dcp")}
     return {"hooks": hooks, "csv": {tag: csv_rows(out_dir, tag) for tag in ("ddp", "dcp")}}
 
