@@ -353,8 +353,7 @@ def _world_worker(rank, world, out_dir, cases):
 #: (processes, [(family, sharding[, targets])]) of each variant; "2-more" and "4-all" are slow (tests/conftest.py).
 #: On 2 processes every family's adapter also wraps its patch embedding ("patch").
 _CASES = {
-    "2-replicated": (2, [("wan", "none", "patch"), ("hunyuan", "zero1", "patch")]),
-    "2-hsdp": (2, [("wan", "hsdp")]),
+    "2-replicated-and-hsdp": (2, [("wan", "none", "patch"), ("hunyuan", "zero1", "patch"), ("wan", "hsdp")]),
     "2-more": (2, [("ltx", "zero1", "patch"), ("cog", "none", "patch"), ("cog", "zero2"), ("hunyuan", "fsdp"),
                    ("ltx", "hsdp")]),
     "4-all": (4, [("wan", "fsdp"), ("ltx", "none"), ("cog", "hsdp"), ("hunyuan", "zero2")]),
