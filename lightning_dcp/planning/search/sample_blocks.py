@@ -4,8 +4,9 @@
   is promoted to the smallest size on which it takes at most that long (judged alone when the block has no more
   samples than ranks: it will run in a micro-batch of its own).
 - *Candidates*: the work split over the sizes (biases 0, +0.35, -0.35), with and without a minimum group count per
-  size for samples over half the mean load, and once with the work of a size that gets no group moved to the next
-  smaller size (:func:`~lightning_dcp.planning.search.layouts.allocate`'s ``spill``); at the top, the dataset's layouts; and, when the largest size the
+  size for samples over half the mean load; at the top also once with the work of a size that gets no group moved
+  to the next smaller size (:func:`~lightning_dcp.planning.search.layouts.allocate`'s ``spill``) and the dataset's
+  layouts; and, when the largest size the
   samples need is below the one a sample prefers, the same without that group.
 - *Own units*: a group packs its samples into time-balanced micro-batches (:meth:`StepProblem.pack`).
 - *Refinement* (the top block, and nested blocks of more than half the world): samples move off the slowest group
@@ -145,10 +146,10 @@ class SampleBlocks(Blocks):
                 lay = allocate(work, topo, classes, must, min_groups=min_groups, bias=bias, start=offset, size=size)
                 if lay not in cands:
                     cands.append(lay)
-        lay = allocate(work, topo, classes, must, start=offset, size=size, spill=True)
-        if lay not in cands:
-            cands.append(lay)
         if top:
+            lay = allocate(work, topo, classes, must, start=offset, size=size, spill=True)
+            if lay not in cands:
+                cands.append(lay)
             for lay in self.space.candidates.get(must, []):
                 if lay not in cands:
                     cands.append(lay)
