@@ -53,8 +53,8 @@ SLOW = {
     "test_any_sp_size.py::test_the_planners_own_sp3_plans_train_exactly_on_three_processes",
     "test_gpu_check.py::test_dry_run_without_cuda_writes_every_section",
     "test_hf.py::test_sp2_sp4_equal_single_process",
-    "test_hf.py::test_dcp_trainer_equals_plain_training[llama-random-4]",
-    "test_hf.py::test_dcp_trainer_equals_plain_training[qwen2-dcp-4]",
+    # twin: [2-dcp-dcp-intra-and-bucket] (the same fits' checks on 2 processes: dcp and dcp-intra on qwen2/llama)
+    "test_hf.py::test_dcp_trainer_equals_plain_training[4-dcp-and-random]",
     "test_multinode.py::test_slurm_variables_are_detected_and_train_exactly",
     "test_hsdp.py::test_hsdp_four_processes_shard_groups_of_two_and_world",
     "test_sharding.py::test_sharded_exact_four_processes_mixed_sp",
@@ -83,9 +83,6 @@ SLOW = {
     "test_faults.py::test_out_of_memory_at_sp2_stops_with_a_checkpoint_that_resumes_exactly",
     "test_any_sp_size.py::test_sp6_on_six_processes_with_ring_past_the_heads_is_exact",
     "test_exactness.py::test_exact_with_prompt_masked_labels[4-sample-False]",
-    # twin: [qwen2-dcp-intra-2] (a DCP policy's SP-2 and recompute plans on an HF model, 2 processes); llama
-    # itself trains exactly in [all-families-bucket-2]
-    "test_hf.py::test_dcp_trainer_equals_plain_training[llama-dcp-2]",
     # twin: [encoder-2] (the same module in safe mode, on 2 processes); one process: test_exactness.py's
     # test_exact_one_process
     "test_safe_mode.py::test_unchanged_module_trains_exactly_in_safe_mode[encoder-1]",
