@@ -286,13 +286,6 @@ def _two_processes(rank: int, world: int, tmp: str) -> None:
     _picked_group_coresident_eval(rank, world)
 
 
-def test_hsdp_two_processes_dummies_mixed_sp_resume_and_what_users_do_next(tmp_path):
-    """ZeRO-3 on 2 ranks: dummy rounds run no sample and stay exact; mixed SP with recompute equals the
-    reference; a resumed run equals the uninterrupted one; a picked shard group with a frozen teacher, an EMA,
-    validation and predict."""
-    run_distributed(_two_processes, 2, str(tmp_path), timeout=600)
-
-
 def _offloaded(rank: int, world: int) -> None:
     try:
         _skewed(rank, world, 2, offload=True)
@@ -302,10 +295,53 @@ def _offloaded(rank: int, world: int) -> None:
         raise AssertionError("offload=True on CPU was not refused")
 
 
-def test_hsdp_offload_on_cpu_is_refused_by_name():
+def _done(tmp: str, part: str, rank: int) -> None:
+    with open(os.path.join(tmp, f"{part}.rank{rank}.done"), "w") as f:
+        f.write("ok")
+
+
+def _two_process_parts(rank: int, world: int, tmp: str, parts: Sequence[str]) -> None:
+    """The 2-process tests' runs one after the other on one spawn (each spawn costs more than these fits); each part
+    leaves ``<part>.rank<r>.done`` once its checks passed on that rank. The offload refusal, a setup that stops, last."""
+    runs = {"two_processes": lambda: _two_processes(rank, world, tmp),
+            "sp2": lambda: _sp2_padding_shards_and_dummies(rank, world), "offload": lambda: _offloaded(rank, world)}
+    for part in parts:
+        runs[part]()
+        _done(tmp, part, rank)
+
+
+def _sp2_available() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("diffusers", "transformers"))
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """One spawn of 2 processes for test_hsdp_two_processes_..., test_hsdp_sp2_items_... (when diffusers and
+    transformers are installed) and test_hsdp_offload_on_cpu_is_refused_by_name; the folder of their done-markers."""
+    tmp = str(tmp_path_factory.mktemp("hsdp2"))
+    parts = ["two_processes", *(["sp2"] if _sp2_available() else []), "offload"]
+    run_distributed(_two_process_parts, 2, tmp, parts, timeout=1200)
+    return tmp
+
+
+def _assert_done(tmp: str, part: str, world: int = 2) -> None:
+    missing = [r for r in range(world) if not os.path.exists(os.path.join(tmp, f"{part}.rank{r}.done"))]
+    assert not missing, f"{part}: ranks {missing} did not finish its checks"
+
+
+def test_hsdp_two_processes_dummies_mixed_sp_resume_and_what_users_do_next(two_process_runs):
+    """ZeRO-3 on 2 ranks: dummy rounds run no sample and stay exact; mixed SP with recompute equals the
+    reference; a resumed run equals the uninterrupted one; a picked shard group with a frozen teacher, an EMA,
+    validation and predict."""
+    _assert_done(two_process_runs, "two_processes")
+
+
+def test_hsdp_offload_on_cpu_is_refused_by_name(two_process_runs):
     """FSDP2's CPUOffloadPolicy needs an accelerator: on CPU, offload=True stops at setup with the fix (the
     offloaded fit itself needs GPUs and is not run by this suite)."""
-    run_distributed(_offloaded, 2, timeout=500)
+    _assert_done(two_process_runs, "offload")
 
 
 def test_out_of_memory_in_a_lockstep_round_stops_the_run_naming_the_round(tmp_path):
@@ -436,14 +472,14 @@ def _sp2_padding_shards_and_dummies(rank: int, world: int) -> None:
             assert err < 1e-5, f"hsdp {name}, SP 2 items and dummy rounds: weight {n} after 2 steps: relative error {err:.2e}"
 
 
-def test_hsdp_sp2_items_with_padding_only_shards_and_dummy_rounds_are_exact_on_wan_and_hf():
+def test_hsdp_sp2_items_with_padding_only_shards_and_dummy_rounds_are_exact_on_wan_and_hf(request):
     """Under hsdp a rank of an SP 2 item whose shard holds only padding runs Wan's blocks without their cross-attention:
     its reduce-scatter used to be smaller than its partner's (gloo: "Received data size doesn't match"). Now every rank
     reduce-scatters zeros for what it did not use: Wan and a Llama, SP 2 items, dummy rounds and recompute, within 1e-5
     of single-process training."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    run_distributed(_sp2_padding_shards_and_dummies, 2, timeout=400)
+    _assert_done(request.getfixturevalue("two_process_runs"), "sp2")  # its run: on two_process_runs' spawn
 
 
 # ----------------------------------------------------------------------------- single process
