@@ -1,6 +1,6 @@
 """The issue's proof: DCPStrategy's gradients equal plain data-parallel training on the same global batch.
 
-One spawned Lightning run per world size (1, 2, 4 CPU processes, gloo) with plans that mix SP
+Spawned Lightning runs (1, 2, 4 CPU processes, gloo; the default run's 2-process fits on one spawn) with plans that mix SP
 sizes 1, 2 and 4 in one step, different micro-batch counts per rank (ranks with none included)
 and different recompute counts. Checked against a single-process reference that runs every
 sample alone at SP 1: the gradient after step 1 (1e-5 relative, fp32), the weights after 20
@@ -17,18 +17,48 @@ import pytest
 import torch
 
 from _dcp_helpers import Dump, RandomPlanner, TinyLM, make_dataset, make_trainer, max_rel_err, reference_run
+from _dist import run_distributed
 from lightning_dcp import DCPStrategy
 
 
 def _fit(tmp_path, world: int, steps: int, weights_at, reduction: str = "token", log_sync: bool = False,
-         masked: bool = False, split_loss: bool = False, **planner_kw):
+         masked: bool = False, split_loss: bool = False, spawn: bool = True, **planner_kw):
+    """One fit; ``spawn=False``: on the processes of the ``run_distributed`` call it runs in (no log returned)."""
     planner = RandomPlanner(world, seed=world, **planner_kw)
-    strategy = DCPStrategy(planner=planner, global_batch_size=8, loss_reduction=reduction, start_method="spawn",
-                           seed=1, log_metrics=True)
+    strategy = DCPStrategy(planner=planner, global_batch_size=8, loss_reduction=reduction, seed=1, log_metrics=True,
+                           **({"start_method": "spawn"} if spawn else {}))
     dump = Dump(str(tmp_path), weights_at=weights_at)
     trainer = make_trainer(world, strategy, [dump], max_steps=steps)
     trainer.fit(TinyLM(reduction=reduction, log_sync=log_sync, masked=masked, split_loss=split_loss))
-    return torch.load(os.path.join(tmp_path, "log_rank0.pt"))
+    if spawn:
+        return torch.load(os.path.join(tmp_path, "log_rank0.pt"))
+
+
+#: The default run's 2-process fits (the keyword arguments of _fit), one after the other on one spawn.
+_TWO_PROCESS_FITS = {
+    "sample": dict(steps=20, weights_at=(20,), reduction="sample"),
+    "masked-token-split": dict(steps=8, weights_at=(8,), reduction="token", masked=True, split_loss=True),
+}
+
+
+def _two_process_fits(rank: int, world: int, out: str) -> None:
+    for name, kw in _TWO_PROCESS_FITS.items():
+        os.makedirs(os.path.join(out, name), exist_ok=True)
+        _fit(os.path.join(out, name), world, spawn=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def two_process_fits(tmp_path_factory):
+    """The folder of each of _TWO_PROCESS_FITS' fits (their Dump files), all run on one spawn of 2 processes."""
+    out = str(tmp_path_factory.mktemp("exact2"))
+    run_distributed(_two_process_fits, 2, out, timeout=600)
+    return out
+
+
+def _two_process_fit(out: str, name: str):
+    """The Dump folder and rank 0's log of the 2-process fit ``name``."""
+    path = os.path.join(out, name)
+    return path, torch.load(os.path.join(path, "log_rank0.pt"))
 
 
 def _check(tmp_path, world: int, log: dict, steps_w: int, reduction: str = "token", masked: bool = False):
@@ -71,9 +101,9 @@ def test_exact_one_process(tmp_path):
     _check(tmp_path, 1, log, 20)
 
 
-def test_exact_two_processes_sample_reduction(tmp_path):
-    log = _fit(tmp_path, 2, 20, (20,), reduction="sample")
-    plans = _check(tmp_path, 2, log, 20, reduction="sample")
+def test_exact_two_processes_sample_reduction(two_process_fits):
+    path, log = _two_process_fit(two_process_fits, "sample")  # _fit(path, 2, 20, (20,), reduction="sample")
+    plans = _check(path, 2, log, 20, reduction="sample")
     sizes0, uneven, idle, recompute = _mixes(plans, 2)
     assert sizes0 == [1, 2] and uneven and len(recompute) > 1
 
@@ -92,11 +122,14 @@ def test_exact_four_processes_30_random_plans(tmp_path):
 
 
 @pytest.mark.parametrize("world,reduction,split_loss", [(2, "token", True), (4, "sample", False)])
-def test_exact_with_prompt_masked_labels(tmp_path, world, reduction, split_loss):
+def test_exact_with_prompt_masked_labels(tmp_path, request, world, reduction, split_loss):
     """SFT prompt masking (labels -100 inside samples, some samples without any loss token): the
     token mean is over loss tokens of the global batch, counted on the host, not over all tokens.
     With ``split_loss`` the module returns ``weighted_loss(a) + weighted_loss(b)``, a new tensor
     without the weighted marker: the strategy still takes it as the sum it is."""
-    log = _fit(tmp_path, world, 8, (8,), reduction=reduction, masked=True, split_loss=split_loss)
+    if (world, reduction, split_loss) == (2, "token", True):  # run on two_process_fits' spawn
+        tmp_path, log = _two_process_fit(request.getfixturevalue("two_process_fits"), "masked-token-split")
+    else:
+        log = _fit(tmp_path, world, 8, (8,), reduction=reduction, masked=True, split_loss=split_loss)
     plans = _check(tmp_path, world, log, 8, reduction=reduction, masked=True)
     assert _mixes(plans, world)[0] == ([1, 2] if world == 2 else [1, 2, 4])
