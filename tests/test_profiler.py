@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -318,10 +319,8 @@ def _profile_sp2(rank, world_size):
     ProfiledCostModel(profile).item_time([64], 2, 0)
 
 
-def test_two_ranks_profile_sp2_on_real_groups_and_agree():
-    from _dist import run_distributed
-
-    run_distributed(_profile_sp2, 2, timeout=240)  # generous: CI cores are shared
+def test_two_ranks_profile_sp2_on_real_groups_and_agree(two_rank_profiles):
+    _assert_done(two_rank_profiles, "sp2")  # its run: _profile_sp2 on two_rank_profiles' spawn
 
 
 def test_three_ranks_profile_sp2_on_the_block_that_fits():
@@ -344,10 +343,32 @@ def _profile_no_time(rank, world_size):
     assert ProfiledCostModel(profile).sp_sizes(world_size) == [1, 2]
 
 
-def test_two_ranks_stop_at_a_zero_budget_together():
+def _two_rank_runs(rank, world_size, out):
+    """_profile_sp2, then _profile_no_time, on one spawn of 2 processes; each leaves ``<name>.rank<r>.done`` once its
+    checks passed on that rank."""
+    for name, run in (("sp2", _profile_sp2), ("no_time", _profile_no_time)):
+        run(rank, world_size)
+        with open(os.path.join(out, f"{name}.rank{rank}.done"), "w") as f:
+            f.write("ok")
+
+
+@pytest.fixture(scope="module")
+def two_rank_profiles(tmp_path_factory):
+    """The folder of the done-markers of the 2-rank profiles (one spawn for both tests)."""
     from _dist import run_distributed
 
-    run_distributed(_profile_no_time, 2, timeout=240)
+    out = str(tmp_path_factory.mktemp("profiles2"))
+    run_distributed(_two_rank_runs, 2, out, timeout=400)  # generous: CI cores are shared
+    return out
+
+
+def _assert_done(out, name, world_size=2):
+    missing = [r for r in range(world_size) if not os.path.exists(os.path.join(out, f"{name}.rank{r}.done"))]
+    assert not missing, f"{name}: ranks {missing} did not finish its checks"
+
+
+def test_two_ranks_stop_at_a_zero_budget_together(two_rank_profiles):
+    _assert_done(two_rank_profiles, "no_time")  # its run: _profile_no_time on two_rank_profiles' spawn
 
 
 # ------------------------------------------------------------- generic layer stacks (no RecomputeLayers)
