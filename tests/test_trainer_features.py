@@ -1,4 +1,4 @@
-"""Lightning features keep working under DCPStrategy on 2 CPU processes (one spawn per test: the
+"""Lightning features keep working under DCPStrategy on 2 CPU processes (the default run's tests on one spawn: the
 processes are started by ``run_distributed`` and every Trainer call runs inside them).
 
 - fit with ``gradient_clip_val`` (clipping runs on the already-reduced gradients: the norm seen
@@ -102,9 +102,11 @@ def _features(rank: int, world: int, out_dir: str, bar: str) -> None:
 
 
 @pytest.mark.parametrize("bar", ["tqdm", "rich"])
-def test_fit_clip_csv_progress_bar_validate_test_predict(tmp_path, bar):
-    if bar == "rich":
-        pytest.importorskip("rich")
+def test_fit_clip_csv_progress_bar_validate_test_predict(tmp_path, request, bar):
+    if bar == "tqdm":  # its run: _features on two_process_runs' spawn
+        _assert_done(request.getfixturevalue("two_process_runs"), "features-tqdm")
+        return
+    pytest.importorskip("rich")
     run_distributed(_features, 2, str(tmp_path), bar)
 
 
@@ -124,9 +126,9 @@ def _zero1(rank: int, world: int) -> None:
             assert max_rel_err(w, init[name]) > 1e-4, name  # training moved it
 
 
-def test_zero1_equals_plain_adamw():
+def test_zero1_equals_plain_adamw(two_process_runs):
     """ZeRO-1 (sharded AdamW state) after 3 steps gives the same weights as unsharded AdamW."""
-    run_distributed(_zero1, 2)
+    _assert_done(two_process_runs, "zero1")  # its run: _zero1 on two_process_runs' spawn
 
 
 # ---------------------------------------------------------------- the features the issue checked against DDP (#35)
@@ -288,10 +290,37 @@ def _against_ddp(rank: int, world: int, out_dir: str) -> None:
     _close(b_dcp.state_dict(), b_ddp.state_dict(), 2e-2)
 
 
-def test_datamodule_schedulers_early_stopping_checkpoint_loggers_and_bf16_match_ddp(tmp_path):
+def test_datamodule_schedulers_early_stopping_checkpoint_loggers_and_bf16_match_ddp(two_process_runs):
     """One 2-process spawn, DDPStrategy and DCPStrategy on the same data order: a LightningDataModule,
     ``limit_train_batches``/``limit_val_batches``, an epoch StepLR with LearningRateMonitor, EarlyStopping and a
     best-``val_loss`` ModelCheckpoint, CSV and TensorBoard loggers give the same weights (1e-5), the same stop,
     the same best checkpoint and the same logged series; then a second fit of each in the same processes under
     ``precision="bf16-mixed"``."""
-    run_distributed(_against_ddp, 2, str(tmp_path), timeout=300)
+    _assert_done(two_process_runs, "against-ddp")  # its run: _against_ddp on two_process_runs' spawn
+
+
+def _two_process_parts(rank: int, world: int, out: str) -> None:
+    """The default run's 2-process tests of this file one after the other on one spawn (each spawn costs more than
+    these fits): each part runs in its own folder and leaves ``<part>.rank<r>.done`` once its checks passed."""
+    runs = {"features-tqdm": lambda d: _features(rank, world, d, "tqdm"), "zero1": lambda d: _zero1(rank, world),
+            "against-ddp": lambda d: _against_ddp(rank, world, d)}
+    for part, run in runs.items():
+        folder = os.path.join(out, part)
+        os.makedirs(folder, exist_ok=True)
+        dist.barrier()  # every rank's folder exists
+        run(folder)
+        with open(os.path.join(out, f"{part}.rank{rank}.done"), "w") as f:
+            f.write("ok")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The folder of the done-markers of _two_process_parts' runs, all on one spawn of 2 processes."""
+    out = str(tmp_path_factory.mktemp("features2"))
+    run_distributed(_two_process_parts, 2, out, timeout=600)
+    return out
+
+
+def _assert_done(out: str, part: str, world: int = 2) -> None:
+    missing = [r for r in range(world) if not os.path.exists(os.path.join(out, f"{part}.rank{r}.done"))]
+    assert not missing, f"{part}: ranks {missing} did not finish its checks"
