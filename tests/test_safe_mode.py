@@ -155,14 +155,41 @@ CASES = {
 }
 
 
+_STEPS = 5
+
+
+def _safe_fit(out_dir: str, case: str, world: int, spawn: bool = True) -> None:
+    """One fit of CASES[case] in safe mode; ``spawn=False``: on the processes of the run_distributed call it runs in."""
+    strategy = DCPStrategy(seed=3, global_batch_size=8, **({"start_method": "spawn"} if spawn else {}))
+    trainer = make_trainer(world, strategy, [Record(out_dir, _STEPS)], max_steps=_STEPS)
+    trainer.fit(CASES[case][0]())
+
+
+def _two_process_safe_fits(rank: int, world: int, out: str) -> None:
+    for case in CASES:
+        os.makedirs(os.path.join(out, case), exist_ok=True)
+        _safe_fit(os.path.join(out, case), case, world, spawn=False)
+
+
+@pytest.fixture(scope="module")
+def two_process_safe_fits(tmp_path_factory):
+    """The Record folder of each case's 2-process fit (CASES' names), all on one spawn of 2 processes."""
+    from _dist import run_distributed
+
+    out = str(tmp_path_factory.mktemp("safe2"))
+    run_distributed(_two_process_safe_fits, 2, out, timeout=600)
+    return out
+
+
 @pytest.mark.parametrize("case,world", [("encoder", 1), ("encoder", 2), ("tensor", 2), ("encoder", 4)])
-def test_unchanged_module_trains_exactly_in_safe_mode(tmp_path, case, world):
+def test_unchanged_module_trains_exactly_in_safe_mode(tmp_path, request, case, world):
     module_cls, _, collate = CASES[case]
-    steps = 5
-    strategy = DCPStrategy(start_method="spawn", seed=3, global_batch_size=8)
-    trainer = make_trainer(world, strategy, [Record(str(tmp_path), steps)], max_steps=steps)
+    steps = _STEPS
+    if world == 2:  # its fit: on two_process_safe_fits' spawn
+        tmp_path = os.path.join(request.getfixturevalue("two_process_safe_fits"), case)
+    else:
+        _safe_fit(str(tmp_path), case, world)
     module = module_cls()
-    trainer.fit(module)
     dataset = module.train_dataloader().dataset
     worst = 0.0
     for r in range(world):
