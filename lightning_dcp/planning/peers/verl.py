@@ -84,6 +84,13 @@ class _State:
         self.spread = self.parts[0].sum - self.parts[-1].sum
         self.top = self.parts[0].key()
 
+    @classmethod
+    def of_sorted(cls, parts: list[_Part]) -> "_State":
+        """A state whose ``parts`` are already in order (the fast path of the start states)."""
+        state = cls.__new__(cls)
+        state.parts, state.spread, state.top = parts, parts[0].sum - parts[-1].sum, parts[0].key()
+        return state
+
     def __lt__(self, other: "_State") -> bool:
         if self.spread != other.spread:
             return self.spread > other.spread
@@ -102,10 +109,11 @@ def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> list[list
         if len(srt) % k:
             raise PlanningError(f"{len(srt)} values do not split into {k} parts of equal count")
         for off in range(0, len(srt), k):
-            heapq.heappush(heap, _State([_Part([(i, v)]) for v, i in srt[off:off + k]]))
+            heapq.heappush(heap, _State([_Part([(i, v)], v) for v, i in srt[off:off + k]]))
     else:
-        for v, i in srt:
-            heapq.heappush(heap, _State([_Part([(i, v)])] + [_Part([]) for _ in range(k - 1)]))
+        empty = [_Part([], 0)] * (k - 1)  # never changed: a merge makes new parts
+        for v, i in srt:  # one value and k - 1 empty parts: in order already, since values are not negative
+            heapq.heappush(heap, _State.of_sorted([_Part([(i, v)], v)] + empty))
     if not heap:
         return [[] for _ in range(k)]
     while len(heap) > 1:
