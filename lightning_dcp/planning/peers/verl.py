@@ -41,6 +41,7 @@ micro-batch may still fit; one that does not fails). ``sp=``, ``checkpointing=``
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import NamedTuple, Sequence
@@ -98,6 +99,13 @@ class _State:
 
 
 def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
+    """verl's ``karmarkar_karp`` (:func:`_karmarkar_karp`), remembered: tuning asks for the same partition at every
+    ``max_token_len`` that gives a replica the same micro-batch count."""
+    return [list(p) for p in _karmarkar_karp(tuple(int(v) for v in values), int(k), bool(equal_size))]
+
+
+@functools.lru_cache(maxsize=8192)
+def _karmarkar_karp(values: tuple[int, ...], k: int, equal_size: bool) -> tuple[tuple[int, ...], ...]:
     """verl's ``karmarkar_karp``: indices of ``values`` in ``k`` parts by the largest differencing method, the
     parts largest first (``equal_size``: ``k`` consecutive values of the sorted list start each partial
     solution, so every part gets ``len(values) / k``). Same ordering and tie rules as verl's, so the same parts."""
@@ -115,12 +123,12 @@ def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> list[list
         for v, i in srt:  # one value and k - 1 empty parts: in order already, since values are not negative
             heapq.heappush(heap, _State.of_sorted([_Part([(i, v)], v)] + empty))
     if not heap:
-        return [[] for _ in range(k)]
+        return tuple(() for _ in range(k))
     while len(heap) > 1:
         a, b = heapq.heappop(heap), heapq.heappop(heap)
         heapq.heappush(heap, _State([_Part(a.parts[j].items + b.parts[k - 1 - j].items, a.parts[j].sum + b.parts[k - 1 - j].sum)
                                      for j in range(k)]))
-    return [[i for i, _ in p.items] for p in heap[0].parts]
+    return tuple(tuple(i for i, _ in p.items) for p in heap[0].parts)
 
 
 def balanced_partitions(values: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
