@@ -93,7 +93,25 @@ def load_verl(root: Path) -> types.ModuleType:
     _stub("verl.utils", tensordict_utils=tu)
     _stub("verl.utils.tensordict_utils", index_select_tensor_dict=tu.index_select_tensor_dict)
     _stub("verl.utils.device", get_device_name=lambda: "cpu")
-    return _load("peer_verl_seqlen_balancing", root / "verl" / "utils" / "seqlen_balancing.py")
+    sb = _load("peer_verl_seqlen_balancing", root / "verl" / "utils" / "seqlen_balancing.py")
+    sb.karmarkar_karp = _remembered(sb.karmarkar_karp)  # their functions call it through the module: the same parts
+    return sb
+
+
+def _remembered(kk: Callable[..., list[list[int]]]) -> Callable[..., list[list[int]]]:
+    """verl's ``karmarkar_karp`` (a pure function of its arguments) with its answers remembered, each call given a
+    fresh copy: tuning asks for one partition at every ``max_token_len`` that gives a replica the same micro-batch
+    count, as :func:`lightning_dcp.planning.peers.verl.karmarkar_karp` remembers ours. A failure is not remembered."""
+    memo: dict[tuple, tuple] = {}
+
+    def call(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+        key = (tuple(seqlen_list), k_partitions, equal_size)
+        if key not in memo:
+            memo[key] = tuple(tuple(p) for p in kk(seqlen_list=list(seqlen_list), k_partitions=k_partitions,
+                                                    equal_size=equal_size))
+        return [list(p) for p in memo[key]]
+
+    return call
 
 
 def load_megatron(root: Path) -> types.ModuleType:
