@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import os
 import platform
@@ -99,17 +100,16 @@ def load_verl(root: Path) -> types.ModuleType:
 
 
 def _remembered(kk: Callable[..., list[list[int]]]) -> Callable[..., list[list[int]]]:
-    """verl's ``karmarkar_karp`` (a pure function of its arguments) with its answers remembered, each call given a
-    fresh copy: tuning asks for one partition at every ``max_token_len`` that gives a replica the same micro-batch
-    count, as :func:`lightning_dcp.planning.peers.verl.karmarkar_karp` remembers ours. A failure is not remembered."""
-    memo: dict[tuple, tuple] = {}
+    """verl's ``karmarkar_karp`` (a pure function of its arguments) with its answers remembered as
+    :func:`lightning_dcp.planning.peers.verl.karmarkar_karp` remembers ours, each call given a fresh copy: tuning asks
+    for one partition at every ``max_token_len`` that gives a replica the same micro-batch count."""
+
+    @functools.lru_cache(maxsize=8192)
+    def parts(seqlen: tuple, k_partitions: int, equal_size: bool) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(p) for p in kk(seqlen_list=list(seqlen), k_partitions=k_partitions, equal_size=equal_size))
 
     def call(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
-        key = (tuple(seqlen_list), k_partitions, equal_size)
-        if key not in memo:
-            memo[key] = tuple(tuple(p) for p in kk(seqlen_list=list(seqlen_list), k_partitions=k_partitions,
-                                                    equal_size=equal_size))
-        return [list(p) for p in memo[key]]
+        return [list(p) for p in parts(tuple(seqlen_list), k_partitions, equal_size)]
 
     return call
 

@@ -120,8 +120,9 @@ def _karmarkar_karp(values: tuple[int, ...], k: int, equal_size: bool) -> tuple[
             heapq.heappush(heap, _State([_Part([(i, v)], v) for v, i in srt[off:off + k]]))
     else:
         empty = [_Part([], 0)] * (k - 1)  # never changed: a merge makes new parts
-        for v, i in srt:  # one value and k - 1 empty parts: in order already, since values are not negative
-            heapq.heappush(heap, _State.of_sorted([_Part([(i, v)], v)] + empty))
+        start = _State.of_sorted if not srt or srt[0][0] >= 0 else _State  # one value first, then the empty parts
+        for v, i in srt:
+            heapq.heappush(heap, start([_Part([(i, v)], v)] + empty))
     if not heap:
         return tuple(() for _ in range(k))
     while len(heap) > 1:
