@@ -36,7 +36,7 @@ from lightning_dcp.planning.distributions import get_distribution  # noqa: E402
 from lightning_dcp.planning.errors import PlanningError  # noqa: E402
 from lightning_dcp.planning.hardware import GiB, get_hardware  # noqa: E402
 from lightning_dcp.planning.models import get_model  # noqa: E402
-from lightning_dcp.planning.sharding.hsdp import hsdp_view  # noqa: E402
+from lightning_dcp.planning.analytic import hsdp_view  # noqa: E402
 from lightning_dcp.planning.sharding.registry import COST_MODEL_MODES as SHARDING_MODES  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "simulate_sharding.md"

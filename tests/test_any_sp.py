@@ -15,7 +15,8 @@ from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
-from lightning_dcp.planning.plan import Plan, validate_plan
+from lightning_dcp.planning.plan import Plan
+from lightning_dcp.planning.checks import validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.planning.search.objective import improves, makespan
 from lightning_dcp.planning.simulator import simulate

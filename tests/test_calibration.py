@@ -22,7 +22,7 @@ from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.planner import Planner, default_global_batch_tokens
-from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.analytic import hsdp_view
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.simulator import simulate
 from lightning_dcp.planning.speeds import parse_rank_speeds, rank_speeds_of

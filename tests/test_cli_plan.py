@@ -7,7 +7,8 @@ import json
 import pytest
 
 import lightning_dcp.cli as cli
-from lightning_dcp.planning.plan import Plan, validate_plan
+from lightning_dcp.planning.plan import Plan
+from lightning_dcp.planning.checks import validate_plan
 
 
 @pytest.fixture(autouse=True)

@@ -18,11 +18,12 @@ from lightning_dcp.planning.item_pricing import item_cost_of
 from lightning_dcp.planning.lockstep import plan_group, plan_lockstep
 from lightning_dcp.planning.lockstep.packing import level
 from lightning_dcp.planning.models import get_model
-from lightning_dcp.planning.plan import StepPlan, WorkItem, check_deadlock_free, validate_step
+from lightning_dcp.planning.plan import StepPlan, WorkItem
+from lightning_dcp.planning.checks import check_deadlock_free, validate_step
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.rounds import Lockstep, lockstep_rounds, round_span, shard_groups
-from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.analytic import hsdp_view
 from lightning_dcp.planning.simulator import simulate
 
 H100 = get_hardware("h100")

@@ -11,7 +11,7 @@ import pytest
 from _fakes import FakeCostModel
 from lightning_dcp.planning.item_pricing import item_memory_of
 from lightning_dcp.planning.parallel_costs import Scheme
-from lightning_dcp.planning.plan import validate_plan
+from lightning_dcp.planning.checks import validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner
 from lightning_dcp.planning.view import CostView
 from lightning_dcp.planning.analytic import AnalyticCostModel

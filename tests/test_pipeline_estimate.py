@@ -15,7 +15,7 @@ from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.parallel_costs import Scheme, pipeline_step_overhead, scheme_capacities, scheme_cost
 from lightning_dcp.planning.peers.hydraulis import HydraulisPolicy
 from lightning_dcp.planning.pipeline_estimate import estimate_pipelines, pipeline_degrees, replica_cost_model
-from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.analytic import hsdp_view
 
 H100 = get_hardware("h100")
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from _fakes import FakeCostModel, SlowPathCostModel
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.search.layouts import allocate, place, world_blocks
-from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, is_aligned_block, validate_plan
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, is_aligned_block
+from lightning_dcp.planning.checks import validate_plan
 from lightning_dcp.planning.planner import POLICIES, Planner, plan
 
 CM = FakeCostModel()

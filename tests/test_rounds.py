@@ -16,11 +16,12 @@ from lightning_dcp import cli
 from lightning_dcp.planning.analytic import AnalyticCostModel
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.models import get_model
-from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, check_deadlock_free
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem
+from lightning_dcp.planning.checks import check_deadlock_free
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.rounds import (Lockstep, check_shard_groups, lockstep_rounds, round_ends, round_span,
                                           shard_groups)
-from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.analytic import hsdp_view
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.simulator import simulate
 from lightning_dcp.planning.cost_model import with_rounds

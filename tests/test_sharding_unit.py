@@ -23,7 +23,7 @@ from lightning_dcp.planning.models import get_model
 from lightning_dcp.planning.plan import Plan, StepPlan, WorkItem
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.sharding.base import StateParts
-from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.analytic import hsdp_view, replica_parts
 from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.registry import MODES, get_mode
 from lightning_dcp.planning.rounds import lockstep_rounds
@@ -80,7 +80,7 @@ def test_options_belong_to_the_modes_that_take_them():
 
 # ----------------------------------------------------------------------------- the shard group a run picks
 def _llama70b_parts() -> StateParts:
-    return StateParts.of_analytic(AnalyticCostModel(get_model("llama-70b"), H100, 64, sharding="none"))
+    return replica_parts(AnalyticCostModel(get_model("llama-70b"), H100, 64, sharding="none"))
 
 
 def test_the_smallest_shard_group_that_fits_and_an_error_that_lists_every_k():
@@ -101,7 +101,7 @@ def test_the_smallest_shard_group_that_fits_and_an_error_that_lists_every_k():
 def test_a_model_that_fits_a_node_gets_the_node():
     """Inside a node a larger shard group moves (K-1)/K of a layer per rank at the same bandwidth: Wan-14B fits
     K=4 on H100 but gets the node's 8 (more room for activations, no slower links)."""
-    wan = StateParts.of_analytic(AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="none"))
+    wan = replica_parts(AnalyticCostModel(get_model("wan-14b"), H100, 32, sharding="none"))
     assert choose_shard_group_size(32, wan, H100.usable_memory_bytes, mode="hsdp").size == 4  # no node given
     node = choose_shard_group_size(32, wan, H100.usable_memory_bytes, mode="hsdp", gpus_per_node=8)
     assert node.size == 8 and node.reason.startswith("one node's 8 ranks")

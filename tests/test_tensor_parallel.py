@@ -18,9 +18,10 @@ from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.hardware import get_hardware
 from lightning_dcp.planning.item_pricing import item_cost_of, item_memory_of
 from lightning_dcp.planning.models import get_model
-from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem, validate_plan, validate_step
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, WorkItem
+from lightning_dcp.planning.checks import validate_plan, validate_step
 from lightning_dcp.planning.planner import Planner
-from lightning_dcp.planning.sharding.hsdp import hsdp_view
+from lightning_dcp.planning.analytic import hsdp_view
 from lightning_dcp.planning.simulator import simulate
 from lightning_dcp.planning.tensor_parallel import HEAD_PAIRS
 

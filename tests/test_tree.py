@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from _fakes import FakeCostModel
 from lightning_dcp.planning.search.layouts import world_blocks
-from lightning_dcp.planning.plan import is_aligned_block, validate_plan
+from lightning_dcp.planning.plan import is_aligned_block
+from lightning_dcp.planning.checks import validate_plan
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.policies.base import step_span
 from lightning_dcp.planning.search.tree import BuddyTree

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _fakes import FakeCostModel
-from lightning_dcp.planning.plan import validate_plan
+from lightning_dcp.planning.checks import validate_plan
 from lightning_dcp.planning.planner import Planner
 from lightning_dcp.planning.policies import dcp as dcp_module
 from lightning_dcp.planning.policies.base import step_span

@@ -171,9 +171,9 @@ def mode_view(args: argparse.Namespace, base: Any, k: int) -> Any:
 
 
 def parts_of(analytic: Any) -> Any:
-    from lightning_dcp.planning.sharding.base import StateParts
+    from lightning_dcp.planning.analytic import replica_parts
 
-    return StateParts.of_analytic(analytic)
+    return replica_parts(analytic)
 
 
 def shard_group_size(args: argparse.Namespace) -> int | None:
@@ -312,7 +312,8 @@ def _positive(flag: str, value: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lightning_dcp.planning.errors import PlanningError
-    from lightning_dcp.planning.plan import Plan, validate_plan
+    from lightning_dcp.planning.plan import Plan
+    from lightning_dcp.planning.checks import validate_plan
     from lightning_dcp.planning.planner import Planner
 
     check_policy(args.policy)

@@ -4,7 +4,8 @@ Nothing here imports torch or torch.distributed.
 """
 
 from lightning_dcp.planning.cost_model import CostModel, ItemCost
-from lightning_dcp.planning.plan import PLAN_SCHEMA, Plan, PlanError, StepPlan, WorkItem, validate_plan, validate_step
+from lightning_dcp.planning.plan import PLAN_SCHEMA, Plan, PlanError, StepPlan, WorkItem
+from lightning_dcp.planning.checks import validate_plan, validate_step
 from lightning_dcp.planning.profile import PROFILE_SCHEMA, ProfileError, load_profile, save_profile, validate_profile
 
 __all__ = [

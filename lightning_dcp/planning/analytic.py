@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from lightning_dcp.planning.cost_model import keep_class
@@ -17,6 +18,8 @@ from lightning_dcp.planning.linear import LinearCost, LinearCostModel, Terms
 from lightning_dcp.planning.models import ModelSpec
 from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.sharding.base import StateParts
+from lightning_dcp.planning.sharding.hsdp import HsdpMode
+from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 from lightning_dcp.planning.sharding.registry import get_mode, resolve_sharding
 from lightning_dcp.planning.sp_sizes import kv_repeat, ulysses_sizes
 from lightning_dcp.planning.tensor_parallel import TPTerms
@@ -359,3 +362,18 @@ class AnalyticCostModel(LinearCostModel):
     def mfu(self, lengths: Sequence[int], sp: int = 1, recompute: int = 0) -> float:
         """Model FLOPs utilization of one micro-batch: model FLOPs / (time * sp * peak)."""
         return self.model_flops(lengths) / (self.item_time(lengths, sp, recompute) * sp * self.hardware.peak_flops)
+
+
+def replica_parts(analytic: AnalyticCostModel) -> StateParts:
+    """The state parts of ``analytic``'s one replica, per layer and outside the layers (a sharding mode's input)."""
+    db, model = analytic.dtype_bytes, analytic.model
+    return replace(StateParts.from_mapping(analytic.full_state_parts), layer_bytes=db * model.layer_params(),
+                   root_bytes=db * model.edge_params(), params=float(analytic.param_count))
+
+
+def hsdp_view(analytic: AnalyticCostModel, shard_group_size: int | None = None, *,
+              offload: bool = False) -> ShardGroupCostModel:
+    """The :class:`~lightning_dcp.planning.sharding.hsdp_cost.ShardGroupCostModel` of an analytic model
+    (``shard_group_size`` default: the world)."""
+    mode = HsdpMode(analytic.world_size, shard_group_size=shard_group_size, offload=offload)
+    return mode.plan_with(analytic, replica_parts(analytic))

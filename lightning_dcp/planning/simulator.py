@@ -35,7 +35,8 @@ from typing import Any, Sequence
 
 from lightning_dcp.planning.bound import step_bound
 from lightning_dcp.planning.cost_model import CostModel
-from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, check_deadlock_free
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan
+from lightning_dcp.planning.checks import check_deadlock_free
 from lightning_dcp.planning.speeds import check_rank_speeds, group_speed, rank_speeds_of
 from lightning_dcp.planning.step_time import ItemPrices, charge_planning, step_time
 

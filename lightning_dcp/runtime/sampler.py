@@ -24,7 +24,8 @@ import torch
 from lightning_dcp.planning.batches import STEP_KEY_STRIDE, check_batch_size, cut_batches, step_key
 from lightning_dcp.planning.errors import PlanningError
 from lightning_dcp.planning.lengths import check_lengths
-from lightning_dcp.planning.plan import Plan, PlanError, StepPlan, validate_step
+from lightning_dcp.planning.plan import Plan, PlanError, StepPlan
+from lightning_dcp.planning.checks import validate_step
 from lightning_dcp.planning.sample_names import SampleNamer, name_sample
 from lightning_dcp.planning.units import describe_limit
 from lightning_dcp.runtime.options import TP_REFUSAL

@@ -10,14 +10,13 @@ Pure Python.
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from lightning_dcp.planning.prices import CollectivePrices
 from lightning_dcp.planning.round_plan import FREE_RUNNING, RoundPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.cost_model import CostModel
 
 __all__ = ["CollectivePrices", "ShardingMode", "StateParts", "UnplannableCostModel"]
@@ -67,13 +66,6 @@ class StateParts:
         extra = {f.name: float(given[f.name]) for f in fields(cls)
                  if f.name not in STATE_PARTS and isinstance(given.get(f.name), (int, float))}
         return cls(**{k: float(given[k]) for k in STATE_PARTS}, **extra)
-
-    @classmethod
-    def of_analytic(cls, analytic: AnalyticCostModel) -> "StateParts":
-        """An :class:`~lightning_dcp.planning.analytic.AnalyticCostModel`'s one replica."""
-        db, model = analytic.dtype_bytes, analytic.model
-        return replace(cls.from_mapping(analytic.full_state_parts), layer_bytes=db * model.layer_params(),
-                       root_bytes=db * model.edge_params(), params=float(analytic.param_count))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -19,10 +19,9 @@ from lightning_dcp.planning.sharding.base import ShardingMode, StateParts, Unpla
 from lightning_dcp.planning.sharding.hsdp_cost import ShardGroupCostModel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dcp.planning.analytic import AnalyticCostModel
     from lightning_dcp.planning.cost_model import CostModel
 
-__all__ = ["HsdpMode", "hsdp_view"]
+__all__ = ["HsdpMode"]
 
 
 class HsdpMode(ShardingMode):
@@ -91,11 +90,4 @@ class HsdpMode(ShardingMode):
                 "in its item_memory) or a with_sharding(states) method, or use sharding='zero1'")
         own = base.collective_prices()  # a profile measured here, or the analytic model's hardware, before a fallback
         return ShardGroupCostModel(base, self, parts, prices=own if own is not None else prices)
-
-
-def hsdp_view(analytic: AnalyticCostModel, shard_group_size: int | None = None, *,
-              offload: bool = False) -> ShardGroupCostModel:
-    """The :class:`ShardGroupCostModel` of an analytic model (``shard_group_size`` default: the world)."""
-    mode = HsdpMode(analytic.world_size, shard_group_size=shard_group_size, offload=offload)
-    return mode.plan_with(analytic, StateParts.of_analytic(analytic))
 

@@ -63,7 +63,7 @@ def resolve_sharding(sharding: str | None, zero_stage: int | None = None, *, def
     ``ValueError`` for unknown names (a per-layer mode names the view to use), other stages, or the two disagreeing."""
     if sharding is not None and sharding not in COST_MODEL_MODES:
         hint = (f"; {sharding!r} shards per layer over shard groups: plan with the one-replica model seen through "
-                "lightning_dcp.planning.sharding.hsdp.hsdp_view") if sharding in MODES else ""
+                "lightning_dcp.planning.analytic.hsdp_view") if sharding in MODES else ""
         raise ValueError(f"sharding must be one of {', '.join(COST_MODEL_MODES)}, got {sharding!r}{hint}")
     if zero_stage is not None:
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGE_ALIASES:
