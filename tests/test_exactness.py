@@ -1,6 +1,7 @@
 """The issue's proof: DCPStrategy's gradients equal plain data-parallel training on the same global batch.
 
-Spawned Lightning runs (1, 2, 4 CPU processes, gloo; the default run's 2-process fits on one spawn) with plans that mix SP
+Lightning runs on fresh processes (1, 2, 4 CPU processes, gloo, ``run_distributed``; the default run's 2-process fits
+on one call) with plans that mix SP
 sizes 1, 2 and 4 in one step, different micro-batch counts per rank (ranks with none included)
 and different recompute counts. Checked against a single-process reference that runs every
 sample alone at SP 1: the gradient after step 1 (1e-5 relative, fp32), the weights after 20
@@ -23,15 +24,22 @@ from lightning_dcp import DCPStrategy
 
 def _fit(tmp_path, world: int, steps: int, weights_at, reduction: str = "token", log_sync: bool = False,
          masked: bool = False, split_loss: bool = False, spawn: bool = True, **planner_kw):
-    """One fit; ``spawn=False``: on the processes of the ``run_distributed`` call it runs in (no log returned)."""
+    """One fit; ``spawn=True``: on ``world`` fresh processes of its own (a ``run_distributed`` call, whose forked
+    processes have torch and Lightning imported already), rank 0's log returned; ``spawn=False``: on the processes
+    of the ``run_distributed`` call it runs in (no log returned)."""
+    if spawn:
+        kw = dict(reduction=reduction, log_sync=log_sync, masked=masked, split_loss=split_loss, **planner_kw)
+        run_distributed(_fit_here, world, str(tmp_path), steps, weights_at, kw, timeout=600)
+        return torch.load(os.path.join(tmp_path, "log_rank0.pt"))
     planner = RandomPlanner(world, seed=world, **planner_kw)
-    strategy = DCPStrategy(planner=planner, global_batch_size=8, loss_reduction=reduction, seed=1, log_metrics=True,
-                           **({"start_method": "spawn"} if spawn else {}))
+    strategy = DCPStrategy(planner=planner, global_batch_size=8, loss_reduction=reduction, seed=1, log_metrics=True)
     dump = Dump(str(tmp_path), weights_at=weights_at)
     trainer = make_trainer(world, strategy, [dump], max_steps=steps)
     trainer.fit(TinyLM(reduction=reduction, log_sync=log_sync, masked=masked, split_loss=split_loss))
-    if spawn:
-        return torch.load(os.path.join(tmp_path, "log_rank0.pt"))
+
+
+def _fit_here(rank: int, world: int, out: str, steps: int, weights_at, kw: dict) -> None:
+    _fit(out, world, steps, weights_at, spawn=False, **kw)
 
 
 #: The default run's 2-process fits (the keyword arguments of _fit), one after the other on one spawn.
