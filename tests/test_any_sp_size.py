@@ -64,13 +64,21 @@ class HandPlanner:
         return [StepPlan(tuple(items))]
 
 
+def _fit_here(rank: int, world: int, out: str, spec: ModelSpec, layouts, steps: int, layout: str | None,
+              strategy_kwargs: dict) -> None:
+    """One fit on the processes of the ``run_distributed`` call it runs in (fresh ones, forked with torch and
+    Lightning imported); each rank's Dump files to ``out``."""
+    planned = {"planner": HandPlanner(layouts)} if layouts is not None else {}
+    strategy = DCPStrategy(**planned, global_batch_size=8, seed=1, log_metrics=False, **strategy_kwargs)
+    trainer = make_trainer(world, strategy, [Dump(out, weights_at=(steps,))], max_steps=steps)
+    trainer.fit(SpecLM(spec, layout))
+
+
 def _fit_and_check(tmp_path, world: int, spec: ModelSpec, layouts, steps: int, layout: str | None = "zigzag",
                    **strategy_kwargs):
-    planned = {"planner": HandPlanner(layouts)} if layouts is not None else {}
-    strategy = DCPStrategy(**planned, global_batch_size=8, start_method="spawn", seed=1, log_metrics=False,
-                           **strategy_kwargs)
-    trainer = make_trainer(world, strategy, [Dump(str(tmp_path), weights_at=(steps,))], max_steps=steps)
-    trainer.fit(SpecLM(spec, layout))
+    from _dist import run_distributed
+
+    run_distributed(_fit_here, world, str(tmp_path), spec, layouts, steps, layout, strategy_kwargs, timeout=600)
     plans = torch.load(os.path.join(tmp_path, "log_rank0.pt"))["plans"]
     ref_grads, ref_weights = reference_run(plans, steps, dataset=make_dataset(), module=SpecLM(spec, layout))
     worst = 0.0

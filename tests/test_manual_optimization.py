@@ -171,8 +171,11 @@ def test_a_world_collective_inside_a_loop_stops_every_rank(tmp_path):
     with pytest.raises(Exception, match=r"torch.distributed.all_reduce on the world group inside training_step under "
                                         r"DCPStrategy \(rank 0, step 0 of epoch 0.*Every rank stopped at the end of "
                                         r"this step \(rank 0 made such a call\)"):
-        _fit(DCPStrategy(start_method="spawn", planner=UnevenPlanner(), shuffle=False, timeout=60), str(tmp_path),
-             "coll", misuse="collective")
+        run_distributed(_collective_fit, WORLD, str(tmp_path), timeout=300)
+
+
+def _collective_fit(rank, world, out_dir):
+    _fit(DCPStrategy(planner=UnevenPlanner(), shuffle=False, timeout=60), out_dir, "coll", misuse="collective")
 
 
 def test_micro_batches_outside_dcp_yields_the_batch():
