@@ -56,11 +56,16 @@ SLOW = {
     # twin: [2-dcp-dcp-intra-and-bucket] (the same fits' checks on 2 processes: dcp and dcp-intra on qwen2/llama)
     "test_hf.py::test_dcp_trainer_equals_plain_training[4-dcp-and-random]",
     "test_multinode.py::test_slurm_variables_are_detected_and_train_exactly",
+    # twin: [2x1] (two torchrun nodes of one process each: SP-2 groups across the nodes, the same exact check)
+    "test_multinode.py::test_two_torchrun_nodes_train_exactly[2x2]",
     "test_hsdp.py::test_hsdp_four_processes_shard_groups_of_two_and_world",
     "test_sharding.py::test_sharded_exact_four_processes_mixed_sp",
     "test_safe_mode.py::test_unchanged_module_trains_exactly_in_safe_mode[encoder-4]",
     "test_profiler.py::test_three_ranks_profile_sp2_on_the_block_that_fits",
     "test_faults.py::test_rank_dependent_dataset_stops_every_rank_before_profiling[cached-profile]",
+    # twin: test_rank_dependent_dataset_stops_every_rank_before_profiling[profiling] (the same rank-dependent dataset
+    # and the same sample-count agreement error on every rank, at fit start, with profiling on)
+    "test_faults.py::test_rank_dependent_dataset_stops_every_rank_at_setup",
     "test_faults.py::test_stuck_collective_ends_the_run_naming_step_item_and_group",
     "test_faults.py::test_world_size_three_trains_exactly_with_sp2_on_the_aligned_block",
     "test_faults.py::test_sigterm_ends_every_process_of_a_run_hung_in_a_collective",

@@ -2,7 +2,7 @@
 dataset executes (issue 37): the same permutation per epoch, the same batch cutter, the same step keys, the
 same policy preparation, compared by :meth:`StepPlan.digest`.
 
-The fit runs on 2 gloo processes with a tiny model over two epochs (the second epoch's order differs; each
+The fit runs on 2 gloo processes (``run_distributed``) with a tiny model over two epochs (the second epoch's order differs; each
 epoch's incomplete last batch is dropped) and ``calibration="off"`` (an adaptive fit plans the steps after
 its first refit with measured factors, which no offline plan can know). Its cost model is a profile file,
 the one the command reads, whose memory budget makes dcp mix SP 1 and SP 2, recompute counts and
@@ -19,6 +19,7 @@ import torch
 
 import lightning_dcp.cli as cli
 from _dcp_helpers import TinyLM, make_dataset, make_trainer
+from _dist import run_distributed
 from lightning_dcp.planning.plan import Plan, StepPlan
 from lightning_dcp.planning.profile import PROFILE_SCHEMA
 
@@ -60,10 +61,18 @@ class Digests(pl.Callback):
                 json.dump({"digests": self.digests, "epochs": self.epochs}, fh)
 
 
-def test_the_plans_lightning_dcp_plan_writes_are_the_plans_a_fit_executes(tmp_path):
+def _fit_digests(rank: int, world: int, profile: str, ran: str) -> None:
+    """The fit, on the 2 fresh processes of a ``run_distributed`` call; rank 0 writes the executed digests to ``ran``."""
     from lightning_dcp import DCPStrategy
     from lightning_dcp.planning.profiled import ProfiledCostModel
 
+    strategy = DCPStrategy(cost_model=ProfiledCostModel.from_file(profile), global_batch_tokens=TOKENS, seed=SEED,
+                           calibration="off", profile=False, log_metrics=False)
+    torch.manual_seed(0)
+    make_trainer(world, strategy, [Digests(ran)], max_steps=STEPS).fit(TinyLM())
+
+
+def test_the_plans_lightning_dcp_plan_writes_are_the_plans_a_fit_executes(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(tiny_profile()))
     lengths = tmp_path / "lengths.json"
@@ -76,10 +85,7 @@ def test_the_plans_lightning_dcp_plan_writes_are_the_plans_a_fit_executes(tmp_pa
     assert per_epoch[0] < STEPS <= sum(per_epoch)  # the fit runs into the second epoch
 
     ran = tmp_path / "ran.json"
-    strategy = DCPStrategy(cost_model=ProfiledCostModel.from_file(profile), global_batch_tokens=TOKENS, seed=SEED,
-                           calibration="off", profile=False, log_metrics=False, start_method="spawn")
-    torch.manual_seed(0)
-    make_trainer(2, strategy, [Digests(str(ran))], max_steps=STEPS).fit(TinyLM())
+    run_distributed(_fit_digests, 2, str(profile), str(ran), timeout=600)
     executed = json.loads(ran.read_text())
     assert executed["epochs"] == [0] * per_epoch[0] + [1] * (STEPS - per_epoch[0])
     assert executed["digests"] == [step.digest() for step in plan.steps[:STEPS]]
