@@ -56,6 +56,15 @@ SLOW = {
     # twin: [2-dcp-dcp-intra-and-bucket] (the same fits' checks on 2 processes: dcp and dcp-intra on qwen2/llama)
     "test_hf.py::test_dcp_trainer_equals_plain_training[4-dcp-and-random]",
     "test_multinode.py::test_slurm_variables_are_detected_and_train_exactly",
+    # twin: [dcp] (the whole run.py, one policy's launch of 2 processes; the tables and plots of two policies:
+    # test_reports_and_plots)
+    "test_benchmarks.py::test_run_two_processes_one_step[dcp,packed]",
+    # twin: [caught-all_gather-2] and [dist-3] (the same stop of every rank at the step's end, from a fit); the metric's
+    # refusal and message on real groups: test_guard_refuses_world_collectives_keeps_the_sp_groups_and_every_rank_...
+    "test_collective_guard.py::test_world_collective_in_training_step_stops_every_rank_with_uneven_counts[metric-2]",
+    # twin: test_two_optimizers_equal_ddp[none] (the same manual-optimization training under DCPStrategy on 2
+    # processes, checked against DDP)
+    "test_manual_optimization.py::test_the_docs_example_runs",
     # twin: [2x1] (two torchrun nodes of one process each: SP-2 groups across the nodes, the same exact check)
     "test_multinode.py::test_two_torchrun_nodes_train_exactly[2x2]",
     "test_hsdp.py::test_hsdp_four_processes_shard_groups_of_two_and_world",

@@ -170,15 +170,16 @@ def test_bound_check_table(capsys):
     assert lines[2].startswith("| transformer-1d | 524,288 | video | 1 |")
 
 
-def test_run_two_processes_one_step(tmp_path):
-    """The whole run.py on 2 spawned gloo processes: 2 policies, one step each, no profiling (fast)."""
+@pytest.mark.parametrize("policies", ["dcp", "dcp,packed"])  # dcp,packed (a launch per policy): slow (conftest.py)
+def test_run_two_processes_one_step(tmp_path, policies):
+    """The whole run.py on 2 spawned gloo processes: 1 or 2 policies, one step each, no profiling (fast)."""
     out = tmp_path / "res"
-    rc = brun.main(["--model", "tiny-1d", "--distribution", "balanced", "--policies", "dcp,packed", "--devices", "2",
+    rc = brun.main(["--model", "tiny-1d", "--distribution", "balanced", "--policies", policies, "--devices", "2",
                     "--num-samples", "8", "--global-batch-size", "8", "--warmup-epochs", "0", "--epochs", "1",
                     "--no-profile", "--out", str(out), "--tag", "t"])
     assert rc == 0
     res = json.loads((out / "t" / "run.json").read_text())
-    assert [r["policy"] for r in res["rows"]] == ["dcp", "packed"]
+    assert [r["policy"] for r in res["rows"]] == policies.split(",")
     for r in res["rows"]:
         assert r["steps"] == 1 and r["samples"] == 8 and len(r["busy_s"]) == 2
     assert (out / "t" / "run.md").exists() and (out / "t" / "timeline.png").exists()
