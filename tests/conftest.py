@@ -65,6 +65,13 @@ SLOW = {
     # twin: test_two_optimizers_equal_ddp[none] (the same manual-optimization training under DCPStrategy on 2
     # processes, checked against DDP)
     "test_manual_optimization.py::test_the_docs_example_runs",
+    # twin: [caught-all_gather-2] (the same stop of every rank, with the same message, from a 2-process fit); the
+    # 3-process runs' idle rank: [all_gather-3], [metric-3], [caught-dist-3] (slow as well)
+    "test_collective_guard.py::test_world_collective_in_training_step_stops_every_rank_with_uneven_counts[dist-3]",
+    # twin: test_preflight.py's test_train_data_is_checked_against_the_global_batch and test_fit_start_errors_print_once
+    # (the same check and message, printed once by rank 0, one line from rank 1), test_faults.py's
+    # test_rank_dependent_dataset_stops_every_rank_before_profiling[profiling] (a fit-start stop before profiling)
+    "test_preflight.py::test_small_dataset_stops_before_profiling_and_prints_once",
     # twin: [2x1] (two torchrun nodes of one process each: SP-2 groups across the nodes, the same exact check)
     "test_multinode.py::test_two_torchrun_nodes_train_exactly[2x2]",
     "test_hsdp.py::test_hsdp_four_processes_shard_groups_of_two_and_world",

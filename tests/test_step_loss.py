@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 from _dcp_helpers import SPEC, RandomPlanner, make_dataset
+from _dist import run_distributed
 from lightning_dcp import DCPStrategy
 from lightning_dcp.models import DCPTransformerModule
 from lightning_dcp.sp.packing import plain_collate
@@ -73,6 +74,13 @@ def _logged(out: str, rank: int) -> list[float]:
     return [m[TRAIN_LOSS] for _, m in torch.load(os.path.join(out, f"logged_rank{rank}.pt")) if TRAIN_LOSS in m]
 
 
+def _dcp_fit(rank: int, world: int, out: str, steps: int) -> None:
+    """The DCPStrategy fit, on the fresh processes of a ``run_distributed`` call."""
+    strategy = DCPStrategy(planner=RandomPlanner(world, seed=2, force_mix=True), global_batch_size=8)
+    _trainer(out, world, strategy, [RecordPlans(out)], steps).fit(
+        LossModule(), torch.utils.data.DataLoader(make_dataset(), batch_size=4))
+
+
 def test_logged_train_loss_under_dcp_equals_plain_training(tmp_path):
     """2 processes, SP 1 and SP 2 items, every rank a different micro-batch count: each step's logged
     ``train/loss`` is the global mean loss -- the number a plain single-device Trainer logs for the same
@@ -81,9 +89,7 @@ def test_logged_train_loss_under_dcp_equals_plain_training(tmp_path):
     dcp_dir, plain_dir = tmp_path / "dcp", tmp_path / "plain"
     dcp_dir.mkdir(), plain_dir.mkdir()
     dataset = make_dataset()
-    strategy = DCPStrategy(planner=RandomPlanner(2, seed=2, force_mix=True), global_batch_size=8, start_method="spawn")
-    _trainer(str(dcp_dir), 2, strategy, [RecordPlans(str(dcp_dir))], steps).fit(
-        LossModule(), torch.utils.data.DataLoader(dataset, batch_size=4))
+    run_distributed(_dcp_fit, 2, str(dcp_dir), steps, timeout=600)
     plans = torch.load(dcp_dir / "plans_rank0.pt")
     assert any(len(it["ranks"]) == 2 for p in plans for it in p["items"])  # sharded items were in the run
     batches = [[s for it in p["items"] for s in it["samples"]] for p in plans]
