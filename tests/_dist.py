@@ -13,7 +13,7 @@ Usage (the function must be defined at module level so it pickles)::
         run_distributed(_check, 2, 1.0)
 
 The processes are forked from a server that imported torch and Lightning once per test session
-(multiprocessing's ``forkserver`` with a preload, :func:`_context`): each call still gets fresh processes, which
+(multiprocessing's ``forkserver`` with a preload, :func:`_preload_fork_server`): each call still gets fresh processes, which
 start from that server's clean state, not the pytest process's, with the pytest process's environment variables,
 working directory and ``sys.path`` at the call, as spawned ones would; only the imports are not paid again
 (about 8 s of CPU per process for ``lightning.pytorch``, most of a small multi-process test's time).
@@ -55,11 +55,9 @@ def find_free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "lightning.pytorch", "lightning_dcp"]
 
 
-def _context():
-    """The ``forkserver`` context, its server (started by the first call of the session) preloading ``_PRELOAD``."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs: it is started once per session
-    return ctx
+def _preload_fork_server() -> None:
+    """Have the ``forkserver`` (started by the first call of the session) preload ``_PRELOAD``."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # no effect once the server runs
 
 
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, timeout: float,
@@ -115,7 +113,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if world_size < 1:
         raise ValueError(f"run_distributed needs world_size >= 1, got {world_size}.")
     port = find_free_port()
-    _context()
+    _preload_fork_server()
     ctx = mp.start_processes(
         _worker,
         args=(fn, world_size, port, args, timeout, dict(os.environ)),

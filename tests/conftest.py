@@ -59,7 +59,7 @@ SLOW = {
     # twin: [dcp] (the whole run.py, one policy's launch of 2 processes; the tables and plots of two policies:
     # test_reports_and_plots)
     "test_benchmarks.py::test_run_two_processes_one_step[dcp,packed]",
-    # twin: [caught-all_gather-2] and [dist-3] (the same stop of every rank at the step's end, from a fit); the metric's
+    # twin: [caught-all_gather-2] (the same stop of every rank at the step's end, from a fit); the metric's
     # refusal and message on real groups: test_guard_refuses_world_collectives_keeps_the_sp_groups_and_every_rank_...
     "test_collective_guard.py::test_world_collective_in_training_step_stops_every_rank_with_uneven_counts[metric-2]",
     # twin: test_two_optimizers_equal_ddp[none] (the same manual-optimization training under DCPStrategy on 2
