@@ -105,7 +105,8 @@ def test_a_zero_time_budget_measures_the_cheapest_point_fits_it_and_names_what_i
 
 
 class _FakeClock:
-    """Seconds that pass only when a repeated layer runs: ``scale * tokens**2`` per forward call."""
+    """Seconds that pass only when a repeated layer runs: ``scale * tokens**2`` per forward call and as much per
+    backward call."""
 
     def __init__(self, scale):
         self.now, self.scale, self.calls = 0.0, scale, []
@@ -118,9 +119,12 @@ class _FakeClock:
         self.calls.append(tokens)
         self.now += self.scale * tokens ** 2
 
+    def tick_backward(self, _module, grad_output):
+        self.now += self.scale * int(grad_output[0].shape[0]) ** 2
 
-def _fake_clock_profile(budget):
-    from lightning_dcp.profiling import ProfileDeadline
+
+def _fake_clock_profile(budget, monkeypatch):
+    from lightning_dcp.profiling import ProfileDeadline, measure
     from lightning_dcp.profiling.layers import layer_stack
     from lightning_dcp.sp.contract import read_model
 
@@ -130,26 +134,30 @@ def _fake_clock_profile(budget):
     stack = layer_stack(read_model(module))
     for layer in (stack.warmup_layer, stack.measured_layer):
         layer.register_forward_pre_hook(clock.tick)
+        layer.register_full_backward_pre_hook(clock.tick_backward)
     data = SyntheticVideoDataset([(1, 8, 8), (2, 8, 8), (4, 8, 8), (16, 8, 8)] * 2)  # 64, 128, 256, 1024 tokens
     deadline = ProfileDeadline(budget, clock=clock)
+    # the passes are timed on the same clock: how often a pass repeats and what a warm-up pass forecasts then
+    # depend on the layers' calls only, never on how loaded the machine is
+    monkeypatch.setitem(measure.CPU_CLOCKS, "wall", clock)
     return profile_module(module, data, deadline=deadline, micro_batch_sizes=[1, 2]), clock
 
 
-def test_the_time_budget_covers_the_whole_profile_on_a_fake_clock():
-    """The long points would take far past the budget (on a clock that moves only when a layer runs): they are
-    skipped before they start or after their first pass, the rest is measured, and the whole profile ends within
-    the budget plus at most one first pass."""
-    full, _ = _fake_clock_profile(None)
+def test_the_time_budget_covers_the_whole_profile_on_a_fake_clock(monkeypatch):
+    """The long points would take far past the budget (on a clock that moves only when a layer runs, the one the
+    deadline and the pass timer both read): they are skipped before they start or after their first pass, the rest
+    is measured, and the whole profile ends within the budget plus at most one first pass."""
+    full, _ = _fake_clock_profile(None, monkeypatch)
     assert full["meta"]["grid"] == 8 and full["meta"]["skipped_points"] == []
     assert full["meta"]["profiling_s"] > 1000  # every point, 1024 tokens among them, on the fake clock
     budget = 150.0
-    profile, clock = _fake_clock_profile(budget)
+    profile, clock = _fake_clock_profile(budget, monkeypatch)
     meta = profile["meta"]
     measured = {(e["seq_len"], e["micro_batch"]) for e in profile["entries"]}
     skipped = {(s["seq_len"], s["micro_batch"]) for s in meta["skipped_points"] if s["what"] == "point"}
     assert measured | skipped == {(n, b) for n in (64, 128, 256, 1024) for b in (1, 2)} and not measured & skipped
     assert {(64, 1), (64, 2), (128, 1)} <= measured and {(1024, 1), (1024, 2)} <= skipped
-    one_pass = max(clock.scale * n ** 2 for n in clock.calls)
+    one_pass = max(2 * clock.scale * n ** 2 for n in clock.calls)  # a forward and a backward
     assert meta["profiling_s"] <= budget + one_pass and meta["time_budget_s"] == budget
     assert 1024 not in clock.calls or clock.calls.count(1024) + clock.calls.count(2048) <= 2  # at most a first pass
     ProfiledCostModel(profile).item_time([1024], 1, 0)
